@@ -1,0 +1,266 @@
+"""Shared tensor layers of the Qwen-VL vision towers, and the tower itself.
+
+Pure tensor code: every shape comes from the inputs' shapes or the config, every per-batch fact from `TowerInputs`
+(built by plan.py), and nothing here syncs with the host. The three families differ only in the pieces they plug in
+(norm, MLP, patch-embed bias, learned positions, windows, deepstack), chosen in models/.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import VisionConfig
+from .plan import TowerInputs
+
+MLP_ALIGN = 64  # MLP widths are zero-padded to a multiple of this: 3420 -> 3456 runs ~3x faster in cuBLAS on H100/H200
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+ACTIVATIONS = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+class RMSNorm(nn.Module):
+    """Qwen2.5's RMSNorm: statistics in float32, weight applied in the input dtype (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def layer_norm(dim: int) -> nn.LayerNorm:
+    return nn.LayerNorm(dim, eps=1e-6)
+
+
+def rms_norm(dim: int) -> RMSNorm:
+    return RMSNorm(dim, eps=1e-6)
+
+
+class MLP(nn.Module):
+    """fc1 -> activation -> fc2 (Qwen2-VL, Qwen3-VL). The hidden width may be zero-padded: act(0) = 0 there."""
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, round_up(hidden, MLP_ALIGN))
+        self.fc2 = nn.Linear(round_up(hidden, MLP_ALIGN), dim)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with gate and up projections fused into one GEMM (Qwen2.5-VL); padded rows are zero in both halves."""
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.hidden = round_up(hidden, MLP_ALIGN)
+        self.gate_up = nn.Linear(dim, 2 * self.hidden)
+        self.down = nn.Linear(self.hidden, dim)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.hidden, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """2D axial rotary tables [N, head_dim] in float32, laid out [row freqs, col freqs, row freqs, col freqs]."""
+    freqs = (positions.float()[:, :, None] * inv_freq).flatten(1)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [N, heads, head_dim] by per-row cos/sin, in float32 like transformers."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, seqlens: list[int] | None) -> torch.Tensor:
+    """Attention within each segment of a packed [N, heads, head_dim] batch.
+
+    On CUDA in half precision: one flash varlen call (graph-capturable; zero-length segments are fine). Elsewhere
+    (CPU, or float32 on CUDA): exact per-segment SDPA over the plan's host-side lengths.
+    """
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    if seqlens is None:
+        raise ValueError("the non-flash attention path needs the plan's host-side segment lengths")
+    out, start = [], 0
+    for n in seqlens:
+        if n:
+            seg = [t[start:start + n].transpose(0, 1)[None] for t in (q, k, v)]
+            out.append(F.scaled_dot_product_attention(*seg)[0].transpose(0, 1))
+        start += n
+    return torch.cat(out, dim=0)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, seqlens) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
+        o = varlen_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cu_seqlens, max_seqlen, seqlens)
+        return self.proj(o.reshape(n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: VisionConfig, norm, mlp: nn.Module):
+        super().__init__()
+        self.norm1 = norm(cfg.hidden_size)
+        self.norm2 = norm(cfg.hidden_size)
+        self.attn = Attention(cfg.hidden_size, cfg.num_heads)
+        self.mlp = mlp
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, seqlens) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen, seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """2x2 patches -> one token: norm (before the concat, or after it for Qwen3's deepstack) -> fc1 -> GELU -> fc2."""
+
+    def __init__(self, cfg: VisionConfig, norm, postshuffle: bool = False):
+        super().__init__()
+        self.width = cfg.hidden_size * cfg.merge_unit
+        self.postshuffle = postshuffle
+        self.norm = norm(self.width if postshuffle else cfg.hidden_size)
+        self.fc1 = nn.Linear(self.width, self.width)
+        self.fc2 = nn.Linear(self.width, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class VisionTower(nn.Module):
+    """Patch embedding -> blocks -> merger (+ deepstack mergers) over one packed batch described by TowerInputs.
+
+    Returns the merged tokens [total / 4, out_hidden] in raster order (padding rows included, for the caller to
+    drop) and the deepstack features, one [total / 4, out_hidden] per deepstack layer (empty list otherwise).
+    """
+
+    def __init__(self, cfg: VisionConfig, norm, make_mlp, patch_bias: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=patch_bias)  # Conv3d as one GEMM
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size) if cfg.num_position_embeddings else None
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.blocks = nn.ModuleList(Block(cfg, norm, make_mlp()) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, norm)
+        self.deepstack_mergers = nn.ModuleList(PatchMerger(cfg, layer_norm, postshuffle=True)
+                                               for _ in cfg.deepstack_visual_indexes)
+        self.windowed = cfg.window_size > 0
+        self.full_attention_layers = set(cfg.fullatt_block_indexes) if self.windowed else set(range(cfg.depth))
+        self.deepstack_layers = {layer: j for j, layer in enumerate(cfg.deepstack_visual_indexes)}
+
+    def _inv_freq(self, device=None) -> torch.Tensor:
+        quarter = self.cfg.head_dim // 2  # half the head dim rotates by row, half by column
+        return 1.0 / self.cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter)
+
+    def reset_buffers(self, device) -> None:
+        """Recompute non-persistent buffers (after loading weights into a tower built on the meta device)."""
+        self.inv_freq = self._inv_freq(device)
+
+    def forward(self, inp: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = inp.pixel_values if inp.patch_order is None else inp.pixel_values[inp.patch_order]
+        x = self.patch_embed.proj(x.to(self.patch_embed.proj.weight.dtype))
+        if self.pos_embed is not None:
+            learned = (self.pos_embed.weight[inp.interp_indices] * inp.interp_weights[..., None]).sum(1)
+            x = x + learned.to(x.dtype)
+        cos, sin = rotary_cos_sin(inp.positions, self.inv_freq)
+        full = (inp.cu_seqlens, inp.max_seqlen, inp.seqlens)
+        window = (inp.cu_window_seqlens, inp.max_window_seqlen, inp.window_seqlens)
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, *(full if i in self.full_attention_layers else window))
+            if i in self.deepstack_layers:
+                deepstack.append(self.deepstack_mergers[self.deepstack_layers[i]](x))
+        merged = self.merger(x)
+        if inp.token_order is not None:
+            merged = merged[inp.token_order]
+        return merged, deepstack
+
+
+# Checkpoint layout helpers shared by the family files: the published tensor names and shapes (`visual.` prefix
+# stripped), and their conversion into this module's fused, padded parameters.
+
+def linear_layout(name: str, out_dim: int, in_dim: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
+    return {f"{name}.weight": (out_dim, in_dim), **({f"{name}.bias": (out_dim,)} if bias else {})}
+
+
+def norm_layout(name: str, dim: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    return {f"{name}.weight": (dim,), **({f"{name}.bias": (dim,)} if bias else {})}
+
+
+def tower_layout(cfg: VisionConfig, *, norm_bias: bool, patch_bias: bool, mlp_layout, merger_names) -> dict:
+    """Every vision tensor of a published checkpoint: the parts all families share, plus the family's MLP
+    (`mlp_layout(prefix)`) and merger names (`merger_names` = (norm, fc1, fc2) under `merger.`)."""
+    d, p = cfg.hidden_size, cfg.patch_size
+    shapes = {"patch_embed.proj.weight": (d, cfg.in_channels, cfg.temporal_patch_size, p, p)}
+    if patch_bias:
+        shapes["patch_embed.proj.bias"] = (d,)
+    if cfg.num_position_embeddings:
+        shapes["pos_embed.weight"] = (cfg.num_position_embeddings, d)
+    for i in range(cfg.depth):
+        b = f"blocks.{i}."
+        shapes |= norm_layout(b + "norm1", d, norm_bias) | norm_layout(b + "norm2", d, norm_bias)
+        shapes |= linear_layout(b + "attn.qkv", 3 * d, d) | linear_layout(b + "attn.proj", d, d)
+        shapes |= mlp_layout(b + "mlp.")
+    wide = d * cfg.merge_unit
+    norm, fc1, fc2 = merger_names
+    shapes |= norm_layout(f"merger.{norm}", d, norm_bias)
+    shapes |= linear_layout(f"merger.{fc1}", wide, wide) | linear_layout(f"merger.{fc2}", cfg.out_hidden_size, wide)
+    for j in range(len(cfg.deepstack_visual_indexes)):
+        s = f"deepstack_merger_list.{j}."
+        shapes |= norm_layout(s + "norm", wide, True)
+        shapes |= linear_layout(s + "linear_fc1", wide, wide) | linear_layout(s + "linear_fc2", cfg.out_hidden_size, wide)
+    return shapes
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0]))
+
+
+def pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
+    return F.pad(t, (0, cols - t.shape[1]))
+
+
+def convert_shared(hf: dict[str, torch.Tensor], cfg: VisionConfig, renames: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Rename every tensor that needs no fusing or padding (`renames`: published name fragment -> ours); the Conv3d
+    patch embedding becomes a [D, C*T*p*p] GEMM weight. MLP tensors are left to the family's `convert`."""
+    out = {}
+    for name, t in hf.items():
+        if ".mlp." in name and name.startswith("blocks."):
+            continue
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        name = name.replace("deepstack_merger_list.", "deepstack_mergers.").replace(".linear_fc", ".fc")
+        out[name] = t.reshape(cfg.hidden_size, -1) if name == "patch_embed.proj.weight" else t
+    return out

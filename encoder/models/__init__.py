@@ -1,0 +1,6 @@
+"""One module per family, each with `build(cfg)`, `hf_layout(cfg)` (published tensor names -> shapes) and
+`convert(tensors, cfg)` (published tensors -> our fused, padded state dict)."""
+
+from . import qwen2_5_vl, qwen2_vl, qwen3_vl
+
+FAMILY_MODULES = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl}

@@ -1,0 +1,117 @@
+"""The public entry point: load a tower, preprocess images, encode them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import checkpoint
+from .config import VisionConfig, builtin_config
+from .plan import make_plan, to_device
+from .preprocess import PreprocessConfig, preprocess
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class EncodedImage:
+    embeddings: torch.Tensor              # [tokens, out_hidden], raster order, on the CPU
+    grid_thw: tuple[int, int, int]        # in patches; tokens = t * h * w / merge_unit
+    deepstack: list[torch.Tensor] | None  # Qwen3: one [tokens, out_hidden] per deepstack layer; else None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.embeddings.shape[0]
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device}; use cpu or cuda[:i]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} requested but CUDA is not available")
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    return device
+
+
+class VisionEncoder:
+    """A Qwen-VL vision tower on one device, with its preprocessing.
+
+    >>> enc = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy")
+    >>> [r.embeddings.shape for r in enc.encode([image])]
+    """
+
+    def __init__(self, tower, config: VisionConfig, preprocess_config: PreprocessConfig, device: torch.device,
+                 dtype: torch.dtype, name: str):
+        self.tower, self.config, self.preprocess_config = tower, config, preprocess_config
+        self.device, self.dtype, self.name = device, dtype, name
+
+    @classmethod
+    def from_pretrained(cls, model: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+                        load_format: str = "auto", revision: str | None = None, allow_download: bool | None = None,
+                        min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
+                        cache_dir: str | None = None) -> VisionEncoder:
+        """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
+        `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read."""
+        device, dtype = parse_device(device), parse_dtype(dtype)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+        if load_format == "dummy":
+            try:
+                cfg = builtin_config(model)
+            except KeyError:  # a checkpoint directory: its config, random weights
+                cfg, _ = checkpoint.read_config(checkpoint.resolve_checkpoint(model, revision, allow_download, cache_dir))
+            tensors, pre = checkpoint.dummy_tensors(cfg, seed, device), {}
+        else:
+            ckpt = checkpoint.resolve_checkpoint(model, revision, allow_download, cache_dir)
+            cfg, pre = checkpoint.read_config(ckpt)
+            tensors = checkpoint.read_vision_tensors(ckpt)
+        tower = checkpoint.build_tower(cfg, tensors, device, dtype)
+        pcfg = PreprocessConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+                                merge_size=cfg.spatial_merge_size, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                                image_mean=cfg.image_mean, image_std=cfg.image_std)
+        pcfg = PreprocessConfig.from_hf(pre, pcfg) if pre else pcfg
+        overrides = {k: v for k, v in dict(min_pixels=min_pixels, max_pixels=max_pixels).items() if v is not None}
+        return cls(tower, cfg, pcfg.with_overrides(**overrides), device, dtype, model)
+
+    def preprocess(self, images) -> tuple[torch.Tensor, torch.Tensor]:
+        """PIL images, encoded bytes or paths -> (pixel_values [rows, patch_dim] float32, grid_thw [n, 3] int64),
+        the layout of transformers' Qwen2-VL image processor."""
+        return preprocess(list(images), self.preprocess_config)
+
+    def encode(self, images) -> list[EncodedImage]:
+        return self.encode_pixels(*self.preprocess(images))
+
+    @torch.inference_mode()
+    def encode_pixels(self, pixel_values: torch.Tensor, grid_thw) -> list[EncodedImage]:
+        """Encode a packed batch (transformers' processor layout); one result per grid, in order."""
+        grids = [tuple(int(x) for x in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
+        if not grids:
+            return []
+        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.config.patch_dim:
+            raise ValueError(f"pixel_values must be [rows, {self.config.patch_dim}], got {tuple(pixel_values.shape)}")
+        plan = make_plan(grids, self.config)
+        merged, deepstack = self.tower(to_device(plan, pixel_values, self.device, self.dtype))
+        return split_outputs(plan.grids, plan.token_offsets, merged, deepstack)
+
+
+def split_outputs(grids, offsets: list[int], merged: torch.Tensor, deepstack: list[torch.Tensor]) -> list[EncodedImage]:
+    """Copy the real rows to the CPU once, then hand each image its slice (views of one host tensor per output)."""
+    n = offsets[-1]
+    merged = merged[:n].cpu()
+    deepstack = [d[:n].cpu() for d in deepstack]
+    return [EncodedImage(merged[a:b], grid, [d[a:b] for d in deepstack] or None)
+            for grid, a, b in zip(grids, offsets, offsets[1:])]

@@ -1,0 +1,1 @@
+"""vitserve's HTTP service and command line: thin over the `encoder` library."""
