@@ -98,7 +98,8 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, seqlens
     """Attention within each segment of a packed [N, heads, head_dim] batch.
 
     On CUDA in half precision: one flash varlen call (graph-capturable; zero-length segments are fine). Elsewhere
-    (CPU, or float32 on CUDA): exact per-segment SDPA over the plan's host-side lengths.
+    (CPU, or float32 on CUDA): exact per-segment SDPA over the plan's host-side lengths. Rows after the last segment
+    (padding) are in no segment: their output is unspecified on CUDA and zero here, and never read for real rows.
     """
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
@@ -112,6 +113,8 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, seqlens
             seg = [t[start:start + n].transpose(0, 1)[None] for t in (q, k, v)]
             out.append(F.scaled_dot_product_attention(*seg)[0].transpose(0, 1))
         start += n
+    if start < q.shape[0]:
+        out.append(q.new_zeros(q.shape[0] - start, *q.shape[1:]))
     return torch.cat(out, dim=0)
 
 

@@ -8,9 +8,13 @@ Row order. transformers' Qwen2.5 tower permutes hidden states into window order 
 patch embedding is row-wise, we apply the same permutation to the *input rows* instead (`patch_order`) and compute
 rotary positions directly in that order. The merger output is put back into raster order with `token_order`.
 
-Padding. `make_plan(..., pad_to=budget)` appends padding patches after the real ones. They sit in attention segments
-of their own (split into chunks of at most `pad_segment` patches so no padding segment costs more attention than a
-real one), so they can never change a real token's output; their outputs are never returned.
+Padding. `make_plan(..., pad_to=budget)` appends padding patches after the real ones. They belong to no attention
+segment (`cu_seqlens` ends at the last real patch): a padding row attends to nothing and nothing attends to it, and
+every other op is row-wise or works on whole 2x2 merge groups, which padding fills on its own (it starts at a
+multiple of 4). So padding can never change a real token's output, and its outputs are never returned. Keeping
+padding out of the segments matters for speed: flash varlen launches (segments x ceil(max_seqlen / 128) x heads)
+blocks, so padding segments under a budget-sized max_seqlen cost ~1.3 ns per empty block (measured on an H200,
+bench/results/varlen-probe-h200.json), milliseconds per layer at large budgets.
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ def _interpolation(rows: np.ndarray, cols: np.ndarray, h: int, w: int, side: int
     return indices.numpy(), weights.numpy()
 
 
-def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None, pad_segment: int = 256) -> BatchPlan:
+def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -> BatchPlan:
     """Plan one packed batch of images (or video clips) given as (t, h, w) patch grids."""
     grids = check_grids(grids, cfg)
     m, unit = cfg.spatial_merge_size, cfg.merge_unit
@@ -119,8 +123,6 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None, p
     total = num_patches if pad_to is None else pad_to
     if total < num_patches or total % unit:
         raise ValueError(f"cannot pad {num_patches} patches to {total}: needs a multiple of {unit} that holds them")
-    pad = total - num_patches
-    pad_lengths = [min(pad_segment, pad - s) for s in range(0, pad, pad_segment)]
 
     positions = np.zeros((total, 2), dtype=np.int32)
     full_lengths: list[int] = []
@@ -158,10 +160,10 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None, p
     if windowed:
         patch_order = torch.from_numpy((token_window_order[:, None] * unit + np.arange(unit)).reshape(-1))
         token_order = torch.from_numpy(np.argsort(token_window_order, kind="stable"))
-        window = Segments.from_lengths(window_lengths + pad_lengths)
+        window = Segments.from_lengths(window_lengths)
     return BatchPlan(
         grids=grids, num_patches=num_patches, total_patches=total,
-        positions=torch.from_numpy(positions), full=Segments.from_lengths(full_lengths + pad_lengths), window=window,
+        positions=torch.from_numpy(positions), full=Segments.from_lengths(full_lengths), window=window,
         patch_order=patch_order, token_order=token_order,
         interp_indices=None if interp_indices is None else torch.from_numpy(interp_indices),
         interp_weights=None if interp_weights is None else torch.from_numpy(interp_weights),

@@ -8,8 +8,8 @@ import torch
 
 from . import checkpoint
 from .config import VisionConfig, builtin_config
-from .plan import make_plan, to_device
 from .preprocess import PreprocessConfig, preprocess
+from .runner import DEFAULT_BUDGETS, GraphRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
@@ -55,17 +55,23 @@ class VisionEncoder:
     """
 
     def __init__(self, tower, config: VisionConfig, preprocess_config: PreprocessConfig, device: torch.device,
-                 dtype: torch.dtype, name: str):
+                 dtype: torch.dtype, name: str, budgets=DEFAULT_BUDGETS):
         self.tower, self.config, self.preprocess_config = tower, config, preprocess_config
         self.device, self.dtype, self.name = device, dtype, name
+        self.runner = GraphRunner(tower, config, device, dtype, budgets)
+
+    def capture(self) -> None:
+        """Capture the CUDA graphs of every budget (done by from_pretrained unless capture=False)."""
+        self.runner.capture()
 
     @classmethod
     def from_pretrained(cls, model: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                         load_format: str = "auto", revision: str | None = None, allow_download: bool | None = None,
                         min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
-                        cache_dir: str | None = None) -> VisionEncoder:
+                        cache_dir: str | None = None, budgets=DEFAULT_BUDGETS, capture: bool = True) -> VisionEncoder:
         """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
-        `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read."""
+        `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
+        On CUDA in half precision the graphs of every token budget are captured before this returns."""
         device, dtype = parse_device(device), parse_dtype(dtype)
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
@@ -85,7 +91,10 @@ class VisionEncoder:
                                 image_mean=cfg.image_mean, image_std=cfg.image_std)
         pcfg = PreprocessConfig.from_hf(pre, pcfg) if pre else pcfg
         overrides = {k: v for k, v in dict(min_pixels=min_pixels, max_pixels=max_pixels).items() if v is not None}
-        return cls(tower, cfg, pcfg.with_overrides(**overrides), device, dtype, model)
+        encoder = cls(tower, cfg, pcfg.with_overrides(**overrides), device, dtype, model, budgets)
+        if capture:
+            encoder.capture()
+        return encoder
 
     def preprocess(self, images) -> tuple[torch.Tensor, torch.Tensor]:
         """PIL images, encoded bytes or paths -> (pixel_values [rows, patch_dim] float32, grid_thw [n, 3] int64),
@@ -95,23 +104,8 @@ class VisionEncoder:
     def encode(self, images) -> list[EncodedImage]:
         return self.encode_pixels(*self.preprocess(images))
 
-    @torch.inference_mode()
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw) -> list[EncodedImage]:
         """Encode a packed batch (transformers' processor layout); one result per grid, in order."""
         grids = [tuple(int(x) for x in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
-        if not grids:
-            return []
-        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.config.patch_dim:
-            raise ValueError(f"pixel_values must be [rows, {self.config.patch_dim}], got {tuple(pixel_values.shape)}")
-        plan = make_plan(grids, self.config)
-        merged, deepstack = self.tower(to_device(plan, pixel_values, self.device, self.dtype))
-        return split_outputs(plan.grids, plan.token_offsets, merged, deepstack)
-
-
-def split_outputs(grids, offsets: list[int], merged: torch.Tensor, deepstack: list[torch.Tensor]) -> list[EncodedImage]:
-    """Copy the real rows to the CPU once, then hand each image its slice (views of one host tensor per output)."""
-    n = offsets[-1]
-    merged = merged[:n].cpu()
-    deepstack = [d[:n].cpu() for d in deepstack]
-    return [EncodedImage(merged[a:b], grid, [d[a:b] for d in deepstack] or None)
-            for grid, a, b in zip(grids, offsets, offsets[1:])]
+        outputs = self.runner.run(pixel_values, grids)
+        return [EncodedImage(tokens, grid, deepstack or None) for grid, (tokens, deepstack) in zip(grids, outputs)]

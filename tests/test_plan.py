@@ -60,19 +60,20 @@ def test_plan_equals_transformers_metadata(seed):
 
 
 @pytest.mark.parametrize("cfg", [QWEN2, QWEN25, QWEN3], ids=lambda c: c.family)
-def test_padding_lives_in_its_own_segments(cfg):
+def test_padding_is_in_no_segment(cfg):
     grids = [(1, 10, 14), (1, 4, 4)]
     real = 156
-    plan = make_plan(grids, cfg, pad_to=1024, pad_segment=256)
+    plan = make_plan(grids, cfg, pad_to=1024)
+    unpadded = make_plan(grids, cfg)
     assert plan.num_patches == real and plan.total_patches == 1024
-    for seg in filter(None, [plan.full, plan.window]):
-        cu = seg.cu_seqlens.tolist()
-        assert cu[-1] == 1024 and real in cu  # a boundary right after the last real patch
-        assert seg.lengths[-4:] == [256, 256, 256, 100] and sum(seg.lengths) == 1024
-    assert plan.positions[real:].abs().sum() == 0
+    for seg, ref in [(plan.full, unpadded.full), (plan.window, unpadded.window)]:
+        if seg is not None:  # segments end at the last real patch, identical to the unpadded plan's
+            assert seg.cu_seqlens.tolist() == ref.cu_seqlens.tolist() and seg.cu_seqlens[-1] == real
+    assert torch.equal(plan.positions[:real], unpadded.positions) and plan.positions[real:].abs().sum() == 0
     if plan.interp_weights is not None:
-        assert plan.interp_weights[real:].abs().sum() == 0
+        assert plan.interp_weights[real:].abs().sum() == 0 and plan.interp_indices[real:].abs().sum() == 0
     if plan.patch_order is not None:  # padding rows stay at the end, untouched by the window permutation
+        assert torch.equal(plan.patch_order[:real], unpadded.patch_order)
         assert torch.equal(plan.patch_order[real:], torch.arange(real, 1024))
         assert torch.equal(plan.token_order[real // 4:], torch.arange(real // 4, 256))
 

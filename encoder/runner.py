@@ -1,0 +1,287 @@
+"""Graph-cached runner: CUDA graphs captured per token budget, replayed with fresh metadata for any mix of images.
+
+How it stays correct for every batch (the two ways SGLang's ViT graph runner failed):
+- Nothing that depends on the grids is frozen at capture. Pixels and *all* metadata (positions, full and window
+  cu_seqlens, window permutation and its inverse, Qwen3 interpolation taps) are copied into static buffers before
+  every replay; a graph is keyed by its budget only because everything else is an input. Rotary cos/sin are computed
+  inside the graph from the positions, so there is no shared rotary cache to go stale.
+- Static buffers are allocated once, at the largest budget, before any capture, and only ever written in place
+  (`copy_`/`zero_`); graphs read views of them. Nothing is reallocated while graphs exist.
+
+Kernel launch parameters that must be Python ints are chosen so that any batch the packer admits is in range: full
+attention runs with max_seqlen = budget (any frame that fits), window attention with the window size, and the number
+of segments is a fixed capacity (unused entries repeat the end offset: zero-length segments). Flash varlen launches
+segments x ceil(max_seqlen / 128) x heads blocks, empty ones costing ~1.3 ns each (bench/results/varlen-probe-h200.json),
+so frame capacity shrinks as the budget grows (`frame_capacity`), bounding that waste to ~40 us per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import VisionConfig
+from .plan import BatchPlan, TowerInputs, check_grids, grid_patches, make_plan, to_device
+
+log = logging.getLogger("vitserve.runner")
+
+# Powers of two from one 224x224 image (256 patches) to 16 448x448 images or one 1792x1792 image (16384 patches):
+# doubling keeps padding under half a batch (a quarter on average) with only 7 graphs to capture and hold.
+DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+MAX_ROW_BLOCKS = 2048  # frames x ceil(budget / 128) bound on full-attention row blocks per replay
+MIN_FRAME_PATCHES = 16  # the smallest frame the default preprocessing makes (56x56 pixels = 4x4 patches)
+
+
+def frame_capacity(budget: int) -> int:
+    """Full-attention segments (image frames) one replay of this budget admits."""
+    return max(1, min(budget // MIN_FRAME_PATCHES, MAX_ROW_BLOCKS * 128 // budget))
+
+
+def window_capacity(budget: int) -> int:
+    """Window-attention segments one replay admits: windows average >= 16 patches for any preprocessed image."""
+    return max(1, budget // MIN_FRAME_PATCHES)
+
+
+def count_windows(grid, cfg: VisionConfig) -> int:
+    if not cfg.window_size:
+        return 0
+    t, h, w = grid
+    side = cfg.window_tokens * cfg.spatial_merge_size
+    return t * -(-h // side) * -(-w // side)
+
+
+@dataclass
+class BudgetStats:
+    captured: bool = False
+    capture_ms: float = 0.0
+    replays: int = 0
+    real_patches: int = 0
+    padded_patches: int = 0
+
+
+@dataclass
+class Batch:
+    """Images (by input index) that run together: in one replay of `budget`, or eagerly when budget is None."""
+
+    indices: list[int]
+    budget: int | None
+    patches: int = 0
+    frames: int = 0
+    windows: int = 0
+
+
+@dataclass
+class RunnerStats:
+    budgets: dict[int, BudgetStats] = field(default_factory=dict)
+    eager_fallbacks: int = 0
+    eager_patches: int = 0
+    pool_bytes: int = 0
+    capture_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"budgets": {str(b): vars(s).copy() for b, s in self.budgets.items()},
+                "eager_fallbacks": self.eager_fallbacks, "eager_patches": self.eager_patches,
+                "pool_bytes": self.pool_bytes, "capture_seconds": round(self.capture_seconds, 3)}
+
+
+class GraphRunner:
+    """Encodes lists of images by packing them into token budgets and replaying one CUDA graph per budget.
+
+    Thread-safety: one runner per device, used from one worker thread. Its static buffers and graphs are shared
+    state, so a call that overlaps another (from a second thread) raises RuntimeError instead of corrupting it.
+
+    Without CUDA graphs (CPU, or float32 on CUDA, where flash attention is unavailable) it plans, packs and pads
+    exactly the same way and runs each padded batch eagerly over the same static buffers.
+    """
+
+    def __init__(self, tower, cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
+                 budgets=DEFAULT_BUDGETS):
+        self.tower, self.cfg, self.device, self.dtype = tower, cfg, device, dtype
+        self.budgets = sorted({int(b) for b in budgets})
+        bad = [b for b in self.budgets if b < MIN_FRAME_PATCHES or b % MIN_FRAME_PATCHES]
+        if not self.budgets or bad:
+            raise ValueError(f"budgets must be positive multiples of {MIN_FRAME_PATCHES} patches, got {bad or budgets}")
+        self.use_graphs = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        self.window_seqlen = cfg.window_tokens ** 2 * cfg.merge_unit if cfg.window_size else 0
+        self.stats = RunnerStats(budgets={b: BudgetStats() for b in self.budgets})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+
+        largest = self.budgets[-1]
+        cap_full = max(frame_capacity(b) for b in self.budgets)
+        cap_window = max(window_capacity(b) for b in self.budgets)
+        windowed, interp = bool(cfg.window_size), bool(cfg.num_position_embeddings)
+
+        def buf(*shape, dtype=torch.int32, on=True):
+            return torch.zeros(*shape, dtype=dtype, device=device) if on else None
+
+        # Allocated once at the largest size; graphs read views; only ever written in place.
+        self.static = TowerInputs(
+            pixel_values=buf(largest, cfg.patch_dim, dtype=dtype), positions=buf(largest, 2),
+            cu_seqlens=buf(cap_full + 1), max_seqlen=largest, seqlens=None,
+            cu_window_seqlens=buf(cap_window + 1, on=windowed), max_window_seqlen=self.window_seqlen,
+            patch_order=buf(largest, dtype=torch.int64, on=windowed),
+            token_order=buf(largest // cfg.merge_unit, dtype=torch.int64, on=windowed),
+            interp_indices=buf(largest, 4, dtype=torch.int64, on=interp),
+            interp_weights=buf(largest, 4, dtype=torch.float32, on=interp))
+
+    # ---- packing -------------------------------------------------------------------------------------------------
+    def budget_for(self, patches: int, frames: int, windows: int) -> int | None:
+        """The smallest budget whose replay admits this many patches, frames and windows (None: run eagerly)."""
+        for b in self.budgets:
+            if patches <= b and frames <= frame_capacity(b) and windows <= window_capacity(b):
+                return b
+        return None
+
+    def pack(self, grids) -> list[Batch]:
+        """First-fit decreasing into as few replays as possible; no image is split; oversize images run eagerly."""
+        grids = check_grids(grids, self.cfg)
+        batches: list[Batch] = []
+        for i in sorted(range(len(grids)), key=lambda i: -grid_patches(grids[i])):
+            p, f, w = grid_patches(grids[i]), grids[i][0], count_windows(grids[i], self.cfg)
+            if self.budget_for(p, f, w) is None:
+                batches.append(Batch([i], None, p, f, w))
+                continue
+            for batch in batches:
+                if batch.budget is not None:
+                    budget = self.budget_for(batch.patches + p, batch.frames + f, batch.windows + w)
+                    if budget is not None:
+                        batch.indices.append(i)
+                        batch.budget, batch.patches, batch.frames, batch.windows = budget, batch.patches + p, \
+                            batch.frames + f, batch.windows + w
+                        break
+            else:
+                batches.append(Batch([i], self.budget_for(p, f, w), p, f, w))
+        return batches
+
+    # ---- running -------------------------------------------------------------------------------------------------
+    def _enter(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("GraphRunner is used from one worker thread at a time: its static buffers and graphs "
+                               "are shared, and a replay is already in flight")
+
+    @torch.inference_mode()
+    def run(self, pixel_values: torch.Tensor, grids) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Encode a packed batch in transformers' processor layout; returns (tokens, deepstack list) per grid, in
+        input order, on the CPU."""
+        self._enter()
+        try:
+            grids = check_grids(grids, self.cfg)
+            starts = [0]
+            for g in grids:
+                starts.append(starts[-1] + grid_patches(g))
+            if pixel_values.dim() != 2 or pixel_values.shape != (starts[-1], self.cfg.patch_dim):
+                raise ValueError(f"pixel_values must be [{starts[-1]}, {self.cfg.patch_dim}] for these grids, "
+                                 f"got {tuple(pixel_values.shape)}")
+            results: list = [None] * len(grids)
+            for batch in self.pack(grids):
+                rows = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in batch.indices])
+                outs = self._run_batch([grids[i] for i in batch.indices], rows, batch.budget)
+                for i, out in zip(batch.indices, outs):
+                    results[i] = out
+            return results
+        finally:
+            self._lock.release()
+
+    def _run_batch(self, grids, pixel_values: torch.Tensor, budget: int | None):
+        if budget is None:
+            plan = make_plan(grids, self.cfg)
+            merged, deepstack = self.tower(to_device(plan, pixel_values, self.device, self.dtype))
+            self.stats.eager_fallbacks += 1
+            self.stats.eager_patches += plan.num_patches
+        else:
+            plan = make_plan(grids, self.cfg, pad_to=budget)
+            inputs = self._load(plan, pixel_values, budget)
+            if self.use_graphs:
+                self.graphs[budget].replay()
+                merged, deepstack = self.outputs[budget]
+            else:
+                merged, deepstack = self.tower(inputs)
+            stats = self.stats.budgets[budget]
+            stats.replays += 1
+            stats.real_patches += plan.num_patches
+            stats.padded_patches += budget - plan.num_patches
+        return split(plan, merged, deepstack)
+
+    def _load(self, plan: BatchPlan, pixel_values: torch.Tensor, budget: int) -> TowerInputs:
+        """Write one plan into the static buffers and return the budget's views of them."""
+        s, n = self.static, plan.num_patches
+        s.pixel_values[:n].copy_(pixel_values)
+        s.pixel_values[n:budget].zero_()
+        s.positions[:budget].copy_(plan.positions)
+        full = _padded_cu(plan.full.cu_seqlens, frame_capacity(budget))
+        s.cu_seqlens[:full.numel()].copy_(full)
+        inputs = TowerInputs(
+            pixel_values=s.pixel_values[:budget], positions=s.positions[:budget], cu_seqlens=s.cu_seqlens[:full.numel()],
+            max_seqlen=budget, seqlens=None if self.use_graphs else _lengths(full))
+        if plan.window is not None:
+            window = _padded_cu(plan.window.cu_seqlens, window_capacity(budget))
+            s.cu_window_seqlens[:window.numel()].copy_(window)
+            s.patch_order[:budget].copy_(plan.patch_order)
+            s.token_order[:budget // self.cfg.merge_unit].copy_(plan.token_order)
+            inputs.cu_window_seqlens, inputs.max_window_seqlen = s.cu_window_seqlens[:window.numel()], self.window_seqlen
+            inputs.window_seqlens = None if self.use_graphs else _lengths(window)
+            inputs.patch_order, inputs.token_order = s.patch_order[:budget], s.token_order[:budget // self.cfg.merge_unit]
+        if plan.interp_indices is not None:
+            s.interp_indices[:budget].copy_(plan.interp_indices)
+            s.interp_weights[:budget].copy_(plan.interp_weights)
+            inputs.interp_indices, inputs.interp_weights = s.interp_indices[:budget], s.interp_weights[:budget]
+        return inputs
+
+    # ---- capture -------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every budget, largest first, into one shared memory pool (no-op without CUDA graphs)."""
+        if not self.use_graphs or self.graphs:
+            return
+        torch.cuda.synchronize(self.device)
+        reserved0, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
+        pool = None
+        for budget in reversed(self.budgets):
+            t0 = time.perf_counter()
+            side = budget // 2  # a valid image filling the budget: 2 x (budget / 2) patches
+            plan = make_plan([(1, 2, side)], self.cfg, pad_to=budget)
+            inputs = self._load(plan, torch.zeros(budget, self.cfg.patch_dim), budget)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up off the capture stream (cuBLAS workspaces, autotuning)
+                self.tower(inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[budget] = self.tower(inputs)
+            pool = graph.pool()
+            self.graphs[budget] = graph
+            torch.cuda.synchronize(self.device)
+            stats = self.stats.budgets[budget]
+            stats.captured, stats.capture_ms = True, (time.perf_counter() - t0) * 1e3
+            log.info("captured budget %5d in %7.1f ms, pool %.1f MiB", budget, stats.capture_ms,
+                     (torch.cuda.memory_reserved(self.device) - reserved0) / 2**20)
+        self.stats.capture_seconds = time.perf_counter() - start
+        self.stats.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved0
+        log.info("captured %d budgets in %.2f s, pool %.1f MiB", len(self.graphs), self.stats.capture_seconds,
+                 self.stats.pool_bytes / 2**20)
+
+
+def _padded_cu(cu: torch.Tensor, capacity: int) -> torch.Tensor:
+    """cu_seqlens extended to `capacity` segments with zero-length ones (a fixed shape for the graph)."""
+    if cu.numel() - 1 > capacity:
+        raise ValueError(f"{cu.numel() - 1} segments exceed the replay's capacity of {capacity}")
+    return torch.cat([cu, cu[-1:].expand(capacity + 1 - cu.numel())])
+
+
+def _lengths(cu: torch.Tensor) -> list[int]:
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+def split(plan: BatchPlan, merged: torch.Tensor, deepstack: list[torch.Tensor]):
+    """Copy the real rows to the CPU once (before the next replay reuses the pool), then slice per image."""
+    n, offsets = plan.num_tokens, plan.token_offsets
+    merged = merged[:n].cpu()
+    deepstack = [d[:n].cpu() for d in deepstack]
+    return [(merged[a:b], [d[a:b] for d in deepstack]) for a, b in zip(offsets, offsets[1:])]

@@ -1,0 +1,152 @@
+"""The graph-cached runner's planning, padding and packing, exercised on the CPU exactly as on the GPU (where the
+padded batch is replayed from a CUDA graph instead of run eagerly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES, rel_err
+
+from encoder import VisionEncoder
+from encoder.plan import make_plan, to_device
+from encoder.runner import GraphRunner, frame_capacity, window_capacity
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def encoders(checkpoints):
+    return {f: VisionEncoder.from_pretrained(checkpoints[f][0], budgets=(256, 1024)) for f in FAMILIES}
+
+
+def pixels(grids, dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(t * h * w for t, h, w in grids), dim, generator=g)
+
+
+def unpadded(enc, px, grids):
+    """Reference: the tower on the exact, unpadded plan of each image alone."""
+    out, start = [], 0
+    for grid in grids:
+        n = grid[0] * grid[1] * grid[2]
+        plan = make_plan([grid], enc.config)
+        merged, deepstack = enc.tower(to_device(plan, px[start:start + n], CPU, torch.float32))
+        out.append((merged, deepstack))
+        start += n
+    return out
+
+
+def check(enc, grids, seed=0):
+    px = pixels(grids, enc.config.patch_dim, seed)
+    results = enc.encode_pixels(px, grids)
+    with torch.inference_mode():
+        refs = unpadded(enc, px, grids)
+    for r, (merged, deepstack) in zip(results, refs):
+        assert r.embeddings.shape == merged.shape
+        assert rel_err(r.embeddings, merged) <= 1e-5
+        for a, b in zip(r.deepstack or [], deepstack):
+            assert rel_err(a, b) <= 1e-5
+    return results
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_equals_unpadded_images(encoders, family):
+    enc = encoders[family]
+    before = enc.runner.stats.budgets[256].replays
+    check(enc, [(1, 8, 12), (1, 4, 6)])  # 120 patches -> padded to 256
+    stats = enc.runner.stats.budgets[256]
+    assert stats.replays == before + 1 and stats.padded_patches >= 136
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_patch_count_different_grids(encoders, family):
+    """Batches with equal totals (112 patches, same budget) but different grids and splits all match: nothing
+    depends on the grids is frozen between replays."""
+    enc = encoders[family]
+    batches = [[(1, 8, 12), (1, 4, 4)], [(1, 12, 8), (1, 4, 4)], [(1, 4, 28)], [(1, 4, 4), (1, 8, 12)],
+               [(1, 2, 56)], [(1, 4, 4)] * 7]
+    outputs = [check(enc, grids, seed=1) for grids in batches]
+    # different grids really give different outputs (a frozen plan would make them equal)
+    assert not torch.allclose(outputs[0][0].embeddings, outputs[1][0].embeddings)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padding_cannot_reach_real_tokens(encoders, family, monkeypatch):
+    """Poison the padding rows with NaN after the metadata is loaded: real outputs stay finite and unchanged."""
+    enc = encoders[family]
+    load = GraphRunner._load
+
+    def poisoned(self, plan, px, budget):
+        inputs = load(self, plan, px, budget)
+        self.static.pixel_values[plan.num_patches:budget] = float("nan")
+        return inputs
+
+    monkeypatch.setattr(GraphRunner, "_load", poisoned)
+    results = check(enc, [(1, 10, 6), (1, 6, 10)])
+    assert all(torch.isfinite(r.embeddings).all() for r in results)
+
+
+def test_oversize_image_runs_eagerly_and_buffers_never_move(encoders):
+    enc = encoders["qwen2_5_vl"]
+    s = enc.runner.static
+    ptrs = [t.data_ptr() for t in vars(s).values() if torch.is_tensor(t)]
+    eager = enc.runner.stats.eager_fallbacks
+    check(enc, [(1, 40, 28), (1, 4, 4)])  # 1120 patches > largest budget 1024 -> eager; the small one replays
+    check(enc, [(1, 2, 2)])
+    assert enc.runner.stats.eager_fallbacks == eager + 1
+    assert [t.data_ptr() for t in vars(s).values() if torch.is_tensor(t)] == ptrs
+    assert s.pixel_values.shape[0] == 1024
+
+
+def test_packing_order_and_capacities(checkpoints):
+    enc = VisionEncoder.from_pretrained(checkpoints["qwen2_5_vl"][0], budgets=(256, 512, 1024))
+    runner = enc.runner
+    grids = [(1, 16, 16), (1, 4, 4), (1, 20, 28), (1, 8, 8), (1, 36, 36), (1, 16, 16), (1, 2, 2)]
+    batches = runner.pack(grids)
+    assert sorted(i for b in batches for i in b.indices) == list(range(len(grids)))  # every image exactly once
+    eager = [b for b in batches if b.budget is None]
+    assert [b.indices for b in eager] == [[4]]  # 1296 patches > 1024
+    for b in batches:
+        if b.budget is not None:
+            assert b.patches == sum(grids[i][1] * grids[i][2] for i in b.indices) <= b.budget
+            assert b.frames <= frame_capacity(b.budget) and b.windows <= window_capacity(b.budget)
+            assert b.budget == runner.budget_for(b.patches, b.frames, b.windows)  # the smallest that admits it
+    # first-fit decreasing: 560 + 256 + 256 + 64 + 16 + 4 = 1156 patches need 2 replays, not more
+    assert len(batches) - len(eager) == 2
+    # results come back in input order
+    px = pixels(grids, enc.config.patch_dim)
+    results = enc.encode_pixels(px, grids)
+    assert [r.grid_thw for r in results] == grids
+    assert [r.num_tokens for r in results] == [t * h * w // 4 for t, h, w in grids]
+
+
+def test_many_tiny_frames_split_by_capacity(checkpoints):
+    enc = VisionEncoder.from_pretrained(checkpoints["qwen2_vl"][0], budgets=(256,))
+    grids = [(1, 2, 2)] * 40  # 160 patches fit 256, but 40 frames exceed the 16-frame capacity of a 256 replay
+    assert frame_capacity(256) == 16
+    batches = enc.runner.pack(grids)
+    assert [len(b.indices) for b in batches] == [16, 16, 8]
+    check(enc, grids)
+
+
+def test_overlapping_use_is_refused(encoders):
+    runner = encoders["qwen2_vl"].runner
+    runner._lock.acquire()
+    try:
+        with pytest.raises(RuntimeError, match="one worker thread"):
+            runner.run(pixels([(1, 2, 2)], 1176), [(1, 2, 2)])
+    finally:
+        runner._lock.release()
+
+
+def test_stats_dict(encoders):
+    stats = encoders["qwen3_vl"].runner.stats.as_dict()
+    assert set(stats) == {"budgets", "eager_fallbacks", "eager_patches", "pool_bytes", "capture_seconds"}
+    assert set(stats["budgets"]) == {"256", "1024"}
+    assert set(stats["budgets"]["256"]) == {"captured", "capture_ms", "replays", "real_patches", "padded_patches"}
+    assert stats["budgets"]["256"]["captured"] is False  # no CUDA graphs on the CPU
+
+
+def test_budgets_validated(checkpoints):
+    with pytest.raises(ValueError, match="multiples of 16"):
+        VisionEncoder.from_pretrained(checkpoints["qwen2_vl"][0], budgets=(100,))
