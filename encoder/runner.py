@@ -29,9 +29,11 @@ from .plan import BatchPlan, TowerInputs, check_grids, grid_patches, make_plan, 
 
 log = logging.getLogger("vitserve.runner")
 
-# Powers of two from one 224x224 image (256 patches) to 16 448x448 images or one 1792x1792 image (16384 patches):
-# doubling keeps padding under half a batch (a quarter on average) with only 7 graphs to capture and hold.
-DEFAULT_BUDGETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+# From one 224x224 image (256 patches) to 16 448x448 images or one 1792x1792 image (16384 patches): steps of 256 up to
+# 1024, then of 1024. Padding is compute thrown away, so it is bounded by 1023 patches (11% at 9216) above 1024;
+# powers of two wasted 44% on one 1344x1344 image (9216 -> 16384: 92.7 ms against 58.7 ms eager, measured on an H200,
+# bench/results/bench-runner-h200-pow2.json). A capture costs ~50-100 ms and one output buffer, so 19 are cheap.
+DEFAULT_BUDGETS = (256, 512, 768, 1024, *range(2048, 16384 + 1, 1024))
 MAX_ROW_BLOCKS = 2048  # frames x ceil(budget / 128) bound on full-attention row blocks per replay
 MIN_FRAME_PATCHES = 16  # the smallest frame the default preprocessing makes (56x56 pixels = 4x4 patches)
 
@@ -240,6 +242,7 @@ class GraphRunner:
         if not self.use_graphs or self.graphs:
             return
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # capture empties the cache anyway: measure the pool from the same baseline
         reserved0, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
         pool = None
         for budget in reversed(self.budgets):
