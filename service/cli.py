@@ -1,9 +1,10 @@
-"""`vitserve` command line: `encode` images to a safetensors file (more subcommands arrive with the service)."""
+"""`vitserve` command line: `serve` the HTTP API, or `encode` image files into a safetensors file."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -48,9 +49,60 @@ def cmd_encode(args: argparse.Namespace) -> int:
     return 0
 
 
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                 "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(log_format: str, level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .settings import from_args
+
+    settings = from_args(args)
+    configure_logging(settings.log_format, settings.log_level)
+    app = create_app(settings)
+    engine = app.state.engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """First SIGTERM/SIGINT: not ready, stop accepting, answer everything in flight, exit 0. A second: exit
+            now. (Unlike uvicorn's own handler, the signal is not re-raised after a graceful shutdown.)"""
+            engine.drain()
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
+                            log_level=settings.log_level, access_log=False)
+    server = Server(config)
+    engine.on_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    return 1 if engine.state == "failed" or server.force_exit else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .settings import add_arguments
+
     parser = argparse.ArgumentParser(prog="vitserve", description="Qwen-VL vision encoding")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the HTTP service")
+    add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
     enc = sub.add_parser("encode", help="encode image files into one safetensors file")
     add_model_args(enc)
     enc.add_argument("images", nargs="+", help="image files")

@@ -1,0 +1,260 @@
+"""The serving engine: preprocessing pool, token-budget batcher, one GPU worker thread.
+
+Data flow: request -> decode + preprocess each image in a thread pool (off the event loop) -> one WorkItem per image
+on an asyncio queue -> the batcher gathers items from concurrent requests up to `max_batch_tokens` or
+`max_batch_wait_ms` -> the worker thread runs the batch through the encoder's graph runner -> each item's future is
+resolved on the event loop, so every request gets exactly its own images back.
+
+While the worker runs one batch, new items queue up and form the next batch at once (dynamic batching under load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from encoder import VisionEncoder
+from encoder.preprocess import ImageError, ImageTooLarge, load_image, preprocess_image
+
+from .errors import ServiceError
+from .metrics import Metrics
+from .settings import Settings
+
+log = logging.getLogger("vitserve.engine")
+
+
+@dataclass
+class WorkItem:
+    pixel_values: torch.Tensor
+    grid: tuple[int, int, int]
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def patches(self) -> int:
+        return self.pixel_values.shape[0]
+
+
+def resolve_device_dtype(settings: Settings) -> tuple[str, str]:
+    device = settings.device
+    if device == "auto":
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
+class Engine:
+    def __init__(self, settings: Settings, encoder: VisionEncoder | None = None, metrics: Metrics | None = None):
+        self.settings = settings
+        self.encoder = encoder
+        self.metrics = metrics or Metrics()
+        self.device, self.dtype = resolve_device_dtype(settings)
+        self.state = "ready" if encoder is not None else "loading"
+        self.error: str | None = None
+        self.started = time.time()
+        self.load_seconds = 0.0
+        workers = settings.preprocess_workers or os.cpu_count() or 4
+        self.preprocess_pool = ThreadPoolExecutor(workers, thread_name_prefix="vitserve-pre")
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="vitserve-gpu")  # the one thread using the runner
+        self.queue: asyncio.Queue[WorkItem] | None = None
+        self.in_flight = 0
+        self.batch_sizes: dict[int, int] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.on_failure = None  # called when the model cannot be loaded (the CLI exits non-zero)
+        if encoder is not None:
+            self.metrics.watch_runner(encoder.runner.stats.as_dict)
+            self.metrics.ready.set(1)
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.queue = asyncio.Queue()
+        self._tasks.append(asyncio.create_task(self._batch_loop(), name="vitserve-batcher"))
+        if self.encoder is None:
+            self._tasks.append(asyncio.create_task(self._load(), name="vitserve-loader"))
+
+    async def _load(self) -> None:
+        s = self.settings
+        start = time.perf_counter()
+        try:
+            log.info("loading %s (%s) on %s as %s", s.model, s.load_format, self.device, self.dtype)
+            budgets = s.budget_list()
+            extra = {} if budgets is None else {"budgets": budgets}
+            encoder = await asyncio.get_running_loop().run_in_executor(self.worker, lambda: VisionEncoder.from_pretrained(
+                s.model, device=self.device, dtype=self.dtype, load_format=s.load_format, revision=s.revision,
+                min_pixels=s.min_pixels, max_pixels=s.max_pixels, capture=False, **extra))
+            log.info("loaded in %.2f s; capturing CUDA graphs", time.perf_counter() - start)
+            self.state = "capturing"
+            await asyncio.get_running_loop().run_in_executor(self.worker, encoder.capture)
+        except Exception as e:  # reported on /health and /ready; the CLI exits non-zero
+            self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            log.error("model load failed: %s", self.error)
+            if self.on_failure is not None:
+                self.on_failure()
+            return
+        self.encoder = encoder
+        self.metrics.watch_runner(encoder.runner.stats.as_dict)
+        self.load_seconds = time.perf_counter() - start
+        if self.state == "capturing":
+            self.state = "ready"
+            self.metrics.ready.set(1)
+        log.info("ready in %.2f s (graph capture %.2f s)", self.load_seconds, encoder.runner.stats.capture_seconds)
+
+    def drain(self) -> None:
+        """Stop admitting requests (ready -> 503); requests already admitted are still answered."""
+        if self.state in ("ready", "loading", "capturing"):
+            self.state = "draining"
+        self.metrics.ready.set(0)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.worker.shutdown(wait=True)
+        self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- admission -----------------------------------------------------------------------------------------------
+    def admit(self) -> None:
+        if self.state != "ready":
+            reason = {"draining": "server is shutting down", "failed": f"model failed to load: {self.error}"}.get(
+                self.state, f"model is not ready yet ({self.state})")
+            raise ServiceError(503, reason, "not_ready", headers={"Retry-After": "5"})
+        if self.in_flight >= self.settings.max_concurrent_requests:
+            raise ServiceError(429, f"too many requests in flight ({self.in_flight}); retry shortly", "queue_full",
+                               headers={"Retry-After": "1"})
+        self.in_flight += 1
+        self.metrics.requests_in_flight.set(self.in_flight)
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self.metrics.requests_in_flight.set(self.in_flight)
+
+    # ---- work ----------------------------------------------------------------------------------------------------
+    def _prepare(self, index: int, data) -> tuple[torch.Tensor, tuple[int, int, int], float]:
+        start = time.perf_counter()
+        try:
+            image = load_image(data, max_image_pixels=self.settings.max_image_pixels)
+            rows, grid = preprocess_image(image, self.encoder.preprocess_config)
+        except ImageTooLarge as e:
+            raise ServiceError(413, f"input[{index}]: {e}", e.code, param=f"input[{index}]") from None
+        except ImageError as e:
+            raise ServiceError(400, f"input[{index}]: {e}", e.code, param=f"input[{index}]") from None
+        return torch.from_numpy(rows), grid, time.perf_counter() - start
+
+    async def preprocess(self, images: list) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
+        """Decode and preprocess concurrently in the pool; the first bad image fails the request (only it)."""
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self.preprocess_pool, self._prepare, i, data) for i, data in enumerate(images)]
+        try:
+            done = await asyncio.gather(*jobs)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        for _, _, seconds in done:
+            self.metrics.preprocess_seconds.observe(seconds)
+        return [(rows, grid) for rows, grid, _ in done]
+
+    async def infer(self, prepared, disconnected: asyncio.Future | None = None) -> list[WorkItem]:
+        """Queue the images, wait for their results; if `disconnected` resolves first, drop them from the queue."""
+        loop = asyncio.get_running_loop()
+        items = [WorkItem(rows, grid, loop.create_future()) for rows, grid in prepared]
+        for item in items:
+            self.queue.put_nowait(item)
+        self.metrics.queue_depth.set(self.queue.qsize())
+        results = asyncio.gather(*(item.future for item in items))
+        waiters = {results} if disconnected is None else {results, disconnected}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if not results.done():
+            for item in items:
+                item.cancelled = True
+            results.cancel()
+            raise asyncio.CancelledError("client disconnected")
+        results.result()  # raises the batch's error, if any
+        return items
+
+    async def _batch_loop(self) -> None:
+        max_patches = self.settings.max_batch_tokens * 4
+        wait = self.settings.max_batch_wait_ms / 1e3
+        loop = asyncio.get_running_loop()
+        carry: WorkItem | None = None
+        while True:
+            first = carry or await self.queue.get()
+            carry, batch, patches = None, [first], first.patches
+            deadline = loop.time() + wait
+            while patches < max_patches:
+                try:
+                    item = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    if loop.time() >= deadline:
+                        break
+                    try:
+                        item = await asyncio.wait_for(self.queue.get(), deadline - loop.time())
+                    except TimeoutError:
+                        break
+                if patches + item.patches > max_patches:
+                    carry = item
+                    break
+                batch.append(item)
+                patches += item.patches
+            self.metrics.queue_depth.set(self.queue.qsize() + (carry is not None))
+            live = [item for item in batch if not item.cancelled and not item.future.done()]
+            self.metrics.dropped.inc(len(batch) - len(live))
+            if live:
+                await self._run(live)
+
+    async def _run(self, batch: list[WorkItem]) -> None:
+        start = time.perf_counter()
+        for item in batch:
+            item.queue_s = start - item.enqueued
+            self.metrics.queue_seconds.observe(item.queue_s)
+        grids = [item.grid for item in batch]
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(
+                self.worker, lambda: self.encoder.runner.run(torch.cat([i.pixel_values for i in batch]), grids))
+        except torch.OutOfMemoryError as e:
+            error = ServiceError(507, f"the device ran out of memory for this batch ({sum(i.patches for i in batch)} "
+                                      f"patches); retry with fewer or smaller images", "out_of_memory")
+            log.warning("OOM on a batch of %d images: %s", len(batch), e)
+            self._fail(batch, error)
+            return
+        except Exception as e:  # a fault in the batch fails only its own requests; the worker keeps running
+            log.exception("batch of %d images failed", len(batch))
+            self._fail(batch, ServiceError(500, f"inference failed for this batch: {type(e).__name__}: {e}",
+                                           "inference_failed"))
+            return
+        seconds = time.perf_counter() - start
+        self.metrics.inference_seconds.observe(seconds)
+        self.metrics.batch_tokens.observe(sum(i.patches for i in batch) // 4)
+        self.metrics.batch_images.observe(len(batch))
+        self.metrics.images.inc(len(batch))
+        self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+        for item, output in zip(batch, outputs):
+            item.inference_s = seconds
+            if not item.future.done():
+                item.future.set_result(output)
+
+    @staticmethod
+    def _fail(batch: list[WorkItem], error: ServiceError) -> None:
+        for item in batch:
+            if not item.future.done():
+                item.future.set_exception(error)
+
+    def stats(self) -> dict:
+        enc = self.encoder
+        return {"model": self.settings.model_name, "state": self.state, "error": self.error, "device": self.device,
+                "dtype": self.dtype, "family": enc.config.family if enc else None,
+                "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
+                "requests_in_flight": self.in_flight, "queue_depth": self.queue.qsize() if self.queue else 0,
+                "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "runner": enc.runner.stats.as_dict() if enc else None}

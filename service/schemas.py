@@ -1,0 +1,37 @@
+"""Request bodies. Unknown fields are refused (422) so a typo never silently changes what is computed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request; `input` items are images (data URIs, base64, or URLs when enabled)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] = Field(min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    pooling: Literal["mean", "none"] = "mean"  # extension: mean = one vector per image; none = the token matrix
+    user: str | None = None
+    modality: Literal["image"] | None = None  # Infinity's field, accepted for compatibility
+    dimensions: int | None = None
+
+    @field_validator("dimensions")
+    @classmethod
+    def no_dimensions(cls, v):
+        if v is not None:
+            raise ValueError("dimensions is not supported: the output size is the model's embedding size")
+        return v
+
+
+class EncodeRequest(BaseModel):
+    """Native request: images for an LLM prefill, token embeddings (and Qwen3 deepstack features) back."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    images: list[str] = Field(min_length=1)
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    deepstack: bool = True

@@ -1,0 +1,97 @@
+"""Server settings: one dataclass; every field is a kebab-case flag and a VITSERVE_* environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+
+ENV_PREFIX = "VITSERVE_"
+
+
+@dataclass
+class Settings:
+    model: str | None = field(default=None, metadata={"help": "checkpoint dir, hub id, or built-in name (required)"})
+    load_format: str = field(default="auto", metadata={"help": "auto, safetensors or dummy (seeded random weights)"})
+    revision: str | None = field(default=None, metadata={"help": "hub revision"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda:0 if available, else cpu), cpu or cuda[:i]"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16"})
+    host: str = field(default="0.0.0.0", metadata={"help": "bind address"})
+    port: int = field(default=8000, metadata={"help": "bind port"})
+    served_model_name: str | None = field(default=None, metadata={"help": "model id in the API (default: --model)"})
+    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' (not on /health, /ready, /metrics)"})
+    max_batch_tokens: int = field(default=4096, metadata={"help": "vision tokens (4 patches each) per GPU batch"})
+    max_batch_wait_ms: float = field(default=5.0, metadata={"help": "how long a batch waits for more images"})
+    budgets: str | None = field(default=None, metadata={"help": "comma-separated CUDA graph budgets in patches (default: built-in)"})
+    max_concurrent_requests: int = field(default=512, metadata={"help": "requests in flight before 429"})
+    payload_limit: int = field(default=32 * 2**20, metadata={"help": "request body limit in bytes (413)"})
+    max_image_pixels: int = field(default=64_000_000, metadata={"help": "decoded pixels per image (413; bomb guard)"})
+    max_images_per_request: int = field(default=64, metadata={"help": "images per request (413)"})
+    min_pixels: int | None = field(default=None, metadata={"help": "override the resize minimum (pixels)"})
+    max_pixels: int | None = field(default=None, metadata={"help": "override the resize maximum (pixels)"})
+    preprocess_workers: int = field(default=0, metadata={"help": "decode/preprocess threads (0: one per core)"})
+    allow_url_fetch: bool = field(default=False, metadata={"help": "accept http(s) image URLs (off: SSRF risk)"})
+    url_fetch_timeout: float = field(default=10.0, metadata={"help": "seconds per URL fetch"})
+    log_format: str = field(default="text", metadata={"help": "text or json"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+    def __post_init__(self):
+        checks = [(bool(self.model), "--model (or VITSERVE_MODEL) is required"),
+                  (self.load_format in ("auto", "safetensors", "dummy"), "load-format must be auto, safetensors or dummy"),
+                  (self.log_format in ("text", "json"), "log-format must be text or json"),
+                  (self.max_batch_tokens > 0, "max-batch-tokens must be positive"),
+                  (self.max_batch_wait_ms >= 0, "max-batch-wait-ms must be >= 0"),
+                  (self.max_concurrent_requests > 0, "max-concurrent-requests must be positive"),
+                  (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
+                   "limits must be positive"), (0 < self.port < 65536, "port must be 1-65535")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def budget_list(self) -> tuple[int, ...] | None:
+        if not self.budgets:
+            return None
+        try:
+            return tuple(int(b) for b in self.budgets.split(",") if b.strip())
+        except ValueError:
+            raise ValueError(f"budgets must be comma-separated integers, got {self.budgets!r}") from None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field; its default comes from VITSERVE_<FIELD> when set, else the dataclass default."""
+    for f in fields(Settings):
+        env = ENV_PREFIX + f.name.upper()
+        kind = f.type if isinstance(f.type, type) else str(f.type)
+        default = os.environ.get(env, f.default)
+        help_text = f"{f.metadata['help']} [env {env}; default {f.default}]"
+        if "bool" in str(kind):
+            parser.add_argument(_flag(f.name), type=_parse_bool, nargs="?", const=True,
+                                default=_parse_bool(default) if isinstance(default, str) else default, help=help_text)
+        elif "int" in str(kind) and "None" not in str(kind):
+            parser.add_argument(_flag(f.name), type=int, default=int(default), help=help_text)
+        elif "int" in str(kind):
+            parser.add_argument(_flag(f.name), type=int, default=None if default is None else int(default), help=help_text)
+        elif "float" in str(kind):
+            parser.add_argument(_flag(f.name), type=float, default=float(default), help=help_text)
+        else:
+            parser.add_argument(_flag(f.name), default=default, help=help_text)
+
+
+def from_args(args: argparse.Namespace) -> Settings:
+    return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})

@@ -1,0 +1,168 @@
+"""The real thing: `vitserve serve` as a subprocess (uvicorn) on a free loopback port, a real HTTP client, the
+official OpenAI SDK, concurrent requests of mixed sizes, and SIGTERM with requests in flight."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from conftest import rel_err
+from test_service import data_uri, png
+
+from encoder import VisionEncoder
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-qwen2.5-vl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", MODEL, "--load-format", "dummy",
+           "--host", "127.0.0.1", "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become ready in 60 s")
+
+
+@pytest.fixture(scope="module")
+def direct():
+    return VisionEncoder.from_pretrained(MODEL, load_format="dummy")
+
+
+IMAGES = [png(w, h, seed) for seed, (w, h) in enumerate([(64, 64), (300, 200), (90, 700), (512, 384), (33, 47),
+                                                           (640, 480), (128, 1024), (200, 200)])]
+
+
+def test_concurrent_mixed_sizes_then_sigterm_with_requests_in_flight(direct):
+    expected = [r.embeddings.mean(0) for r in direct.encode(IMAGES)]
+    proc, url = start_server("--max-batch-wait-ms", "400")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.get("/health").json() == {"status": "ok"}
+
+            def post(i):
+                return i, client.post("/v1/embeddings", json={"model": MODEL, "input": [data_uri(IMAGES[i])]})
+
+            with ThreadPoolExecutor(16) as pool:
+                replies = list(pool.map(post, [i % len(IMAGES) for i in range(32)]))
+            for i, r in replies:
+                assert r.status_code == 200, r.text
+                assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), expected[i]) <= 1e-5
+            hist = client.get("/stats").json()["batch_size_histogram"]
+            assert max(int(k) for k in hist) >= 2  # concurrent requests really shared batches
+
+            # SIGTERM while requests wait in the batcher: every one is answered, new ones get 503, exit code 0
+            with ThreadPoolExecutor(12) as pool:
+                futures = [pool.submit(post, i % len(IMAGES)) for i in range(12)]
+                deadline = time.time() + 10
+                while client.get("/stats").json()["requests_in_flight"] < 12 and time.time() < deadline:
+                    time.sleep(0.005)
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.05)
+                try:  # a new request is refused: 503 on a kept-alive connection, or no connection at all
+                    late = client.post("/v1/embeddings", json={"model": MODEL, "input": [data_uri(IMAGES[0])]})
+                    assert late.status_code == 503
+                except (httpx.ConnectError, httpx.RemoteProtocolError):
+                    pass
+                results = [f.result() for f in futures]
+            for i, r in results:
+                assert r.status_code == 200, r.text
+                assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), expected[i]) <= 1e-5
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.stdout.read()
+    assert "Traceback" not in output, output
+
+
+def test_openai_sdk_and_second_sigterm(direct):
+    openai = pytest.importorskip("openai")
+    proc, url = start_server("--api-key", "k3y", "--served-model-name", "qwen-vision")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0)
+        # the SDK asks for base64 by default and decodes it back to floats itself
+        reply = client.embeddings.create(model="qwen-vision", input=[data_uri(IMAGES[1]), data_uri(IMAGES[4])])
+        for item, r in zip(reply.data, direct.encode([IMAGES[1], IMAGES[4]])):
+            assert rel_err(torch.tensor(item.embedding), r.embeddings.mean(0)) <= 1e-5
+        assert reply.usage.prompt_tokens == sum(r.num_tokens for r in direct.encode([IMAGES[1], IMAGES[4]]))
+        floats = client.embeddings.create(model="qwen-vision", input=data_uri(IMAGES[1]), encoding_format="float")
+        assert np.allclose(floats.data[0].embedding, reply.data[0].embedding)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
+                model="qwen-vision", input=data_uri(IMAGES[1]))
+        with pytest.raises(openai.NotFoundError):
+            client.embeddings.create(model="other", input=data_uri(IMAGES[1]))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_model_load_failure_exits_nonzero(tmp_path):
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", str(tmp_path / "nothing"),
+                           "--port", str(port), "--host", "127.0.0.1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert "model load failed" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_client_that_disconnects_is_dropped_from_the_queue():
+    proc, url = start_server("--max-batch-wait-ms", "500")
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        body = ('{"input": ["%s"]}' % data_uri(IMAGES[0])).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.time() + 10
+            while httpx.get(url + "/stats").json()["requests_in_flight"] < 1 and time.time() < deadline:
+                time.sleep(0.01)
+        # the socket is closed while the image waits for its batch: the work is dropped, not run
+        deadline = time.time() + 10
+        dropped = 0.0
+        while time.time() < deadline:
+            metrics = httpx.get(url + "/metrics").text
+            dropped = float(next(l.split()[-1] for l in metrics.splitlines()
+                                 if l.startswith("vitserve_dropped_images_total")))
+            if dropped:
+                break
+            time.sleep(0.05)
+        assert dropped == 1.0
+        stats = httpx.get(url + "/stats").json()
+        assert stats["requests_in_flight"] == 0 and stats["batch_size_histogram"] == {}
+        r = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30)
+        assert r.status_code == 200  # and the server carries on
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

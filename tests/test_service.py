@@ -1,0 +1,299 @@
+"""The HTTP app over httpx (Starlette's TestClient runs the ASGI app with its lifespan), tiny models on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from conftest import rel_err
+from fastapi.testclient import TestClient
+from PIL import Image
+from safetensors.torch import load as safetensors_load
+
+from encoder import VisionEncoder
+from service.app import create_app
+from service.engine import Engine
+from service.settings import Settings
+
+
+def png(w: int, h: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+IMAGES = [png(120, 90, 1), png(64, 200, 2), png(300, 300, 3)]
+
+
+@pytest.fixture(scope="module")
+def encoders():
+    return {name: VisionEncoder.from_pretrained(name, load_format="dummy")
+            for name in ("tiny-qwen2.5-vl", "tiny-qwen3-vl")}
+
+
+def client_for(encoder, **overrides) -> TestClient:
+    settings = Settings(model=encoder.name, load_format="dummy", **overrides)
+    return TestClient(create_app(settings, Engine(settings, encoder=encoder)))
+
+
+@pytest.fixture(scope="module")
+def client(encoders):
+    with client_for(encoders["tiny-qwen3-vl"]) as c:
+        yield c
+
+
+def b64_floats(s: str, dtype="<f4") -> np.ndarray:
+    return np.frombuffer(base64.b64decode(s), dtype=dtype)
+
+
+def test_embeddings_float_and_base64_match_direct_encoding(client, encoders):
+    direct = encoders["tiny-qwen3-vl"].encode(IMAGES)
+    body = {"model": "tiny-qwen3-vl", "input": [data_uri(x) for x in IMAGES]}
+    as_float = client.post("/v1/embeddings", json=body)
+    as_b64 = client.post("/v1/embeddings", json=body | {"encoding_format": "base64"})
+    assert as_float.status_code == as_b64.status_code == 200
+    assert float(as_float.headers["x-queue-time"]) >= 0 and float(as_float.headers["x-inference-time"]) > 0
+    f, b = as_float.json(), as_b64.json()
+    assert f["object"] == "list" and f["model"] == "tiny-qwen3-vl"
+    assert f["usage"] == {"prompt_tokens": sum(r.num_tokens for r in direct), "total_tokens": sum(r.num_tokens for r in direct)}
+    for i, r in enumerate(direct):
+        assert f["data"][i]["index"] == i and f["data"][i]["object"] == "embedding"
+        vec = torch.tensor(f["data"][i]["embedding"])
+        assert torch.equal(vec, torch.from_numpy(b64_floats(b["data"][i]["embedding"]).copy()))
+        assert rel_err(vec, r.embeddings.mean(0)) <= 1e-6
+
+
+def test_pooling_none_is_the_token_matrix(client, encoders):
+    direct = encoders["tiny-qwen3-vl"].encode(IMAGES[:2])
+    inputs = [base64.b64encode(x).decode() for x in IMAGES[:2]]  # bare base64 works too
+    none = client.post("/v1/embeddings", json={"input": inputs, "pooling": "none", "encoding_format": "base64"}).json()
+    mean = client.post("/v1/embeddings", json={"input": inputs}).json()
+    for i, r in enumerate(direct):
+        item = none["data"][i]
+        assert item["shape"] == list(r.embeddings.shape) and item["grid_thw"] == list(r.grid_thw)
+        tokens = torch.from_numpy(b64_floats(item["embedding"]).reshape(item["shape"]).copy())
+        assert rel_err(tokens, r.embeddings) <= 1e-6
+        assert rel_err(tokens.mean(0), torch.tensor(mean["data"][i]["embedding"])) <= 1e-6
+
+
+def test_encode_json_multipart_and_safetensors(client, encoders):
+    direct = encoders["tiny-qwen3-vl"].encode(IMAGES)
+    js = client.post("/v1/encode", json={"images": [data_uri(x) for x in IMAGES]}).json()
+    files = [("images", (f"{i}.png", x, "image/png")) for i, x in enumerate(IMAGES)]
+    multi = client.post("/v1/encode", files=files).json()
+    st = client.post("/v1/encode", files=files, data={"dtype": "bfloat16"}, headers={"accept": "application/octet-stream"})
+    assert st.status_code == 200 and st.headers["content-type"] == "application/octet-stream"
+    tensors = safetensors_load(st.content)
+    for i, r in enumerate(direct):
+        for reply in (js, multi):
+            item = reply["data"][i]
+            assert item["grid_thw"] == list(r.grid_thw) and item["dtype"] == "float32"
+            emb = torch.from_numpy(b64_floats(item["embeddings"]).reshape(item["shape"]).copy())
+            assert rel_err(emb, r.embeddings) <= 1e-6
+            assert len(item["deepstack"]) == 2
+            for j, d in enumerate(item["deepstack"]):
+                assert rel_err(torch.from_numpy(b64_floats(d).reshape(item["shape"]).copy()), r.deepstack[j]) <= 1e-6
+        assert tensors[f"images.{i}.embeddings"].dtype == torch.bfloat16
+        assert rel_err(tensors[f"images.{i}.embeddings"].float(), r.embeddings) <= 1e-2
+        assert f"images.{i}.deepstack.1" in tensors
+    half = client.post("/v1/encode", json={"images": [data_uri(IMAGES[0])], "dtype": "float16", "deepstack": False})
+    item = half.json()["data"][0]
+    assert item["deepstack"] is None
+    emb = torch.from_numpy(b64_floats(item["embeddings"], "<f2").reshape(item["shape"]).astype(np.float32))
+    assert rel_err(emb, direct[0].embeddings) <= 1e-3
+
+
+def test_info_endpoints(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"status": "ready"}
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny-qwen3-vl" and models["data"][0]["embedding_dim"] == 32
+    client.post("/v1/embeddings", json={"input": data_uri(IMAGES[0])})
+    stats = client.get("/stats").json()
+    assert stats["state"] == "ready" and stats["family"] == "qwen3_vl" and stats["device"] == "cpu"
+    assert sum(stats["batch_size_histogram"].values()) >= 1 and "budgets" in stats["runner"]
+    metrics = client.get("/metrics").text
+    for name in ("vitserve_requests_total", "vitserve_queue_seconds_bucket", "vitserve_preprocess_seconds_bucket",
+                 "vitserve_inference_seconds_bucket", "vitserve_queue_depth", "vitserve_batch_tokens_bucket",
+                 "vitserve_graph_replays_total", "vitserve_graph_padded_patches_total", "vitserve_eager_fallbacks_total"):
+        assert name in metrics, name
+
+
+@pytest.mark.parametrize("item, status, code", [
+    ("%%%not-base64%%%", 400, "invalid_base64"),
+    (base64.b64encode(b"just some text, not an image").decode(), 400, "undecodable_image"),
+    (data_uri(IMAGES[0], "text/plain"), 400, "invalid_media_type"),
+    ("data:image/png," + base64.b64encode(IMAGES[0]).decode(), 400, "invalid_media_type"),
+    ("https://example.com/cat.png", 400, "url_fetch_disabled"),
+    ("", 400, "invalid_image"),
+])
+def test_bad_inputs_are_4xx(client, item, status, code):
+    r = client.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0]), item]})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == "input[1]" and err["message"].startswith("input[1]")
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"input": 5}, "input"), ({"input": []}, "input"), ({"input": ["x"], "encoding_format": "hex"}, "encoding_format"),
+    ({"input": ["x"], "pooling": "max"}, "pooling"), ({"input": ["x"], "surprise": 1}, "surprise"),
+    ({"input": ["x"], "dimensions": 8}, "dimensions"), ({}, "input"),
+])
+def test_validation_is_422(client, body, where):
+    r = client.post("/v1/embeddings", json=body)
+    assert r.status_code == 422 and r.json()["error"]["param"].startswith(where)
+
+
+def test_unknown_model_and_bad_json(client):
+    r = client.post("/v1/embeddings", json={"model": "gpt-4", "input": [data_uri(IMAGES[0])]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.post("/v1/encode", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = client.post("/v1/encode", json={"images": ["x"], "dtype": "int8"})
+    assert r.status_code == 422
+
+
+def test_limits_are_413(encoders):
+    with client_for(encoders["tiny-qwen2.5-vl"], payload_limit=4096, max_images_per_request=2,
+                    max_image_pixels=100 * 100) as c:
+        r = c.post("/v1/embeddings", json={"input": [data_uri(png(200, 200))]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        r = c.post("/v1/embeddings", json={"input": [data_uri(png(8, 8))] * 3})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_images"
+        big = io.BytesIO()
+        Image.new("L", (150, 150)).save(big, "PNG")  # 22500 decoded pixels > 10000, but a tiny file
+        r = c.post("/v1/embeddings", json={"input": [data_uri(big.getvalue())]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "image_too_large"
+        # a chunked body with no Content-Length is cut off while streaming
+        r = c.post("/v1/encode", content=iter([b"{\"images\": [\"" + b"A" * 3000, b"A" * 3000 + b"\"]}"]),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 413
+
+
+def test_api_key(encoders):
+    with client_for(encoders["tiny-qwen2.5-vl"], api_key="s3cret") as c:
+        body = {"input": [data_uri(IMAGES[0])]}
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "s3cret"}):
+            r = c.post("/v1/embeddings", json=body, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert "s3cret" not in r.text
+        assert c.post("/v1/embeddings", json=body, headers={"authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/v1/models").status_code == 401 and c.get("/stats").status_code == 401
+        for path in ("/health", "/ready", "/metrics"):
+            assert c.get(path).status_code == 200
+
+
+def test_queue_full_is_429(encoders):
+    with client_for(encoders["tiny-qwen2.5-vl"], max_concurrent_requests=2) as c:
+        engine = c.app.state.engine
+        engine.in_flight = 2  # two requests admitted and not yet answered
+        r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        engine.in_flight = 0
+        assert c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}).status_code == 200
+
+
+def test_not_ready_and_draining_are_503(encoders, monkeypatch):
+    async def never_loads(self):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(Engine, "_load", never_loads)
+    settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy")
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/health").status_code == 200
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.json() == {"status": "loading", "reason": "loading model weights"}
+        r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and "retry-after" in r.headers
+    with client_for(encoders["tiny-qwen2.5-vl"]) as c:
+        c.app.state.engine.drain()
+        assert c.get("/ready").json()["status"] == "draining"
+        r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+
+
+def test_bad_request_does_not_fail_its_batch_neighbours(encoders):
+    """Requests sent in one batching window: the bad ones fail alone, the good ones get the right numbers."""
+    enc = encoders["tiny-qwen2.5-vl"]
+    direct = enc.encode(IMAGES)
+    with client_for(enc, max_batch_wait_ms=300) as c:
+        bodies = [{"input": [data_uri(x)]} for x in IMAGES] + [{"input": ["%%%"]},
+                                                               {"input": [data_uri(b"GIF89a broken")]}]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda b: c.post("/v1/embeddings", json=b), bodies))
+        assert [r.status_code for r in replies] == [200, 200, 200, 400, 400]
+        for r, d in zip(replies, direct):
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), d.embeddings.mean(0)) <= 1e-6
+        hist = c.get("/stats").json()["batch_size_histogram"]
+        assert any(int(k) >= 2 for k in hist), hist  # the good ones were batched together
+
+
+def test_batch_failure_fails_only_that_batch(encoders, monkeypatch):
+    enc = encoders["tiny-qwen2.5-vl"]
+    with client_for(enc) as c:
+        real_run = enc.runner.run
+        calls = []
+
+        def faulty(pixel_values, grids):
+            calls.append(len(grids))
+            if len(calls) == 1:
+                raise RuntimeError("injected fault")
+            return real_run(pixel_values, grids)
+
+        monkeypatch.setattr(enc.runner, "run", faulty)
+        r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "inference_failed"
+        assert "injected fault" in r.json()["error"]["message"]
+        assert c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}).status_code == 200
+
+
+def test_disconnected_client_is_dropped_from_the_queue(encoders):
+    enc = encoders["tiny-qwen2.5-vl"]
+
+    async def scenario():
+        settings = Settings(model=enc.name, max_batch_wait_ms=200)
+        engine = Engine(settings, encoder=enc)
+        await engine.start()
+        prepared = await engine.preprocess([IMAGES[0]])
+        gone = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(engine.infer(prepared, gone))
+        await asyncio.sleep(0.01)
+        gone.set_result(None)  # the client went away while its image waited for the batch
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        kept = await engine.infer(await engine.preprocess([IMAGES[1]]))
+        await engine.stop()
+        return engine, kept
+
+    engine, kept = asyncio.run(scenario())
+    dropped = engine.metrics.registry.get_sample_value("vitserve_dropped_images_total")
+    assert dropped == 1 and engine.metrics.registry.get_sample_value("vitserve_images_total") == 1
+    assert kept[0].future.result()[0].shape[0] == enc.encode([IMAGES[1]])[0].num_tokens
+
+
+def test_settings_from_env(monkeypatch):
+    import argparse
+
+    from service.settings import add_arguments, from_args
+
+    monkeypatch.setenv("VITSERVE_MODEL", "tiny-qwen2-vl")
+    monkeypatch.setenv("VITSERVE_MAX_BATCH_TOKENS", "1024")
+    monkeypatch.setenv("VITSERVE_ALLOW_URL_FETCH", "true")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    s = from_args(parser.parse_args(["--port", "9000"]))
+    assert (s.model, s.max_batch_tokens, s.allow_url_fetch, s.port) == ("tiny-qwen2-vl", 1024, True, 9000)
+    with pytest.raises(ValueError, match="model"):
+        Settings()
+    assert json.loads(json.dumps(s.__dict__))["model"] == "tiny-qwen2-vl"
