@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import VisionConfig
 from .plan import TowerInputs
 
@@ -21,14 +22,6 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-ACTIVATIONS = {
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
-}
-
-
 class RMSNorm(nn.Module):
     """Qwen2.5's RMSNorm: statistics in float32, weight applied in the input dtype (as transformers does)."""
 
@@ -37,14 +30,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    bias = None  # the fused kernels take (weight, bias, eps) for both norm kinds
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return kernels.norm(x, self.weight, None, self.eps)
 
 
-def layer_norm(dim: int) -> nn.LayerNorm:
-    return nn.LayerNorm(dim, eps=1e-6)
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.norm(x, self.weight, self.bias, self.eps)
+
+
+def layer_norm(dim: int) -> LayerNorm:
+    return LayerNorm(dim, eps=1e-6)
 
 
 def rms_norm(dim: int) -> RMSNorm:
@@ -58,10 +56,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(dim, round_up(hidden, MLP_ALIGN))
         self.fc2 = nn.Linear(round_up(hidden, MLP_ALIGN), dim)
-        self.act = ACTIVATIONS[act]
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return self.fc2(kernels.act(self.fc1(x), self.act))
 
 
 class GatedMLP(nn.Module):
@@ -72,11 +70,10 @@ class GatedMLP(nn.Module):
         self.hidden = round_up(hidden, MLP_ALIGN)
         self.gate_up = nn.Linear(dim, 2 * self.hidden)
         self.down = nn.Linear(self.hidden, dim)
-        self.act = ACTIVATIONS[act]
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.hidden, dim=-1)
-        return self.down(self.act(gate) * up)
+        return self.down(kernels.gated_act(self.gate_up(x), self.act))
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +81,6 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
     freqs = (positions.float()[:, :, None] * inv_freq).flatten(1)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [N, heads, head_dim] by per-row cos/sin, in float32 like transformers."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, seqlens: list[int] | None) -> torch.Tensor:
@@ -126,13 +115,15 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, seqlens) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        o = varlen_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cu_seqlens, max_seqlen, seqlens)
-        return self.proj(o.reshape(n, -1))
+        q, k, v = kernels.rotary_qk(self.qkv(x), cos, sin, self.num_heads)
+        o = varlen_attention(q, k, v, cu_seqlens, max_seqlen, seqlens)
+        return self.proj(o.reshape(x.shape[0], -1))
 
 
 class Block(nn.Module):
+    """Pre-norm block in residual-stream form: it takes the running residual and the previous block's output
+    (`delta`) and returns the new pair, so each residual add is fused with the norm that follows it."""
+
     def __init__(self, cfg: VisionConfig, norm, mlp: nn.Module):
         super().__init__()
         self.norm1 = norm(cfg.hidden_size)
@@ -140,9 +131,15 @@ class Block(nn.Module):
         self.attn = Attention(cfg.hidden_size, cfg.num_heads)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, seqlens) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen, seqlens)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, residual, delta, cos, sin, cu_seqlens, max_seqlen, seqlens):
+        n1, n2 = self.norm1, self.norm2
+        if delta is None:
+            h = kernels.norm(residual, n1.weight, n1.bias, n1.eps)
+        else:
+            residual, h = kernels.add_norm(residual, delta, n1.weight, n1.bias, n1.eps)
+        residual, h = kernels.add_norm(residual, self.attn(h, cos, sin, cu_seqlens, max_seqlen, seqlens),
+                                       n2.weight, n2.bias, n2.eps)
+        return residual, self.mlp(h)
 
 
 class PatchMerger(nn.Module):
@@ -158,7 +155,7 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(kernels.act(self.fc1(x), "gelu"))
 
 
 class VisionTower(nn.Module):
@@ -200,12 +197,12 @@ class VisionTower(nn.Module):
         cos, sin = rotary_cos_sin(inp.positions, self.inv_freq)
         full = (inp.cu_seqlens, inp.max_seqlen, inp.seqlens)
         window = (inp.cu_window_seqlens, inp.max_window_seqlen, inp.window_seqlens)
-        deepstack = []
+        deepstack, delta = [], None
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, *(full if i in self.full_attention_layers else window))
+            x, delta = block(x, delta, cos, sin, *(full if i in self.full_attention_layers else window))
             if i in self.deepstack_layers:
-                deepstack.append(self.deepstack_mergers[self.deepstack_layers[i]](x))
-        merged = self.merger(x)
+                deepstack.append(self.deepstack_mergers[self.deepstack_layers[i]](x + delta))
+        merged = self.merger(x + delta)
         if inp.token_order is not None:
             merged = merged[inp.token_order]
         return merged, deepstack
