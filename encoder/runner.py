@@ -77,6 +77,16 @@ class Batch:
 
 
 @dataclass
+class Launch:
+    """A call's work in flight: per replay, its image indices, plan and host outputs; `done` fires when the
+    device-to-host copies have landed (None on the CPU, where everything ran synchronously)."""
+
+    num_images: int
+    parts: list
+    done: object = None
+
+
+@dataclass
 class RunnerStats:
     budgets: dict[int, BudgetStats] = field(default_factory=dict)
     eager_fallbacks: int = 0
@@ -171,6 +181,13 @@ class GraphRunner:
     def run(self, pixel_values: torch.Tensor, grids) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """Encode a packed batch in transformers' processor layout; returns (tokens, deepstack list) per grid, in
         input order, on the CPU."""
+        return self.collect(self.launch(pixel_values, grids))
+
+    @torch.inference_mode()
+    def launch(self, pixel_values: torch.Tensor, grids) -> Launch:
+        """Enqueue a call's replays and their copies on the device and return at once: the caller can prepare and
+        launch the next call while these run (copies go through pinned memory, so nothing here waits for the GPU).
+        `collect` the returned Launch before launching twice more."""
         self._enter()
         try:
             grids = check_grids(grids, self.cfg)
@@ -180,15 +197,48 @@ class GraphRunner:
             if pixel_values.dim() != 2 or pixel_values.shape != (starts[-1], self.cfg.patch_dim):
                 raise ValueError(f"pixel_values must be [{starts[-1]}, {self.cfg.patch_dim}] for these grids, "
                                  f"got {tuple(pixel_values.shape)}")
-            results: list = [None] * len(grids)
+            parts = []
             for batch in self.pack(grids):
-                rows = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in batch.indices])
-                outs = self._run_batch([grids[i] for i in batch.indices], rows, batch.budget)
-                for i, out in zip(batch.indices, outs):
-                    results[i] = out
-            return results
+                n = sum(starts[i + 1] - starts[i] for i in batch.indices)
+                rows = torch.empty(n, pixel_values.shape[1], dtype=pixel_values.dtype, pin_memory=self._pin)
+                torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in batch.indices], out=rows)
+                plan, merged, deepstack = self._run_batch([grids[i] for i in batch.indices], rows, batch.budget)
+                parts.append((batch.indices, plan, self._to_host(merged, plan), [self._to_host(d, plan) for d in deepstack]))
+            done = None
+            if self._pin:
+                done = torch.cuda.Event()
+                done.record()
+            return Launch(len(grids), parts, done)
         finally:
             self._lock.release()
+
+    def collect(self, launch: Launch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Wait for a launch's copies to land; (tokens, deepstack list) per image, in input order, on the CPU."""
+        if launch.done is not None:
+            launch.done.synchronize()
+        results: list = [None] * launch.num_images
+        for indices, plan, merged, deepstack in launch.parts:
+            offsets = plan.token_offsets
+            for i, a, b in zip(indices, offsets, offsets[1:]):
+                results[i] = (merged[a:b], [d[a:b] for d in deepstack])
+        return results
+
+    @property
+    def _pin(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy without blocking the host: from pinned memory on CUDA (a pageable source would wait for the GPU)."""
+        dst.copy_(src.pin_memory() if self._pin and not src.is_pinned() else src, non_blocking=True)
+
+    def _to_host(self, out: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the pool."""
+        rows = out[:plan.num_tokens]
+        if not self._pin:
+            return rows
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        return host
 
     def _run_batch(self, grids, pixel_values: torch.Tensor, budget: int | None):
         if budget is None:
@@ -196,42 +246,46 @@ class GraphRunner:
             merged, deepstack = self.tower(to_device(plan, pixel_values, self.device, self.dtype))
             self.stats.eager_fallbacks += 1
             self.stats.eager_patches += plan.num_patches
+            return plan, merged, deepstack
+        plan = make_plan(grids, self.cfg, pad_to=budget)
+        inputs = self._load(plan, pixel_values, budget)
+        if self.use_graphs:
+            self.graphs[budget].replay()
+            merged, deepstack = self.outputs[budget]
         else:
-            plan = make_plan(grids, self.cfg, pad_to=budget)
-            inputs = self._load(plan, pixel_values, budget)
-            if self.use_graphs:
-                self.graphs[budget].replay()
-                merged, deepstack = self.outputs[budget]
-            else:
-                merged, deepstack = self.tower(inputs)
-            stats = self.stats.budgets[budget]
-            stats.replays += 1
-            stats.real_patches += plan.num_patches
-            stats.padded_patches += budget - plan.num_patches
-        return split(plan, merged, deepstack)
+            merged, deepstack = self.tower(inputs)
+        stats = self.stats.budgets[budget]
+        stats.replays += 1
+        stats.real_patches += plan.num_patches
+        stats.padded_patches += budget - plan.num_patches
+        return plan, merged, deepstack
 
     def _load(self, plan: BatchPlan, pixel_values: torch.Tensor, budget: int) -> TowerInputs:
-        """Write one plan into the static buffers and return the budget's views of them."""
-        s, n = self.static, plan.num_patches
-        s.pixel_values[:n].copy_(pixel_values)
+        """Write one plan into the static buffers (in stream order) and return the budget's views of them."""
+        s, n, h2d = self.static, plan.num_patches, self._h2d
+        if self._pin:  # an async copy of the rows as they are, then the cast to the model dtype on the device
+            rows = pixel_values if pixel_values.is_pinned() else pixel_values.pin_memory()
+            s.pixel_values[:n].copy_(rows.to(self.device, non_blocking=True))
+        else:
+            s.pixel_values[:n].copy_(pixel_values)
         s.pixel_values[n:budget].zero_()
-        s.positions[:budget].copy_(plan.positions)
+        h2d(s.positions[:budget], plan.positions)
         full = _padded_cu(plan.full.cu_seqlens, frame_capacity(budget))
-        s.cu_seqlens[:full.numel()].copy_(full)
+        h2d(s.cu_seqlens[:full.numel()], full)
         inputs = TowerInputs(
             pixel_values=s.pixel_values[:budget], positions=s.positions[:budget], cu_seqlens=s.cu_seqlens[:full.numel()],
             max_seqlen=budget, seqlens=None if self.use_graphs else _lengths(full))
         if plan.window is not None:
             window = _padded_cu(plan.window.cu_seqlens, window_capacity(budget))
-            s.cu_window_seqlens[:window.numel()].copy_(window)
-            s.patch_order[:budget].copy_(plan.patch_order)
-            s.token_order[:budget // self.cfg.merge_unit].copy_(plan.token_order)
+            h2d(s.cu_window_seqlens[:window.numel()], window)
+            h2d(s.patch_order[:budget], plan.patch_order)
+            h2d(s.token_order[:budget // self.cfg.merge_unit], plan.token_order)
             inputs.cu_window_seqlens, inputs.max_window_seqlen = s.cu_window_seqlens[:window.numel()], self.window_seqlen
             inputs.window_seqlens = None if self.use_graphs else _lengths(window)
             inputs.patch_order, inputs.token_order = s.patch_order[:budget], s.token_order[:budget // self.cfg.merge_unit]
         if plan.interp_indices is not None:
-            s.interp_indices[:budget].copy_(plan.interp_indices)
-            s.interp_weights[:budget].copy_(plan.interp_weights)
+            h2d(s.interp_indices[:budget], plan.interp_indices)
+            h2d(s.interp_weights[:budget], plan.interp_weights)
             inputs.interp_indices, inputs.interp_weights = s.interp_indices[:budget], s.interp_weights[:budget]
         return inputs
 
@@ -280,11 +334,3 @@ def _padded_cu(cu: torch.Tensor, capacity: int) -> torch.Tensor:
 
 def _lengths(cu: torch.Tensor) -> list[int]:
     return (cu[1:] - cu[:-1]).tolist()
-
-
-def split(plan: BatchPlan, merged: torch.Tensor, deepstack: list[torch.Tensor]):
-    """Copy the real rows to the CPU once (before the next replay reuses the pool), then slice per image."""
-    n, offsets = plan.num_tokens, plan.token_offsets
-    merged = merged[:n].cpu()
-    deepstack = [d[:n].cpu() for d in deepstack]
-    return [(merged[a:b], [d[a:b] for d in deepstack]) for a, b in zip(offsets, offsets[1:])]

@@ -6,6 +6,8 @@ on an asyncio queue -> the batcher gathers items from concurrent requests up to 
 resolved on the event loop, so every request gets exactly its own images back.
 
 While the worker runs one batch, new items queue up and form the next batch at once (dynamic batching under load).
+The worker keeps the GPU fed: it launches batch k+1 (planning, pinned copies, replay, all enqueued without waiting)
+before it collects batch k, so host-side work overlaps device work. At most two batches are in flight.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,8 +70,12 @@ class Engine:
         self.load_seconds = 0.0
         workers = settings.preprocess_workers or os.cpu_count() or 4
         self.preprocess_pool = ThreadPoolExecutor(workers, thread_name_prefix="vitserve-pre")
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="vitserve-gpu")  # the one thread using the runner
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
         self.queue: asyncio.Queue[WorkItem] | None = None
+        self._batches: queue.Queue = queue.Queue()  # batcher -> GPU worker thread
+        self._worker: threading.Thread | None = None
+        self._slots: asyncio.Semaphore | None = None  # batches in flight (launched, not yet collected)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0
         self.batch_sizes: dict[int, int] = {}
         self._tasks: list[asyncio.Task] = []
@@ -78,10 +86,16 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.queue = asyncio.Queue()
+        self.queue, self._slots, self._loop = asyncio.Queue(), asyncio.Semaphore(2), asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._batch_loop(), name="vitserve-batcher"))
         if self.encoder is None:
             self._tasks.append(asyncio.create_task(self._load(), name="vitserve-loader"))
+        else:
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        self._worker = threading.Thread(target=self._worker_loop, name="vitserve-gpu", daemon=True)
+        self._worker.start()
 
     async def _load(self) -> None:
         s = self.settings
@@ -90,12 +104,12 @@ class Engine:
             log.info("loading %s (%s) on %s as %s", s.model, s.load_format, self.device, self.dtype)
             budgets = s.budget_list()
             extra = {} if budgets is None else {"budgets": budgets}
-            encoder = await asyncio.get_running_loop().run_in_executor(self.worker, lambda: VisionEncoder.from_pretrained(
+            encoder = await asyncio.get_running_loop().run_in_executor(self.loader, lambda: VisionEncoder.from_pretrained(
                 s.model, device=self.device, dtype=self.dtype, load_format=s.load_format, revision=s.revision,
                 min_pixels=s.min_pixels, max_pixels=s.max_pixels, capture=False, **extra))
             log.info("loaded in %.2f s; capturing CUDA graphs", time.perf_counter() - start)
             self.state = "capturing"
-            await asyncio.get_running_loop().run_in_executor(self.worker, encoder.capture)
+            await asyncio.get_running_loop().run_in_executor(self.loader, encoder.capture)
         except Exception as e:  # reported on /health and /ready; the CLI exits non-zero
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             log.error("model load failed: %s", self.error)
@@ -104,6 +118,7 @@ class Engine:
             return
         self.encoder = encoder
         self.metrics.watch_runner(encoder.runner.stats.as_dict)
+        self._start_worker()
         self.load_seconds = time.perf_counter() - start
         if self.state == "capturing":
             self.state = "ready"
@@ -120,7 +135,10 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.worker.shutdown(wait=True)
+        if self._worker is not None:
+            self._batches.put(None)  # the worker finishes what it holds, then exits
+            await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
+        self.loader.shutdown(wait=True)
         self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- admission -----------------------------------------------------------------------------------------------
@@ -189,6 +207,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         carry: WorkItem | None = None
         while True:
+            await self._slots.acquire()  # while two batches are in flight, images pile up for a bigger next one
             first = carry or await self.queue.get()
             carry, batch, patches = None, [first], first.patches
             deadline = loop.time() + wait
@@ -210,39 +229,77 @@ class Engine:
             self.metrics.queue_depth.set(self.queue.qsize() + (carry is not None))
             live = [item for item in batch if not item.cancelled and not item.future.done()]
             self.metrics.dropped.inc(len(batch) - len(live))
-            if live:
-                await self._run(live)
+            if not live:
+                self._slots.release()
+                continue
+            start = time.perf_counter()
+            for item in live:
+                item.queue_s = start - item.enqueued
+                self.metrics.queue_seconds.observe(item.queue_s)
+            self._batches.put((live, start))
 
-    async def _run(self, batch: list[WorkItem]) -> None:
-        start = time.perf_counter()
-        for item in batch:
-            item.queue_s = start - item.enqueued
-            self.metrics.queue_seconds.observe(item.queue_s)
-        grids = [item.grid for item in batch]
+    def _worker_loop(self) -> None:
+        """The one thread that uses the runner: launch the next batch before collecting the previous one."""
+        if self.encoder.device.type == "cuda":
+            torch.cuda.set_device(self.encoder.device)
+        pending = None
+        while True:
+            try:
+                job = self._batches.get(block=pending is None)
+            except queue.Empty:
+                job = False
+            if job is None:  # stop
+                if pending is not None:
+                    self._collect(*pending)
+                return
+            launched = None
+            if job:
+                batch, start = job
+                try:
+                    launch = self.encoder.runner.launch(torch.cat([i.pixel_values for i in batch]),
+                                                        [i.grid for i in batch])
+                    launched = (batch, start, launch)
+                except Exception as e:
+                    self._finish(batch, error=self._error_for(e, batch))
+            if pending is not None:
+                self._collect(*pending)
+            pending = launched
+
+    def _collect(self, batch: list[WorkItem], start: float, launch) -> None:
         try:
-            outputs = await asyncio.get_running_loop().run_in_executor(
-                self.worker, lambda: self.encoder.runner.run(torch.cat([i.pixel_values for i in batch]), grids))
-        except torch.OutOfMemoryError as e:
-            error = ServiceError(507, f"the device ran out of memory for this batch ({sum(i.patches for i in batch)} "
-                                      f"patches); retry with fewer or smaller images", "out_of_memory")
+            outputs = self.encoder.runner.collect(launch)
+        except Exception as e:
+            self._finish(batch, error=self._error_for(e, batch))
+        else:
+            self._finish(batch, outputs=outputs, seconds=time.perf_counter() - start)
+
+    def _error_for(self, e: Exception, batch: list[WorkItem]) -> ServiceError:
+        if isinstance(e, torch.OutOfMemoryError):
             log.warning("OOM on a batch of %d images: %s", len(batch), e)
-            self._fail(batch, error)
-            return
-        except Exception as e:  # a fault in the batch fails only its own requests; the worker keeps running
-            log.exception("batch of %d images failed", len(batch))
-            self._fail(batch, ServiceError(500, f"inference failed for this batch: {type(e).__name__}: {e}",
-                                           "inference_failed"))
-            return
-        seconds = time.perf_counter() - start
-        self.metrics.inference_seconds.observe(seconds)
-        self.metrics.batch_tokens.observe(sum(i.patches for i in batch) // 4)
-        self.metrics.batch_images.observe(len(batch))
-        self.metrics.images.inc(len(batch))
-        self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
-        for item, output in zip(batch, outputs):
-            item.inference_s = seconds
-            if not item.future.done():
-                item.future.set_result(output)
+            return ServiceError(507, f"the device ran out of memory for this batch ({sum(i.patches for i in batch)} "
+                                     f"patches); retry with fewer or smaller images", "out_of_memory")
+        log.error("batch of %d images failed", len(batch), exc_info=e)  # only its own requests fail
+        return ServiceError(500, f"inference failed for this batch: {type(e).__name__}: {e}", "inference_failed")
+
+    def _finish(self, batch, outputs=None, seconds: float = 0.0, error: ServiceError | None = None) -> None:
+        """From the worker thread: resolve the batch's futures on the event loop and free its slot."""
+
+        def resolve():
+            self._slots.release()
+            if error is not None:
+                self._fail(batch, error)
+                return
+            self.metrics.inference_seconds.observe(seconds)
+            self.metrics.batch_tokens.observe(sum(i.patches for i in batch) // 4)
+            self.metrics.batch_images.observe(len(batch))
+            self.metrics.images.inc(len(batch))
+            self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+            for item, output in zip(batch, outputs):
+                item.inference_s = seconds
+                if not item.future.done():
+                    item.future.set_result(output)
+
+        self._loop.call_soon_threadsafe(resolve)
 
     @staticmethod
     def _fail(batch: list[WorkItem], error: ServiceError) -> None:
