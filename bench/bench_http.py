@@ -1,0 +1,179 @@
+"""End-to-end benchmark (issue 5): the real HTTP server against the engine alone, on the same mix of real image files.
+
+1. CPU cost per image (this process): decode, resize, normalize + patchify, response serialization.
+2. Engine-only throughput: preprocessed images through the runner in server-sized batches, pipelined like the
+   server's worker (launch the next batch before collecting the last).
+3. `vitserve serve` as a subprocess, driven by concurrent asyncio clients: throughput and p50/p99 latency at low load
+   (one client) and at saturating load.
+Images: the photos shipped by scikit-image (`skimage.data`) when importable, else examples/ resized.
+
+    PYTHONPATH=$PWD python3 bench/bench_http.py --out bench_http.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import glob
+import io
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from PIL import Image
+
+from encoder import VisionEncoder
+from encoder.preprocess import _resized_rgb_array, load_image, preprocess_image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def image_files() -> list[tuple[str, bytes]]:
+    try:
+        import skimage
+
+        paths = sorted(glob.glob(os.path.join(os.path.dirname(skimage.__file__), "data", "*.[pj][np]g")))
+    except ImportError:
+        paths = []
+    files = [(os.path.basename(p), open(p, "rb").read()) for p in paths if os.path.getsize(p) < 8 * 2**20]
+    if len(files) < 4:  # fallback: the shipped sample at several sizes, as JPEG and PNG
+        base = Image.open(ROOT / "examples" / "sample.jpg")
+        for i, (w, h) in enumerate([(224, 224), (640, 480), (1024, 768), (300, 900), (1280, 720), (512, 512)]):
+            buf = io.BytesIO()
+            base.resize((w, h)).save(buf, "PNG" if i % 2 else "JPEG")
+            files.append((f"sample-{w}x{h}", buf.getvalue()))
+    return files
+
+
+def cpu_costs(enc: VisionEncoder, files) -> dict:
+    cfg, rows = enc.preprocess_config, []
+    for _, data in files:
+        t0 = time.perf_counter()
+        img = load_image(data)
+        t1 = time.perf_counter()
+        _resized_rgb_array(img, cfg)
+        t2 = time.perf_counter()
+        pixels, grid = preprocess_image(img, cfg)
+        t3 = time.perf_counter()
+        tokens = torch.randn(grid[1] * grid[2] // 4, enc.config.out_hidden_size)
+        t4 = time.perf_counter()
+        json.dumps({"data": [{"embedding": base64.b64encode(tokens.mean(0).numpy().tobytes()).decode()}]})
+        json.dumps({"data": [{"embedding": base64.b64encode(tokens.numpy().tobytes()).decode()}]})
+        t5 = time.perf_counter()
+        rows.append(dict(decode=t1 - t0, resize=t2 - t1, normalize_patchify=(t3 - t2) - (t2 - t1),
+                         serialize=t5 - t4))
+    return {k: 1e3 * statistics.mean(r[k] for r in rows) for k in rows[0]}
+
+
+def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: int) -> float:
+    prepared = [preprocess_image(load_image(data), enc.preprocess_config) for _, data in files]
+    batches, batch, patches = [], [], 0
+    for i in range(images):
+        rows, grid = prepared[i % len(prepared)]
+        if batch and patches + rows.shape[0] > max_batch_tokens * 4:
+            batches.append(batch)
+            batch, patches = [], 0
+        batch.append((torch.from_numpy(rows), grid))
+        patches += rows.shape[0]
+    batches.append(batch)
+    runner = enc.runner
+
+    def run_all():
+        pending = None
+        for b in batches:
+            launch = runner.launch(torch.cat([r for r, _ in b]), [g for _, g in b])
+            if pending is not None:
+                runner.collect(pending)
+            pending = launch
+        runner.collect(pending)
+
+    run_all()  # warm
+    t = time.perf_counter()
+    run_all()
+    return images / (time.perf_counter() - t)
+
+
+async def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int) -> dict:
+    latencies, failures = [], 0
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=300,
+                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def one(i):
+            nonlocal failures
+            async with sem:
+                t = time.perf_counter()
+                r = await client.post("/v1/embeddings", json={"model": model, "input": [uris[i % len(uris)]],
+                                                              "encoding_format": "base64"})
+                latencies.append(time.perf_counter() - t)
+                failures += r.status_code != 200
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        wall = time.perf_counter() - start
+    lat = np.array(latencies) * 1e3
+    return dict(requests=requests, concurrency=concurrency, failures=failures, images_per_s=requests / wall,
+                p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="Qwen/Qwen2.5-VL-7B-Instruct")
+    ap.add_argument("--requests", type=int, default=768)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-batch-tokens", type=int, default=4096)
+    ap.add_argument("--port", type=int, default=8766)
+    ap.add_argument("--out", default="bench_http.json")
+    args = ap.parse_args()
+    files = image_files()
+    enc = VisionEncoder.from_pretrained(args.model, device="cuda", dtype="bfloat16", load_format="dummy")
+    costs = cpu_costs(enc, files)
+    engine = engine_throughput(enc, files, args.requests, args.max_batch_tokens)
+    grids = [preprocess_image(load_image(d), enc.preprocess_config)[1] for _, d in files]
+    del enc
+    torch.cuda.empty_cache()
+    print(f"{len(files)} images ({', '.join(n for n, _ in files)}); grids {grids}")
+    print("CPU ms per image: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
+    print(f"engine only: {engine:.1f} images/s")
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--load-format",
+                               "dummy", "--device", "cuda:0", "--host", "127.0.0.1", "--port", str(args.port),
+                               "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "warning"],
+                              cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
+        asyncio.run(drive(url, uris, args.model, 32, 8))  # warm-up
+        low = asyncio.run(drive(url, uris, args.model, 64, 1))
+        high = asyncio.run(drive(url, uris, args.model, args.requests, args.concurrency))
+        stats = httpx.get(url + "/stats").json()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    for name, r in (("low load (1 client)", low), (f"saturating ({args.concurrency} clients)", high)):
+        print(f"{name:24s} {r['images_per_s']:7.1f} images/s  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  "
+              f"failures {r['failures']}")
+    print(f"HTTP / engine-only throughput: {high['images_per_s'] / engine:.1%}")
+    json.dump(dict(model=args.model, device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
+                   images=[n for n, _ in files], grids=grids, cpu_ms_per_image=costs, engine_images_per_s=engine,
+                   low_load=low, saturating=high, http_over_engine=high["images_per_s"] / engine,
+                   batch_size_histogram=stats["batch_size_histogram"]), open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
