@@ -66,7 +66,8 @@ def tower_flops(cfg, grids) -> float:
 
 
 def register_varlen_attention() -> str:
-    """transformers' attention interface backed by torch's flash varlen kernel (its name must contain "flash")."""
+    """Back transformers' "flash_attention_2" entry with torch's flash varlen kernel (the flash-attn package is not
+    installed); towers are built with sdpa and switched to it afterwards (`use_varlen`), skipping the package check."""
     from torch.nn.attention.varlen import varlen_attn
     from transformers import AttentionInterface
 
@@ -76,8 +77,13 @@ def register_varlen_attention() -> str:
         m = max_length_q if isinstance(max_length_q, int) else _MAX[0]
         return varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, m, m).unsqueeze(0), None
 
-    AttentionInterface.register("torch_flash_varlen", attention)
-    return "torch_flash_varlen"
+    AttentionInterface.register("flash_attention_2", attention)
+    return "flash_attention_2"
+
+
+def use_varlen(tower, name: str):
+    tower.config._attn_implementation_internal = name
+    return tower
 
 
 def hf_module_forward(tower, cfg, px, grids):
@@ -148,7 +154,7 @@ def main():
         cfg, runner = enc.config, enc.runner
         tensors = dummy_tensors(cfg, 0, "cuda")
         hf_eager = hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16)
-        hf_flash = hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16, attn=attn)
+        hf_flash = use_varlen(hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16), attn)
         del tensors
         print(f"\n{name}: load + capture {startup[name]['seconds']:.1f} s (capture {runner.stats.capture_seconds:.2f} s,"
               f" pool {runner.stats.pool_bytes / 2**20:.0f} MiB)\n{header}")

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from encoder import VisionEncoder
-from encoder.preprocess import _resized_rgb_array, load_image, preprocess_image
+from encoder.preprocess import resize_rgb, load_image, preprocess_image
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def cpu_costs(enc: VisionEncoder, files) -> dict:
         t0 = time.perf_counter()
         img = load_image(data)
         t1 = time.perf_counter()
-        _resized_rgb_array(img, cfg)
+        resize_rgb(img, cfg)
         t2 = time.perf_counter()
         pixels, grid = preprocess_image(img, cfg)
         t3 = time.perf_counter()

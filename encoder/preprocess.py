@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps
 
 __all__ = [
@@ -408,7 +407,7 @@ def _open_and_decode(fp: Any, max_image_pixels: int, what: str) -> Image.Image:
 
 
 @functools.lru_cache(maxsize=32)
-def _normalize_lut(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+def normalize_lut(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     """(3, 256) float32: transformers' rescale+normalize of every uint8 value, per channel.
 
     rescale: ``(x.astype(float64) * (1/255)).astype(float32)``; normalize: float32
@@ -439,7 +438,7 @@ def _patchify_into(rgb: np.ndarray, cfg: PreprocessConfig, out: np.ndarray) -> N
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     height, width, channels = rgb.shape
     bh, bw = height // (p * m), width // (p * m)
-    lut = _normalize_lut(cfg.image_mean, cfg.image_std)
+    lut = normalize_lut(cfg.image_mean, cfg.image_std)
     # (bh, m, p, bw, m, p, C) -> (bh, bw, m_h, m_w, C, p_h, p_w)
     view = rgb.reshape(bh, m, p, bw, m, p, channels).transpose(0, 3, 1, 4, 6, 2, 5)
     dst = out.view()
@@ -453,7 +452,9 @@ def _patchify_into(rgb: np.ndarray, cfg: PreprocessConfig, out: np.ndarray) -> N
             tgt[:, :, :, :, c] = lut[c][src[:, :, :, :, c]][:, :, :, :, None]
 
 
-def _resized_rgb_array(image: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
+def resize_rgb(image: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
+    """An image as the (H, W, 3) uint8 array the patches are cut from (smart_resize + PIL bicubic). The server ships
+    these, 8x smaller than float patch rows, and normalizes + patchifies on the device (runner.launch_images)."""
     if not isinstance(image, Image.Image):
         raise TypeError(f"expected a PIL.Image.Image, got {type(image).__name__}")
     if image.mode != "RGB" or image.info.get("transparency") is not None:
@@ -474,14 +475,14 @@ def preprocess_image(image: Image.Image, cfg: PreprocessConfig) -> tuple[np.ndar
     image, then rescale/normalize/patchify bit-identical to ``Qwen2VLImageProcessorPil``.
     A non-RGB image is first converted like ``load_image`` does (no EXIF/frame handling).
     """
-    arr = _resized_rgb_array(image, cfg)
+    arr = resize_rgb(image, cfg)
     gh, gw = arr.shape[0] // cfg.patch_size, arr.shape[1] // cfg.patch_size
     out = np.empty((gh * gw, cfg.patch_dim), dtype=np.float32)
     _patchify_into(arr, cfg, out)
     return out, (1, gh, gw)
 
 
-def preprocess(images: Sequence[Any] | Iterable[Any], cfg: PreprocessConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def preprocess(images: Sequence[Any] | Iterable[Any], cfg: PreprocessConfig) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Batch version of ``preprocess_image``, laid out like the transformers processor output.
 
     Returns ``pixel_values`` float32 ``[sum(gh*gw), patch_dim]`` (images concatenated in
@@ -495,7 +496,7 @@ def preprocess(images: Sequence[Any] | Iterable[Any], cfg: PreprocessConfig) -> 
     for item in images:
         if not isinstance(item, Image.Image):
             item = load_image(item, max_image_pixels=cfg.max_image_pixels)
-        arrays.append(_resized_rgb_array(item, cfg))
+        arrays.append(resize_rgb(item, cfg))
     p = cfg.patch_size
     grids = np.array([(1, a.shape[0] // p, a.shape[1] // p) for a in arrays], dtype=np.int64).reshape(-1, 3)
     rows = [int(g[1] * g[2]) for g in grids]
@@ -504,4 +505,6 @@ def preprocess(images: Sequence[Any] | Iterable[Any], cfg: PreprocessConfig) -> 
     for arr, n in zip(arrays, rows):
         _patchify_into(arr, cfg, out[offset : offset + n])
         offset += n
+    import torch  # here only: decode/resize worker processes import this module without torch
+
     return torch.from_numpy(out), torch.from_numpy(grids)

@@ -22,10 +22,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .config import VisionConfig
-from .plan import BatchPlan, TowerInputs, check_grids, grid_patches, make_plan, to_device
+from .plan import BatchPlan, TowerInputs, _block_order, check_grids, grid_patches, make_plan, to_device
 
 log = logging.getLogger("vitserve.runner")
 
@@ -81,9 +82,13 @@ class Launch:
     """A call's work in flight: per replay, its image indices, plan and host outputs; `done` fires when the
     device-to-host copies have landed (None on the CPU, where everything ran synchronously)."""
 
-    num_images: int
+    grids: list
     parts: list
     done: object = None
+
+    @property
+    def num_images(self) -> int:
+        return len(self.grids)
 
 
 @dataclass
@@ -188,29 +193,76 @@ class GraphRunner:
         """Enqueue a call's replays and their copies on the device and return at once: the caller can prepare and
         launch the next call while these run (copies go through pinned memory, so nothing here waits for the GPU).
         `collect` the returned Launch before launching twice more."""
+        grids = check_grids(grids, self.cfg)
+        starts = [0]
+        for g in grids:
+            starts.append(starts[-1] + grid_patches(g))
+        if pixel_values.dim() != 2 or pixel_values.shape != (starts[-1], self.cfg.patch_dim):
+            raise ValueError(f"pixel_values must be [{starts[-1]}, {self.cfg.patch_dim}] for these grids, "
+                             f"got {tuple(pixel_values.shape)}")
+
+        def rows_for(indices: list[int], n: int) -> torch.Tensor:
+            rows = torch.empty(n, pixel_values.shape[1], dtype=pixel_values.dtype, pin_memory=self._pin)
+            return torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in indices], out=rows)
+
+        return self._launch(grids, rows_for)
+
+    @torch.inference_mode()
+    def launch_images(self, images: list, pixel_lut) -> Launch:
+        """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size, from
+        preprocess.resize_rgb): 8x fewer bytes to copy, and normalize + patchify run on the device through
+        `pixel_lut` ([3, 256] float32, preprocess.normalize_lut), giving exactly preprocess()'s values."""
+        arrays = [a.numpy() if torch.is_tensor(a) else np.asarray(a) for a in images]
+        p = self.cfg.patch_size
+        bad = [tuple(a.shape) for a in arrays if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3
+               or a.shape[0] % p or a.shape[1] % p]
+        if bad:
+            raise ValueError(f"images must be uint8 [H, W, 3] with sides multiples of {p}; got {bad[:3]}")
+        grids = check_grids([(1, a.shape[0] // p, a.shape[1] // p) for a in arrays], self.cfg)
+        lut = torch.tensor(np.asarray(pixel_lut, dtype=np.float32).reshape(-1), device=self.device)
+        return self._launch(grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut))
+
+    def _launch(self, grids, rows_for) -> Launch:
         self._enter()
         try:
-            grids = check_grids(grids, self.cfg)
-            starts = [0]
-            for g in grids:
-                starts.append(starts[-1] + grid_patches(g))
-            if pixel_values.dim() != 2 or pixel_values.shape != (starts[-1], self.cfg.patch_dim):
-                raise ValueError(f"pixel_values must be [{starts[-1]}, {self.cfg.patch_dim}] for these grids, "
-                                 f"got {tuple(pixel_values.shape)}")
             parts = []
             for batch in self.pack(grids):
-                n = sum(starts[i + 1] - starts[i] for i in batch.indices)
-                rows = torch.empty(n, pixel_values.shape[1], dtype=pixel_values.dtype, pin_memory=self._pin)
-                torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in batch.indices], out=rows)
-                plan, merged, deepstack = self._run_batch([grids[i] for i in batch.indices], rows, batch.budget)
+                n = sum(grid_patches(grids[i]) for i in batch.indices)
+                plan, merged, deepstack = self._run_batch([grids[i] for i in batch.indices],
+                                                          rows_for(batch.indices, n), batch.budget)
                 parts.append((batch.indices, plan, self._to_host(merged, plan), [self._to_host(d, plan) for d in deepstack]))
             done = None
             if self._pin:
                 done = torch.cuda.Event()
                 done.record()
-            return Launch(len(grids), parts, done)
+            return Launch(grids, parts, done)
         finally:
             self._lock.release()
+
+    def _device_rows(self, arrays: list[np.ndarray], n: int, lut: torch.Tensor) -> torch.Tensor:
+        """Patch rows [n, patch_dim] in the model dtype, cut on the device from the images' uint8 pixels: each row
+        gathers its p x p x 3 pixels (merge-block order, like the processor), maps them through the normalization
+        table and repeats the frame over the temporal patch."""
+        p, m, t = self.cfg.patch_size, self.cfg.spatial_merge_size, self.cfg.temporal_patch_size
+        raw = torch.empty(sum(a.size for a in arrays), dtype=torch.uint8, pin_memory=self._pin)
+        np.concatenate([a.reshape(-1) for a in arrays], out=raw.numpy())
+        base, stride, offset = np.empty(n, np.int32), np.empty(n, np.int32), 0
+        row = 0
+        for a in arrays:
+            h, w = a.shape[0] // p, a.shape[1] // p
+            rows, cols = _block_order(h, w, m)
+            base[row:row + h * w] = offset + (rows * p * a.shape[1] + cols * p) * 3
+            stride[row:row + h * w] = a.shape[1] * 3
+            offset, row = offset + a.size, row + h * w
+        raw_d, base_d, stride_d = (x.to(self.device, non_blocking=True) for x in (
+            raw, *(torch.from_numpy(v).pin_memory() if self._pin else torch.from_numpy(v) for v in (base, stride))))
+        k = torch.arange(p, device=self.device, dtype=torch.int32)
+        c = torch.arange(3, device=self.device, dtype=torch.int32)[None, :, None, None]
+        index = base_d[:, None, None, None] + stride_d[:, None, None, None] * k[:, None] + (k * 3)[None, :] + c
+        values = lut[c * 256 + raw_d[index].int()]  # [n, 3, p, p] float32
+        out = torch.empty(n, 3, t, p, p, dtype=self.dtype, device=self.device)
+        out.copy_(values[:, :, None].expand(n, 3, t, p, p))
+        return out.view(n, -1)
 
     def collect(self, launch: Launch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """Wait for a launch's copies to land; (tokens, deepstack list) per image, in input order, on the CPU."""
@@ -263,7 +315,7 @@ class GraphRunner:
     def _load(self, plan: BatchPlan, pixel_values: torch.Tensor, budget: int) -> TowerInputs:
         """Write one plan into the static buffers (in stream order) and return the budget's views of them."""
         s, n, h2d = self.static, plan.num_patches, self._h2d
-        if self._pin:  # an async copy of the rows as they are, then the cast to the model dtype on the device
+        if self._pin and pixel_values.device.type == "cpu":  # async copy as they are, then the cast on the device
             rows = pixel_values if pixel_values.is_pinned() else pixel_values.pin_memory()
             s.pixel_values[:n].copy_(rows.to(self.device, non_blocking=True))
         else:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from PIL import Image
 
 from . import checkpoint
 from .config import VisionConfig, builtin_config
-from .preprocess import PreprocessConfig, preprocess
+from .preprocess import PreprocessConfig, load_image, normalize_lut, preprocess, resize_rgb
 from .runner import DEFAULT_BUDGETS, GraphRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -102,7 +103,15 @@ class VisionEncoder:
         return preprocess(list(images), self.preprocess_config)
 
     def encode(self, images) -> list[EncodedImage]:
-        return self.encode_pixels(*self.preprocess(images))
+        """PIL images, encoded bytes or paths -> one result per image, in order. Only decoding and resizing run
+        on the host; normalization and patchify run where the model does (the server's path too)."""
+        arrays = [resize_rgb(load_image(x) if not isinstance(x, Image.Image) else x, self.preprocess_config)
+                  for x in images]
+        return self.collect(self.runner.launch_images(arrays, normalize_lut(self.preprocess_config.image_mean, self.preprocess_config.image_std)))
+
+    def collect(self, launch) -> list[EncodedImage]:
+        return [EncodedImage(tokens, grid, deepstack or None) for grid, (tokens, deepstack)
+                in zip(launch.grids, self.runner.collect(launch))]
 
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw) -> list[EncodedImage]:
         """Encode a packed batch (transformers' processor layout); one result per grid, in order."""

@@ -203,6 +203,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if content_type.startswith("multipart/form-data"):
             form = await request.form(max_files=settings.max_images_per_request + 1, max_fields=64)
             images = [await v.read() for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            await form.close()
             if not images:
                 raise ServiceError(400, "multipart body has no file parts", "no_images", "images")
             body = EncodeRequest(images=["x"] * len(images), dtype=form.get("dtype") or request.query_params.get(

@@ -57,10 +57,13 @@ def test_rotary_qk(dtype, heads, hd):
 @pytest.mark.parametrize("kind", ["quick_gelu", "gelu_pytorch_tanh", "silu"])
 def test_act(dtype, kind):
     x = rand(777, 4352, dtype=dtype, scale=4)
-    torch.testing.assert_close(kernels.act(x, kind), reference(kernels.act, x, kind))
+    eps = torch.finfo(dtype).eps  # fp32 inside with one final rounding: within two rounding steps of torch's
+    torch.testing.assert_close(kernels.act(x, kind), reference(kernels.act, x, kind), rtol=2 * eps, atol=2 * eps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     x = rand(1234, 2 * 3456, dtype=dtype, scale=3)
-    torch.testing.assert_close(kernels.gated_act(x, "silu"), reference(kernels.gated_act, x, "silu"))
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(kernels.gated_act(x, "silu"), reference(kernels.gated_act, x, "silu"),
+                               rtol=2 * eps, atol=2 * eps)

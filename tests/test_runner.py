@@ -150,3 +150,25 @@ def test_stats_dict(encoders):
 def test_budgets_validated(checkpoints):
     with pytest.raises(ValueError, match="multiples of 16"):
         VisionEncoder.from_pretrained(checkpoints["qwen2_vl"][0], budgets=(100,))
+
+
+def test_uint8_images_path_equals_float_rows(encoders):
+    """Normalize + patchify on the device (launch_images, the server's path) gives exactly preprocess()'s rows."""
+    import numpy as np
+    from PIL import Image
+
+    from encoder.preprocess import normalize_lut
+
+    enc = encoders["qwen3_vl"]
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(256, 320), (288, 256)]]
+    via_rows = enc.encode_pixels(*enc.preprocess(images))
+    via_images = enc.encode(images)
+    for a, b in zip(via_rows, via_images):
+        assert a.grid_thw == b.grid_thw and torch.equal(a.embeddings, b.embeddings)
+        assert all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack))
+    lut = normalize_lut(enc.preprocess_config.image_mean, enc.preprocess_config.image_std)
+    with pytest.raises(ValueError, match="uint8"):
+        enc.runner.launch_images([np.zeros((30, 32, 3), np.uint8)], lut)
+    with pytest.raises(ValueError, match="uint8"):
+        enc.runner.launch_images([np.zeros((32, 32, 3), np.float32)], lut)

@@ -23,3 +23,15 @@ def test_graph_replay_equals_eager(name):
         for a, b in zip(graph, eager):
             assert torch.isfinite(a.embeddings).all()
             assert torch.allclose(a.embeddings.float(), b.embeddings.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_uint8_path_equals_float_path_on_gpu():
+    import numpy as np
+    from PIL import Image
+
+    enc = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", load_format="dummy",
+                                        budgets=(256, 1024, 4096))
+    rng = np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(224, 336), (448, 448)]]
+    for a, b in zip(enc.encode_pixels(*enc.preprocess(images)), enc.encode(images)):
+        assert torch.equal(a.embeddings, b.embeddings)

@@ -242,16 +242,16 @@ def test_bad_request_does_not_fail_its_batch_neighbours(encoders):
 def test_batch_failure_fails_only_that_batch(encoders, monkeypatch):
     enc = encoders["tiny-qwen2.5-vl"]
     with client_for(enc) as c:
-        real_launch = enc.runner.launch
+        real_launch = enc.runner.launch_images
         calls = []
 
-        def faulty(pixel_values, grids):
-            calls.append(len(grids))
+        def faulty(images, lut):
+            calls.append(len(images))
             if len(calls) == 1:
                 raise RuntimeError("injected fault")
-            return real_launch(pixel_values, grids)
+            return real_launch(images, lut)
 
-        monkeypatch.setattr(enc.runner, "launch", faulty)
+        monkeypatch.setattr(enc.runner, "launch_images", faulty)
         r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
         assert r.status_code == 500 and r.json()["error"]["code"] == "inference_failed"
         assert "injected fault" in r.json()["error"]["message"]
