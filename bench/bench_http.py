@@ -110,7 +110,7 @@ def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: 
     return images / (time.perf_counter() - t)
 
 
-async def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int) -> dict:
+async def _drive(url: str, uris: list[str], model: str, indices: list[int], concurrency: int) -> list:
     latencies, failures = [], 0
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=300,
@@ -124,11 +124,31 @@ async def drive(url: str, uris: list[str], model: str, requests: int, concurrenc
                 latencies.append(time.perf_counter() - t)
                 failures += r.status_code != 200
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(requests)))
-        wall = time.perf_counter() - start
-    lat = np.array(latencies) * 1e3
-    return dict(requests=requests, concurrency=concurrency, failures=failures, images_per_s=requests / wall,
+        await asyncio.gather(*(one(i) for i in indices))
+    return [latencies, failures]
+
+
+def _client_process(args):
+    return asyncio.run(_drive(*args))
+
+
+def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int, processes: int = 1) -> dict:
+    """`requests` at `concurrency`, from several client processes so the client's own GIL is not the limit."""
+    import multiprocessing
+
+    processes = max(1, min(processes, concurrency))
+    shares = [list(range(requests))[k::processes] for k in range(processes)]
+    jobs = [(url, uris, model, share, max(1, concurrency // processes)) for share in shares]
+    start = time.perf_counter()
+    if processes == 1:
+        results = [_client_process(jobs[0])]
+    else:
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            results = pool.map(_client_process, jobs)
+    wall = time.perf_counter() - start
+    lat = np.array([x for r in results for x in r[0]]) * 1e3
+    return dict(requests=requests, concurrency=concurrency, client_processes=processes,
+                failures=sum(r[1] for r in results), images_per_s=requests / wall,
                 p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)))
 
 
@@ -139,6 +159,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
     ap.add_argument("--port", type=int, default=8766)
+    ap.add_argument("--client-processes", type=int, default=4)
+    ap.add_argument("--profile", default=None, help="py-spy raw profile of the server under saturating load")
     ap.add_argument("--out", default="bench_http.json")
     args = ap.parse_args()
     files = image_files()
@@ -166,9 +188,18 @@ def main():
                 pass
             time.sleep(0.2)
         uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
-        asyncio.run(drive(url, uris, args.model, 32, 8))  # warm-up
-        low = asyncio.run(drive(url, uris, args.model, 64, 1))
-        high = asyncio.run(drive(url, uris, args.model, args.requests, args.concurrency))
+        drive(url, uris, args.model, 32, 8)  # warm-up
+        low = drive(url, uris, args.model, 64, 1)
+        spy = None
+        if args.profile:
+            import shutil
+
+            exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
+            spy = subprocess.Popen([exe, "record", "--pid", str(server.pid), "--duration", "6", "--format", "raw",
+                                    "--output", args.profile, "--nonblocking", "--threads"])
+        high = drive(url, uris, args.model, args.requests, args.concurrency, args.client_processes)
+        if spy is not None:
+            spy.wait(timeout=60)
         stats = httpx.get(url + "/stats").json()
     finally:
         server.send_signal(signal.SIGTERM)

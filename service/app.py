@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import hmac
 import json
 from contextlib import asynccontextmanager
@@ -17,6 +16,8 @@ from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from safetensors.torch import save as safetensors_save
 from starlette.datastructures import UploadFile
+
+from encoder.preprocess import Base64Data
 
 from . import fetch
 from .engine import Engine
@@ -86,7 +87,7 @@ class Gate:
         await response(scope, receive, send)
 
 
-def decode_input(item: str, index: int, allow_url: bool) -> bytes | str:
+def decode_input(item: str, index: int, allow_url: bool) -> Base64Data | str:
     """A data URI, bare base64, or (when enabled) an http(s) URL left for the fetcher."""
     param = f"input[{index}]"
     if item.startswith(("http://", "https://")):
@@ -101,13 +102,9 @@ def decode_input(item: str, index: int, allow_url: bool) -> bytes | str:
             raise ServiceError(400, f"{param}: expected data:image/<type>;base64,<data>, got media type "
                                     f"{header[5:]!r}", "invalid_media_type", param)
         item = payload
-    try:
-        data = base64.b64decode("".join(item.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise ServiceError(400, f"{param}: not valid base64", "invalid_base64", param) from None
-    if not data:
+    if not item.strip():
         raise ServiceError(400, f"{param}: empty image", "invalid_image", param)
-    return data
+    return Base64Data(item)  # decoded by the decode worker, off the event loop
 
 
 def tensor_payload(t: torch.Tensor, encoding: str):

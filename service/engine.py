@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from encoder import VisionEncoder
-from encoder.preprocess import ImageError, ImageTooLarge, PreprocessConfig, load_image, normalize_lut, resize_rgb
+from encoder.preprocess import (Base64Data, ImageError, ImageTooLarge, PreprocessConfig, load_image, normalize_lut,
+                                resize_rgb)
 
 from .errors import ServiceError
 from .metrics import Metrics
@@ -39,6 +40,8 @@ log = logging.getLogger("vitserve.engine")
 def decode_and_resize(data, max_image_pixels: int, cfg: PreprocessConfig) -> tuple[np.ndarray, float]:
     """Runs in a worker process: encoded bytes -> the resized (H, W, 3) uint8 image, and the seconds it took."""
     start = time.perf_counter()
+    if isinstance(data, Base64Data):
+        data = data.decode()
     return resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg), time.perf_counter() - start
 
 

@@ -59,7 +59,7 @@ async def fetch_url(client: httpx.AsyncClient, url: str, index: int, settings: S
 
 async def fetch_all(images: list, settings: Settings) -> list:
     """Replace each URL in `images` by its bytes (other items unchanged)."""
-    urls = [(i, x) for i, x in enumerate(images) if isinstance(x, str)]
+    urls = [(i, x) for i, x in enumerate(images) if type(x) is str]  # Base64Data is a str too, not a URL
     if not urls:
         return images
     async with httpx.AsyncClient(follow_redirects=False, timeout=settings.url_fetch_timeout) as client:
