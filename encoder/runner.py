@@ -128,6 +128,7 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._lock = threading.Lock()
+        self._luts: dict[bytes, torch.Tensor] = {}
 
         largest = self.budgets[-1]
         cap_full = max(frame_capacity(b) for b in self.budgets)
@@ -219,8 +220,17 @@ class GraphRunner:
         if bad:
             raise ValueError(f"images must be uint8 [H, W, 3] with sides multiples of {p}; got {bad[:3]}")
         grids = check_grids([(1, a.shape[0] // p, a.shape[1] // p) for a in arrays], self.cfg)
-        lut = torch.tensor(np.asarray(pixel_lut, dtype=np.float32).reshape(-1), device=self.device)
+        lut = self._device_lut(pixel_lut)
         return self._launch(grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut))
+
+    def _device_lut(self, pixel_lut) -> torch.Tensor:
+        """The normalization table on the device, uploaded once per table: a fresh upload per launch is a pageable
+        copy, which would make the host wait for the replay in flight and serialize the pipeline."""
+        table = np.ascontiguousarray(pixel_lut, dtype=np.float32).reshape(-1)
+        key = table.tobytes()
+        if key not in self._luts:
+            self._luts[key] = torch.tensor(table, device=self.device)
+        return self._luts[key]
 
     def _launch(self, grids, rows_for) -> Launch:
         self._enter()

@@ -186,7 +186,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             tokens += embeddings.shape[0]
             if body.pooling == "mean":
                 data.append({"object": "embedding", "index": i,
-                             "embedding": tensor_payload(embeddings.float().mean(0), body.encoding_format)})
+                             "embedding": tensor_payload(embeddings.mean(0, dtype=torch.float32), body.encoding_format)})
             else:
                 data.append({"object": "embedding", "index": i, "shape": list(embeddings.shape), "grid_thw": grids[i],
                              "embedding": tensor_payload(embeddings, body.encoding_format)})
