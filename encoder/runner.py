@@ -31,10 +31,11 @@ from .plan import BatchPlan, TowerInputs, _block_order, check_grids, grid_patche
 log = logging.getLogger("vitserve.runner")
 
 # From one 224x224 image (256 patches) to 16 448x448 images or one 1792x1792 image (16384 patches): steps of 256 up to
-# 1024, then of 1024. Padding is compute thrown away, so it is bounded by 1023 patches (11% at 9216) above 1024;
-# powers of two wasted 44% on one 1344x1344 image (9216 -> 16384: 92.7 ms against 58.7 ms eager, measured on an H200,
-# bench/results/bench-runner-h200-pow2.json). A capture costs ~50-100 ms and one output buffer, so 19 are cheap.
-DEFAULT_BUDGETS = (256, 512, 768, 1024, *range(2048, 16384 + 1, 1024))
+# 4096 (where a server's batches mostly fall), then of 1024. Padding is compute thrown away: a step of 256 bounds it
+# under 20% from 1280 patches up, a step of 1024 under 20% from 5120 up; powers of two wasted 44% on one 1344x1344
+# image (9216 -> 16384: 92.7 ms against 58.7 ms eager on an H200, bench/results/bench-runner-h200-pow2.json).
+# A capture costs ~50-150 ms and one output buffer, so 28 budgets are cheap (~3 s at startup).
+DEFAULT_BUDGETS = (*range(256, 4096 + 1, 256), *range(5120, 16384 + 1, 1024))
 MAX_ROW_BLOCKS = 2048  # frames x ceil(budget / 128) bound on full-attention row blocks per replay
 MIN_FRAME_PATCHES = 16  # the smallest frame the default preprocessing makes (56x56 pixels = 4x4 patches)
 
