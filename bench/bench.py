@@ -212,6 +212,7 @@ def plot(result, path):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     rows = [r for r in result["rows"] if r["images"] == 1]
     models = sorted({r["model"] for r in rows}, key=[r["model"] for r in rows].index)
@@ -230,6 +231,8 @@ def plot(result, path):
         axes[1][col].set(title="throughput (one image per call)", xscale="log", yscale="log", xlabel="patches per image",
                          ylabel="images / s")
         axes[0][col].legend(fontsize=7)
+        for ax in (axes[0][col], axes[1][col]):
+            ax.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(f"{result['device']}, torch {result['torch']}, bf16, {result['date']} "
                  f"(matmul ceiling {result['matmul_tflops']:.0f} TFLOP/s)")
     fig.tight_layout()

@@ -8,8 +8,9 @@ resolved on the event loop, so every request gets exactly its own images back.
 
 While the worker runs one batch, new items queue up and form the next batch at once (dynamic batching under load).
 The worker keeps the GPU fed: it launches batch k+1 (planning, pinned copies, replay, all enqueued without waiting)
-before it collects batch k, so host-side work overlaps device work. Up to three batches are handed over at once (two
-launched, one waiting in the worker's queue), so the GPU never waits for the event loop to form the next batch.
+before it collects batch k, so host-side work overlaps device work. At most two batches are handed over at once:
+while both run, images pile up and the next batch is bigger (three measured 8% fewer images/s on an H200, its
+batches being smaller: bench/results/h200-bench_http-28budgets-3slots.json against h200-bench_http.json).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class Engine:
         self.metrics.watch_runner(encoder.runner.stats.as_dict)
 
     async def start(self) -> None:
-        self.queue, self._slots, self._loop = asyncio.Queue(), asyncio.Semaphore(3), asyncio.get_running_loop()
+        self.queue, self._slots, self._loop = asyncio.Queue(), asyncio.Semaphore(2), asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._batch_loop(), name="vitserve-batcher"))
         if self.encoder is None:
             self._tasks.append(asyncio.create_task(self._load(), name="vitserve-loader"))
@@ -233,7 +234,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         carry: WorkItem | None = None
         while True:
-            await self._slots.acquire()  # while three batches are in flight, images pile up for a bigger next one
+            await self._slots.acquire()  # while two batches are in flight, images pile up for a bigger next one
             first = carry or await self.queue.get()
             carry, batch, patches = None, [first], first.patches
             deadline = loop.time() + wait
