@@ -40,10 +40,13 @@ import io
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OPENAI_CLIP_MEAN",
@@ -500,7 +503,7 @@ def preprocess_image(image: Image.Image, cfg: PreprocessConfig) -> tuple[np.ndar
     return out, (1, gh, gw)
 
 
-def preprocess(images: Sequence[Any] | Iterable[Any], cfg: PreprocessConfig) -> tuple["torch.Tensor", "torch.Tensor"]:
+def preprocess(images: Sequence[Any] | Iterable[Any], cfg: PreprocessConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch version of ``preprocess_image``, laid out like the transformers processor output.
 
     Returns ``pixel_values`` float32 ``[sum(gh*gw), patch_dim]`` (images concatenated in

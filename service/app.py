@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from safetensors.torch import save as safetensors_save
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from encoder.preprocess import Base64Data
 
@@ -139,6 +140,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     async def on_service_error(request: Request, exc: ServiceError):
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):  # unknown routes, 405, multipart limits
+        return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -203,18 +208,20 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             await form.close()
             if not images:
                 raise ServiceError(400, "multipart body has no file parts", "no_images", "images")
-            body = EncodeRequest(images=["x"] * len(images), dtype=form.get("dtype") or request.query_params.get(
-                "dtype", "float32"), deepstack=str(form.get("deepstack", "true")).lower() != "false")
+            raw = {"images": ["(file)"] * len(images),
+                   "dtype": form.get("dtype") or request.query_params.get("dtype", "float32"),
+                   "deepstack": str(form.get("deepstack", "true")).lower() != "false"}
         else:
             try:
                 raw = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise ServiceError(400, "body must be JSON ({\"images\": [...]}) or multipart/form-data",
                                    "invalid_json") from None
-            try:
-                body = EncodeRequest.model_validate(raw)
-            except ValidationError as e:
-                raise RequestValidationError(e.errors()) from None
+        try:
+            body = EncodeRequest.model_validate(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        if not content_type.startswith("multipart/form-data"):
             check_model(body.model)
             images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(body.images)]
         results, grids, queue_s, inference_s = await run_images(request, images)

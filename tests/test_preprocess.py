@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
 from encoder.preprocess import (
     OPENAI_CLIP_MEAN,

@@ -155,6 +155,20 @@ def test_validation_is_422(client, body, where):
     assert r.status_code == 422 and r.json()["error"]["param"].startswith(where)
 
 
+def test_multipart_validation_and_unknown_routes(client):
+    files = [("images", ("a.png", IMAGES[0], "image/png"))]
+    r = client.post("/v1/encode", files=files, data={"dtype": "int4"})
+    assert r.status_code == 422 and r.json()["error"]["param"].startswith("dtype")
+    r = client.post("/v1/encode", files=[("x", ("a.txt", b"not an image", "text/plain"))])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0]"
+    r = client.post("/v1/encode", data={"dtype": "float32"}, files=[])
+    assert r.status_code == 400
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.get("/v1/embeddings")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "http_error"
+
+
 def test_unknown_model_and_bad_json(client):
     r = client.post("/v1/embeddings", json={"model": "gpt-4", "input": [data_uri(IMAGES[0])]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
