@@ -311,3 +311,15 @@ def test_settings_from_env(monkeypatch):
     with pytest.raises(ValueError, match="model"):
         Settings()
     assert json.loads(json.dumps(s.__dict__))["model"] == "tiny-qwen2-vl"
+
+
+def test_url_fetching_refuses_private_addresses(encoders):
+    """With fetching enabled, URLs resolving to loopback, private or link-local addresses are refused before any
+    connection is made (SSRF); a non-http scheme is not a URL at all."""
+    with client_for(encoders["tiny-qwen2.5-vl"], allow_url_fetch=True) as c:
+        for url in ("http://127.0.0.1:9/cat.png", "http://localhost/cat.png", "https://169.254.169.254/latest/",
+                    "http://10.0.0.1/x.png", "http://[::1]/x.png"):
+            r = c.post("/v1/embeddings", json={"input": [url]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "forbidden_url", (url, r.text)
+        r = c.post("/v1/embeddings", json={"input": ["http:///nohost.png"]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_url"
