@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one device call (about 6 minutes on an H200), results under ${OUT:-out}/.
+# Needs the service wheels there (../shared/tools/gpu-wheels httptools py-spy, carried as .whl).
+set -u
+out=${OUT:-out}; mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+{
+  python3 -m pytest -q tests/test_kernels_gpu.py tests/test_runner_gpu.py 2>&1 | tail -3
+  timeout 60 python3 bench/gpu_fidelity.py --out "$out/fidelity.json" | grep -E "mixed|ALL|SOME"
+  timeout 90 python3 bench/gpu_runner_check.py --batches 25 --out "$out/runner_check.json" | grep -E "images|ALL|SOME"
+  timeout 260 python3 bench/bench.py --out "$out/bench.json" --plot "$out/bench.png"
+  timeout 170 python3 bench/bench_http.py --requests 960 --concurrency 64 --client-processes 4 --out "$out/bench_http.json"
+} 2>&1 | grep -v -i warn | tee "$out/log.txt"
