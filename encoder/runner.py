@@ -34,7 +34,7 @@ log = logging.getLogger("vitserve.runner")
 # 4096 (where a server's batches mostly fall), then of 1024. Padding is compute thrown away: a step of 256 bounds it
 # under 20% from 1280 patches up, a step of 1024 under 20% from 5120 up; powers of two wasted 44% on one 1344x1344
 # image (9216 -> 16384: 92.7 ms against 58.7 ms eager on an H200, bench/results/bench-runner-h200-pow2.json).
-# A capture costs ~50-150 ms and one output buffer, so 28 budgets are cheap (~3 s at startup).
+# A capture costs ~50-150 ms and one output buffer (19 budgets captured in 1.3-3.3 s on an H200), so 28 are cheap.
 DEFAULT_BUDGETS = (*range(256, 4096 + 1, 256), *range(5120, 16384 + 1, 1024))
 MAX_ROW_BLOCKS = 2048  # frames x ceil(budget / 128) bound on full-attention row blocks per replay
 MIN_FRAME_PATCHES = 16  # the smallest frame the default preprocessing makes (56x56 pixels = 4x4 patches)
