@@ -7,10 +7,11 @@ on an asyncio queue -> the batcher gathers items from concurrent requests up to 
 resolved on the event loop, so every request gets exactly its own images back.
 
 While the worker runs one batch, new items queue up and form the next batch at once (dynamic batching under load).
-The worker keeps the GPU fed: it launches batch k+1 (planning, pinned copies, replay, all enqueued without waiting)
-before it collects batch k, so host-side work overlaps device work. At most two batches are handed over at once:
-while both run, images pile up and the next batch is bigger (three measured 8% fewer images/s on an H200, its
-batches being smaller: bench/results/h200-bench_http-28budgets-3slots.json against h200-bench_http.json).
+Several devices (`--devices`): one encoder, graph set and worker thread per device; each batch goes to the device
+with the fewest batches in flight. A worker keeps its GPU fed: it launches batch k+1 before it collects batch k.
+At most two batches per device are handed over at once: while both run, images pile up and the next batch is bigger
+(three measured 8% fewer images/s on an H200, its batches being smaller:
+bench/results/h200-bench_http-28budgets-3slots.json against h200-bench_http.json).
 """
 
 from __future__ import annotations
@@ -72,23 +73,85 @@ class WorkItem:
         return self.grid[0] * self.grid[1] * self.grid[2]
 
 
-def resolve_device_dtype(settings: Settings) -> tuple[str, str]:
-    device = settings.device
-    if device == "auto":
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+def resolve_devices(settings: Settings) -> tuple[list[str], str]:
+    """The devices to serve on (`--devices` list or "all", else `--device`) and the dtype."""
+    if settings.devices:
+        if settings.devices == "all":
+            count = torch.cuda.device_count()
+            devices = [f"cuda:{i}" for i in range(count)] if count else ["cpu"]
+        else:
+            devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
+    else:
+        devices = ["cuda:0" if torch.cuda.is_available() else "cpu"] if settings.device == "auto" else [settings.device]
     dtype = settings.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return device, dtype
+        dtype = "bfloat16" if devices[0].startswith("cuda") else "float32"
+    return devices, dtype
+
+
+MAX_BATCHES_IN_FLIGHT = 2  # per device: two keep the GPU fed; a third measured 8% worse (smaller batches)
+
+
+class DeviceWorker:
+    """One device: its encoder (runner and graphs), the one thread that uses it, and its batch queue.
+
+    The thread launches batch k+1 (planning, pinned copies, replay, all enqueued without waiting) before it collects
+    batch k, so host work overlaps device work. Results are resolved on the event loop."""
+
+    def __init__(self, engine: Engine, encoder: VisionEncoder):
+        self.engine, self.encoder, self.device = engine, encoder, str(encoder.device)
+        self.jobs: queue.Queue = queue.Queue()
+        self.in_flight = 0  # batches handed over and not yet resolved (event-loop side)
+        self.patches_in_flight = 0
+        self.batches = self.images = 0
+        self.thread = threading.Thread(target=self._loop, name=f"vitserve-{self.device}", daemon=True)
+
+    def _loop(self) -> None:
+        if self.encoder.device.type == "cuda":
+            torch.cuda.set_device(self.encoder.device)
+        runner, pending = self.encoder.runner, None
+        while True:
+            try:
+                job = self.jobs.get(block=pending is None)
+            except queue.Empty:
+                job = False
+            if job is None:  # stop: finish what is held, then exit
+                if pending is not None:
+                    self._collect(*pending)
+                return
+            launched = None
+            if job:
+                batch, start = job
+                try:
+                    launched = (batch, start, runner.launch_images([i.image for i in batch], self.engine.pixel_lut))
+                except Exception as e:
+                    self.engine.finish(self, batch, error=self.engine.error_for(e, batch))
+            if pending is not None:
+                self._collect(*pending)
+            pending = launched
+
+    def _collect(self, batch: list[WorkItem], start: float, launch) -> None:
+        try:
+            outputs = self.encoder.runner.collect(launch)
+        except Exception as e:
+            self.engine.finish(self, batch, error=self.engine.error_for(e, batch))
+        else:
+            self.engine.finish(self, batch, outputs=outputs, seconds=time.perf_counter() - start)
+
+    def stats(self) -> dict:
+        return {"batches": self.batches, "images": self.images, "batches_in_flight": self.in_flight,
+                "runner": self.encoder.runner.stats.as_dict()}
 
 
 class Engine:
-    def __init__(self, settings: Settings, encoder: VisionEncoder | None = None, metrics: Metrics | None = None):
+    def __init__(self, settings: Settings, encoder: VisionEncoder | list[VisionEncoder] | None = None,
+                 metrics: Metrics | None = None):
         self.settings = settings
-        self.encoder = encoder
         self.metrics = metrics or Metrics()
-        self.device, self.dtype = resolve_device_dtype(settings)
-        self.state = "ready" if encoder is not None else "loading"
+        self.devices, self.dtype = resolve_devices(settings)
+        self.encoder: VisionEncoder | None = None  # the first device's (preprocessing config, family)
+        self.workers: list[DeviceWorker] = []
+        self.state = "loading"
         self.error: str | None = None
         self.started = time.time()
         self.load_seconds = 0.0
@@ -97,62 +160,75 @@ class Engine:
         self.pixel_lut: np.ndarray | None = None
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
         self.queue: asyncio.Queue[WorkItem] | None = None
-        self._batches: queue.Queue = queue.Queue()  # batcher -> GPU worker thread
-        self._worker: threading.Thread | None = None
-        self._slots: asyncio.Semaphore | None = None  # batches handed to the worker and not yet resolved
+        self._capacity: asyncio.Event | None = None  # set when some device can take another batch
         self._loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0
         self.batch_sizes: dict[int, int] = {}
         self._tasks: list[asyncio.Task] = []
         self.on_failure = None  # called when the model cannot be loaded (the CLI exits non-zero)
         if encoder is not None:
-            self._use(encoder)
+            self._use(encoder if isinstance(encoder, list) else [encoder])
+            self.state = "ready"
             self.metrics.ready.set(1)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
-    def _use(self, encoder: VisionEncoder) -> None:
-        self.encoder = encoder
-        self.pixel_lut = normalize_lut(encoder.preprocess_config.image_mean, encoder.preprocess_config.image_std)
-        self.metrics.watch_runner(encoder.runner.stats.as_dict)
+    def _use(self, encoders: list[VisionEncoder]) -> None:
+        self.encoder = encoders[0]
+        self.devices = [str(e.device) for e in encoders]
+        cfg = self.encoder.preprocess_config
+        self.pixel_lut = normalize_lut(cfg.image_mean, cfg.image_std)
+        self.workers = [DeviceWorker(self, e) for e in encoders]
+        if len(set(self.devices)) < len(self.devices):  # replicas on one device (e.g. cpu,cpu): label them apart
+            for i, worker in enumerate(self.workers):
+                worker.device = f"{worker.device}#{i}"
+        self.devices = [w.device for w in self.workers]
+        self.metrics.watch_runners(lambda: {w.device: w.encoder.runner.stats.as_dict() for w in self.workers})
 
     async def start(self) -> None:
-        self.queue, self._slots, self._loop = asyncio.Queue(), asyncio.Semaphore(2), asyncio.get_running_loop()
+        self.queue, self._capacity, self._loop = asyncio.Queue(), asyncio.Event(), asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._batch_loop(), name="vitserve-batcher"))
-        if self.encoder is None:
-            self._tasks.append(asyncio.create_task(self._load(), name="vitserve-loader"))
+        if self.workers:
+            self._start_workers()
         else:
-            self._start_worker()
+            self._tasks.append(asyncio.create_task(self._load(), name="vitserve-loader"))
 
-    def _start_worker(self) -> None:
-        self._worker = threading.Thread(target=self._worker_loop, name="vitserve-gpu", daemon=True)
-        self._worker.start()
+    def _start_workers(self) -> None:
+        for worker in self.workers:
+            worker.thread.start()
+        self._capacity.set()
 
     async def _load(self) -> None:
         s = self.settings
         start = time.perf_counter()
+        budgets = s.budget_list()
+        extra = {} if budgets is None else {"budgets": budgets}
+        loop = asyncio.get_running_loop()
+        encoders = []
         try:
-            log.info("loading %s (%s) on %s as %s", s.model, s.load_format, self.device, self.dtype)
-            budgets = s.budget_list()
-            extra = {} if budgets is None else {"budgets": budgets}
-            encoder = await asyncio.get_running_loop().run_in_executor(self.loader, lambda: VisionEncoder.from_pretrained(
-                s.model, device=self.device, dtype=self.dtype, load_format=s.load_format, revision=s.revision,
-                min_pixels=s.min_pixels, max_pixels=s.max_pixels, capture=False, **extra))
+            for device in self.devices:
+                log.info("loading %s (%s) on %s as %s", s.model, s.load_format, device, self.dtype)
+                encoders.append(await loop.run_in_executor(self.loader, lambda d=device: VisionEncoder.from_pretrained(
+                    s.model, device=d, dtype=self.dtype, load_format=s.load_format, revision=s.revision,
+                    min_pixels=s.min_pixels, max_pixels=s.max_pixels, capture=False, **extra)))
             log.info("loaded in %.2f s; capturing CUDA graphs", time.perf_counter() - start)
-            self.state = "capturing"
-            await asyncio.get_running_loop().run_in_executor(self.loader, encoder.capture)
+            if self.state == "loading":
+                self.state = "capturing"
+            for encoder in encoders:
+                await loop.run_in_executor(self.loader, encoder.capture)
         except Exception as e:  # reported on /health and /ready; the CLI exits non-zero
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             log.error("model load failed: %s", self.error)
             if self.on_failure is not None:
                 self.on_failure()
             return
-        self._use(encoder)
-        self._start_worker()
+        self._use(encoders)
+        self._start_workers()
         self.load_seconds = time.perf_counter() - start
         if self.state == "capturing":
             self.state = "ready"
             self.metrics.ready.set(1)
-        log.info("ready in %.2f s (graph capture %.2f s)", self.load_seconds, encoder.runner.stats.capture_seconds)
+        log.info("ready in %.2f s on %s (graph capture %s s)", self.load_seconds, ", ".join(self.devices),
+                 ", ".join(f"{e.runner.stats.capture_seconds:.2f}" for e in encoders))
 
     def drain(self) -> None:
         """Stop admitting requests (ready -> 503); requests already admitted are still answered."""
@@ -164,9 +240,10 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._worker is not None:
-            self._batches.put(None)  # the worker finishes what it holds, then exits
-            await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
+        for worker in self.workers:
+            if worker.thread.is_alive():
+                worker.jobs.put(None)  # each worker finishes what it holds, then exits
+                await asyncio.get_running_loop().run_in_executor(None, worker.thread.join)
         self.loader.shutdown(wait=True)
         self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -224,6 +301,7 @@ class Engine:
             for item in items:
                 item.cancelled = True
             results.cancel()
+            results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
             raise asyncio.CancelledError("client disconnected")
         results.result()  # raises the batch's error, if any
         return items
@@ -234,7 +312,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         carry: WorkItem | None = None
         while True:
-            await self._slots.acquire()  # while two batches are in flight, images pile up for a bigger next one
+            worker = await self._free_worker()  # while all are busy, images pile up for a bigger next batch
             first = carry or await self.queue.get()
             carry, batch, patches = None, [first], first.patches
             deadline = loop.time() + wait
@@ -257,49 +335,28 @@ class Engine:
             live = [item for item in batch if not item.cancelled and not item.future.done()]
             self.metrics.dropped.inc(len(batch) - len(live))
             if not live:
-                self._slots.release()
                 continue
+            worker = self._least_loaded() or worker  # a device may have freed up while the batch formed
             start = time.perf_counter()
             for item in live:
                 item.queue_s = start - item.enqueued
                 self.metrics.queue_seconds.observe(item.queue_s)
-            self._batches.put((live, start))
+            worker.in_flight += 1
+            worker.patches_in_flight += sum(i.patches for i in live)
+            worker.jobs.put((live, start))
 
-    def _worker_loop(self) -> None:
-        """The one thread that uses the runner: launch the next batch before collecting the previous one."""
-        if self.encoder.device.type == "cuda":
-            torch.cuda.set_device(self.encoder.device)
-        pending = None
-        while True:
-            try:
-                job = self._batches.get(block=pending is None)
-            except queue.Empty:
-                job = False
-            if job is None:  # stop
-                if pending is not None:
-                    self._collect(*pending)
-                return
-            launched = None
-            if job:
-                batch, start = job
-                try:
-                    launch = self.encoder.runner.launch_images([i.image for i in batch], self.pixel_lut)
-                    launched = (batch, start, launch)
-                except Exception as e:
-                    self._finish(batch, error=self._error_for(e, batch))
-            if pending is not None:
-                self._collect(*pending)
-            pending = launched
+    def _least_loaded(self) -> DeviceWorker | None:
+        """The device with the fewest batches (then patches) in flight, among those that can take one more."""
+        free = [w for w in self.workers if w.in_flight < MAX_BATCHES_IN_FLIGHT]
+        return min(free, key=lambda w: (w.in_flight, w.patches_in_flight), default=None)
 
-    def _collect(self, batch: list[WorkItem], start: float, launch) -> None:
-        try:
-            outputs = self.encoder.runner.collect(launch)
-        except Exception as e:
-            self._finish(batch, error=self._error_for(e, batch))
-        else:
-            self._finish(batch, outputs=outputs, seconds=time.perf_counter() - start)
+    async def _free_worker(self) -> DeviceWorker:
+        while (worker := self._least_loaded()) is None:
+            self._capacity.clear()
+            await self._capacity.wait()
+        return worker
 
-    def _error_for(self, e: Exception, batch: list[WorkItem]) -> ServiceError:
+    def error_for(self, e: Exception, batch: list[WorkItem]) -> ServiceError:
         if isinstance(e, torch.OutOfMemoryError):
             log.warning("OOM on a batch of %d images: %s", len(batch), e)
             return ServiceError(507, f"the device ran out of memory for this batch ({sum(i.patches for i in batch)} "
@@ -307,18 +364,23 @@ class Engine:
         log.error("batch of %d images failed", len(batch), exc_info=e)  # only its own requests fail
         return ServiceError(500, f"inference failed for this batch: {type(e).__name__}: {e}", "inference_failed")
 
-    def _finish(self, batch, outputs=None, seconds: float = 0.0, error: ServiceError | None = None) -> None:
-        """From the worker thread: resolve the batch's futures on the event loop and free its slot."""
+    def finish(self, worker: DeviceWorker, batch, outputs=None, seconds: float = 0.0,
+               error: ServiceError | None = None) -> None:
+        """From a worker thread: resolve the batch's futures on the event loop and free its slot."""
 
         def resolve():
-            self._slots.release()
+            worker.in_flight -= 1
+            worker.patches_in_flight -= sum(i.patches for i in batch)
+            self._capacity.set()
             if error is not None:
                 self._fail(batch, error)
                 return
-            self.metrics.inference_seconds.observe(seconds)
+            worker.batches += 1
+            worker.images += len(batch)
+            self.metrics.inference_seconds.labels(worker.device).observe(seconds)
             self.metrics.batch_tokens.observe(sum(i.patches for i in batch) // 4)
             self.metrics.batch_images.observe(len(batch))
-            self.metrics.images.inc(len(batch))
+            self.metrics.images.labels(worker.device).inc(len(batch))
             self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
             for item, output in zip(batch, outputs):
                 item.inference_s = seconds
@@ -335,9 +397,11 @@ class Engine:
 
     def stats(self) -> dict:
         enc = self.encoder
-        return {"model": self.settings.model_name, "state": self.state, "error": self.error, "device": self.device,
+        return {"model": self.settings.model_name, "state": self.state, "error": self.error,
+                "device": self.devices[0], "devices": {w.device: w.stats() for w in self.workers},
                 "dtype": self.dtype, "family": enc.config.family if enc else None,
                 "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
                 "requests_in_flight": self.in_flight, "queue_depth": self.queue.qsize() if self.queue else 0,
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "eager_fallbacks": sum(w.encoder.runner.stats.eager_fallbacks for w in self.workers),
                 "runner": enc.runner.stats.as_dict() if enc else None}

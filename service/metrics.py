@@ -15,13 +15,13 @@ class Metrics:
         r = self.registry
         self.requests = Counter("vitserve_requests", "HTTP requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
-        self.images = Counter("vitserve_images", "Images encoded", registry=r)
+        self.images = Counter("vitserve_images", "Images encoded", ["device"], registry=r)
         self.queue_seconds = Histogram("vitserve_queue_seconds", "Time an image waited for its batch",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.preprocess_seconds = Histogram("vitserve_preprocess_seconds", "Decode + preprocess time per image",
                                             buckets=LATENCY_BUCKETS, registry=r)
         self.inference_seconds = Histogram("vitserve_inference_seconds", "Device time per batch (incl. copies)",
-                                           buckets=LATENCY_BUCKETS, registry=r)
+                                           ["device"], buckets=LATENCY_BUCKETS, registry=r)
         self.request_seconds = Histogram("vitserve_request_seconds", "End-to-end request time", ["endpoint"],
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("vitserve_queue_depth", "Images waiting for a batch", registry=r)
@@ -34,10 +34,14 @@ class Metrics:
         self.dropped = Counter("vitserve_dropped_images", "Queued images dropped because their client went away",
                                registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the model is loaded, graphs captured and not draining", registry=r)
+        self._runners = None
 
-    def watch_runner(self, runner_stats) -> None:
-        """Graph-cache figures read from the runner's own counters at scrape time (never out of step)."""
-        self.registry.register(_RunnerCollector(runner_stats))
+    def watch_runners(self, stats_by_device) -> None:
+        """Graph-cache figures read from the runners' own counters at scrape time (never out of step)."""
+        if self._runners is not None:
+            self.registry.unregister(self._runners)
+        self._runners = _RunnerCollector(stats_by_device)
+        self.registry.register(self._runners)
 
 
 class _RunnerCollector:
@@ -45,20 +49,24 @@ class _RunnerCollector:
         self.stats_fn = stats_fn
 
     def collect(self):
-        stats = self.stats_fn()
+        by_device = self.stats_fn()
         replays = CounterMetricFamily("vitserve_graph_replays", "CUDA graph replays (or padded eager runs on CPU)",
-                                      labels=["budget"])
-        padded = CounterMetricFamily("vitserve_graph_padded_patches", "Padding patches run", labels=["budget"])
-        real = CounterMetricFamily("vitserve_graph_real_patches", "Real patches run in budgets", labels=["budget"])
-        for budget, s in stats["budgets"].items():
-            replays.add_metric([budget], s["replays"])
-            padded.add_metric([budget], s["padded_patches"])
-            real.add_metric([budget], s["real_patches"])
-        yield replays
-        yield padded
-        yield real
-        yield CounterMetricFamily("vitserve_eager_fallbacks", "Images run eagerly (larger than the largest budget)",
-                                  value=stats["eager_fallbacks"])
-        yield GaugeMetricFamily("vitserve_graph_pool_bytes", "CUDA graph memory pool", value=stats["pool_bytes"])
-        yield GaugeMetricFamily("vitserve_graph_capture_seconds", "Time to capture all budgets",
-                                value=stats["capture_seconds"])
+                                      labels=["device", "budget"])
+        padded = CounterMetricFamily("vitserve_graph_padded_patches", "Padding patches run",
+                                     labels=["device", "budget"])
+        real = CounterMetricFamily("vitserve_graph_real_patches", "Real patches run in budgets",
+                                   labels=["device", "budget"])
+        eager = CounterMetricFamily("vitserve_eager_fallbacks", "Images run eagerly (larger than the largest budget)",
+                                    labels=["device"])
+        pool = GaugeMetricFamily("vitserve_graph_pool_bytes", "CUDA graph memory pool", labels=["device"])
+        capture = GaugeMetricFamily("vitserve_graph_capture_seconds", "Time to capture all budgets",
+                                    labels=["device"])
+        for device, stats in by_device.items():
+            for budget, s in stats["budgets"].items():
+                replays.add_metric([device, budget], s["replays"])
+                padded.add_metric([device, budget], s["padded_patches"])
+                real.add_metric([device, budget], s["real_patches"])
+            eager.add_metric([device], stats["eager_fallbacks"])
+            pool.add_metric([device], stats["pool_bytes"])
+            capture.add_metric([device], stats["capture_seconds"])
+        yield from (replays, padded, real, eager, pool, capture)

@@ -15,6 +15,7 @@ class Settings:
     load_format: str = field(default="auto", metadata={"help": "auto, safetensors or dummy (seeded random weights)"})
     revision: str | None = field(default=None, metadata={"help": "hub revision"})
     device: str = field(default="auto", metadata={"help": "auto (cuda:0 if available, else cpu), cpu or cuda[:i]"})
+    devices: str | None = field(default=None, metadata={"help": "several devices, e.g. cuda:0,cuda:1 or all: one runner per device"})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16"})
     host: str = field(default="0.0.0.0", metadata={"help": "bind address"})
     port: int = field(default=8000, metadata={"help": "bind port"})

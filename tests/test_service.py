@@ -292,7 +292,7 @@ def test_disconnected_client_is_dropped_from_the_queue(encoders):
 
     engine, kept = asyncio.run(scenario())
     dropped = engine.metrics.registry.get_sample_value("vitserve_dropped_images_total")
-    assert dropped == 1 and engine.metrics.registry.get_sample_value("vitserve_images_total") == 1
+    assert dropped == 1 and engine.metrics.registry.get_sample_value("vitserve_images_total", {"device": "cpu"}) == 1
     assert kept[0].future.result()[0].shape[0] == enc.encode([IMAGES[1]])[0].num_tokens
 
 
@@ -323,3 +323,37 @@ def test_url_fetching_refuses_private_addresses(encoders):
             assert r.status_code == 400 and r.json()["error"]["code"] == "forbidden_url", (url, r.text)
         r = c.post("/v1/embeddings", json={"input": ["http:///nohost.png"]})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_url"
+
+
+def test_several_devices_share_the_load(encoders):
+    """Two replicas (here both on the CPU): batches go to the least-loaded one, both serve, stats and metrics say
+    which did what, and every answer is right."""
+    enc = encoders["tiny-qwen2.5-vl"]
+    twin = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy")
+    settings = Settings(model=enc.name, load_format="dummy", max_batch_wait_ms=1, max_batch_tokens=256)
+    direct = [r.embeddings.mean(0) for r in enc.encode(IMAGES)]
+    with TestClient(create_app(settings, Engine(settings, encoder=[enc, twin]))) as c:
+        with ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(lambda i: (i, c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[i % 3])]})),
+                                    range(24)))
+        for i, r in replies:
+            assert r.status_code == 200
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), direct[i % 3]) <= 1e-6
+        devices = c.get("/stats").json()["devices"]
+        assert set(devices) == {"cpu#0", "cpu#1"}
+        assert all(d["batches"] > 0 for d in devices.values()), devices
+        assert sum(d["images"] for d in devices.values()) == 24
+        metrics = c.get("/metrics").text
+        assert 'vitserve_images_total{device="cpu#1"}' in metrics
+        assert 'vitserve_graph_replays_total{budget="256",device="cpu#0"}' in metrics
+
+
+def test_device_resolution():
+    from service.engine import resolve_devices
+
+    assert resolve_devices(Settings(model="m", device="cpu")) == (["cpu"], "float32")
+    assert resolve_devices(Settings(model="m", devices="cuda:0, cuda:1", dtype="float16")) == (["cuda:0", "cuda:1"],
+                                                                                               "float16")
+    assert resolve_devices(Settings(model="m", devices="cuda:2"))[1] == "bfloat16"
+    if not torch.cuda.is_available():
+        assert resolve_devices(Settings(model="m", devices="all")) == (["cpu"], "float32")
