@@ -1,0 +1,28 @@
+# vitserve on a GPU node: docker build -t vitserve . && docker run --gpus all -p 8000:8000 vitserve --model ...
+# Build stage: build the wheel (the runtime stage gets no compilers or build tools).
+ARG BASE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+
+FROM ${BASE} AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY encoder ./encoder
+COPY service ./service
+RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${BASE}
+# torch comes with the base image; the rest from the wheel's declared dependencies
+COPY --from=build /wheels /wheels
+RUN python -m pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+    && useradd --create-home --uid 1000 --shell /usr/sbin/nologin vitserve \
+    && mkdir -p /data && chown vitserve /data
+ENV HF_HOME=/data \
+    VITSERVE_HOST=0.0.0.0 \
+    VITSERVE_PORT=8000 \
+    PYTHONUNBUFFERED=1
+VOLUME ["/data"]
+USER 1000:1000
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('VITSERVE_PORT', '8000')}/health\", timeout=4)"]
+ENTRYPOINT ["vitserve", "serve"]
+CMD ["--model", "Qwen/Qwen2.5-VL-7B-Instruct"]
