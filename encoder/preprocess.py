@@ -5,7 +5,7 @@ This module reproduces, without importing ``transformers``, what
 does to a PIL image (``convert_to_rgb`` -> ``smart_resize`` + PIL bicubic resize ->
 ``rescale`` -> ``normalize`` -> ``patchify``), plus the hardened decoding a network
 service needs in front of it (typed errors, decompression-bomb guard, EXIF
-orientation, animated images, truncated files, 16-bit images).
+orientation, animated images, truncated files, 16-bit images as transformers converts them).
 
 Fidelity to transformers (PIL backend, transformers 5.x):
 
@@ -69,8 +69,6 @@ MAX_ASPECT_RATIO = 200
 # transformers' default ``rescale_factor``; Qwen-VL configs store 0.00392156862745098 == 1/255.
 _RESCALE_FACTOR = 1 / 255
 _DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
-# PIL modes holding 16-bit (or wider) integer samples; see ``_sixteen_bit_to_l``.
-_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
 
 
 # --------------------------------------------------------------------------- errors
@@ -263,34 +261,15 @@ def smart_resize(
 # --------------------------------------------------------------------------- decoding
 
 
-def _sixteen_bit_to_l(img: Image.Image) -> Image.Image:
-    """16-bit grayscale ("I;16*", and "I" which PIL uses for 16-bit PNG/TIFF/PGM) -> 8-bit "L".
-
-    Choice: ``value >> 8`` (keep the high byte; "I" values are first clipped to [0, 65535]).
-    That is exactly how PIL itself reduces 16-bit-per-channel RGB(A) PNGs to 8 bits, so a
-    16-bit grayscale image and the same picture stored as 16-bit RGB decode identically.
-    PIL's own ``convert("RGB")`` would clip everything above 255 to white, and transformers'
-    PIL path (``convert_to_rgb`` -> ``convert("RGB")``) inherits that clipping, so for these
-    modes we deliberately differ from transformers.  A grayscale tRNS value (16-bit, in
-    ``info["transparency"]``) is honoured by compositing those pixels on white.
-    """
-    arr = np.asarray(img)
-    if arr.dtype.kind == "f":  # defensive: should not happen for these modes
-        arr = np.nan_to_num(arr)
-    arr = np.clip(arr.astype(np.int64, copy=False), 0, 65535) if img.mode == "I" else arr.astype(np.uint16)
-    out = (arr >> 8).astype(np.uint8)
-    transparency = img.info.get("transparency")
-    if isinstance(transparency, int) and not isinstance(transparency, bool):
-        out[arr == transparency] = 255  # fully transparent -> white background
-    return Image.fromarray(out, mode="L")
-
-
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """transformers' ``convert_to_rgb`` for PIL images, plus the 16-bit handling above."""
+    """transformers' ``convert_to_rgb`` for PIL images: transparency composited on white, else ``convert("RGB")``.
+
+    16-bit images ("I;16", "I") follow it too: PIL's ``convert`` clips values above 255. Scaling them (``>> 8``) would
+    look better, but every stack built on the HF processor (transformers, vLLM, SGLang) feeds the LLM the clipped
+    numbers, and an encoder service must give the numbers its LLM was served with.
+    """
     if img.mode == "RGB" and img.info.get("transparency") is None:
         return img
-    if img.mode in _SIXTEEN_BIT_MODES:
-        return _sixteen_bit_to_l(img).convert("RGB")
     has_alpha = "A" in img.getbands() or img.info.get("transparency") is not None
     if has_alpha:
         rgba = img.convert("RGBA")
@@ -375,11 +354,8 @@ def load_image(source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
     ``convert_to_rgb`` (alpha/palette transparency composited on white, everything else
     ``convert("RGB")`` -- CMYK, YCbCr, "1", "L", "P", "F" included).
 
-    16-bit images ("I;16", "I;16B", "I;16L", "I;16N", "I"): scaled to 8 bits with
-    ``value >> 8`` (high byte; "I" clipped to [0, 65535] first) instead of PIL's clipping
-    ``convert("RGB")``; this matches how PIL decodes 16-bit RGB PNGs.  See
-    ``_sixteen_bit_to_l``.  "F" (float) images keep transformers' ``convert("RGB")``,
-    i.e. values are taken to be in the 0..255 range.
+    16-bit ("I;16*", "I") and float ("F") images get transformers' ``convert("RGB")`` too, values clipped to the
+    0..255 range (see ``_to_rgb`` for why).
     """
     if isinstance(source, Image.Image):
         try:

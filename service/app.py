@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from encoder.preprocess import Base64Data
 
 from . import fetch
-from .engine import Engine
+from .engine import ClientDisconnected, Engine
 from .errors import ServiceError, error_response
 from .schemas import EmbeddingRequest, EncodeRequest
 from .settings import Settings
@@ -144,6 +144,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     async def on_http_error(request: Request, exc: StarletteHTTPException):  # unknown routes, 405, multipart limits
         return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnected(request: Request, exc: ClientDisconnected):  # nobody reads it; nothing to log either
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -214,9 +218,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         else:
             try:
                 raw = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ServiceError(400, "body must be JSON ({\"images\": [...]}) or multipart/form-data",
-                                   "invalid_json") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                raise ServiceError(400, "body must be JSON ({\"images\": [...]}, not nested too deeply) or "
+                                        "multipart/form-data", "invalid_json") from None
         try:
             body = EncodeRequest.model_validate(raw)
         except ValidationError as e:

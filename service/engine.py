@@ -58,6 +58,10 @@ def make_preprocess_pool(workers: int, processes: bool) -> Executor:
     return ProcessPoolExecutor(workers, mp_context=context)
 
 
+class ClientDisconnected(Exception):
+    """The client went away while its images waited: they were dropped from the queue."""
+
+
 @dataclass
 class WorkItem:
     image: np.ndarray  # resized uint8 [H, W, 3]; normalized and cut into patches on the device
@@ -302,7 +306,7 @@ class Engine:
                 item.cancelled = True
             results.cancel()
             results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
-            raise asyncio.CancelledError("client disconnected")
+            raise ClientDisconnected()
         results.result()  # raises the batch's error, if any
         return items
 

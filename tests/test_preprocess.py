@@ -409,28 +409,29 @@ def test_load_image_cmyk_jpeg():
     assert np.abs(arr[4:12, 20:30] - [255, 0, 255]).max() <= 8  # magenta
 
 
-def test_load_image_16bit_png_scaled_by_high_byte():
+def test_load_image_16bit_matches_transformers():
+    """16-bit images give transformers' numbers (PIL's clipping convert), like every HF-processor-based stack."""
     g = np.array([[0, 255, 256, 0x12FF], [0x8000, 0xFFFF, 0x00FF, 0x7F80]], dtype=np.uint16)
     data = png_bytes(g, color_type=0, bit_depth=16)
-    assert Image.open(io.BytesIO(data)).mode == "I;16"
-    out = np.asarray(load_image(data))
-    expected = np.repeat((g >> 8).astype(np.uint8)[..., None], 3, axis=-1)
-    np.testing.assert_array_equal(out, expected)  # PIL's convert("RGB") would clip 256.. to 255
-    # consistent with PIL's own decoding of the same data as a 16-bit RGB PNG
-    rgb16 = png_bytes(np.repeat(g[..., None], 3, axis=-1), color_type=2, bit_depth=16)
-    np.testing.assert_array_equal(out, np.asarray(load_image(rgb16)))
-
-
-def test_load_image_16bit_modes_from_pil_objects_and_trns():
+    opened = Image.open(io.BytesIO(data))
+    assert opened.mode == "I;16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = hf_convert_to_rgb(opened, return_numpy=True)
+    np.testing.assert_array_equal(np.asarray(load_image(data)), ref)
     vals = np.array([[-5, 0, 300, 65535, 70000, 0x4321]], dtype=np.int32)
-    out = np.asarray(load_image(Image.fromarray(vals, mode="I")))
-    np.testing.assert_array_equal(out[..., 0], [[0, 0, 1, 255, 255, 0x43]])
-    assert (out == out[..., :1]).all()
-    # 16-bit grayscale tRNS -> composited on white
+    img = Image.fromarray(vals, mode="I")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = hf_convert_to_rgb(img, return_numpy=True)
+    np.testing.assert_array_equal(np.asarray(load_image(img)), ref)
+    # 16-bit grayscale with a tRNS value: transparency composited on white, as transformers does
     g = np.array([[300, 0x8000, 300]], dtype=np.uint16)
     data = encode(Image.fromarray(g), "PNG", transparency=300)
-    out = np.asarray(load_image(data))
-    np.testing.assert_array_equal(out[..., 0], [[255, 0x80, 255]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = hf_convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
+    np.testing.assert_array_equal(np.asarray(load_image(data)), ref)
 
 
 @pytest.mark.parametrize("mode", ["L", "1", "F", "P", "YCbCr"])

@@ -18,7 +18,7 @@ from safetensors.torch import load as safetensors_load
 
 from encoder import VisionEncoder
 from service.app import create_app
-from service.engine import Engine
+from service.engine import ClientDisconnected, Engine
 from service.settings import Settings
 
 
@@ -284,7 +284,7 @@ def test_disconnected_client_is_dropped_from_the_queue(encoders):
         task = asyncio.ensure_future(engine.infer(prepared, gone))
         await asyncio.sleep(0.01)
         gone.set_result(None)  # the client went away while its image waited for the batch
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(ClientDisconnected):
             await task
         kept = await engine.infer(await engine.preprocess([IMAGES[1]]))
         await engine.stop()
