@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark in one device call (about 6 minutes on an H200), results under ${OUT:-out}/.
+# Every GPU check and benchmark in one device call (about 8 minutes on an H200), results under ${OUT:-out}/.
 # Needs the service wheels there (../shared/tools/gpu-wheels httptools py-spy, carried as .whl).
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -15,5 +15,6 @@ export PYTHONUNBUFFERED=1
   timeout 60 python3 bench/gpu_fidelity.py --out "$out/fidelity.json" | grep -E "mixed|ALL|SOME"
   timeout 90 python3 bench/gpu_runner_check.py --batches 25 --out "$out/runner_check.json" | grep -E "images|ALL|SOME"
   timeout 260 python3 bench/bench.py --out "$out/bench.json" --plot "$out/bench.png"
+  timeout 120 python3 bench/gpu_faults.py --out "$out/gpu_faults.json"
   timeout 170 python3 bench/bench_http.py --requests 960 --concurrency 64 --client-processes 4 --out "$out/bench_http.json"
 } 2>&1 | grep -v -i warn | tee "$out/log.txt"

@@ -210,6 +210,8 @@ class Engine:
         encoders = []
         try:
             for device in self.devices:
+                if s.gpu_memory_fraction and device.startswith("cuda"):
+                    torch.cuda.set_per_process_memory_fraction(s.gpu_memory_fraction, torch.device(device))
                 log.info("loading %s (%s) on %s as %s", s.model, s.load_format, device, self.dtype)
                 encoders.append(await loop.run_in_executor(self.loader, lambda d=device: VisionEncoder.from_pretrained(
                     s.model, device=d, dtype=self.dtype, load_format=s.load_format, revision=s.revision,

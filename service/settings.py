@@ -17,6 +17,7 @@ class Settings:
     device: str = field(default="auto", metadata={"help": "auto (cuda:0 if available, else cpu), cpu or cuda[:i]"})
     devices: str | None = field(default=None, metadata={"help": "several devices, e.g. cuda:0,cuda:1 or all: one runner per device"})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16"})
+    gpu_memory_fraction: float = field(default=0.0, metadata={"help": "cap each GPU's memory to this fraction (0: no cap)"})
     host: str = field(default="0.0.0.0", metadata={"help": "bind address"})
     port: int = field(default=8000, metadata={"help": "bind port"})
     served_model_name: str | None = field(default=None, metadata={"help": "model id in the API (default: --model)"})
@@ -43,6 +44,7 @@ class Settings:
                   (self.log_format in ("text", "json"), "log-format must be text or json"),
                   (self.max_batch_tokens > 0, "max-batch-tokens must be positive"),
                   (self.max_batch_wait_ms >= 0, "max-batch-wait-ms must be >= 0"),
+                  (0 <= self.gpu_memory_fraction <= 1, "gpu-memory-fraction must be in [0, 1]"),
                   (self.max_concurrent_requests > 0, "max-concurrent-requests must be positive"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "limits must be positive"), (0 < self.port < 65536, "port must be 1-65535")]
