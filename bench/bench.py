@@ -198,7 +198,7 @@ def main():
             print(f"{name.split('/')[-1][:14]:14s} {case:8s} {n:7d} {row['floor_ms']:6.2f} {graph:7.2f} {call:7.2f} "
                   f"{eager:7.2f} {hf_graph_ms:8.2f} {compiled:7.2f} {hf_ms:8.2f} {100 * row['graph_frac']:5.1f}% "
                   f"{row['images_per_s']:7.1f}", flush=True)
-        del enc, runner, hf_eager, hf_flash
+        enc = runner = hf_eager = hf_flash = None  # free this model before the next
         torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                   matmul_tflops=ceiling, startup=startup, rows=rows)
