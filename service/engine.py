@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,8 +160,8 @@ class Engine:
         self.error: str | None = None
         self.started = time.time()
         self.load_seconds = 0.0
-        workers = settings.preprocess_workers or os.cpu_count() or 4
-        self.preprocess_pool = make_preprocess_pool(workers, settings.preprocess_processes)
+        self._pool_size = settings.preprocess_workers or os.cpu_count() or 4
+        self.preprocess_pool = make_preprocess_pool(self._pool_size, settings.preprocess_processes)
         self.pixel_lut: np.ndarray | None = None
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
         self.queue: asyncio.Queue[WorkItem] | None = None
@@ -281,14 +282,27 @@ class Engine:
             for job in jobs:
                 job.cancel()
             raise
+        errors = [job.exception() for job in jobs]  # retrieve every one: only the first is reported
         out, p = [], cfg.patch_size
         for index, job in enumerate(jobs):
             try:
+                if errors[index] is not None:
+                    raise errors[index]
                 image, seconds = job.result()
             except ImageTooLarge as e:
                 raise ServiceError(413, f"input[{index}]: {e}", e.code, param=f"input[{index}]") from None
             except ImageError as e:
                 raise ServiceError(400, f"input[{index}]: {e}", e.code, param=f"input[{index}]") from None
+            except BrokenProcessPool:  # an image crashed a decode worker: replace the pool, refuse that request
+                log.warning("a decode worker died on input[%d]; restarting the pool", index)
+                old, self.preprocess_pool = self.preprocess_pool, make_preprocess_pool(self._pool_size,
+                                                                                       self.settings.preprocess_processes)
+                old.shutdown(wait=False, cancel_futures=True)
+                raise ServiceError(400, f"input[{index}]: the image crashed the decoder", "undecodable_image",
+                                   param=f"input[{index}]") from None
+            except Exception as e:  # anything else the decoder raised is still about this client's bytes
+                raise ServiceError(400, f"input[{index}]: cannot decode: {type(e).__name__}: {e}",
+                                   "undecodable_image", param=f"input[{index}]") from None
             self.metrics.preprocess_seconds.observe(seconds)
             out.append((image, (1, image.shape[0] // p, image.shape[1] // p)))
         return out
