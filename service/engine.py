@@ -1,4 +1,4 @@
-"""The serving engine: preprocessing pool, token-budget batcher, one GPU worker thread.
+"""The serving engine: preprocessing pool, token-budget batcher, one worker thread per device.
 
 Data flow: request -> decode + resize each image in a pool of worker processes (off the event loop and out of the
 GIL; they return uint8 pixels, 8x smaller than float patch rows) -> one WorkItem per image
