@@ -34,6 +34,9 @@ from PIL import Image
 from encoder import VisionEncoder
 from encoder.preprocess import load_image, normalize_lut, preprocess_image, resize_rgb
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import start_server  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -173,20 +176,10 @@ def main():
     print(f"{len(files)} images ({', '.join(n for n, _ in files)}); grids {grids}")
     print("CPU ms per image: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
     print(f"engine only: {engine:.1f} images/s")
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--load-format",
-                               "dummy", "--device", "cuda:0", "--host", "127.0.0.1", "--port", str(args.port),
-                               "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "warning"],
-                              cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{args.port}"
+    server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", "cuda:0",
+                               "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "warning",
+                               port=args.port)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
         drive(url, uris, args.model, 32, 8)  # warm-up
         low = drive(url, uris, args.model, 64, 1)

@@ -9,11 +9,8 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,24 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import drive, image_files  # noqa: E402
+from serving import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def serve(devices: str, model: str, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", model, "--load-format", "dummy",
-                             "--devices", devices, "--host", "127.0.0.1", "--port", str(port), "--log-level",
-                             "warning"], cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"server on {devices} did not become ready")
 
 
 def main():
@@ -53,9 +35,9 @@ def main():
     uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in image_files()]
     results = {}
     for devices, port in (("cuda:0", 8781), ("cuda:0,cuda:1", 8782)):
-        proc = serve(devices, args.model, port)
+        proc, url = start_server("--model", args.model, "--load-format", "dummy", "--devices", devices,
+                                 "--log-level", "warning", port=port)
         try:
-            url = f"http://127.0.0.1:{port}"
             drive(url, uris, args.model, 64, 16)  # warm
             results[devices] = drive(url, uris, args.model, args.requests, args.concurrency, args.client_processes)
             results[devices]["per_device"] = {d: v["images"] for d, v in

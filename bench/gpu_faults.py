@@ -11,16 +11,16 @@ import argparse
 import base64
 import io
 import json
-import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,22 +40,11 @@ def main():
     ap.add_argument("--port", type=int, default=8767)
     ap.add_argument("--out", default="gpu_faults.json")
     args = ap.parse_args()
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--load-format",
-                               "dummy", "--device", "cuda:0", "--port", str(args.port), "--host", "127.0.0.1",
+    server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", "cuda:0",
                                "--gpu-memory-fraction", str(args.fraction), "--max-pixels", "400000000",
-                               "--max-image-pixels", "400000000", "--payload-limit", str(256 * 2**20)],
-                              cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{args.port}"
+                               "--max-image-pixels", "400000000", "--payload-limit", str(256 * 2**20), port=args.port)
     rows = []
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         small = jpeg(448)
         for side in (448, 2048, 4096, 6144, 8192, 12288):
             r = httpx.post(url + "/v1/embeddings", json={"input": [jpeg(side)]}, timeout=600)

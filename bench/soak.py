@@ -13,9 +13,7 @@ import asyncio
 import base64
 import io
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [(32, 32), (224, 224), (300, 200), (640, 480), (90, 700), (1024, 768)]
@@ -87,24 +88,9 @@ def main():
     ap.add_argument("--rss-growth-bound-mib", type=float, default=256)
     ap.add_argument("--out", default="soak.json")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--load-format",
-                               "dummy", "--device", args.device, "--host", "127.0.0.1", "--port", str(port),
-                               "--max-concurrent-requests", str(args.max_concurrent_requests), "--log-level",
-                               "warning"], cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", args.device,
+                               "--max-concurrent-requests", str(args.max_concurrent_requests), "--log-level", "warning")
     try:
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise SystemExit("server exited")
-            time.sleep(0.2)
         uris = images()
         asyncio.run(drive(url, uris, 64, 16))  # warm: workers forked, caches filled
         rss_start = rss_mib(server.pid)
