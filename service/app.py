@@ -109,17 +109,15 @@ def decode_input(item: str, index: int, allow_url: bool) -> Base64Data | str:
 
 
 def tensor_payload(t: torch.Tensor, encoding: str):
-    if encoding == "float":
-        return t.float().tolist()
-    return base64.b64encode(t.float().contiguous().numpy().astype("<f4").tobytes()).decode()
+    """OpenAI's `embedding`: a float list, or base64 of the raw little-endian float32 bytes."""
+    return t.float().tolist() if encoding == "float" else base64.b64encode(raw_bytes(t.float())).decode()
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
     """Little-endian raw bytes of a float32/float16/bfloat16 tensor."""
     t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().astype("<i2").tobytes()
-    return t.numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes()
+    array = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bfloat16
+    return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:

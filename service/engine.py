@@ -179,11 +179,10 @@ class Engine:
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def _use(self, encoders: list[VisionEncoder]) -> None:
         self.encoder = encoders[0]
-        self.devices = [str(e.device) for e in encoders]
         cfg = self.encoder.preprocess_config
         self.pixel_lut = normalize_lut(cfg.image_mean, cfg.image_std)
         self.workers = [DeviceWorker(self, e) for e in encoders]
-        if len(set(self.devices)) < len(self.devices):  # replicas on one device (e.g. cpu,cpu): label them apart
+        if len({w.device for w in self.workers}) < len(self.workers):  # replicas on one device (cpu,cpu): label apart
             for i, worker in enumerate(self.workers):
                 worker.device = f"{worker.device}#{i}"
         self.devices = [w.device for w in self.workers]
