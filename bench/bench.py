@@ -29,6 +29,7 @@ from encoder.plan import make_plan, to_device  # noqa: E402
 MODELS = ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
 CASES = {"224²": [(224, 224)], "448²": [(448, 448)], "448×896": [(448, 896)], "896²": [(896, 896)],
          "1344²": [(1344, 1344)], "8×448²": [(448, 448)] * 8, "32×224²": [(224, 224)] * 32}
+EXTRA_CASES = {"qwen3_vl": {"8×512²": [(512, 512)] * 8}}  # 8192 patches at Qwen3's 16-pixel patches, as for the others
 _MAX = [0]  # the max_seqlen the registered attention uses when transformers hands it a tensor
 
 
@@ -137,6 +138,7 @@ def main():
     ap.add_argument("--models", nargs="*", default=MODELS)
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--compile-case", default="448²", help="the case timed under torch.compile (first model only)")
+    ap.add_argument("--ours-only", action="store_true", help="skip transformers' columns (a quick check, not the table)")
     ap.add_argument("--out", default="bench.json")
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -144,7 +146,7 @@ def main():
     attn = register_varlen_attention()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
     header = (f"{'model':14s} {'case':8s} {'patches':>7s} {'floor':>6s} {'graph':>7s} {'call':>7s} {'eager':>7s} "
-              f"{'hf-graph':>8s} {'hf-comp':>7s} {'hf-eager':>8s} {'graph%':>6s} {'img/s':>7s}")
+              f"{'hf-graph':>8s} {'hf-comp':>7s} {'hf-eager':>8s} {'graph%':>6s} {'img/s':>7s} replays")
     rows, startup = [], {}
     for m, name in enumerate(args.models):
         t0 = time.perf_counter()
@@ -152,20 +154,23 @@ def main():
         startup[name] = dict(seconds=time.perf_counter() - t0, capture_seconds=enc.runner.stats.capture_seconds,
                              pool_bytes=enc.runner.stats.pool_bytes)
         cfg, runner = enc.config, enc.runner
-        tensors = dummy_tensors(cfg, 0, "cuda")
-        hf_eager = hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16)
-        hf_flash = use_varlen(hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16), attn)
-        del tensors
+        hf_eager = hf_flash = None
+        if not args.ours_only:
+            tensors = dummy_tensors(cfg, 0, "cuda")
+            hf_eager = hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16)
+            hf_flash = use_varlen(hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16), attn)
+            del tensors
         print(f"\n{name}: load + capture {startup[name]['seconds']:.1f} s (capture {runner.stats.capture_seconds:.2f} s,"
               f" pool {runner.stats.pool_bytes / 2**20:.0f} MiB)\n{header}")
-        for case in args.cases:
-            grids = [(1, h // cfg.patch_size, w // cfg.patch_size) for h, w in CASES[case]]
+        cases = CASES | EXTRA_CASES.get(cfg.family, {})
+        for case in args.cases + list(EXTRA_CASES.get(cfg.family, {})):
+            grids = [(1, h // cfg.patch_size, w // cfg.patch_size) for h, w in cases[case]]
             n = sum(t * h * w for t, h, w in grids)
             px = torch.randn(n, cfg.patch_dim)
             pxd, thw = px.cuda().bfloat16(), torch.tensor(grids, device="cuda")
             with torch.inference_mode():
-                graph = 0.0
-                for b in runner.pack(grids):  # each replay alone, its metadata already in the static buffers
+                graph, replays = 0.0, runner.pack(grids)
+                for b in replays:  # each replay alone, its metadata already in the static buffers
                     plan = make_plan([grids[i] for i in b.indices], cfg, pad_to=b.budget)
                     runner._load(plan, torch.randn(plan.num_patches, cfg.patch_dim), b.budget)
                     graph += gpu_ms(runner.graphs[b.budget].replay)
@@ -176,14 +181,14 @@ def main():
                 call = (time.perf_counter() - t) / 10 * 1e3
                 inputs = to_device(make_plan(grids, cfg), px, enc.device, enc.dtype)
                 eager = gpu_ms(lambda: enc.tower(inputs), reps=10)
-                hf_ms = gpu_ms(lambda: hf_eager(pxd, thw), warmup=2, reps=5)
-                try:
-                    hf_graph_ms = gpu_ms(hf_graph(hf_flash, cfg, pxd, grids))
-                except Exception as e:  # reported, not fatal: this column is a peer, not us
-                    print(f"  hf-graph failed: {type(e).__name__}: {e}")
-                    hf_graph_ms = float("nan")
-                compiled = float("nan")
-                if m == 0 and case == args.compile_case:
+                hf_ms = hf_graph_ms = compiled = float("nan")
+                if hf_eager is not None:
+                    hf_ms = gpu_ms(lambda: hf_eager(pxd, thw), warmup=2, reps=5)
+                    try:
+                        hf_graph_ms = gpu_ms(hf_graph(hf_flash, cfg, pxd, grids))
+                    except Exception as e:  # reported, not fatal: this column is a peer, not us
+                        print(f"  hf-graph failed: {type(e).__name__}: {e}")
+                if hf_eager is not None and m == 0 and case == args.compile_case:
                     ct = torch.compile(hf_eager)
                     t = time.perf_counter()
                     ct(pxd, thw)
@@ -191,13 +196,14 @@ def main():
                     compiled = gpu_ms(lambda: ct(pxd, thw), warmup=1, reps=5)
                     startup["torch.compile first call s"] = compile_s
             flops = tower_flops(cfg, grids)
-            row = dict(model=name, case=case, patches=n, images=len(grids), flops=flops, floor_ms=flops / ceiling / 1e9,
+            row = dict(model=name, case=case, patches=n, images=len(grids), replays=[b.budget for b in replays],
+                       flops=flops, floor_ms=flops / ceiling / 1e9,
                        graph_ms=graph, call_ms=call, eager_ms=eager, hf_graph_ms=hf_graph_ms, hf_compile_ms=compiled,
                        hf_eager_ms=hf_ms, graph_frac=flops / graph / 1e9 / ceiling, images_per_s=len(grids) / graph * 1e3)
             rows.append(row)
             print(f"{name.split('/')[-1][:14]:14s} {case:8s} {n:7d} {row['floor_ms']:6.2f} {graph:7.2f} {call:7.2f} "
                   f"{eager:7.2f} {hf_graph_ms:8.2f} {compiled:7.2f} {hf_ms:8.2f} {100 * row['graph_frac']:5.1f}% "
-                  f"{row['images_per_s']:7.1f}", flush=True)
+                  f"{row['images_per_s']:7.1f} {'+'.join(str(b.budget) for b in replays)}", flush=True)
         enc = runner = hf_eager = hf_flash = None  # free this model before the next
         torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),

@@ -12,7 +12,9 @@ Kernel launch parameters that must be Python ints are chosen so that any batch t
 attention runs with max_seqlen = budget (any frame that fits), window attention with the window size, and the number
 of segments is a fixed capacity (unused entries repeat the end offset: zero-length segments). Flash varlen launches
 segments x ceil(max_seqlen / 128) x heads blocks, empty ones costing ~1.3 ns each (bench/results/varlen-probe-h200.json),
-so frame capacity shrinks as the budget grows (`frame_capacity`), bounding that waste to ~40 us per layer.
+so frame capacity is bounded (`frame_capacity`): it shrinks as the budget grows (at most ~40 us per full-attention
+layer), and towers with full attention in every layer (Qwen2-VL, Qwen3-VL) admit fewer frames per replay than
+Qwen2.5-VL with 4 of 32, keeping the waste near 2% of a replay's compute; more small images take another replay.
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ log = logging.getLogger("vitserve.runner")
 # A capture costs ~50-150 ms and one output buffer (19 budgets captured in 1.3-3.3 s on an H200), so 28 are cheap.
 DEFAULT_BUDGETS = (*range(256, 4096 + 1, 256), *range(5120, 16384 + 1, 1024))
 MAX_ROW_BLOCKS = 2048  # frames x ceil(budget / 128) bound on full-attention row blocks per replay
+FULL_ATTENTION_FRAMES = 16  # frames per replay when every layer is full attention (scaled up by depth / full layers)
 MIN_FRAME_PATCHES = 16  # the smallest frame the default preprocessing makes (56x56 pixels = 4x4 patches)
 
 
-def frame_capacity(budget: int) -> int:
-    """Full-attention segments (image frames) one replay of this budget admits."""
-    return max(1, min(budget // MIN_FRAME_PATCHES, MAX_ROW_BLOCKS * 128 // budget))
+def frame_capacity(budget: int, cfg: VisionConfig) -> int:
+    """Full-attention segments (image frames) one replay of this budget admits for this tower."""
+    full_layers = len(cfg.fullatt_block_indexes) if cfg.window_size else cfg.depth
+    by_layers = FULL_ATTENTION_FRAMES * cfg.depth // max(1, full_layers)
+    return max(1, min(budget // MIN_FRAME_PATCHES, MAX_ROW_BLOCKS * 128 // budget, by_layers))
 
 
 def window_capacity(budget: int) -> int:
@@ -80,11 +85,13 @@ class Batch:
 
 @dataclass
 class Launch:
-    """A call's work in flight: per replay, its image indices, plan and host outputs; `done` fires when the
+    """A call's work in flight: per replay, its image indices, plan and host outputs (tokens and deepstack, or None
+    where every image of the replay is pooled; per-image means, or None where none is); `done` fires when the
     device-to-host copies have landed (None on the CPU, where everything ran synchronously)."""
 
     grids: list
     parts: list
+    pool_mean: list[bool]
     done: object = None
 
     @property
@@ -132,7 +139,7 @@ class GraphRunner:
         self._luts: dict[bytes, torch.Tensor] = {}
 
         largest = self.budgets[-1]
-        cap_full = max(frame_capacity(b) for b in self.budgets)
+        cap_full = max(frame_capacity(b, cfg) for b in self.budgets)
         cap_window = max(window_capacity(b) for b in self.budgets)
         windowed, interp = bool(cfg.window_size), bool(cfg.num_position_embeddings)
 
@@ -153,7 +160,7 @@ class GraphRunner:
     def budget_for(self, patches: int, frames: int, windows: int) -> int | None:
         """The smallest budget whose replay admits this many patches, frames and windows (None: run eagerly)."""
         for b in self.budgets:
-            if patches <= b and frames <= frame_capacity(b) and windows <= window_capacity(b):
+            if patches <= b and frames <= frame_capacity(b, self.cfg) and windows <= window_capacity(b):
                 return b
         return None
 
@@ -210,10 +217,13 @@ class GraphRunner:
         return self._launch(grids, rows_for)
 
     @torch.inference_mode()
-    def launch_images(self, images: list, pixel_lut) -> Launch:
+    def launch_images(self, images: list, pixel_lut, pool_mean: list[bool] | None = None) -> Launch:
         """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size, from
         preprocess.resize_rgb): 8x fewer bytes to copy, and normalize + patchify run on the device through
-        `pixel_lut` ([3, 256] float32, preprocess.normalize_lut), giving exactly preprocess()'s values."""
+        `pixel_lut` ([3, 256] float32, preprocess.normalize_lut), giving exactly preprocess()'s values.
+
+        Images flagged in `pool_mean` come back as (mean of their tokens [D] in float32, []): the mean is taken on
+        the device, and a replay whose images are all pooled copies only the means back."""
         arrays = [a.numpy() if torch.is_tensor(a) else np.asarray(a) for a in images]
         p = self.cfg.patch_size
         bad = [tuple(a.shape) for a in arrays if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3
@@ -222,7 +232,8 @@ class GraphRunner:
             raise ValueError(f"images must be uint8 [H, W, 3] with sides multiples of {p}; got {bad[:3]}")
         grids = check_grids([(1, a.shape[0] // p, a.shape[1] // p) for a in arrays], self.cfg)
         lut = self._device_lut(pixel_lut)
-        return self._launch(grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut))
+        return self._launch(grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut),
+                            pool_mean)
 
     def _device_lut(self, pixel_lut) -> torch.Tensor:
         """The normalization table on the device, uploaded once per table: a fresh upload per launch is a pageable
@@ -233,7 +244,10 @@ class GraphRunner:
             self._luts[key] = torch.tensor(table, device=self.device)
         return self._luts[key]
 
-    def _launch(self, grids, rows_for) -> Launch:
+    def _launch(self, grids, rows_for, pool_mean: list[bool] | None = None) -> Launch:
+        pool_mean = list(pool_mean) if pool_mean is not None else [False] * len(grids)
+        if len(pool_mean) != len(grids):
+            raise ValueError(f"pool_mean has {len(pool_mean)} flags for {len(grids)} images")
         self._enter()
         try:
             parts = []
@@ -241,12 +255,20 @@ class GraphRunner:
                 n = sum(grid_patches(grids[i]) for i in batch.indices)
                 plan, merged, deepstack = self._run_batch([grids[i] for i in batch.indices],
                                                           rows_for(batch.indices, n), batch.budget)
-                parts.append((batch.indices, plan, self._to_host(merged, plan), [self._to_host(d, plan) for d in deepstack]))
+                pooled = [pool_mean[i] for i in batch.indices]
+                tokens = ds = means = None
+                if not all(pooled):
+                    tokens, ds = self._to_host(merged, plan), [self._to_host(d, plan) for d in deepstack]
+                if any(pooled):
+                    offsets = plan.token_offsets
+                    means = self._to_host(torch.stack([merged[a:b].mean(0, dtype=torch.float32)
+                                                       for a, b in zip(offsets, offsets[1:])]))
+                parts.append((batch.indices, plan, tokens, ds, means))
             done = None
             if self._pin:
                 done = torch.cuda.Event()
                 done.record()
-            return Launch(grids, parts, done)
+            return Launch(grids, parts, pool_mean, done)
         finally:
             self._lock.release()
 
@@ -280,10 +302,10 @@ class GraphRunner:
         if launch.done is not None:
             launch.done.synchronize()
         results: list = [None] * launch.num_images
-        for indices, plan, merged, deepstack in launch.parts:
+        for indices, plan, merged, deepstack, means in launch.parts:
             offsets = plan.token_offsets
-            for i, a, b in zip(indices, offsets, offsets[1:]):
-                results[i] = (merged[a:b], [d[a:b] for d in deepstack])
+            for j, (i, a, b) in enumerate(zip(indices, offsets, offsets[1:])):
+                results[i] = (means[j], []) if launch.pool_mean[i] else (merged[a:b], [d[a:b] for d in deepstack])
         return results
 
     @property
@@ -294,9 +316,9 @@ class GraphRunner:
         """Copy without blocking the host: from pinned memory on CUDA (a pageable source would wait for the GPU)."""
         dst.copy_(src.pin_memory() if self._pin and not src.is_pinned() else src, non_blocking=True)
 
-    def _to_host(self, out: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+    def _to_host(self, out: torch.Tensor, plan: BatchPlan | None = None) -> torch.Tensor:
         """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the pool."""
-        rows = out[:plan.num_tokens]
+        rows = out[:plan.num_tokens] if plan is not None else out
         if not self._pin:
             return rows
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -333,7 +355,7 @@ class GraphRunner:
             s.pixel_values[:n].copy_(pixel_values)
         s.pixel_values[n:budget].zero_()
         h2d(s.positions[:budget], plan.positions)
-        full = _padded_cu(plan.full.cu_seqlens, frame_capacity(budget))
+        full = _padded_cu(plan.full.cu_seqlens, frame_capacity(budget, self.cfg))
         h2d(s.cu_seqlens[:full.numel()], full)
         inputs = TowerInputs(
             pixel_values=s.pixel_values[:budget], positions=s.positions[:budget], cu_seqlens=s.cu_seqlens[:full.numel()],
@@ -358,6 +380,10 @@ class GraphRunner:
         """Capture every budget, largest first, into one shared memory pool (no-op without CUDA graphs)."""
         if not self.use_graphs or self.graphs:
             return
+        with torch.cuda.device(self.device):  # torch.cuda.graph captures on a stream of the *current* device
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # capture empties the cache anyway: measure the pool from the same baseline
         reserved0, start = torch.cuda.memory_reserved(self.device), time.perf_counter()

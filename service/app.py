@@ -6,6 +6,7 @@ import asyncio
 import base64
 import hmac
 import json
+import math
 from contextlib import asynccontextmanager
 
 import torch
@@ -153,9 +154,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         return error_response(422, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request",
                               where or None)
 
-    async def run_images(request: Request, images: list) -> tuple[list, list, float, float]:
-        """Admission, preprocessing, batching: per image (tokens, deepstack) and grid, and the request's queue and
-        inference seconds."""
+    async def run_images(request: Request, images: list, pool_mean: bool = False) -> tuple[list, list, float, float]:
+        """Admission, preprocessing, batching: per image (tokens, deepstack), or (mean vector, []) with `pool_mean`,
+        and grid, and the request's queue and inference seconds."""
         if len(images) > settings.max_images_per_request:
             raise ServiceError(413, f"{len(images)} images in one request; the limit is "
                                     f"{settings.max_images_per_request}", "too_many_images", "input")
@@ -166,7 +167,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             prepared = await engine.preprocess(images)
             disconnected = asyncio.ensure_future(_wait_disconnect(request))
             try:
-                items = await engine.infer(prepared, disconnected)
+                items = await engine.infer(prepared, disconnected, pool_mean)
             finally:
                 disconnected.cancel()
         finally:
@@ -187,13 +188,14 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         check_model(body.model)
         inputs = [body.input] if isinstance(body.input, str) else body.input
         images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(inputs)]
-        results, grids, queue_s, inference_s = await run_images(request, images)
+        pool_mean = body.pooling == "mean"  # taken on the device: only the vectors come back
+        results, grids, queue_s, inference_s = await run_images(request, images, pool_mean)
         data, tokens = [], 0
         for i, (embeddings, _deepstack) in enumerate(results):
-            tokens += embeddings.shape[0]
-            if body.pooling == "mean":
+            tokens += math.prod(grids[i]) // engine.encoder.config.merge_unit
+            if pool_mean:
                 data.append({"object": "embedding", "index": i,
-                             "embedding": tensor_payload(embeddings.mean(0, dtype=torch.float32), body.encoding_format)})
+                             "embedding": tensor_payload(embeddings, body.encoding_format)})
             else:
                 data.append({"object": "embedding", "index": i, "shape": list(embeddings.shape), "grid_thw": grids[i],
                              "embedding": tensor_payload(embeddings, body.encoding_format)})

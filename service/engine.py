@@ -72,6 +72,7 @@ class WorkItem:
     queue_s: float = 0.0
     inference_s: float = 0.0
     cancelled: bool = False
+    pool_mean: bool = False  # answer with the mean of the tokens (taken on the device) instead of the tokens
 
     @property
     def patches(self) -> int:
@@ -94,46 +95,74 @@ def resolve_devices(settings: Settings) -> tuple[list[str], str]:
     return devices, dtype
 
 
-MAX_BATCHES_IN_FLIGHT = 2  # per device: two keep the GPU fed; a third measured 8% worse (smaller batches)
+MAX_BATCHES_IN_FLIGHT = 2  # per device: one running, the next launched behind it; a third made batches smaller
+
+
+@dataclass
+class Landed:
+    """Posted to a worker's job queue by its watcher thread when a launch's results have reached the host."""
+
+    launch: object
 
 
 class DeviceWorker:
     """One device: its encoder (runner and graphs), the one thread that uses it, and its batch queue.
 
-    The thread launches batch k+1 (planning, pinned copies, replay, all enqueued without waiting) before it collects
-    batch k, so host work overlaps device work. Results are resolved on the event loop."""
+    The thread launches batch k+1 (planning, pinned copies, replay, all enqueued without waiting) as soon as it comes,
+    behind batch k still on the GPU, and only then collects batch k, so host work overlaps device work and the GPU
+    never waits for planning. A watcher thread blocks on each launch's completion event (no GIL held, no polling) and
+    posts `Landed`, so a batch is answered as soon as it lands even when no next batch comes. Results are resolved on
+    the event loop."""
 
     def __init__(self, engine: Engine, encoder: VisionEncoder):
         self.engine, self.encoder, self.device = engine, encoder, str(encoder.device)
         self.jobs: queue.Queue = queue.Queue()
+        self.launches: queue.Queue = queue.Queue()  # for the watcher, in launch order
         self.in_flight = 0  # batches handed over and not yet resolved (event-loop side)
         self.patches_in_flight = 0
         self.batches = self.images = 0
         self.thread = threading.Thread(target=self._loop, name=f"vitserve-{self.device}", daemon=True)
+        self.watcher = threading.Thread(target=self._watch, name=f"vitserve-{self.device}-watch", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        while (launch := self.launches.get()) is not None:
+            if launch.done is not None:
+                launch.done.synchronize()
+            self.jobs.put(Landed(launch))
 
     def _loop(self) -> None:
         if self.encoder.device.type == "cuda":
             torch.cuda.set_device(self.encoder.device)
         runner, pending = self.encoder.runner, None
-        while True:
-            try:
-                job = self.jobs.get(block=pending is None)
-            except queue.Empty:
-                job = False
-            if job is None:  # stop: finish what is held, then exit
-                if pending is not None:
-                    self._collect(*pending)
-                return
-            launched = None
-            if job:
+        try:
+            while True:
+                job = self.jobs.get()
+                if job is None:  # stop: finish what is held, then exit
+                    if pending is not None:
+                        self._collect(*pending)
+                    return
+                if isinstance(job, Landed):  # stale when that launch was already collected behind a newer one
+                    if pending is not None and pending[2] is job.launch:
+                        self._collect(*pending)
+                        pending = None
+                    continue
                 batch, start = job
                 try:
-                    launched = (batch, start, runner.launch_images([i.image for i in batch], self.engine.pixel_lut))
+                    launch = runner.launch_images([i.image for i in batch], self.engine.pixel_lut,
+                                                  [i.pool_mean for i in batch])
                 except Exception as e:
                     self.engine.finish(self, batch, error=self.engine.error_for(e, batch))
-            if pending is not None:
-                self._collect(*pending)
-            pending = launched
+                    continue
+                self.launches.put(launch)
+                if pending is not None:
+                    self._collect(*pending)
+                pending = (batch, start, launch)
+        finally:
+            self.launches.put(None)
 
     def _collect(self, batch: list[WorkItem], start: float, launch) -> None:
         try:
@@ -198,7 +227,7 @@ class Engine:
 
     def _start_workers(self) -> None:
         for worker in self.workers:
-            worker.thread.start()
+            worker.start()
         self._capacity.set()
 
     async def _load(self) -> None:
@@ -306,10 +335,12 @@ class Engine:
             out.append((image, (1, image.shape[0] // p, image.shape[1] // p)))
         return out
 
-    async def infer(self, prepared, disconnected: asyncio.Future | None = None) -> list[WorkItem]:
-        """Queue the images, wait for their results; if `disconnected` resolves first, drop them from the queue."""
+    async def infer(self, prepared, disconnected: asyncio.Future | None = None, pool_mean: bool = False
+                    ) -> list[WorkItem]:
+        """Queue the images, wait for their results; if `disconnected` resolves first, drop them from the queue.
+        Each result is (tokens, deepstack list), or (mean of the tokens in float32, []) with `pool_mean`."""
         loop = asyncio.get_running_loop()
-        items = [WorkItem(image, grid, loop.create_future()) for image, grid in prepared]
+        items = [WorkItem(image, grid, loop.create_future(), pool_mean=pool_mean) for image, grid in prepared]
         for item in items:
             self.queue.put_nowait(item)
         self.metrics.queue_depth.set(self.queue.qsize())

@@ -3,12 +3,14 @@ padded batch is replayed from a CUDA graph instead of run eagerly)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES, rel_err
 
 from encoder import VisionEncoder
 from encoder.plan import make_plan, to_device
+from encoder.preprocess import normalize_lut
 from encoder.runner import GraphRunner, frame_capacity, window_capacity
 
 CPU = torch.device("cpu")
@@ -109,7 +111,7 @@ def test_packing_order_and_capacities(checkpoints):
     for b in batches:
         if b.budget is not None:
             assert b.patches == sum(grids[i][1] * grids[i][2] for i in b.indices) <= b.budget
-            assert b.frames <= frame_capacity(b.budget) and b.windows <= window_capacity(b.budget)
+            assert b.frames <= frame_capacity(b.budget, runner.cfg) and b.windows <= window_capacity(b.budget)
             assert b.budget == runner.budget_for(b.patches, b.frames, b.windows)  # the smallest that admits it
     # first-fit decreasing: 560 + 256 + 256 + 64 + 16 + 4 = 1156 patches need 2 replays, not more
     assert len(batches) - len(eager) == 2
@@ -123,7 +125,7 @@ def test_packing_order_and_capacities(checkpoints):
 def test_many_tiny_frames_split_by_capacity(checkpoints):
     enc = VisionEncoder.from_pretrained(checkpoints["qwen2_vl"][0], budgets=(256,))
     grids = [(1, 2, 2)] * 40  # 160 patches fit 256, but 40 frames exceed the 16-frame capacity of a 256 replay
-    assert frame_capacity(256) == 16
+    assert frame_capacity(256, enc.config) == 16
     batches = enc.runner.pack(grids)
     assert [len(b.indices) for b in batches] == [16, 16, 8]
     check(enc, grids)
@@ -172,3 +174,38 @@ def test_uint8_images_path_equals_float_rows(encoders):
         enc.runner.launch_images([np.zeros((30, 32, 3), np.uint8)], lut)
     with pytest.raises(ValueError, match="uint8"):
         enc.runner.launch_images([np.zeros((32, 32, 3), np.float32)], lut)
+
+
+def test_pooled_images_come_back_as_device_means(encoders):
+    """`pool_mean` images return the mean of exactly the tokens they would return, in float32, whether the whole
+    replay is pooled (only means are copied back) or mixed with token requests; the others are unchanged."""
+    enc = encoders["qwen3_vl"]
+    rng = np.random.default_rng(0)
+    p = enc.config.patch_size
+    images = [rng.integers(0, 256, (h * p, w * p, 3), dtype=np.uint8) for h, w in [(4, 6), (8, 8), (2, 2), (6, 4)]]
+    lut = normalize_lut(enc.preprocess_config.image_mean, enc.preprocess_config.image_std)
+    runner = enc.runner
+    tokens = runner.collect(runner.launch_images(images, lut))
+    mixed = runner.collect(runner.launch_images(images, lut, [True, False, True, False]))
+    pooled = runner.collect(runner.launch_images(images, lut, [True] * 4))
+    for i, (t, deepstack) in enumerate(tokens):
+        assert t.shape[0] == images[i].shape[0] * images[i].shape[1] // (p * p * 4) and len(deepstack) == 2
+        for vec, ds in [pooled[i]] + ([mixed[i]] if i % 2 == 0 else []):
+            assert vec.dtype == torch.float32 and vec.shape == (t.shape[1],) and ds == []
+            assert rel_err(vec, t.mean(0, dtype=torch.float32)) <= 1e-6
+        if i % 2:
+            assert torch.equal(mixed[i][0], t) and all(torch.equal(a, b) for a, b in zip(mixed[i][1], deepstack))
+    with pytest.raises(ValueError, match="pool_mean"):
+        runner.launch_images(images, lut, [True])
+
+
+def test_frame_capacity_follows_full_attention_layers():
+    """Empty flash blocks cost per full-attention layer: all-full towers admit 16 frames a replay, Qwen2.5 (4 full
+    layers of 32) up to the row-block bound."""
+    from encoder.config import builtin_config
+
+    qwen2, qwen25, qwen3 = (builtin_config(m) for m in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct",
+                                                     "Qwen/Qwen3-VL-8B-Instruct"))
+    assert [frame_capacity(b, qwen2) for b in (256, 2048, 8192, 16384)] == [16, 16, 16, 16]
+    assert [frame_capacity(b, qwen3) for b in (256, 2048, 8192, 16384)] == [16, 16, 16, 16]
+    assert [frame_capacity(b, qwen25) for b in (256, 1024, 2048, 8192, 16384)] == [16, 64, 128, 32, 16]
