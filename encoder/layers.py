@@ -7,10 +7,6 @@ Pure tensor code: every shape comes from the inputs' shapes or the config, every
 
 from __future__ import annotations
 
-import itertools
-import logging
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,8 +14,6 @@ from torch import nn
 from . import kernels
 from .config import VisionConfig
 from .plan import TowerInputs
-
-log = logging.getLogger("vitserve.layers")
 
 MLP_ALIGN = 64  # MLP widths are zero-padded to a multiple of this: 3420 -> 3456 runs ~3x faster in cuBLAS on H100/H200
 
@@ -89,69 +83,19 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
     return emb.cos(), emb.sin()
 
 
-# Full-attention segments of at least this many rows go to cuDNN's ragged attention when it works on the device
-# (`VITSERVE_ATTENTION`: auto, cudnn or flash): on an H200 it runs 1.5-2x faster than flash varlen (FA2) at head dims
-# 72 and 80 (bench/results/h200-profile.json). Windows (64 rows) stay on flash.
-ATTENTION = os.environ.get("VITSERVE_ATTENTION", "auto")
-CUDNN_MIN_SEQLEN = 512
-_cudnn_works: dict[int, bool] = {}
-
-
-def cudnn_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                                   False, 0.0, False, False)[0]
-
-
-def flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-
-
-def use_cudnn(q: torch.Tensor, max_seqlen: int) -> bool:
-    """Whether this call goes to cuDNN. `auto` checks cuDNN once per device against flash on a batch shaped like a
-    replay's (segments of several lengths, zero-length ones, rows after the last): any error or mismatch keeps flash."""
-    if ATTENTION == "flash" or max_seqlen < CUDNN_MIN_SEQLEN:
-        return False
-    if ATTENTION == "cudnn":
-        return True
-    device = q.device.index
-    if device not in _cudnn_works:
-        if torch.cuda.is_current_stream_capturing():  # never probe inside a capture; the warm-up probes first
-            return False
-        _cudnn_works[device] = _probe_cudnn(q.device, q.dtype, q.shape[1], q.shape[2])
-    return _cudnn_works[device]
-
-
-def _probe_cudnn(device, dtype, heads: int, head_dim: int) -> bool:
-    lengths = [700, 0, 513, 64, 0, 1]
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-    q, k, v = (torch.randn(cu[-1].item() + 37, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
-    rows = int(cu[-1])
-    try:
-        got = cudnn_varlen(q, k, v, cu, max(lengths))[:rows].float()
-    except RuntimeError as e:
-        log.info("cuDNN ragged attention unavailable (%s); using flash varlen", e)
-        return False
-    want = flash_varlen(q, k, v, cu, max(lengths))[:rows].float()
-    err = ((got - want).norm() / want.norm()).item()
-    ok = err < 1e-2 and bool(torch.isfinite(got).all())
-    log.info("cuDNN ragged attention %s (relative difference to flash %.1e)", "in use" if ok else "rejected", err)
-    return ok
-
-
 def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, seqlens: list[int] | None) -> torch.Tensor:
     """Attention within each segment of a packed [N, heads, head_dim] batch.
 
-    On CUDA in half precision: one cuDNN ragged or flash varlen call (graph-capturable; zero-length segments are
-    fine). Elsewhere (CPU, or float32 on CUDA): exact per-segment SDPA over the plan's host-side lengths. Rows after
-    the last segment (padding) are in no segment: their output is unspecified on CUDA and zero here, and never read
-    for real rows.
+    On CUDA in half precision: one flash varlen call (graph-capturable; zero-length segments are fine). cuDNN's
+    ragged attention runs 1.5-2x faster on an H200 at these head dims (bench/results/h200-profile.json), but torch
+    2.11's path to it invalidates CUDA graph capture, so it is not used. Elsewhere (CPU, or float32 on CUDA): exact
+    per-segment SDPA over the plan's host-side lengths. Rows after the last segment (padding) are in no segment: their
+    output is unspecified on CUDA and zero here, and never read for real rows.
     """
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        if use_cudnn(q, max_seqlen):
-            return cudnn_varlen(q, k, v, cu_seqlens, max_seqlen)
-        return flash_varlen(q, k, v, cu_seqlens, max_seqlen)
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     if seqlens is None:
         raise ValueError("the non-flash attention path needs the plan's host-side segment lengths")
     out, start = [], 0
