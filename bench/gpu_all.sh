@@ -16,5 +16,8 @@ export PYTHONUNBUFFERED=1
   timeout 90 python3 bench/gpu_runner_check.py --batches 25 --out "$out/runner_check.json" | grep -E "images|ALL|SOME"
   timeout 260 python3 bench/bench.py --out "$out/bench.json" --plot "$out/bench.png"
   timeout 120 python3 bench/gpu_faults.py --out "$out/gpu_faults.json"
-  timeout 170 python3 bench/bench_http.py --requests 960 --concurrency 64 --client-processes 4 --out "$out/bench_http.json"
+  timeout 170 python3 bench/bench_http.py --preprocess-workers 16 --out "$out/bench_http.json"
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    timeout 150 python3 bench/bench_multi_gpu.py --out "$out/multi_gpu.json"
+  fi
 } 2>&1 | grep -v -i warn | tee "$out/log.txt"

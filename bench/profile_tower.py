@@ -113,27 +113,6 @@ def attention_table(heads: int, head_dim: int) -> list[dict]:
     return rows
 
 
-def rotary_table(n: int = 8192) -> list[dict]:
-    """Both rotary kernel layouts (VITSERVE_ROTARY) on the towers' qkv widths: time and achieved bandwidth."""
-    from encoder.kernels import triton_ops
-
-    rows = []
-    for heads, hd in ((16, 80), (16, 72)):
-        qkv = torch.randn(n, 3 * heads * hd, device="cuda", dtype=torch.bfloat16)
-        angles = torch.rand(n, hd // 2, device="cuda") * 50
-        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-        moved = 2 * (2 * n * heads * hd * 2) + 2 * n * hd * 4  # q, k read and written; cos, sin read
-        row = {"heads": heads, "head_dim": hd, "rows": n}
-        saved = triton_ops.ROTARY_KERNEL
-        for kernel in ("rows", "heads"):
-            triton_ops.ROTARY_KERNEL = kernel
-            ms = gpu_ms(lambda qkv=qkv, cos=cos, sin=sin: triton_ops.rotary_qk(qkv, cos, sin, heads), warmup=5, reps=50)
-            row[f"{kernel}_ms"], row[f"{kernel}_tb_s"] = ms, moved / ms / 1e9
-        triton_ops.ROTARY_KERNEL = saved
-        rows.append(row)
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", default=list(CASES))
@@ -141,13 +120,7 @@ def main():
     args = ap.parse_args()
     ceiling = matmul_tflops()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
-    result = {"device": torch.cuda.get_device_name(), "matmul_tflops": ceiling, "models": {},
-              "rotary": rotary_table()}
-    for r in result["rotary"]:
-        print("   rotary " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    faster = "rows" if sum(r["rows_ms"] for r in result["rotary"]) <= sum(r["heads_ms"] for r in result["rotary"]) else "heads"
-    result["rotary_faster"] = faster
-    print(f"rotary faster: {faster}")
+    result = {"device": torch.cuda.get_device_name(), "matmul_tflops": ceiling, "models": {}}
     for name in args.models:
         enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy", capture=False)
         cfg = enc.config

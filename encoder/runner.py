@@ -380,10 +380,13 @@ class GraphRunner:
         """Capture every budget, largest first, into one shared memory pool (no-op without CUDA graphs)."""
         if not self.use_graphs or self.graphs:
             return
-        with torch.cuda.device(self.device):  # torch.cuda.graph captures on a stream of the *current* device
+        with torch.cuda.device(self.device):
             self._capture_all()
 
     def _capture_all(self) -> None:
+        # torch.cuda.graph's default capture stream is one per process, made on whichever device was current at the
+        # first capture: a second device's runner must capture on a stream of its own (seen on a 2-GPU H200 host).
+        capture_stream = torch.cuda.Stream(self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # capture empties the cache anyway: measure the pool from the same baseline
         reserved0, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
@@ -399,7 +402,7 @@ class GraphRunner:
                 self.tower(inputs)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 self.outputs[budget] = self.tower(inputs)
             pool = graph.pool()
             self.graphs[budget] = graph
