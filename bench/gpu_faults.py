@@ -36,7 +36,7 @@ def jpeg(side: int) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Qwen/Qwen2.5-VL-7B-Instruct")
-    ap.add_argument("--fraction", type=float, default=0.04)
+    ap.add_argument("--fraction", type=float, default=0.08, help="of GPU memory: weights + graphs fit, a huge image not")
     ap.add_argument("--port", type=int, default=8767)
     ap.add_argument("--out", default="gpu_faults.json")
     args = ap.parse_args()
