@@ -80,8 +80,9 @@ def cpu_costs(enc: VisionEncoder, files) -> dict:
     return {k: 1e3 * statistics.mean(r[k] for r in rows) for k in rows[0]}
 
 
-def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: int) -> float:
-    """The runner alone on the server's inputs (resized uint8 images), in server-sized batches, pipelined."""
+def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: int, barrier=None) -> float:
+    """The runner alone on the server's inputs (resized uint8 images), in server-sized batches, pipelined
+    (`barrier`: wait there after the warm-up, so that several devices' threads time the same interval)."""
     cfg = enc.preprocess_config
     prepared = [resize_rgb(load_image(data), cfg) for _, data in files]
     lut = normalize_lut(cfg.image_mean, cfg.image_std)
@@ -108,13 +109,17 @@ def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: 
         runner.collect(pending)
 
     run_all()  # warm
+    if barrier is not None:
+        barrier.wait()
     t = time.perf_counter()
     run_all()
     return images / (time.perf_counter() - t)
 
 
-async def _drive(url: str, uris: list[str], model: str, indices: list[int], concurrency: int) -> list:
-    latencies, failures = [], 0
+async def _drive(url: str, uris: list[str], model: str, indices: list[int], concurrency: int,
+                 pooling: str | None = None) -> list:
+    latencies, failures, cpu = [], 0, time.process_time()
+    extra = {"pooling": pooling} if pooling else {}
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=300,
                                  limits=httpx.Limits(max_connections=concurrency)) as client:
@@ -123,25 +128,27 @@ async def _drive(url: str, uris: list[str], model: str, indices: list[int], conc
             async with sem:
                 t = time.perf_counter()
                 r = await client.post("/v1/embeddings", json={"model": model, "input": [uris[i % len(uris)]],
-                                                              "encoding_format": "base64"})
-                latencies.append(time.perf_counter() - t)
+                                                              "encoding_format": "base64", **extra})
+                latencies.append((i % len(uris), time.perf_counter() - t))
                 failures += r.status_code != 200
 
         await asyncio.gather(*(one(i) for i in indices))
-    return [latencies, failures]
+    return [latencies, failures, time.process_time() - cpu]
 
 
 def _client_process(args):
     return asyncio.run(_drive(*args))
 
 
-def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int, processes: int = 1) -> dict:
-    """`requests` at `concurrency`, from several client processes so the client's own GIL is not the limit."""
+def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int, processes: int = 1,
+          pooling: str | None = None) -> dict:
+    """`requests` at `concurrency`, from several client processes so the client's own GIL is not the limit;
+    `client_cpu_busiest` is the busiest client process's CPU seconds over the wall time (near 1: client-bound)."""
     import multiprocessing
 
     processes = max(1, min(processes, concurrency))
     shares = [list(range(requests))[k::processes] for k in range(processes)]
-    jobs = [(url, uris, model, share, max(1, concurrency // processes)) for share in shares]
+    jobs = [(url, uris, model, share, max(1, concurrency // processes), pooling) for share in shares]
     start = time.perf_counter()
     if processes == 1:
         results = [_client_process(jobs[0])]
@@ -149,10 +156,16 @@ def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int
         with multiprocessing.get_context("fork").Pool(processes) as pool:
             results = pool.map(_client_process, jobs)
     wall = time.perf_counter() - start
-    lat = np.array([x for r in results for x in r[0]]) * 1e3
+    by_image: dict[int, list[float]] = {}
+    for r in results:
+        for image, seconds in r[0]:
+            by_image.setdefault(image, []).append(seconds * 1e3)
+    lat = np.array([x for v in by_image.values() for x in v])
     return dict(requests=requests, concurrency=concurrency, client_processes=processes,
                 failures=sum(r[1] for r in results), images_per_s=requests / wall,
-                p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)))
+                p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
+                client_cpu_busiest=max(r[2] for r in results) / wall,
+                p50_ms_by_image={k: float(np.percentile(v, 50)) for k, v in sorted(by_image.items())})
 
 
 def main():

@@ -18,6 +18,6 @@ export PYTHONUNBUFFERED=1
   timeout 120 python3 bench/gpu_faults.py --out "$out/gpu_faults.json"
   timeout 170 python3 bench/bench_http.py --preprocess-workers 16 --out "$out/bench_http.json"
   if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-    timeout 150 python3 bench/bench_multi_gpu.py --out "$out/multi_gpu.json"
+    timeout 300 python3 bench/bench_multi_gpu.py --out "$out/multi_gpu.json"
   fi
 } 2>&1 | grep -v -i warn | tee "$out/log.txt"

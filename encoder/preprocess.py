@@ -90,10 +90,15 @@ class Base64Data(str):
     """Base64 text of an encoded image, decoded where the image is (a server's decode worker, not its event loop)."""
 
     def decode(self) -> bytes:  # type: ignore[override]
-        try:
-            return base64.b64decode("".join(self.split()), validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidBase64("not valid base64") from None
+        return decode_base64(self)
+
+
+def decode_base64(text: str | bytes) -> bytes:
+    """Strict base64 (whitespace allowed, e.g. line breaks), or InvalidBase64."""
+    try:
+        return base64.b64decode(type(text)().join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidBase64("not valid base64") from None
 
 
 class UndecodableImage(ImageError):

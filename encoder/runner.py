@@ -260,9 +260,7 @@ class GraphRunner:
                 if not all(pooled):
                     tokens, ds = self._to_host(merged, plan), [self._to_host(d, plan) for d in deepstack]
                 if any(pooled):
-                    offsets = plan.token_offsets
-                    means = self._to_host(torch.stack([merged[a:b].mean(0, dtype=torch.float32)
-                                                       for a, b in zip(offsets, offsets[1:])]))
+                    means = self._to_host(self._segment_means(merged, plan.token_offsets))
                 parts.append((batch.indices, plan, tokens, ds, means))
             done = None
             if self._pin:
@@ -271,6 +269,20 @@ class GraphRunner:
             return Launch(grids, parts, pool_mean, done)
         finally:
             self._lock.release()
+
+    def _segment_means(self, rows: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+        """Float32 mean of rows[a:b] for each consecutive pair of `offsets`, in a fixed handful of device calls
+        whatever the number of images (each call from a GPU thread gives up the GIL and waits to get it back)."""
+        counts = np.diff(offsets)
+        segment = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        weight = np.repeat((1.0 / counts).astype(np.float32), counts)
+        segment_d, weight_d = (self._upload(torch.from_numpy(x)) for x in (segment, weight))
+        sums = torch.zeros(len(counts), rows.shape[1], dtype=torch.float32, device=rows.device)
+        return sums.index_add_(0, segment_d, rows[:offsets[-1]].float() * weight_d[:, None])
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without making the host wait (through pinned memory on CUDA)."""
+        return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
 
     def _device_rows(self, arrays: list[np.ndarray], n: int, lut: torch.Tensor) -> torch.Tensor:
         """Patch rows [n, patch_dim] in the model dtype, cut on the device from the images' uint8 pixels: each row

@@ -7,6 +7,7 @@ import base64
 import hmac
 import json
 import math
+import time
 from contextlib import asynccontextmanager
 
 import torch
@@ -28,6 +29,7 @@ from .schemas import EmbeddingRequest, EncodeRequest
 from .settings import Settings
 
 OPEN_PATHS = {"/health", "/ready", "/metrics"}
+API_PATHS = {"/v1/embeddings", "/v1/encode", "/v1/models"}
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -73,6 +75,7 @@ class Gate:
                 status[0] = message["status"]
             await send(message)
 
+        start = time.perf_counter()
         try:
             await self.app(scope, limited_receive, tracking_send)
         except PayloadTooLarge:
@@ -81,12 +84,19 @@ class Gate:
             await error_response(413, f"request body over the {limit}-byte limit", "payload_too_large")(
                 scope, receive, tracking_send)
         if path.startswith("/v1/"):
-            self.metrics.requests.labels(path, "ok" if status[0] < 400 else str(status[0])).inc()
+            endpoint = endpoint_label(path)
+            self.metrics.requests.labels(endpoint, "ok" if status[0] < 400 else str(status[0])).inc()
+            self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - start)
 
     async def _reply(self, scope, receive, send, response):
         if scope["path"].startswith("/v1/"):
-            self.metrics.requests.labels(scope["path"], str(response.status_code)).inc()
+            self.metrics.requests.labels(endpoint_label(scope["path"]), str(response.status_code)).inc()
         await response(scope, receive, send)
+
+
+def endpoint_label(path: str) -> str:
+    """The metrics label of a /v1/ path: its route, or "other" (a label per unknown path would grow without end)."""
+    return path if path in API_PATHS else "other"
 
 
 def decode_input(item: str, index: int, allow_url: bool) -> Base64Data | str:

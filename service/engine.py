@@ -1,29 +1,30 @@
-"""The serving engine: preprocessing pool, token-budget batcher, one worker thread per device.
+"""The serving engine: preprocessing pool, token-budget batching, one worker thread per device.
 
 Data flow: request -> decode + resize each image in a pool of worker processes (off the event loop and out of the
-GIL; they return uint8 pixels, 8x smaller than float patch rows) -> one WorkItem per image
-on an asyncio queue -> the batcher gathers items from concurrent requests up to `max_batch_tokens` or
-`max_batch_wait_ms` -> the worker thread runs the batch through the encoder's graph runner -> each item's future is
+GIL; they return uint8 pixels, 8x smaller than float patch rows, through a RAM spool file) -> one WorkItem per
+image on the shared ImageQueue -> a device's thread takes a batch of items from concurrent requests, up to
+`max_batch_tokens` or `max_batch_wait_ms`, and runs it through the encoder's graph runner -> each item's future is
 resolved on the event loop, so every request gets exactly its own images back.
 
-While the worker runs one batch, new items queue up and form the next batch at once (dynamic batching under load).
-Several devices (`--devices`): one encoder, graph set and worker thread per device; each batch goes to the device
-with the fewest batches in flight. A worker keeps its GPU fed: it launches batch k+1 before it collects batch k.
-At most two batches per device are handed over at once: while both run, images pile up and the next batch is bigger
+Device threads pull their batches: a device that frees up takes the next batch itself, with no trip through the
+event loop between one batch landing and the next one launching (on two H200s, a batcher on the event loop left
+each GPU idle a third of the time). A thread keeps its GPU fed: it launches batch k+1 behind batch k, then collects
+batch k. At most two batches per device are in flight: while both run, images pile up and the next batch is bigger
 (three measured 8% fewer images/s on an H200, its batches being smaller:
-bench/results/h200-bench_http-28budgets-3slots.json against h200-bench_http.json).
+bench/results/h200-bench_http-28budgets-3slots.json against h200-bench_http.json). Several devices
+(`--devices`): one encoder, graph set and thread per device, all taking from the one queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import multiprocessing
 import os
-import queue
 import threading
 import time
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
@@ -31,9 +32,10 @@ import numpy as np
 import torch
 
 from encoder import VisionEncoder
-from encoder.preprocess import (Base64Data, ImageError, ImageTooLarge, PreprocessConfig, load_image, normalize_lut,
-                                resize_rgb)
+from encoder.preprocess import (Base64Data, ImageError, ImageTooLarge, PreprocessConfig, decode_base64, load_image,
+                                normalize_lut, resize_rgb)
 
+from . import spool
 from .errors import ServiceError
 from .metrics import Metrics
 from .settings import Settings
@@ -41,12 +43,23 @@ from .settings import Settings
 log = logging.getLogger("vitserve.engine")
 
 
-def decode_and_resize(data, max_image_pixels: int, cfg: PreprocessConfig) -> tuple[np.ndarray, float]:
-    """Runs in a worker process: encoded bytes -> the resized (H, W, 3) uint8 image, and the seconds it took."""
+def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: PreprocessConfig,
+                      spool_prefix: str | None = None) -> tuple[np.ndarray | spool.Spooled, float]:
+    """Runs in a worker: encoded bytes (or their base64 text) -> the resized (H, W, 3) uint8 image, in a spool file
+    when `spool_prefix` is given and it can, and the seconds it took."""
     start = time.perf_counter()
-    if isinstance(data, Base64Data):
-        data = data.decode()
-    return resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg), time.perf_counter() - start
+    if is_base64:
+        data = decode_base64(data)
+    image = resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg)
+    seconds = time.perf_counter() - start
+    return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
+
+
+def _take_spooled(job: Future) -> None:
+    """Done-callback of a decode job, in the pool's thread: read a spooled image back at once, so that its file goes
+    even when nobody waits for the job any more (a cancelled request, a failed sibling image)."""
+    if not job.cancelled() and job.exception() is None and isinstance(job.result()[0], spool.Spooled):
+        job.result()[0].take()
 
 
 def make_preprocess_pool(workers: int, processes: bool) -> Executor:
@@ -98,71 +111,109 @@ def resolve_devices(settings: Settings) -> tuple[list[str], str]:
 MAX_BATCHES_IN_FLIGHT = 2  # per device: one running, the next launched behind it; a third made batches smaller
 
 
-@dataclass
-class Landed:
-    """Posted to a worker's job queue by its watcher thread when a launch's results have reached the host."""
+class ImageQueue:
+    """Images waiting for a batch, in arrival order, shared by the device threads (thread-safe)."""
 
-    launch: object
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self._items: collections.deque[WorkItem] = collections.deque()
+        self._ready = threading.Condition()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, items: list[WorkItem]) -> None:
+        with self._ready:
+            self._items.extend(items)
+            self.metrics.queue_depth.set(len(self._items))
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """Wake every taker with None: the engine is stopping (images still queued are left)."""
+        with self._ready:
+            self.closed = True
+            self._ready.notify_all()
+
+    def take(self, max_patches: int, wait_s: float, block: bool) -> list[WorkItem] | None:
+        """A batch: images in arrival order up to `max_patches` (the first one whatever its size; one that does not
+        fit stays first in line), waiting up to `wait_s` after the first for more. Waits for the first only when
+        `block`. [] when there was nothing to take, None once closed. Images whose client left are dropped."""
+        with self._ready:
+            while block and not self._items and not self.closed:
+                self._ready.wait()
+            if self.closed:
+                return None
+            batch, patches, deadline = [], 0, time.monotonic() + wait_s
+            while True:
+                while self._items and (not batch or patches + self._items[0].patches <= max_patches):
+                    item = self._items.popleft()
+                    batch.append(item)
+                    patches += item.patches
+                if not batch or self._items or patches >= max_patches or self.closed:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._ready.wait(remaining) and not self._items:
+                    break
+            self.metrics.queue_depth.set(len(self._items))
+        live = [item for item in batch if not item.cancelled]  # a client may have left while its batch formed
+        if len(live) < len(batch):
+            self.metrics.dropped.inc(len(batch) - len(live))
+        return live
 
 
 class DeviceWorker:
-    """One device: its encoder (runner and graphs), the one thread that uses it, and its batch queue.
+    """One device: its encoder (runner and graphs) and the one thread that uses it.
 
-    The thread launches batch k+1 (planning, pinned copies, replay, all enqueued without waiting) as soon as it comes,
-    behind batch k still on the GPU, and only then collects batch k, so host work overlaps device work and the GPU
-    never waits for planning. A watcher thread blocks on each launch's completion event (no GIL held, no polling) and
-    posts `Landed`, so a batch is answered as soon as it lands even when no next batch comes. Results are resolved on
-    the event loop."""
+    The thread takes a batch from the queue whenever its device has fewer than two in flight, and launches it
+    (planning, pinned copies, replays, all enqueued without waiting) behind the one still on the GPU; then it
+    collects the older one, which waits for it to land. Host work overlaps device work, and the GPU waits for
+    neither planning nor the event loop. With nothing queued it waits for its batch in flight to land, answers it,
+    and waits for images. Results are resolved on the event loop."""
 
     def __init__(self, engine: Engine, encoder: VisionEncoder):
         self.engine, self.encoder, self.device = engine, encoder, str(encoder.device)
-        self.jobs: queue.Queue = queue.Queue()
-        self.launches: queue.Queue = queue.Queue()  # for the watcher, in launch order
-        self.in_flight = 0  # batches handed over and not yet resolved (event-loop side)
-        self.patches_in_flight = 0
+        self.in_flight = 0  # batches launched and not yet collected
         self.batches = self.images = 0
         self.thread = threading.Thread(target=self._loop, name=f"vitserve-{self.device}", daemon=True)
-        self.watcher = threading.Thread(target=self._watch, name=f"vitserve-{self.device}-watch", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
-        self.watcher.start()
-
-    def _watch(self) -> None:
-        while (launch := self.launches.get()) is not None:
-            if launch.done is not None:
-                launch.done.synchronize()
-            self.jobs.put(Landed(launch))
 
     def _loop(self) -> None:
         if self.encoder.device.type == "cuda":
             torch.cuda.set_device(self.encoder.device)
-        runner, pending = self.encoder.runner, None
+        engine, runner = self.engine, self.encoder.runner
+        max_patches, wait_s = engine.settings.max_batch_tokens * 4, engine.settings.max_batch_wait_ms / 1e3
+        pending: collections.deque = collections.deque()
         try:
             while True:
-                job = self.jobs.get()
-                if job is None:  # stop: finish what is held, then exit
-                    if pending is not None:
-                        self._collect(*pending)
-                    return
-                if isinstance(job, Landed):  # stale when that launch was already collected behind a newer one
-                    if pending is not None and pending[2] is job.launch:
-                        self._collect(*pending)
-                        pending = None
-                    continue
-                batch, start = job
-                try:
-                    launch = runner.launch_images([i.image for i in batch], self.engine.pixel_lut,
-                                                  [i.pool_mean for i in batch])
-                except Exception as e:
-                    self.engine.finish(self, batch, error=self.engine.error_for(e, batch))
-                    continue
-                self.launches.put(launch)
-                if pending is not None:
-                    self._collect(*pending)
-                pending = (batch, start, launch)
+                if len(pending) < MAX_BATCHES_IN_FLIGHT:
+                    batch = engine.images.take(max_patches, wait_s, block=not pending)
+                    if batch is None:
+                        return
+                    if batch:
+                        start = time.perf_counter()
+                        for item in batch:
+                            item.queue_s = start - item.enqueued
+                            engine.metrics.queue_seconds.observe(item.queue_s)
+                        try:
+                            launch = runner.launch_images([i.image for i in batch], engine.pixel_lut,
+                                                          [i.pool_mean for i in batch])
+                        except Exception as e:
+                            engine.finish(self, batch, error=engine.error_for(e, batch))
+                            continue
+                        pending.append((batch, start, launch))
+                        self.in_flight = len(pending)
+                        continue
+                    if not pending:
+                        continue
+                self._collect(*pending.popleft())  # waits for that batch to land
+                self.in_flight = len(pending)
         finally:
-            self.launches.put(None)
+            while pending:
+                self._collect(*pending.popleft())
+            self.in_flight = 0
 
     def _collect(self, batch: list[WorkItem], start: float, launch) -> None:
         try:
@@ -191,10 +242,17 @@ class Engine:
         self.load_seconds = 0.0
         self._pool_size = settings.preprocess_workers or os.cpu_count() or 4
         self.preprocess_pool = make_preprocess_pool(self._pool_size, settings.preprocess_processes)
+        self._spool_base = None
+        if settings.preprocess_processes and settings.spool_dir != "none":
+            self._spool_base = spool.spool_prefix(settings.spool_dir)
+            if self._spool_base is None:
+                log.warning("no usable spool directory (%s): decoded images cross through a pipe, which costs the "
+                            "server about 2 ms of CPU per megabyte", settings.spool_dir or "/dev/shm")
+        self._pool_generation = 0
+        self.spool_prefix = self._spool_base and f"{self._spool_base}0-"  # per pool: a dead pool's files are cleared
         self.pixel_lut: np.ndarray | None = None
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
-        self.queue: asyncio.Queue[WorkItem] | None = None
-        self._capacity: asyncio.Event | None = None  # set when some device can take another batch
+        self.images = ImageQueue(self.metrics)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0
         self.batch_sizes: dict[int, int] = {}
@@ -218,8 +276,7 @@ class Engine:
         self.metrics.watch_runners(lambda: {w.device: w.encoder.runner.stats.as_dict() for w in self.workers})
 
     async def start(self) -> None:
-        self.queue, self._capacity, self._loop = asyncio.Queue(), asyncio.Event(), asyncio.get_running_loop()
-        self._tasks.append(asyncio.create_task(self._batch_loop(), name="vitserve-batcher"))
+        self._loop = asyncio.get_running_loop()
         if self.workers:
             self._start_workers()
         else:
@@ -228,7 +285,6 @@ class Engine:
     def _start_workers(self) -> None:
         for worker in self.workers:
             worker.start()
-        self._capacity.set()
 
     async def _load(self) -> None:
         s = self.settings
@@ -275,12 +331,13 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.images.close()  # each worker finishes what it holds, then exits
         for worker in self.workers:
             if worker.thread.is_alive():
-                worker.jobs.put(None)  # each worker finishes what it holds, then exits
                 await asyncio.get_running_loop().run_in_executor(None, worker.thread.join)
         self.loader.shutdown(wait=True)
         self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        spool.clear(self._spool_base)
 
     # ---- admission -----------------------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -301,9 +358,7 @@ class Engine:
     # ---- work ----------------------------------------------------------------------------------------------------
     async def preprocess(self, images: list) -> list[tuple[np.ndarray, tuple[int, int, int]]]:
         """Decode and resize concurrently in the pool; the first bad image fails the request (only it)."""
-        loop = asyncio.get_running_loop()
-        cfg, limit = self.encoder.preprocess_config, self.settings.max_image_pixels
-        jobs = [loop.run_in_executor(self.preprocess_pool, decode_and_resize, data, limit, cfg) for data in images]
+        jobs = [asyncio.ensure_future(self._decode(data)) for data in images]
         try:
             await asyncio.wait(jobs)
         except BaseException:
@@ -311,21 +366,19 @@ class Engine:
                 job.cancel()
             raise
         errors = [job.exception() for job in jobs]  # retrieve every one: only the first is reported
-        out, p = [], cfg.patch_size
+        out, p = [], self.encoder.preprocess_config.patch_size
         for index, job in enumerate(jobs):
             try:
                 if errors[index] is not None:
                     raise errors[index]
                 image, seconds = job.result()
+            except ServiceError:
+                raise
             except ImageTooLarge as e:
                 raise ServiceError(413, f"input[{index}]: {e}", e.code, param=f"input[{index}]") from None
             except ImageError as e:
                 raise ServiceError(400, f"input[{index}]: {e}", e.code, param=f"input[{index}]") from None
-            except BrokenProcessPool:  # an image crashed a decode worker: replace the pool, refuse that request
-                log.warning("a decode worker died on input[%d]; restarting the pool", index)
-                old, self.preprocess_pool = self.preprocess_pool, make_preprocess_pool(self._pool_size,
-                                                                                       self.settings.preprocess_processes)
-                old.shutdown(wait=False, cancel_futures=True)
+            except BrokenProcessPool:  # twice: this image kills decode workers
                 raise ServiceError(400, f"input[{index}]: the image crashed the decoder", "undecodable_image",
                                    param=f"input[{index}]") from None
             except Exception as e:  # anything else the decoder raised is still about this client's bytes
@@ -335,15 +388,48 @@ class Engine:
             out.append((image, (1, image.shape[0] // p, image.shape[1] // p)))
         return out
 
+    async def _decode(self, data) -> tuple[np.ndarray, float]:
+        """One image through the decode pool. A dying worker breaks the whole pool and fails every job in it: the
+        pool is replaced and each image retried once, so only an image that kills a worker twice is refused."""
+        for attempt in (1, 2):
+            pool, prefix = self.preprocess_pool, self.spool_prefix
+            try:
+                return await self._decode_in(pool, prefix, data)
+            except BrokenProcessPool:
+                if pool is self.preprocess_pool:  # the first job to see this break replaces the pool
+                    log.warning("a decode worker died; restarting the decode pool")
+                    self.preprocess_pool = make_preprocess_pool(self._pool_size, self.settings.preprocess_processes)
+                    self._pool_generation += 1
+                    self.spool_prefix = self._spool_base and f"{self._spool_base}{self._pool_generation}-"
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    spool.clear(prefix)  # what the dead pool's workers wrote and nobody will read
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _decode_in(self, pool: Executor, prefix: str | None, data) -> tuple[np.ndarray, float]:
+        cfg, limit = self.encoder.preprocess_config, self.settings.max_image_pixels
+        if is_base64 := isinstance(data, Base64Data):  # as bytes: a str pickles at twice the server's CPU
+            data = data.encode("ascii", "replace")  # a non-ASCII character is still invalid base64 there
+        start = time.perf_counter()
+        job = pool.submit(decode_and_resize, data, is_base64, limit, cfg, prefix)
+        job.add_done_callback(_take_spooled)
+        image, seconds = await asyncio.wrap_future(job)
+        self.metrics.decode_seconds.observe(time.perf_counter() - start)
+        if isinstance(image, spool.Spooled):
+            if image.array is None:
+                raise ServiceError(500, f"a decoded image was lost on its way from the decode worker ({image.error})",
+                                   "internal_error")
+            image = image.array
+        return image, seconds
+
     async def infer(self, prepared, disconnected: asyncio.Future | None = None, pool_mean: bool = False
                     ) -> list[WorkItem]:
         """Queue the images, wait for their results; if `disconnected` resolves first, drop them from the queue.
         Each result is (tokens, deepstack list), or (mean of the tokens in float32, []) with `pool_mean`."""
         loop = asyncio.get_running_loop()
         items = [WorkItem(image, grid, loop.create_future(), pool_mean=pool_mean) for image, grid in prepared]
-        for item in items:
-            self.queue.put_nowait(item)
-        self.metrics.queue_depth.set(self.queue.qsize())
+        self.images.put(items)
         results = asyncio.gather(*(item.future for item in items))
         waiters = {results} if disconnected is None else {results, disconnected}
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -356,56 +442,6 @@ class Engine:
         results.result()  # raises the batch's error, if any
         return items
 
-    async def _batch_loop(self) -> None:
-        max_patches = self.settings.max_batch_tokens * 4
-        wait = self.settings.max_batch_wait_ms / 1e3
-        loop = asyncio.get_running_loop()
-        carry: WorkItem | None = None
-        while True:
-            worker = await self._free_worker()  # while all are busy, images pile up for a bigger next batch
-            first = carry or await self.queue.get()
-            carry, batch, patches = None, [first], first.patches
-            deadline = loop.time() + wait
-            while patches < max_patches:
-                try:
-                    item = self.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    if loop.time() >= deadline:
-                        break
-                    try:
-                        item = await asyncio.wait_for(self.queue.get(), deadline - loop.time())
-                    except TimeoutError:
-                        break
-                if patches + item.patches > max_patches:
-                    carry = item
-                    break
-                batch.append(item)
-                patches += item.patches
-            self.metrics.queue_depth.set(self.queue.qsize() + (carry is not None))
-            live = [item for item in batch if not item.cancelled and not item.future.done()]
-            self.metrics.dropped.inc(len(batch) - len(live))
-            if not live:
-                continue
-            worker = self._least_loaded() or worker  # a device may have freed up while the batch formed
-            start = time.perf_counter()
-            for item in live:
-                item.queue_s = start - item.enqueued
-                self.metrics.queue_seconds.observe(item.queue_s)
-            worker.in_flight += 1
-            worker.patches_in_flight += sum(i.patches for i in live)
-            worker.jobs.put((live, start))
-
-    def _least_loaded(self) -> DeviceWorker | None:
-        """The device with the fewest batches (then patches) in flight, among those that can take one more."""
-        free = [w for w in self.workers if w.in_flight < MAX_BATCHES_IN_FLIGHT]
-        return min(free, key=lambda w: (w.in_flight, w.patches_in_flight), default=None)
-
-    async def _free_worker(self) -> DeviceWorker:
-        while (worker := self._least_loaded()) is None:
-            self._capacity.clear()
-            await self._capacity.wait()
-        return worker
-
     def error_for(self, e: Exception, batch: list[WorkItem]) -> ServiceError:
         if isinstance(e, torch.OutOfMemoryError):
             log.warning("OOM on a batch of %d images: %s", len(batch), e)
@@ -416,12 +452,9 @@ class Engine:
 
     def finish(self, worker: DeviceWorker, batch, outputs=None, seconds: float = 0.0,
                error: ServiceError | None = None) -> None:
-        """From a worker thread: resolve the batch's futures on the event loop and free its slot."""
+        """From a worker thread: resolve the batch's futures on the event loop."""
 
         def resolve():
-            worker.in_flight -= 1
-            worker.patches_in_flight -= sum(i.patches for i in batch)
-            self._capacity.set()
             if error is not None:
                 self._fail(batch, error)
                 return
@@ -451,7 +484,8 @@ class Engine:
                 "device": self.devices[0], "devices": {w.device: w.stats() for w in self.workers},
                 "dtype": self.dtype, "family": enc.config.family if enc else None,
                 "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
-                "requests_in_flight": self.in_flight, "queue_depth": self.queue.qsize() if self.queue else 0,
+                "requests_in_flight": self.in_flight, "queue_depth": len(self.images),
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "spool": self._spool_base and os.path.dirname(self._spool_base),
                 "eager_fallbacks": sum(w.encoder.runner.stats.eager_fallbacks for w in self.workers),
                 "runner": enc.runner.stats.as_dict() if enc else None}

@@ -20,6 +20,9 @@ class Metrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.preprocess_seconds = Histogram("vitserve_preprocess_seconds", "Decode + preprocess time per image",
                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_seconds = Histogram("vitserve_decode_seconds", "Wall time from handing an image to the decode pool "
+                                        "to getting its pixels back (pool queueing included)",
+                                        buckets=LATENCY_BUCKETS, registry=r)
         self.inference_seconds = Histogram("vitserve_inference_seconds", "Device time per batch (incl. copies)",
                                            ["device"], buckets=LATENCY_BUCKETS, registry=r)
         self.request_seconds = Histogram("vitserve_request_seconds", "End-to-end request time", ["endpoint"],

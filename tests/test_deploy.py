@@ -144,6 +144,10 @@ def test_kustomization_renders_and_hangs_together():
     build_parser().parse_args(["serve", *container["args"]])  # the args are flags vitserve knows
     env = {e["name"] for e in container["env"]}
     assert {"VITSERVE_API_KEY", "HF_TOKEN"} <= env
+    # /dev/shm (the decode spool) is a RAM volume, not the runtime's 64 MB default; every mount has its volume
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory" and set(mounts.values()) <= set(volumes)
     # the selectors meet: Service and PDB select the pods, the ServiceMonitor selects the Service
     labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
     for kind in ("Service", "PodDisruptionBudget"):
@@ -177,3 +181,4 @@ def test_compose_file():
     (gpus,) = service["deploy"]["resources"]["reservations"]["devices"]
     assert gpus["driver"] == "nvidia" and gpus["count"] == "all" and "gpu" in gpus["capabilities"]
     assert any(v.endswith(":/data") for v in service["volumes"])
+    assert service["shm_size"] == "1gb"  # the decode spool lives in /dev/shm (64 MB by default)

@@ -35,3 +35,25 @@ def test_uint8_path_equals_float_path_on_gpu():
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(224, 336), (448, 448)]]
     for a, b in zip(enc.encode_pixels(*enc.preprocess(images)), enc.encode(images)):
         assert torch.equal(a.embeddings, b.embeddings)
+
+
+def test_pooled_means_on_gpu_equal_the_mean_of_the_tokens():
+    """Pooled images (means taken on the device, in one index_add over the replay) equal the float32 mean of the
+    same replay's tokens, for a mix of pooled and token images."""
+    import numpy as np
+
+    from encoder.preprocess import normalize_lut
+
+    enc = VisionEncoder.from_pretrained("tiny-qwen3-vl", device="cuda", dtype="bfloat16", load_format="dummy",
+                                        budgets=(256, 1024, 4096))
+    rng = np.random.default_rng(2)
+    p = enc.config.patch_size
+    images = [rng.integers(0, 256, (h * p, w * p, 3), dtype=np.uint8) for h, w in [(4, 6), (16, 20), (2, 2), (8, 4)]]
+    lut = normalize_lut(enc.preprocess_config.image_mean, enc.preprocess_config.image_std)
+    tokens = enc.runner.collect(enc.runner.launch_images(images, lut))
+    mixed = enc.runner.collect(enc.runner.launch_images(images, lut, [True, False, True, True]))
+    for i in (0, 2, 3):
+        want = tokens[i][0].float().mean(0)
+        assert mixed[i][0].dtype == torch.float32
+        assert ((mixed[i][0] - want).norm() / want.norm()).item() <= 1e-5
+    assert torch.equal(mixed[1][0], tokens[1][0])

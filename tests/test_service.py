@@ -128,6 +128,16 @@ def test_info_endpoints(client):
                  "vitserve_inference_seconds_bucket", "vitserve_queue_depth", "vitserve_batch_tokens_bucket",
                  "vitserve_graph_replays_total", "vitserve_graph_padded_patches_total", "vitserve_eager_fallbacks_total"):
         assert name in metrics, name
+    for name in ("vitserve_decode_seconds_count", 'vitserve_request_seconds_count{endpoint="/v1/embeddings"}'):
+        assert float(next(line for line in metrics.splitlines() if line.startswith(name)).split()[-1]) >= 1, name
+
+
+def test_unknown_paths_share_one_metrics_label(client):
+    for i in range(3):
+        assert client.post(f"/v1/no-such-route-{i}", json={}).status_code == 404
+    metrics = client.get("/metrics").text
+    assert "no-such-route" not in metrics
+    assert 'vitserve_requests_total{endpoint="other",outcome="404"} 3.0' in metrics
 
 
 @pytest.mark.parametrize("item, status, code", [
@@ -326,8 +336,8 @@ def test_url_fetching_refuses_private_addresses(encoders):
 
 
 def test_several_devices_share_the_load(encoders):
-    """Two replicas (here both on the CPU): batches go to the least-loaded one, both serve, stats and metrics say
-    which did what, and every answer is right."""
+    """Two replicas (here both on the CPU) take batches from the one queue: both serve, stats and metrics say which
+    did what, and every answer is right."""
     enc = encoders["tiny-qwen2.5-vl"]
     twin = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy")
     settings = Settings(model=enc.name, load_format="dummy", max_batch_wait_ms=1, max_batch_tokens=256)
@@ -357,3 +367,90 @@ def test_device_resolution():
     assert resolve_devices(Settings(model="m", devices="cuda:2"))[1] == "bfloat16"
     if not torch.cuda.is_available():
         assert resolve_devices(Settings(model="m", devices="all")) == (["cpu"], "float32")
+
+
+def _items(*patches):
+    from service.engine import WorkItem
+
+    return [WorkItem(np.zeros((1, 1, 3), np.uint8), (1, 1, n), None) for n in patches]
+
+
+def test_image_queue_batches_in_arrival_order_up_to_the_budget():
+    import threading
+    import time
+
+    from service.engine import ImageQueue
+    from service.metrics import Metrics
+
+    q = ImageQueue(Metrics())
+    assert q.take(100, 0.0, block=False) == []
+    a, b, c, d = _items(40, 50, 30, 500)
+    q.put([a, b, c, d])
+    assert q.take(100, 1.0, block=False) == [a, b]  # c does not fit: it stays first, no waiting for more
+    assert q.take(100, 0.0, block=False) == [c]
+    assert q.take(100, 0.0, block=False) == [d]  # over the budget alone: a batch of its own
+    e, f = _items(10, 90)
+    threading.Timer(0.05, q.put, ([f],)).start()
+    start = time.monotonic()
+    q.put([e])
+    assert q.take(100, 2.0, block=True) == [e, f]  # waited for f within the batch wait...
+    assert time.monotonic() - start < 1.5  # ...and no longer: with f the batch is full
+    g, h = _items(10, 10)
+    h.cancelled = True  # its client went away
+    q.put([g, h])
+    assert q.take(100, 0.0, block=False) == [g] and len(q) == 0
+    assert q.metrics.registry.get_sample_value("vitserve_dropped_images_total") == 1
+    threading.Timer(0.05, q.close).start()
+    assert q.take(100, 0.0, block=True) is None  # a taker blocked on an empty queue wakes at close
+
+
+def test_spool_round_trip_and_fallback(tmp_path):
+    from service import spool
+
+    prefix = spool.spool_prefix(str(tmp_path))
+    image = np.random.default_rng(0).integers(0, 256, (28, 42, 3), dtype=np.uint8)
+    spooled = spool.put(prefix, image)
+    assert spooled is not None and len(list(tmp_path.iterdir())) == 1
+    spooled.take()
+    assert np.array_equal(spooled.array, image) and list(tmp_path.iterdir()) == []  # read back, file gone
+    assert spool.put(str(tmp_path / "missing" / "x-"), image) is None  # no directory: the caller pipes it
+    lost = spool.Spooled(str(tmp_path / "gone"), (2, 2, 3))
+    lost.take()
+    assert lost.array is None and "FileNotFoundError" in lost.error
+    short = spool.put(prefix, image)
+    with open(short.path, "r+b") as f:
+        f.truncate(10)
+    short.take()
+    assert short.array is None and "short" in short.error and list(tmp_path.iterdir()) == []
+    spool.put(prefix, image), spool.put(prefix, image)
+    spool.clear(prefix)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_decode_workers_hand_pixels_back_through_the_spool(encoders, tmp_path):
+    """With processes, decoded images cross through spool files, which are gone once read: the pixels equal the
+    pipe's, and nothing stays behind, also when a request is abandoned midway."""
+    enc = encoders["tiny-qwen2.5-vl"]
+
+    async def scenario(spool_dir):
+        engine = Engine(Settings(model=enc.name, preprocess_workers=2, spool_dir=spool_dir), encoder=enc)
+        await engine.start()
+        try:
+            images = [base64.b64encode(x).decode() for x in IMAGES]
+            from encoder.preprocess import Base64Data
+
+            out = await engine.preprocess([Base64Data(x) for x in images])
+            abandoned = asyncio.ensure_future(engine.preprocess([Base64Data(x) for x in images]))
+            await asyncio.sleep(0)
+            abandoned.cancel()
+            await asyncio.sleep(1.0)  # the cancelled jobs still finish in the workers and are cleaned up
+            return out, engine.stats()["spool"]
+        finally:
+            await engine.stop()
+
+    spooled, where = asyncio.run(scenario(str(tmp_path)))
+    piped, nowhere = asyncio.run(scenario("none"))
+    assert where == str(tmp_path) and nowhere is None
+    for (a, grid_a), (b, grid_b) in zip(spooled, piped):
+        assert grid_a == grid_b and np.array_equal(a, b)
+    assert list(tmp_path.iterdir()) == []
