@@ -48,6 +48,30 @@ def parse_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def load_configs(model: str, load_format: str = "auto", revision: str | None = None,
+                 allow_download: bool | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
+                 cache_dir: str | None = None) -> tuple[VisionConfig, PreprocessConfig, str | None]:
+    """The tower's and the preprocessing's configs, and the checkpoint directory to read weights from (None for
+    dummy weights), without reading any weight: what a server needs before its devices have loaded."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+    ckpt, pre = None, {}
+    if load_format == "dummy":
+        try:
+            cfg = builtin_config(model)
+        except KeyError:  # a checkpoint directory: its config, random weights
+            cfg, _ = checkpoint.read_config(checkpoint.resolve_checkpoint(model, revision, allow_download, cache_dir))
+    else:
+        ckpt = checkpoint.resolve_checkpoint(model, revision, allow_download, cache_dir)
+        cfg, pre = checkpoint.read_config(ckpt)
+    pcfg = PreprocessConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+                            merge_size=cfg.spatial_merge_size, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                            image_mean=cfg.image_mean, image_std=cfg.image_std)
+    pcfg = PreprocessConfig.from_hf(pre, pcfg) if pre else pcfg
+    overrides = {k: v for k, v in dict(min_pixels=min_pixels, max_pixels=max_pixels).items() if v is not None}
+    return cfg, pcfg.with_overrides(**overrides), ckpt
+
+
 class VisionEncoder:
     """A Qwen-VL vision tower on one device, with its preprocessing.
 
@@ -74,25 +98,12 @@ class VisionEncoder:
         `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
         On CUDA in half precision the graphs of every token budget are captured before this returns."""
         device, dtype = parse_device(device), parse_dtype(dtype)
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
-        if load_format == "dummy":
-            try:
-                cfg = builtin_config(model)
-            except KeyError:  # a checkpoint directory: its config, random weights
-                cfg, _ = checkpoint.read_config(checkpoint.resolve_checkpoint(model, revision, allow_download, cache_dir))
-            tensors, pre = checkpoint.dummy_tensors(cfg, seed, device), {}
+        cfg, pcfg, ckpt = load_configs(model, load_format, revision, allow_download, min_pixels, max_pixels, cache_dir)
+        if ckpt is None:
+            tensors = checkpoint.dummy_tensors(cfg, seed, device)
         else:
-            ckpt = checkpoint.resolve_checkpoint(model, revision, allow_download, cache_dir)
-            cfg, pre = checkpoint.read_config(ckpt)
             tensors = checkpoint.read_vision_tensors(ckpt)
-        tower = checkpoint.build_tower(cfg, tensors, device, dtype)
-        pcfg = PreprocessConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-                                merge_size=cfg.spatial_merge_size, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                                image_mean=cfg.image_mean, image_std=cfg.image_std)
-        pcfg = PreprocessConfig.from_hf(pre, pcfg) if pre else pcfg
-        overrides = {k: v for k, v in dict(min_pixels=min_pixels, max_pixels=max_pixels).items() if v is not None}
-        encoder = cls(tower, cfg, pcfg.with_overrides(**overrides), device, dtype, model, budgets)
+        encoder = cls(checkpoint.build_tower(cfg, tensors, device, dtype), cfg, pcfg, device, dtype, model, budgets)
         if capture:
             encoder.capture()
         return encoder

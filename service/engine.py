@@ -12,7 +12,9 @@ each GPU idle a third of the time). A thread keeps its GPU fed: it launches batc
 batch k. At most two batches per device are in flight: while both run, images pile up and the next batch is bigger
 (three measured 8% fewer images/s on an H200, its batches being smaller:
 bench/results/h200-bench_http-28budgets-3slots.json against h200-bench_http.json). Several devices
-(`--devices`): one encoder, graph set and thread per device, all taking from the one queue.
+(`--devices`): one encoder, graph set and thread per device, all taking from the one queue; with
+`--device-processes` each device runs in a process of its own and its thread here only moves batches
+(device_process.py).
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ import numpy as np
 import torch
 
 from encoder import VisionEncoder
+from encoder.config import VisionConfig
+from encoder.vision_encoder import load_configs
 from encoder.preprocess import (Base64Data, ImageError, ImageTooLarge, PreprocessConfig, decode_base64, load_image,
                                 normalize_lut, resize_rgb)
 
 from . import spool
+from .device_process import DeviceLost, DeviceProcess
 from .errors import ServiceError
 from .metrics import Metrics
 from .settings import Settings
@@ -171,8 +176,10 @@ class DeviceWorker:
     neither planning nor the event loop. With nothing queued it waits for its batch in flight to land, answers it,
     and waits for images. Results are resolved on the event loop."""
 
-    def __init__(self, engine: Engine, encoder: VisionEncoder):
-        self.engine, self.encoder, self.device = engine, encoder, str(encoder.device)
+    max_in_flight = MAX_BATCHES_IN_FLIGHT
+
+    def __init__(self, engine: Engine, encoder: VisionEncoder | None, device: str | None = None):
+        self.engine, self.encoder, self.device = engine, encoder, device or str(encoder.device)
         self.in_flight = 0  # batches launched and not yet collected
         self.batches = self.images = 0
         self.thread = threading.Thread(target=self._loop, name=f"vitserve-{self.device}", daemon=True)
@@ -180,15 +187,26 @@ class DeviceWorker:
     def start(self) -> None:
         self.thread.start()
 
+    # what runs a batch: the encoder in this process (ProcessWorker: a process of the device's own)
+    def launch(self, batch: list[WorkItem]):
+        return self.encoder.runner.launch_images([i.image for i in batch], self.engine.pixel_lut,
+                                                 [i.pool_mean for i in batch])
+
+    def collect(self, launch) -> list:
+        return self.encoder.runner.collect(launch)
+
+    def runner_stats(self) -> dict:
+        return self.encoder.runner.stats.as_dict()
+
     def _loop(self) -> None:
-        if self.encoder.device.type == "cuda":
+        if self.encoder is not None and self.encoder.device.type == "cuda":
             torch.cuda.set_device(self.encoder.device)
-        engine, runner = self.engine, self.encoder.runner
+        engine = self.engine
         max_patches, wait_s = engine.settings.max_batch_tokens * 4, engine.settings.max_batch_wait_ms / 1e3
         pending: collections.deque = collections.deque()
         try:
             while True:
-                if len(pending) < MAX_BATCHES_IN_FLIGHT:
+                if len(pending) < self.max_in_flight:
                     batch = engine.images.take(max_patches, wait_s, block=not pending)
                     if batch is None:
                         return
@@ -198,9 +216,10 @@ class DeviceWorker:
                             item.queue_s = start - item.enqueued
                             engine.metrics.queue_seconds.observe(item.queue_s)
                         try:
-                            launch = runner.launch_images([i.image for i in batch], engine.pixel_lut,
-                                                          [i.pool_mean for i in batch])
+                            launch = self.launch(batch)
                         except Exception as e:
+                            if isinstance(e, DeviceLost):
+                                engine.device_lost(self, str(e))
                             engine.finish(self, batch, error=engine.error_for(e, batch))
                             continue
                         pending.append((batch, start, launch))
@@ -217,15 +236,44 @@ class DeviceWorker:
 
     def _collect(self, batch: list[WorkItem], start: float, launch) -> None:
         try:
-            outputs = self.encoder.runner.collect(launch)
+            outputs = self.collect(launch)
         except Exception as e:
+            if isinstance(e, DeviceLost):
+                self.engine.device_lost(self, str(e))
             self.engine.finish(self, batch, error=self.engine.error_for(e, batch))
         else:
             self.engine.finish(self, batch, outputs=outputs, seconds=time.perf_counter() - start)
 
     def stats(self) -> dict:
         return {"batches": self.batches, "images": self.images, "batches_in_flight": self.in_flight,
-                "runner": self.encoder.runner.stats.as_dict()}
+                "runner": self.runner_stats()}
+
+
+class ProcessWorker(DeviceWorker):
+    """A device served by a process of its own (`--device-processes`); this thread only moves its batches."""
+
+    max_in_flight = MAX_BATCHES_IN_FLIGHT + 1  # the device process runs two; one more waits in its pipe
+
+    def __init__(self, engine: Engine, process: DeviceProcess):
+        super().__init__(engine, None, process.device)
+        self.process = process
+
+    def launch(self, batch: list[WorkItem]) -> int:
+        return self.process.launch([i.image for i in batch], [i.pool_mean for i in batch])
+
+    def collect(self, job: int) -> list:
+        return self.process.collect(job)
+
+    def runner_stats(self) -> dict:
+        return self.process.stats
+
+
+@dataclass
+class ModelInfo:
+    """What the server needs of the model when its devices run in processes of their own."""
+
+    config: VisionConfig
+    preprocess_config: PreprocessConfig
 
 
 class Engine:
@@ -265,15 +313,18 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def _use(self, encoders: list[VisionEncoder]) -> None:
-        self.encoder = encoders[0]
+        self._use_workers(encoders[0], [DeviceWorker(self, e) for e in encoders])
+
+    def _use_workers(self, model: VisionEncoder | ModelInfo, workers: list[DeviceWorker]) -> None:
+        self.encoder = model
         cfg = self.encoder.preprocess_config
         self.pixel_lut = normalize_lut(cfg.image_mean, cfg.image_std)
-        self.workers = [DeviceWorker(self, e) for e in encoders]
+        self.workers = workers
         if len({w.device for w in self.workers}) < len(self.workers):  # replicas on one device (cpu,cpu): label apart
             for i, worker in enumerate(self.workers):
                 worker.device = f"{worker.device}#{i}"
         self.devices = [w.device for w in self.workers]
-        self.metrics.watch_runners(lambda: {w.device: w.encoder.runner.stats.as_dict() for w in self.workers})
+        self.metrics.watch_runners(lambda: {w.device: w.runner_stats() for w in self.workers})
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -287,6 +338,11 @@ class Engine:
             worker.start()
 
     async def _load(self) -> None:
+        if self.settings.device_processes:
+            if self._spool_base is not None:
+                return await self._load_processes()
+            log.warning("--device-processes needs a spool directory (/dev/shm or --spool-dir): serving the devices "
+                        "from threads of this process")
         s = self.settings
         start = time.perf_counter()
         budgets = s.budget_list()
@@ -321,6 +377,48 @@ class Engine:
         log.info("ready in %.2f s on %s (graph capture %s s)", self.load_seconds, ", ".join(self.devices),
                  ", ".join(f"{e.runner.stats.capture_seconds:.2f}" for e in encoders))
 
+    async def _load_processes(self) -> None:
+        """One process per device, loading and capturing side by side; ready when all are."""
+        s, start, loop = self.settings, time.perf_counter(), asyncio.get_running_loop()
+        processes = []
+        try:
+            config, preprocess_config, _ = await loop.run_in_executor(self.loader, lambda: load_configs(
+                s.model, s.load_format, s.revision, min_pixels=s.min_pixels, max_pixels=s.max_pixels))
+            log.info("loading %s (%s) on %s as %s, one process per device", s.model, s.load_format,
+                     ", ".join(self.devices), self.dtype)
+            for i, device in enumerate(self.devices):
+                processes.append(DeviceProcess(s, device, self.dtype, f"{self._spool_base}dev{i}-"))
+            self.state = "capturing" if self.state == "loading" else self.state
+            await asyncio.gather(*(loop.run_in_executor(None, p.wait_ready) for p in processes))
+        except Exception as e:
+            for p in processes:
+                p.stop(timeout=5)
+            self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            log.error("model load failed: %s", self.error)
+            if self.on_failure is not None:
+                self.on_failure()
+            return
+        self._use_workers(ModelInfo(config, preprocess_config), [ProcessWorker(self, p) for p in processes])
+        self._start_workers()
+        self.load_seconds = time.perf_counter() - start
+        if self.state == "capturing":
+            self.state = "ready"
+            self.metrics.ready.set(1)
+        log.info("ready in %.2f s on %s, one process each", self.load_seconds, ", ".join(self.devices))
+
+    def device_lost(self, worker: DeviceWorker, reason: str) -> None:
+        """From a worker thread: its device process died. /health turns failed, so an orchestrator restarts us."""
+
+        def fail():
+            if self.state != "failed":
+                log.error("%s", reason)
+                self.state, self.error = "failed", reason
+                self.metrics.ready.set(0)
+                if self.on_failure is not None:
+                    self.on_failure()
+
+        self._loop.call_soon_threadsafe(fail)
+
     def drain(self) -> None:
         """Stop admitting requests (ready -> 503); requests already admitted are still answered."""
         if self.state in ("ready", "loading", "capturing"):
@@ -335,6 +433,8 @@ class Engine:
         for worker in self.workers:
             if worker.thread.is_alive():
                 await asyncio.get_running_loop().run_in_executor(None, worker.thread.join)
+            if isinstance(worker, ProcessWorker):
+                await asyncio.get_running_loop().run_in_executor(None, worker.process.stop)
         self.loader.shutdown(wait=True)
         self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
         spool.clear(self._spool_base)
@@ -443,6 +543,8 @@ class Engine:
         return items
 
     def error_for(self, e: Exception, batch: list[WorkItem]) -> ServiceError:
+        if isinstance(e, DeviceLost):
+            return ServiceError(503, f"{e}; the server is restarting", "device_lost", headers={"Retry-After": "5"})
         if isinstance(e, torch.OutOfMemoryError):
             log.warning("OOM on a batch of %d images: %s", len(batch), e)
             return ServiceError(507, f"the device ran out of memory for this batch ({sum(i.patches for i in batch)} "
@@ -487,5 +589,5 @@ class Engine:
                 "requests_in_flight": self.in_flight, "queue_depth": len(self.images),
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "spool": self._spool_base and os.path.dirname(self._spool_base),
-                "eager_fallbacks": sum(w.encoder.runner.stats.eager_fallbacks for w in self.workers),
-                "runner": enc.runner.stats.as_dict() if enc else None}
+                "eager_fallbacks": sum(w.runner_stats().get("eager_fallbacks", 0) for w in self.workers),
+                "runner": self.workers[0].runner_stats() if self.workers else None}

@@ -34,22 +34,9 @@ class Spooled:
     def take(self) -> None:
         """Read the pixels in and remove the file (removed even when the read fails)."""
         try:
-            out = np.empty(self.shape, np.uint8)
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.unlink(self.path)
-                view, got = memoryview(out).cast("B"), 0
-                while got < len(view):
-                    n = os.readv(fd, [view[got:]])
-                    if n == 0:
-                        raise OSError(f"spool file {self.path} is short: {got} of {len(view)} bytes")
-                    got += n
-            finally:
-                os.close(fd)
-            self.array = out
+            self.array = read(self.path, int(np.prod(self.shape))).reshape(self.shape)
         except OSError as e:
             self.error = f"{type(e).__name__}: {e}"
-            _remove(self.path)
 
 
 def spool_prefix(directory: str | None = None) -> str | None:
@@ -76,30 +63,56 @@ def _is_tmpfs(path: str) -> bool:
 def put(prefix: str, array: np.ndarray) -> Spooled | None:
     """In a worker: write `array` (uint8) to a new spool file; None when it cannot (the caller pipes it instead)."""
     path = f"{prefix}{os.getpid()}-{next(_names)}"
+    return Spooled(path, array.shape) if write(path, [array]) else None
+
+
+def write(path: str, arrays: list) -> bool:
+    """Write the arrays' bytes back to back to a new file at `path`; False (and nothing left behind) when it
+    cannot: the directory is gone or full (ENOSPC)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
-        return None
+        return False
     try:
-        view, done = memoryview(np.ascontiguousarray(array)).cast("B"), 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    except OSError:  # full (ENOSPC) or gone: nothing of it stays behind
+        for array in arrays:
+            view, done = memoryview(np.ascontiguousarray(array)).cast("B"), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+    except OSError:
         os.close(fd)
-        _remove(path)
-        return None
+        remove(path)
+        return False
     os.close(fd)
-    return Spooled(path, array.shape)
+    return True
+
+
+def read(path: str, nbytes: int) -> np.ndarray:
+    """The `nbytes` bytes of the file at `path` (uint8), which is removed, also when the read fails (OSError)."""
+    try:
+        out = np.empty(nbytes, np.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            view, got = memoryview(out), 0
+            while got < nbytes:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise OSError(f"spool file {path} is short: {got} of {nbytes} bytes")
+                got += n
+        finally:
+            os.close(fd)
+        return out
+    finally:
+        remove(path)
 
 
 def clear(prefix: str | None) -> None:
     """Remove this server's leftover spool files (a worker that died after writing one, at shutdown)."""
     if prefix:
         for path in glob.glob(glob.escape(prefix) + "*"):
-            _remove(path)
+            remove(path)
 
 
-def _remove(path: str) -> None:
+def remove(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -454,3 +454,46 @@ def test_decode_workers_hand_pixels_back_through_the_spool(encoders, tmp_path):
     for (a, grid_a), (b, grid_b) in zip(spooled, piped):
         assert grid_a == grid_b and np.array_equal(a, b)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_devices_in_processes_of_their_own(encoders, tmp_path):
+    """--device-processes: each device loads and serves in its own process; batches and outputs cross through the
+    spool. Answers equal the in-process encoder's (pooled, tokens, Qwen3 deepstack), both devices serve, their
+    runner stats reach /stats and /metrics, nothing stays in the spool, and a device process that dies fails its
+    batch with a 503 and turns /health failed."""
+    import os
+    import signal
+    import time
+
+    enc = encoders["tiny-qwen3-vl"]
+    settings = Settings(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True,
+                        spool_dir=str(tmp_path), max_batch_wait_ms=1, max_batch_tokens=256, preprocess_workers=2)
+    direct = enc.encode(IMAGES)
+    with TestClient(create_app(settings)) as c:
+        deadline = time.time() + 120
+        while c.get("/ready").status_code != 200 and time.time() < deadline:
+            time.sleep(0.2)
+        assert c.get("/ready").status_code == 200, c.get("/ready").json()
+        with ThreadPoolExecutor(8) as pool:
+            pooled = list(pool.map(lambda i: c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[i % 3])]}),
+                                   range(16)))
+        for i, r in enumerate(pooled):
+            assert r.status_code == 200
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), direct[i % 3].embeddings.mean(0)) <= 1e-6
+        native = c.post("/v1/encode", json={"images": [data_uri(x) for x in IMAGES]}).json()
+        for item, want in zip(native["data"], direct):
+            tokens = torch.from_numpy(b64_floats(item["embeddings"]).reshape(item["shape"]).copy())
+            assert rel_err(tokens, want.embeddings) <= 1e-6 and len(item["deepstack"]) == len(want.deepstack)
+            for d, w in zip(item["deepstack"], want.deepstack):
+                assert rel_err(torch.from_numpy(b64_floats(d).reshape(item["shape"]).copy()), w) <= 1e-6
+        stats = c.get("/stats").json()
+        assert set(stats["devices"]) == {"cpu#0", "cpu#1"} and stats["family"] == "qwen3_vl"
+        assert all(d["batches"] > 0 and d["runner"]["budgets"] for d in stats["devices"].values()), stats["devices"]
+        assert 'vitserve_graph_replays_total{budget="256",device="cpu#1"}' in c.get("/metrics").text
+        assert [p for p in tmp_path.iterdir()] == []
+        engine = c.app.state.engine
+        os.kill(engine.workers[0].process.process.pid, signal.SIGKILL)
+        engine.workers[0].process.process.join(10)
+        codes = {c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}).status_code for _ in range(6)}
+        assert 503 in codes  # the batch that went to the dead device (the other device may serve the rest)
+        assert c.get("/health").json()["status"] == "failed"
