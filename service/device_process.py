@@ -15,6 +15,7 @@ import collections
 import itertools
 import logging
 import multiprocessing
+import signal
 
 import numpy as np
 import torch
@@ -59,7 +60,10 @@ def _read_outputs(path: str, layout: list) -> list[tuple[torch.Tensor, list[torc
 
 def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str) -> None:
     """The device process: load and capture, say ready, then run the batches the server sends, in order."""
-    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s [{device}] %(message)s")
+    from .cli import configure_logging  # the server's log format (text or JSON) and level
+
+    configure_logging(settings.log_format, settings.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops this process
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(device)

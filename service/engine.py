@@ -436,7 +436,16 @@ class Engine:
             if isinstance(worker, ProcessWorker):
                 await asyncio.get_running_loop().run_in_executor(None, worker.process.stop)
         self.loader.shutdown(wait=True)
-        self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        # wait for the pool's manager thread: left running, it raced Python's exit hook on a closed pipe
+        # ("Bad file descriptor" at exit, Python 3.11)
+        pool = self.preprocess_pool
+        await asyncio.get_running_loop().run_in_executor(None, lambda: pool.shutdown(wait=True, cancel_futures=True))
+        spool.clear(self._spool_base)
+
+    def abandon(self) -> None:
+        """A forced exit: kill the decode and device processes and remove the spool files, without waiting."""
+        for child in multiprocessing.active_children():
+            child.kill()
         spool.clear(self._spool_base)
 
     # ---- admission -----------------------------------------------------------------------------------------------
