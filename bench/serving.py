@@ -1,4 +1,4 @@
-"""Start `vitserve serve` for a benchmark and wait until it is ready (shared by the bench scripts)."""
+"""Start `vitserve serve` and wait until it is ready (shared by the bench scripts and tests/test_server.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,16 +21,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str, port: int | None = None, timeout: float = 600, **popen) -> tuple[subprocess.Popen, str]:
-    """`vitserve serve --host 127.0.0.1 --port PORT FLAGS...` from the repository, once `/ready` answers 200."""
+def start_server(*flags: str, port: int | None = None, timeout: float = 600, capture_log: bool = False,
+                 **popen) -> tuple[subprocess.Popen, str]:
+    """`vitserve serve --host 127.0.0.1 --port PORT FLAGS...` from the repository, once `/ready` answers 200.
+    `capture_log`: its output lines collect in `proc.log`, drained continuously (a full pipe would block the
+    server's logging). RuntimeError when it exits or is not ready in `timeout` seconds."""
     port = port or free_port()
+    if capture_log:
+        popen |= dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                              *flags], cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"}, **popen)
+    proc.log = []
+    if capture_log:
+        threading.Thread(target=lambda: proc.log.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
+            time.sleep(0.2)
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready:\n" + "".join(proc.log))
         try:
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
                 return proc, url
@@ -37,4 +47,4 @@ def start_server(*flags: str, port: int | None = None, timeout: float = 600, **p
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit(f"the server was not ready within {timeout} s")
+    raise RuntimeError(f"the server was not ready within {timeout} s")

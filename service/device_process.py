@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from encoder import VisionEncoder
+from encoder.vision_encoder import parse_device
 from encoder.preprocess import normalize_lut
 
 from . import spool
@@ -65,7 +66,7 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
     configure_logging(settings.log_format, settings.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops this process
     try:
-        if device.startswith("cuda"):
+        if parse_device(device).type == "cuda":  # a clear error where CUDA is missing
             torch.cuda.set_device(device)
             if settings.gpu_memory_fraction:
                 torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_fraction)
@@ -147,7 +148,7 @@ class DeviceProcess:
             raise RuntimeError(f"the process for {self.device} exited while loading "
                                f"(exit code {self.process.exitcode})") from None
         if kind != "ready":
-            raise RuntimeError(payload)
+            raise RuntimeError(f"{self.device}: {payload}")
         self.stats = payload
 
     def launch(self, images: list[np.ndarray], pool_mean: list[bool]) -> int:

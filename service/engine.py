@@ -392,7 +392,7 @@ class Engine:
             await asyncio.gather(*(loop.run_in_executor(None, p.wait_ready) for p in processes))
         except Exception as e:
             for p in processes:
-                p.stop(timeout=5)
+                await loop.run_in_executor(None, p.stop, 5)
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             log.error("model load failed: %s", self.error)
             if self.on_failure is not None:

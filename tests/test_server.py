@@ -3,12 +3,10 @@ official OpenAI SDK, concurrent requests of mixed sizes, and SIGTERM with reques
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,37 +21,13 @@ from test_service import data_uri, png
 from encoder import VisionEncoder
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import serving  # noqa: E402  (bench/serving.py: start the server, wait until ready)
 MODEL = "tiny-qwen2.5-vl"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", MODEL, "--load-format", "dummy",
-           "--host", "127.0.0.1", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    proc.log = []  # drained continuously: a full pipe would block the server's logging
-    threading.Thread(target=lambda: proc.log.extend(proc.stdout), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            time.sleep(0.2)
-            raise RuntimeError("server exited early:\n" + "".join(proc.log))
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become ready in 60 s")
+    return serving.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=60, capture_log=True)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +109,7 @@ def test_openai_sdk_and_second_sigterm(direct):
 
 
 def test_model_load_failure_exits_nonzero(tmp_path):
-    port = free_port()
+    port = serving.free_port()
     proc = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", str(tmp_path / "nothing"),
                            "--port", str(port), "--host", "127.0.0.1"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)

@@ -542,3 +542,19 @@ def test_a_dead_decode_worker_fails_no_request(encoders):
     assert replaced
     for i, [(image, grid)] in enumerate(got):
         assert grid == want[i % 3][1] and np.array_equal(image, want[i % 3][0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the device must fail to load)")
+def test_a_device_process_that_cannot_load_fails_the_server(tmp_path):
+    """The device process's load error reaches /health, and the server's own process is left clean."""
+    import time
+
+    settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0", dtype="float32",
+                        device_processes=True, spool_dir=str(tmp_path))
+    with TestClient(create_app(settings)) as c:
+        deadline = time.time() + 120
+        while c.get("/health").status_code == 200 and time.time() < deadline:
+            time.sleep(0.2)
+        health = c.get("/health")
+        assert health.status_code == 503 and "CUDA is not available" in health.json()["error"]
+        assert c.get("/ready").json()["status"] == "failed"
