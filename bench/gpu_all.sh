@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one device call (about 8 minutes on an H200), results under ${OUT:-out}/.
+# `bench/gpu_all.sh multi` runs only the 1-vs-2-GPU benchmarks (a call of their own on a 2-GPU machine: about 6
+# minutes, too much beside the rest for one 10-minute call).
 # Needs the service wheels there (../shared/tools/gpu-wheels httptools py-spy, carried as .whl).
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -10,6 +12,14 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+if [ "${1:-}" = multi ]; then
+  {
+    timeout 300 python3 bench/bench_multi_gpu.py --out "$out/multi_gpu.json"
+    timeout 240 python3 bench/bench_multi_gpu.py --no-engine --server-flags=--device-processes \
+      --out "$out/multi_gpu_processes.json"
+  } 2>&1 | grep -v -i warn | tee "$out/log.txt"
+  exit
+fi
 {
   python3 -m pytest -q tests/test_kernels_gpu.py tests/test_runner_gpu.py 2>&1 | tail -3
   timeout 60 python3 bench/gpu_fidelity.py --out "$out/fidelity.json" | grep -E "mixed|ALL|SOME"
@@ -17,7 +27,4 @@ export PYTHONUNBUFFERED=1
   timeout 260 python3 bench/bench.py --out "$out/bench.json" --plot "$out/bench.png"
   timeout 120 python3 bench/gpu_faults.py --out "$out/gpu_faults.json"
   timeout 170 python3 bench/bench_http.py --preprocess-workers 16 --out "$out/bench_http.json"
-  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-    timeout 300 python3 bench/bench_multi_gpu.py --out "$out/multi_gpu.json"
-  fi
 } 2>&1 | grep -v -i warn | tee "$out/log.txt"
