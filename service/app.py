@@ -279,7 +279,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     async def ready():
         if engine.state != "ready":
             reason = {"loading": "loading model weights", "capturing": "capturing CUDA graphs",
-                      "draining": "draining: shutting down", "failed": f"model failed to load: {engine.error}"}
+                      "draining": "draining: shutting down", "failed": f"failed: {engine.error}"}
             return JSONResponse({"status": engine.state, "reason": reason.get(engine.state, engine.state)},
                                 status_code=503)
         return {"status": "ready"}

@@ -451,7 +451,7 @@ class Engine:
     # ---- admission -----------------------------------------------------------------------------------------------
     def admit(self) -> None:
         if self.state != "ready":
-            reason = {"draining": "server is shutting down", "failed": f"model failed to load: {self.error}"}.get(
+            reason = {"draining": "server is shutting down", "failed": f"server failed: {self.error}"}.get(
                 self.state, f"model is not ready yet ({self.state})")
             raise ServiceError(503, reason, "not_ready", headers={"Retry-After": "5"})
         if self.in_flight >= self.settings.max_concurrent_requests:

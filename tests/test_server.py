@@ -3,6 +3,7 @@ official OpenAI SDK, concurrent requests of mixed sizes, and SIGTERM with reques
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -202,3 +203,29 @@ def test_second_sigterm_exits_promptly():
             pending.result()
         except httpx.HTTPError:
             pass
+
+
+def test_device_process_death_exits_nonzero():
+    """--device-processes: when a device process dies, its batch gets a 503 (device_lost) and the server exits
+    non-zero, for its supervisor to restart it."""
+    proc, url = start_server("--devices", "cpu,cpu", "--device-processes", "--max-batch-wait-ms", "1")
+    try:
+        assert httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30).status_code == 200
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        devices = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(devices) == 2, children
+        os.kill(int(devices[0]), signal.SIGKILL)
+        codes = []
+        for _ in range(40):  # the live device may take some: both take from one queue
+            try:
+                r = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30)
+            except httpx.HTTPError:
+                break  # already shutting down
+            codes.append((r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None))
+            if r.status_code != 200:
+                break
+        assert codes[-1] in ((503, "device_lost"), (503, "not_ready")), codes
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
