@@ -70,11 +70,7 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
             torch.cuda.set_device(device)
             if settings.gpu_memory_fraction:
                 torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_fraction)
-        budgets = settings.budget_list()
-        encoder = VisionEncoder.from_pretrained(
-            settings.model, device=device, dtype=dtype, load_format=settings.load_format, revision=settings.revision,
-            min_pixels=settings.min_pixels, max_pixels=settings.max_pixels, **({} if budgets is None else
-                                                                              {"budgets": budgets}))
+        encoder = VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

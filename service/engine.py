@@ -345,8 +345,6 @@ class Engine:
                         "from threads of this process")
         s = self.settings
         start = time.perf_counter()
-        budgets = s.budget_list()
-        extra = {} if budgets is None else {"budgets": budgets}
         loop = asyncio.get_running_loop()
         encoders = []
         try:
@@ -355,8 +353,7 @@ class Engine:
                     torch.cuda.set_per_process_memory_fraction(s.gpu_memory_fraction, torch.device(device))
                 log.info("loading %s (%s) on %s as %s", s.model, s.load_format, device, self.dtype)
                 encoders.append(await loop.run_in_executor(self.loader, lambda d=device: VisionEncoder.from_pretrained(
-                    s.model, device=d, dtype=self.dtype, load_format=s.load_format, revision=s.revision,
-                    min_pixels=s.min_pixels, max_pixels=s.max_pixels, capture=False, **extra)))
+                    s.model, device=d, dtype=self.dtype, capture=False, **s.encoder_kwargs())))
             log.info("loaded in %.2f s; capturing CUDA graphs", time.perf_counter() - start)
             if self.state == "loading":
                 self.state = "capturing"

@@ -58,6 +58,13 @@ class Settings:
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
+    def encoder_kwargs(self) -> dict:
+        """VisionEncoder.from_pretrained's arguments from these settings, besides model, device and dtype: the same
+        wherever a device loads (a thread of the server, or a device process)."""
+        budgets = self.budget_list()
+        return dict(load_format=self.load_format, revision=self.revision, min_pixels=self.min_pixels,
+                    max_pixels=self.max_pixels, **({} if budgets is None else {"budgets": budgets}))
+
     def budget_list(self) -> tuple[int, ...] | None:
         if not self.budgets:
             return None
