@@ -4,7 +4,8 @@ event loop.
 With threads, two H200s served 1.57x one: each GPU thread gave up the GIL at every torch call and waited for the
 event loop to hand it back (a 9.5-image batch took 111 ms on two GPUs against 93 ms on one), while the runners alone
 scaled 2.01x. Here the server's thread for the device only moves batches: the pixels of a batch go to the device
-process as one spool file, its outputs come back as another, and the pipe between them carries descriptions.
+process as one spool file, its outputs come back as another, and the pipe between them carries descriptions
+(or, where the spool is full or gone, the bytes themselves: slower, never wrong).
 The device process keeps two batches on its GPU, like the in-process worker; the server keeps a third one waiting
 in the pipe, so that the GPU never waits for the round trip.
 """
@@ -34,22 +35,21 @@ def _error(e: BaseException) -> tuple[str, str]:
     return type(e).__name__, str(e)
 
 
-def _write_outputs(path: str, outputs) -> list | None:
-    """Every image's tensors (tokens or mean, then deepstack) back to back in one spool file; their layout."""
-    tensors, layout = [], []
+def _pack_outputs(outputs) -> tuple[list, list[np.ndarray]]:
+    """Every image's tensors (tokens or mean, then deepstack) as raw bytes to lay back to back, and their layout."""
+    arrays, layout = [], []
     for first, deepstack in outputs:
         entry = []
         for t in (first, *deepstack):
             t = t.contiguous()
-            tensors.append(t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8))
+            arrays.append(t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8))
             entry.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()))
         layout.append(entry)
-    return layout if spool.write(path, tensors) else None
+    return layout, arrays
 
 
-def _read_outputs(path: str, layout: list) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    raw = torch.from_numpy(spool.read(path, sum(n for entry in layout for _, _, n in entry)))
-    outputs, offset = [], 0
+def _unpack_outputs(raw: np.ndarray, layout: list) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    raw, outputs, offset = torch.from_numpy(raw), [], 0
     for entry in layout:
         tensors = []
         for dtype, shape, n in entry:
@@ -82,15 +82,15 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
 
     def answer(job: int, launch) -> None:
         try:
-            outputs = runner.collect(launch)
+            layout, arrays = _pack_outputs(runner.collect(launch))
             path = f"{prefix}out-{next(names)}"
-            layout = _write_outputs(path, outputs)
-            if layout is None:
-                raise OSError(f"cannot write the outputs to the spool ({path})")
+            # a full or missing spool: the bytes go through the pipe (as bytes: a pickled tensor would go through
+            # shared memory, /dev/shm again), slower, never wrong
+            data = None if spool.write(path, arrays) else b"".join(a.tobytes() for a in arrays)
         except Exception as e:
-            conn.send((job, None, None, _error(e), runner.stats.as_dict()))
+            conn.send((job, None, None, _error(e), runner.stats.as_dict(), None))
         else:
-            conn.send((job, path, layout, None, runner.stats.as_dict()))
+            conn.send((job, path, layout, None, runner.stats.as_dict(), data))
 
     try:
         while True:
@@ -100,17 +100,17 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
             message = conn.recv()
             if message is None:
                 break
-            job, path, shapes, pool_mean = message
+            job, path, shapes, pool_mean, images = message
             try:
-                pixels = spool.read(path, sum(int(np.prod(s)) for s in shapes))
-                images, offset = [], 0
-                for shape in shapes:
-                    n = int(np.prod(shape))
-                    images.append(pixels[offset:offset + n].reshape(shape))
-                    offset += n
+                if path is not None:
+                    pixels, images, offset = spool.read(path, sum(int(np.prod(s)) for s in shapes)), [], 0
+                    for shape in shapes:
+                        n = int(np.prod(shape))
+                        images.append(pixels[offset:offset + n].reshape(shape))
+                        offset += n
                 launch = runner.launch_images(images, lut, pool_mean)
             except Exception as e:
-                conn.send((job, None, None, _error(e), runner.stats.as_dict()))
+                conn.send((job, None, None, _error(e), runner.stats.as_dict(), None))
                 continue
             pending.append((job, launch))
             if len(pending) > 1:
@@ -150,10 +150,10 @@ class DeviceProcess:
     def launch(self, images: list[np.ndarray], pool_mean: list[bool]) -> int:
         job = next(self._jobs)
         path = f"{self.prefix}in-{job}"
-        if not spool.write(path, images):
-            raise OSError(f"cannot write a batch to the spool ({path})")
+        spooled = spool.write(path, images)  # else (a full or missing spool) the pixels go through the pipe
         try:
-            self.conn.send((job, path, [a.shape for a in images], pool_mean))
+            self.conn.send((job, path, [a.shape for a in images], pool_mean, None) if spooled else
+                           (job, None, [a.shape for a in images], pool_mean, images))
         except OSError:  # BrokenPipeError: the process is gone
             spool.remove(path)
             raise DeviceLost(f"the process serving {self.device} exited (exit code {self.process.exitcode})") from None
@@ -167,11 +167,13 @@ class DeviceProcess:
                 raise DeviceLost(f"the process serving {self.device} exited (exit code "
                                  f"{self.process.exitcode})") from None
             self._answers[answer[0]] = answer
-        _, path, layout, error, self.stats = self._answers.pop(job)
+        _, path, layout, error, self.stats, data = self._answers.pop(job)
         if error is not None:
             kind, message = error
             raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else RuntimeError)(f"{kind}: {message}")
-        return _read_outputs(path, layout)
+        size = sum(n for entry in layout for _, _, n in entry)
+        return _unpack_outputs(np.frombuffer(data, np.uint8).copy() if data is not None else spool.read(path, size),
+                               layout)
 
     def stop(self, timeout: float = 30) -> None:
         try:

@@ -468,15 +468,19 @@ def test_decode_workers_hand_pixels_back_through_the_spool(encoders, tmp_path):
 def test_devices_in_processes_of_their_own(encoders, tmp_path):
     """--device-processes: each device loads and serves in its own process; batches and outputs cross through the
     spool. Answers equal the in-process encoder's (pooled, tokens, Qwen3 deepstack), both devices serve, their
-    runner stats reach /stats and /metrics, nothing stays in the spool, and a device process that dies fails its
-    batch with a 503 and turns /health failed."""
+    runner stats (of the configured budgets) reach /stats and /metrics, nothing stays in the spool, answers stay
+    right through the pipe when the spool goes away, and a device process that dies fails its batch with a 503 and
+    turns /health failed."""
     import os
     import signal
     import time
 
     enc = encoders["tiny-qwen3-vl"]
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
     settings = Settings(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True,
-                        spool_dir=str(tmp_path), max_batch_wait_ms=1, max_batch_tokens=256, preprocess_workers=2)
+                        spool_dir=str(spool_dir), max_batch_wait_ms=1, max_batch_tokens=256, preprocess_workers=2,
+                        budgets="256,1024")
     direct = enc.encode(IMAGES)
     with TestClient(create_app(settings)) as c:
         deadline = time.time() + 120
@@ -489,17 +493,24 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
         for i, r in enumerate(pooled):
             assert r.status_code == 200
             assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), direct[i % 3].embeddings.mean(0)) <= 1e-6
-        native = c.post("/v1/encode", json={"images": [data_uri(x) for x in IMAGES]}).json()
-        for item, want in zip(native["data"], direct):
-            tokens = torch.from_numpy(b64_floats(item["embeddings"]).reshape(item["shape"]).copy())
-            assert rel_err(tokens, want.embeddings) <= 1e-6 and len(item["deepstack"]) == len(want.deepstack)
-            for d, w in zip(item["deepstack"], want.deepstack):
-                assert rel_err(torch.from_numpy(b64_floats(d).reshape(item["shape"]).copy()), w) <= 1e-6
+        def check_native():
+            native = c.post("/v1/encode", json={"images": [data_uri(x) for x in IMAGES]}).json()
+            for item, want in zip(native["data"], direct):
+                tokens = torch.from_numpy(b64_floats(item["embeddings"]).reshape(item["shape"]).copy())
+                assert rel_err(tokens, want.embeddings) <= 1e-6 and len(item["deepstack"]) == len(want.deepstack)
+                for d, w in zip(item["deepstack"], want.deepstack):
+                    assert rel_err(torch.from_numpy(b64_floats(d).reshape(item["shape"]).copy()), w) <= 1e-6
+
+        check_native()
         stats = c.get("/stats").json()
         assert set(stats["devices"]) == {"cpu#0", "cpu#1"} and stats["family"] == "qwen3_vl"
-        assert all(d["batches"] > 0 and d["runner"]["budgets"] for d in stats["devices"].values()), stats["devices"]
+        for d in stats["devices"].values():
+            assert d["batches"] > 0 and set(d["runner"]["budgets"]) == {"256", "1024"}, stats["devices"]
         assert 'vitserve_graph_replays_total{budget="256",device="cpu#1"}' in c.get("/metrics").text
-        assert [p for p in tmp_path.iterdir()] == []
+        assert [p for p in spool_dir.iterdir()] == []
+        spool_dir.rmdir()  # no spool any more: pixels and outputs cross through the pipes
+        for _ in range(4):  # both devices, whichever takes each batch
+            check_native()
         engine = c.app.state.engine
         os.kill(engine.workers[0].process.process.pid, signal.SIGKILL)
         engine.workers[0].process.process.join(10)
