@@ -130,16 +130,19 @@ def main():
             result["server_main_thread_cpu"] = (cpu1[1] - cpu0[1]) / wall
             result["engine_only_images_per_s"] = engine[devices]
             result["server_means"] = server_phases(sums, histogram_sums(url))
-            result["per_device"] = {d: v["images"] for d, v in httpx.get(url + "/stats").json()["devices"].items()}
+            stats = httpx.get(url + "/stats").json()
+            result["per_device"] = {d: v["images"] for d, v in stats["devices"].items()}
+            result["device_processes"] = stats["device_processes"]
             results[devices] = result
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         print(devices, results[devices], flush=True)
-    print(f"{'devices':16s} {'engine':>7s} {'images/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'server':>7s} {'main':>6s} "
-          f"{'client':>7s}")
+    print(f"{'devices':16s} {'mode':>9s} {'engine':>7s} {'images/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'server':>7s} "
+          f"{'main':>6s} {'client':>7s}")
     for devices, r in results.items():
-        print(f"{devices:16s} {engine[devices]:7.1f} {r['images_per_s']:9.1f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r['server_cpu']:7.2f} "
+        mode = "processes" if r["device_processes"] else "threads"
+        print(f"{devices:16s} {mode:>9s} {engine[devices]:7.1f} {r['images_per_s']:9.1f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r['server_cpu']:7.2f} "
               f"{r['server_main_thread_cpu']:6.2f} {r['client_cpu_busiest']:7.2f}")
     names = [n for n, _ in files]
     for devices, r in results.items():
@@ -154,7 +157,7 @@ def main():
     print(f"{legs[-1]} / {legs[0]}: {ratio:.2f}x over HTTP (target 1.8x for two GPUs over one); engine only "
           f"{engine[legs[-1]] / max(engine[legs[0]], 1e-9):.2f}x")
     json.dump(dict(model=args.model, device=torch.cuda.get_device_name() if needed else "cpu", date=time.strftime("%Y-%m-%d"),
-                   pooling=args.pooling, results=results, ratio=ratio), open(args.out, "w"), indent=1)
+                   pooling=args.pooling, server_flags=args.server_flags, results=results, ratio=ratio), open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

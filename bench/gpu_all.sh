@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one device call (about 8 minutes on an H200), results under ${OUT:-out}/.
-# `bench/gpu_all.sh multi` runs only the 1-vs-2-GPU benchmarks (a call of their own on a 2-GPU machine: about 6
+# `bench/gpu_all.sh multi` runs only the 1-vs-2-GPU benchmarks (a call of their own on a 2-GPU machine: about 3
 # minutes, too much beside the rest for one 10-minute call).
 # Needs the service wheels there (../shared/tools/gpu-wheels httptools py-spy, carried as .whl).
 set -u
@@ -14,6 +14,7 @@ fi
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = multi ]; then
   {
+    # the defaults (one GPU: a thread; two: a process each), then a process per device for one GPU too
     timeout 300 python3 bench/bench_multi_gpu.py --out "$out/multi_gpu.json"
     timeout 240 python3 bench/bench_multi_gpu.py --no-engine --server-flags=--device-processes \
       --out "$out/multi_gpu_processes.json"

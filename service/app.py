@@ -14,7 +14,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic_core import to_json
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from safetensors.torch import save as safetensors_save
 from starlette.datastructures import UploadFile
@@ -35,6 +36,31 @@ OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": to
 
 class PayloadTooLarge(Exception):
     pass
+
+
+class FastJSONResponse(JSONResponse):
+    """JSON by pydantic's serializer: a 3584-float embedding takes 0.15 ms, against 1.6 ms in `json.dumps`, on the
+    event loop that every request shares. A NaN or infinity (a broken model) becomes null, as in JavaScript."""
+
+    def render(self, content) -> bytes:
+        return to_json(content, inf_nan_mode="null")
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    """A JSON body read and validated in one pass by pydantic (0.1 ms for a 700 KB image, against 0.43 ms through
+    `json.loads`, on the event loop). Not JSON (or nested too deeply) is a 400, invalid fields a 422."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_input=False)
+        if errors and errors[0]["type"] == "json_invalid":
+            raise ServiceError(400, f"body must be JSON ({errors[0]['msg']})", "invalid_json") from None
+        raise RequestValidationError(errors) from None
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI entry of a JSON body parsed by `parse_body` (FastAPI documents only the ones it parses)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 class Gate:
@@ -193,8 +219,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             raise ServiceError(404, f"model {name!r} is not served here; this server serves {settings.model_name!r}",
                                "model_not_found", "model")
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request):
+    @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest))
+    async def embeddings(request: Request):
+        body = parse_body(EmbeddingRequest, await request.body())
         check_model(body.model)
         inputs = [body.input] if isinstance(body.input, str) else body.input
         images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(inputs)]
@@ -211,9 +238,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                              "embedding": tensor_payload(embeddings, body.encoding_format)})
         payload = {"object": "list", "data": data, "model": settings.model_name,
                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-        return JSONResponse(payload, headers=timing_headers(queue_s, inference_s))
+        return FastJSONResponse(payload, headers=timing_headers(queue_s, inference_s))
 
-    @app.post("/v1/encode")
+    @app.post("/v1/encode", openapi_extra=request_body(EncodeRequest))
     async def encode(request: Request):
         content_type = request.headers.get("content-type", "")
         if content_type.startswith("multipart/form-data"):
@@ -225,17 +252,12 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             raw = {"images": ["(file)"] * len(images),
                    "dtype": form.get("dtype") or request.query_params.get("dtype", "float32"),
                    "deepstack": str(form.get("deepstack", "true")).lower() != "false"}
-        else:
             try:
-                raw = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-                raise ServiceError(400, "body must be JSON ({\"images\": [...]}, not nested too deeply) or "
-                                        "multipart/form-data", "invalid_json") from None
-        try:
-            body = EncodeRequest.model_validate(raw)
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
-        if not content_type.startswith("multipart/form-data"):
+                body = EncodeRequest.model_validate(raw)
+            except ValidationError as e:
+                raise RequestValidationError(e.errors()) from None
+        else:
+            body = parse_body(EncodeRequest, await request.body())
             check_model(body.model)
             images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(body.images)]
         results, grids, queue_s, inference_s = await run_images(request, images)
@@ -258,8 +280,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                          "embeddings": base64.b64encode(raw_bytes(embeddings.to(out_dtype))).decode(),
                          "deepstack": [base64.b64encode(raw_bytes(d.to(out_dtype))).decode() for d in deepstack]
                          if deepstack and body.deepstack else None})
-        return JSONResponse({"object": "list", "model": settings.model_name, "data": data,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
+        return FastJSONResponse({"object": "list", "model": settings.model_name, "data": data,
+                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
 
     @app.get("/v1/models")
     async def models():

@@ -3,9 +3,10 @@ event loop.
 
 With threads, two H200s served 1.57x one: each GPU thread gave up the GIL at every torch call and waited for the
 event loop to hand it back (a 9.5-image batch took 111 ms on two GPUs against 93 ms on one), while the runners alone
-scaled 2.01x. Here the server's thread for the device only moves batches: the pixels of a batch go to the device
-process as one spool file, its outputs come back as another, and the pipe between them carries descriptions
-(or, where the spool is full or gone, the bytes themselves: slower, never wrong).
+scaled 2.01x. Here the server's thread for the device only moves batches: the device process reads the batch's
+images from the decode workers' spool files itself (the server passes their names; an image that came through the
+pipe, the array), its outputs come back as a spool file of their own, and the pipe between them carries
+descriptions (or, where the spool is full or gone, the bytes themselves: slower, never wrong).
 The device process keeps two batches on its GPU, like the in-process worker; the server keeps a third one waiting
 in the pipe, so that the GPU never waits for the round trip.
 """
@@ -100,15 +101,9 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
             message = conn.recv()
             if message is None:
                 break
-            job, path, shapes, pool_mean, images = message
+            job, images, pool_mean = message
             try:
-                if path is not None:
-                    pixels, images, offset = spool.read(path, sum(int(np.prod(s)) for s in shapes)), [], 0
-                    for shape in shapes:
-                        n = int(np.prod(shape))
-                        images.append(pixels[offset:offset + n].reshape(shape))
-                        offset += n
-                launch = runner.launch_images(images, lut, pool_mean)
+                launch = runner.launch_images(spool.pixels(images), lut, pool_mean)
             except Exception as e:
                 conn.send((job, None, None, _error(e), runner.stats.as_dict(), None))
                 continue
@@ -147,15 +142,14 @@ class DeviceProcess:
             raise RuntimeError(f"{self.device}: {payload}")
         self.stats = payload
 
-    def launch(self, images: list[np.ndarray], pool_mean: list[bool]) -> int:
+    def launch(self, images: list, pool_mean: list[bool]) -> int:
+        """Send a batch: spooled images (`spool.Spooled`) by name, arrays as they are."""
         job = next(self._jobs)
-        path = f"{self.prefix}in-{job}"
-        spooled = spool.write(path, images)  # else (a full or missing spool) the pixels go through the pipe
         try:
-            self.conn.send((job, path, [a.shape for a in images], pool_mean, None) if spooled else
-                           (job, None, [a.shape for a in images], pool_mean, images))
+            self.conn.send((job, images, pool_mean))
         except OSError:  # BrokenPipeError: the process is gone
-            spool.remove(path)
+            for image in images:
+                spool.discard(image)
             raise DeviceLost(f"the process serving {self.device} exited (exit code {self.process.exitcode})") from None
         return job
 

@@ -60,11 +60,10 @@ def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: Preproc
     return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
 
 
-def _take_spooled(job: Future) -> None:
-    """Done-callback of a decode job, in the pool's thread: read a spooled image back at once, so that its file goes
-    even when nobody waits for the job any more (a cancelled request, a failed sibling image)."""
-    if not job.cancelled() and job.exception() is None and isinstance(job.result()[0], spool.Spooled):
-        job.result()[0].take()
+def _discard_result(job: Future | asyncio.Future) -> None:
+    """Done-callback of a decode job whose request is gone: its spooled image has nobody to read it."""
+    if not job.cancelled() and job.exception() is None:
+        spool.discard(job.result()[0])
 
 
 def make_preprocess_pool(workers: int, processes: bool) -> Executor:
@@ -83,7 +82,8 @@ class ClientDisconnected(Exception):
 
 @dataclass
 class WorkItem:
-    image: np.ndarray  # resized uint8 [H, W, 3]; normalized and cut into patches on the device
+    image: np.ndarray | spool.Spooled  # resized uint8 [H, W, 3], maybe still in its spool file; normalized and
+    # cut into patches on the device
     grid: tuple[int, int, int]
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
@@ -164,6 +164,9 @@ class ImageQueue:
         live = [item for item in batch if not item.cancelled]  # a client may have left while its batch formed
         if len(live) < len(batch):
             self.metrics.dropped.inc(len(batch) - len(live))
+            for item in batch:
+                if item.cancelled:
+                    spool.discard(item.image)
         return live
 
 
@@ -189,7 +192,7 @@ class DeviceWorker:
 
     # what runs a batch: the encoder in this process (ProcessWorker: a process of the device's own)
     def launch(self, batch: list[WorkItem]):
-        return self.encoder.runner.launch_images([i.image for i in batch], self.engine.pixel_lut,
+        return self.encoder.runner.launch_images(spool.pixels([i.image for i in batch]), self.engine.pixel_lut,
                                                  [i.pool_mean for i in batch])
 
     def collect(self, launch) -> list:
@@ -282,6 +285,9 @@ class Engine:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.devices, self.dtype = resolve_devices(settings)
+        self.device_processes = settings.device_processes  # default: when serving several GPUs (measured there)
+        if self.device_processes is None:
+            self.device_processes = sum(d.startswith("cuda") for d in self.devices) > 1
         self.encoder: VisionEncoder | None = None  # the first device's (preprocessing config, family)
         self.workers: list[DeviceWorker] = []
         self.state = "loading"
@@ -297,6 +303,8 @@ class Engine:
                 log.warning("no usable spool directory (%s): decoded images cross through a pipe, which costs the "
                             "server about 2 ms of CPU per megabyte", settings.spool_dir or "/dev/shm")
         self._pool_generation = 0
+        self._spooled: set[str] = set()  # spool files this pool handed over (some maybe not read yet)
+        self._spooled_limit = 4096
         self.spool_prefix = self._spool_base and f"{self._spool_base}0-"  # per pool: a dead pool's files are cleared
         self.pixel_lut: np.ndarray | None = None
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
@@ -338,7 +346,7 @@ class Engine:
             worker.start()
 
     async def _load(self) -> None:
-        if self.settings.device_processes:
+        if self.device_processes:
             if self._spool_base is not None:
                 return await self._load_processes()
             log.warning("--device-processes needs a spool directory (/dev/shm or --spool-dir): serving the devices "
@@ -467,11 +475,16 @@ class Engine:
         jobs = [asyncio.ensure_future(self._decode(data)) for data in images]
         try:
             await asyncio.wait(jobs)
-        except BaseException:
+        except BaseException:  # the request was cancelled: what was decoded goes, the rest is dropped when done
             for job in jobs:
                 job.cancel()
+                job.add_done_callback(_discard_result)
             raise
         errors = [job.exception() for job in jobs]  # retrieve every one: only the first is reported
+        if any(errors):  # the request fails: its images that did decode are not run
+            for job, error in zip(jobs, errors):
+                if error is None:
+                    spool.discard(job.result()[0])
         out, p = [], self.encoder.preprocess_config.patch_size
         for index, job in enumerate(jobs):
             try:
@@ -508,7 +521,9 @@ class Engine:
                     self._pool_generation += 1
                     self.spool_prefix = self._spool_base and f"{self._spool_base}{self._pool_generation}-"
                     pool.shutdown(wait=False, cancel_futures=True)
-                    spool.clear(prefix)  # what the dead pool's workers wrote and nobody will read
+                    # what the dead pool's workers wrote and never handed over (the rest is still to be run)
+                    spool.clear(prefix, keep=self._spooled)
+                    self._spooled = set()
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
@@ -519,14 +534,17 @@ class Engine:
             data = data.encode("ascii", "replace")  # a non-ASCII character is still invalid base64 there
         start = time.perf_counter()
         job = pool.submit(decode_and_resize, data, is_base64, limit, cfg, prefix)
-        job.add_done_callback(_take_spooled)
-        image, seconds = await asyncio.wrap_future(job)
+        try:
+            image, seconds = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:  # the request is gone: once decoded, the image is dropped
+            job.add_done_callback(_discard_result)
+            raise
         self.metrics.decode_seconds.observe(time.perf_counter() - start)
-        if isinstance(image, spool.Spooled):
-            if image.array is None:
-                raise ServiceError(500, f"a decoded image was lost on its way from the decode worker ({image.error})",
-                                   "internal_error")
-            image = image.array
+        if isinstance(image, spool.Spooled) and prefix == self.spool_prefix:
+            self._spooled.add(image.path)
+            if len(self._spooled) > self._spooled_limit:  # forget those already read
+                self._spooled = {path for path in self._spooled if os.path.exists(path)}
+                self._spooled_limit = max(4096, 2 * len(self._spooled))
         return image, seconds
 
     async def infer(self, prepared, disconnected: asyncio.Future | None = None, pool_mean: bool = False
@@ -595,5 +613,6 @@ class Engine:
                 "requests_in_flight": self.in_flight, "queue_depth": len(self.images),
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "spool": self._spool_base and os.path.dirname(self._spool_base),
+                "device_processes": any(isinstance(w, ProcessWorker) for w in self.workers),
                 "eager_fallbacks": sum(w.runner_stats().get("eager_fallbacks", 0) for w in self.workers),
                 "runner": self.workers[0].runner_stats() if self.workers else None}

@@ -1,11 +1,15 @@
-"""Decoded pixels from the decode worker processes back to the server through files in RAM (a tmpfs: /dev/shm).
+"""Decoded pixels from the decode worker processes to whoever runs them, through files in RAM (a tmpfs: /dev/shm).
 
 A process pool returns results pickled through one pipe that every worker shares, read by one thread of the
 server that holds the GIL for each chunk: about 2 ms of the server's CPU per 868 KB image, which capped a 2-GPU
-server near 245 images/s. A spool file costs one write in the worker and one read in the server (measured
-0.4 ms), and the file lives only from the worker's write to the server's read, which follows at once. When the
-directory is missing, not writable, or full (Docker's default /dev/shm is 64 MB), the worker returns the pixels
-through the pipe as before: slower, never wrong.
+server near 245 images/s. A worker writes the pixels to a spool file instead and returns only its name: a
+`Spooled` image. Reading it back in the pool's thread as soon as it arrived then became the limit in turn (that
+one thread, waiting for the GIL at each read, held results 86 ms on average at 345 images/s on two H200s), so a
+spooled image now stays a file until the one who runs it reads it: the device's thread, or the device's own
+process (`--device-processes`), where the server's process never touches the pixels at all. Whoever drops an
+image instead (a failed sibling, a client gone) removes its file (`discard`). When the directory is missing,
+not writable, or full (Docker's default /dev/shm is 64 MB), the worker returns the pixels through the pipe as
+before: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -24,19 +28,35 @@ _names = itertools.count()  # per worker process
 
 @dataclass
 class Spooled:
-    """A decoded image waiting in a spool file (from a worker); `array` once the server has read it back."""
+    """A decoded image waiting in a spool file (written by a decode worker), until it is read or discarded."""
 
     path: str
     shape: tuple[int, ...]
-    array: np.ndarray | None = None
-    error: str | None = None
 
-    def take(self) -> None:
-        """Read the pixels in and remove the file (removed even when the read fails)."""
+    def read(self) -> np.ndarray:
+        """The pixels; the file is removed, also when the read fails (OSError)."""
+        return read(self.path, int(np.prod(self.shape))).reshape(self.shape)
+
+
+def pixels(images: list) -> list[np.ndarray]:
+    """Decoded images as arrays: spooled ones read in (each file removed, every one of them even when a read fails,
+    which is raised after), arrays as they are."""
+    out, lost = [], None
+    for image in images:
         try:
-            self.array = read(self.path, int(np.prod(self.shape))).reshape(self.shape)
+            out.append(image.read() if isinstance(image, Spooled) else image)
         except OSError as e:
-            self.error = f"{type(e).__name__}: {e}"
+            lost = lost or e
+    if lost is not None:
+        raise RuntimeError(f"a decoded image was lost on its way from the decode worker ({type(lost).__name__}: "
+                           f"{lost})")
+    return out
+
+
+def discard(image) -> None:
+    """Drop a decoded image nobody will run: a spooled one's file is removed (an array needs nothing)."""
+    if isinstance(image, Spooled):
+        remove(image.path)
 
 
 def spool_prefix(directory: str | None = None) -> str | None:
@@ -105,11 +125,12 @@ def read(path: str, nbytes: int) -> np.ndarray:
         remove(path)
 
 
-def clear(prefix: str | None) -> None:
-    """Remove this server's leftover spool files (a worker that died after writing one, at shutdown)."""
+def clear(prefix: str | None, keep: set[str] | frozenset = frozenset()) -> None:
+    """Remove the spool files under `prefix` but those in `keep`: a dead decode pool's, at shutdown all."""
     if prefix:
         for path in glob.glob(glob.escape(prefix) + "*"):
-            remove(path)
+            if path not in keep:
+                remove(path)
 
 
 def remove(path: str) -> None:

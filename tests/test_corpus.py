@@ -99,7 +99,7 @@ def test_exif_rotation_is_applied(served):
     (json.dumps({"input": ["a"], "user": {}}), 422), (json.dumps({"input": ["a"], "modality": "audio"}), 422),
     (json.dumps({"input": ["a"], "dimensions": "x"}), 422), (json.dumps({"input": ["a"], "extra": True}), 422),
     (json.dumps({"input": ["a"], "model": "some-other-model"}), 404),
-    ("not json at all", 422), ('"just a string"', 422), ("[]", 422), ("null", 422),
+    ("not json at all", 400), ('"just a string"', 422), ("[]", 422), ("null", 422),
 ])
 def test_malformed_bodies_are_4xx(served, body, status):
     client, _ = served

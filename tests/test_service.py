@@ -6,6 +6,8 @@ import asyncio
 import base64
 import io
 import json
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -17,8 +19,11 @@ from PIL import Image
 from safetensors.torch import load as safetensors_load
 
 from encoder import VisionEncoder
+from service import spool
 from service.app import create_app
-from service.engine import ClientDisconnected, Engine
+from encoder.preprocess import Base64Data
+from service.engine import ClientDisconnected, Engine, WorkItem
+from service.errors import ServiceError
 from service.settings import Settings
 
 
@@ -370,8 +375,6 @@ def test_device_resolution():
 
 
 def _items(*patches):
-    from service.engine import WorkItem
-
     return [WorkItem(np.zeros((1, 1, 3), np.uint8), (1, 1, n), None) for n in patches]
 
 
@@ -405,63 +408,87 @@ def test_image_queue_batches_in_arrival_order_up_to_the_budget():
 
 
 def test_spool_round_trip_and_fallback(tmp_path):
-    from service import spool
-
     prefix = spool.spool_prefix(str(tmp_path))
     image = np.random.default_rng(0).integers(0, 256, (28, 42, 3), dtype=np.uint8)
     spooled = spool.put(prefix, image)
     assert spooled is not None and len(list(tmp_path.iterdir())) == 1
-    spooled.take()
-    assert np.array_equal(spooled.array, image) and list(tmp_path.iterdir()) == []  # read back, file gone
+    assert np.array_equal(spooled.read(), image) and list(tmp_path.iterdir()) == []  # read back, file gone
     assert spool.put(str(tmp_path / "missing" / "x-"), image) is None  # no directory: the caller pipes it
-    lost = spool.Spooled(str(tmp_path / "gone"), (2, 2, 3))
-    lost.take()
-    assert lost.array is None and "FileNotFoundError" in lost.error
     short = spool.put(prefix, image)
     with open(short.path, "r+b") as f:
         f.truncate(10)
-    short.take()
-    assert short.array is None and "short" in short.error and list(tmp_path.iterdir()) == []
-    spool.put(prefix, image), spool.put(prefix, image)
+    kept, lost = spool.put(prefix, image), spool.Spooled(str(tmp_path / "gone"), (2, 2, 3))
+    with pytest.raises(RuntimeError, match="lost on its way.*short"):  # every file is read and removed anyway
+        spool.pixels([short, image, lost, kept])
+    assert list(tmp_path.iterdir()) == []
+    a, b = spool.put(prefix, image), spool.put(prefix, image)
+    assert [x.shape for x in spool.pixels([image, a])] == [image.shape] * 2
+    spool.discard(image)  # an array: nothing to do
+    spool.discard(b)
+    assert list(tmp_path.iterdir()) == []
+    c = spool.put(prefix, image)
+    spool.put(prefix, image)
+    spool.clear(prefix, keep={c.path})
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(c.path)]
     spool.clear(prefix)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_decode_workers_hand_pixels_back_through_the_spool(encoders, tmp_path):
-    """With processes, decoded images cross through spool files, which are gone once read: the pixels equal the
-    pipe's, and nothing stays behind, also for a job whose request is gone (nobody awaits it)."""
-    import os
-
+def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
+    """With processes, decoded images stay in spool files until they are run, or dropped: the pixels equal the
+    pipe's, and nothing stays behind when a request fails on a sibling image, is cancelled while decoding, or
+    leaves the queue, or when a decode worker dies."""
     enc = encoders["tiny-qwen2.5-vl"]
+    images = [Base64Data(base64.b64encode(x).decode()) for x in IMAGES]
+
+    async def settle(spool_dir):  # decode jobs nobody waits for finish in the background
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not os.listdir(spool_dir):
+                break
+        return os.listdir(spool_dir)
 
     async def scenario(spool_dir):
         engine = Engine(Settings(model=enc.name, preprocess_workers=2, spool_dir=spool_dir), encoder=enc)
         await engine.start()
         try:
-            images = [base64.b64encode(x).decode() for x in IMAGES]
-            from encoder.preprocess import Base64Data
-
-            out = await engine.preprocess([Base64Data(x) for x in images])
-            if spool_dir != "none":  # a job nobody waits for (its request gone) still has its file read and removed
-                from service.engine import _take_spooled, decode_and_resize
-
-                job = engine.preprocess_pool.submit(decode_and_resize, IMAGES[2], False, 10**8,
-                                                    enc.preprocess_config, engine.spool_prefix)
-                job.add_done_callback(_take_spooled)
-                for _ in range(100):
-                    await asyncio.sleep(0.05)
-                    if job.done() and (job.result()[0].array is not None or job.result()[0].error):
-                        break
-                assert job.result()[0].array.shape == out[2][0].shape and os.listdir(spool_dir) == []
-            return out, engine.stats()["spool"]
+            out = await engine.preprocess(images)
+            pixels = spool.pixels([image for image, _ in out])
+            if spool_dir == "none":
+                return pixels, [grid for _, grid in out], engine.stats()["spool"]
+            assert all(isinstance(image, spool.Spooled) for image, _ in out) and os.listdir(spool_dir) == []
+            with pytest.raises(ServiceError):  # a bad sibling: the good ones' files go
+                await engine.preprocess([*images, Base64Data(base64.b64encode(b"not an image").decode())])
+            assert await settle(spool_dir) == []
+            task = asyncio.ensure_future(engine.preprocess(images))  # cancelled while decoding
+            for _ in range(3):  # the request's task, then each image's: every job submitted
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await settle(spool_dir) == []
+            gone = asyncio.get_running_loop().create_future()  # left while queued (the batch waits 5 ms)
+            items = [WorkItem(image, grid, gone, cancelled=True) for image, grid in await engine.preprocess(images)]
+            engine.images.put(items)
+            assert await settle(spool_dir) == []
+            # a decode worker dies: what the pool had handed over stays (it is still to be run), the rest goes
+            held = await engine.preprocess(images[:1])
+            orphan = spool.put(engine.spool_prefix, pixels[1])
+            os.kill(next(iter(engine.preprocess_pool._processes)), signal.SIGKILL)
+            while not engine.preprocess_pool._broken:  # the pool has seen it: the next image goes to a new one
+                await asyncio.sleep(0.01)
+            again = await engine.preprocess(images[2:3])
+            assert set(os.listdir(spool_dir)) == {os.path.basename(held[0][0].path), os.path.basename(again[0][0].path)}
+            assert not os.path.exists(orphan.path)
+            return pixels, [grid for _, grid in out], engine.stats()["spool"]
         finally:
             await engine.stop()
 
-    spooled, where = asyncio.run(scenario(str(tmp_path)))
-    piped, nowhere = asyncio.run(scenario("none"))
-    assert where == str(tmp_path) and nowhere is None
-    for (a, grid_a), (b, grid_b) in zip(spooled, piped):
-        assert grid_a == grid_b and np.array_equal(a, b)
+    spooled, grids_a, where = asyncio.run(scenario(str(tmp_path)))
+    piped, grids_b, nowhere = asyncio.run(scenario("none"))
+    assert where == str(tmp_path) and nowhere is None and grids_a == grids_b
+    for a, b in zip(spooled, piped):
+        assert np.array_equal(a, b)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -471,8 +498,6 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
     runner stats (of the configured budgets) reach /stats and /metrics, nothing stays in the spool, answers stay
     right through the pipe when the spool goes away, and a device process that dies fails its batch with a 503 and
     turns /health failed."""
-    import os
-    import signal
     import time
 
     enc = encoders["tiny-qwen3-vl"]
@@ -527,11 +552,6 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
 def test_a_dead_decode_worker_fails_no_request(encoders):
     """A worker that dies (a decoder crash, the OOM killer) breaks the whole process pool and every job in it: the
     pool is replaced and each image retried once, so the requests in flight are all answered, correctly."""
-    import os
-    import signal
-
-    from encoder.preprocess import Base64Data
-
     enc = encoders["tiny-qwen2.5-vl"]
     images = [Base64Data(base64.b64encode(x).decode()) for x in IMAGES]
 
@@ -545,13 +565,14 @@ def test_a_dead_decode_worker_fails_no_request(encoders):
             await asyncio.sleep(0)
             os.kill(next(iter(pool._processes)), signal.SIGKILL)
             got = await asyncio.gather(*tasks)
-            return want, got, engine.preprocess_pool is not pool
+            read = [(spool.pixels([image])[0], grid) for image, grid in [*want, *(g[0] for g in got)]]
+            return read[:len(want)], read[len(want):], engine.preprocess_pool is not pool
         finally:
             await engine.stop()
 
     want, got, replaced = asyncio.run(scenario())
     assert replaced
-    for i, [(image, grid)] in enumerate(got):
+    for i, (image, grid) in enumerate(got):
         assert grid == want[i % 3][1] and np.array_equal(image, want[i % 3][0])
 
 
