@@ -1,8 +1,8 @@
 """The serving engine: preprocessing pool, token-budget batching, one worker thread per device.
 
 Data flow: request -> decode + resize each image in a pool of worker processes (off the event loop and out of the
-GIL; they return uint8 pixels, 8x smaller than float patch rows, through a RAM spool file) -> one WorkItem per
-image on the shared ImageQueue -> a device's thread takes a batch of items from concurrent requests, up to
+GIL; they return uint8 pixels, 8x smaller than float patch rows, in a RAM spool file that stays until the device
+reads it) -> one WorkItem per image on the shared ImageQueue -> a device's thread takes a batch of items from concurrent requests, up to
 `max_batch_tokens` or `max_batch_wait_ms`, and runs it through the encoder's graph runner -> each item's future is
 resolved on the event loop, so every request gets exactly its own images back.
 
@@ -12,9 +12,9 @@ each GPU idle a third of the time). A thread keeps its GPU fed: it launches batc
 batch k. At most two batches per device are in flight: while both run, images pile up and the next batch is bigger
 (three measured 8% fewer images/s on an H200, its batches being smaller:
 bench/results/h200-bench_http-28budgets-3slots.json against h200-bench_http.json). Several devices
-(`--devices`): one encoder, graph set and thread per device, all taking from the one queue; with
-`--device-processes` each device runs in a process of its own and its thread here only moves batches
-(device_process.py).
+(`--devices`): one encoder, graph set and thread per device, all taking from the one queue; with several CUDA
+devices (or `--device-processes`) each device runs in a process of its own and its thread here only moves batches
+(device_process.py): on two H200s, 356 images/s against 312 with threads, in one run.
 """
 
 from __future__ import annotations
