@@ -129,7 +129,7 @@ async def _drive(url: str, uris: list[str], model: str, indices: list[int], conc
                 t = time.perf_counter()
                 r = await client.post("/v1/embeddings", json={"model": model, "input": [uris[i % len(uris)]],
                                                               "encoding_format": "base64", **extra})
-                latencies.append((i % len(uris), time.perf_counter() - t))
+                latencies.append((i % len(uris), time.perf_counter() - t, time.time()))
                 failures += r.status_code != 200
 
         await asyncio.gather(*(one(i) for i in indices))
@@ -143,7 +143,9 @@ def _client_process(args):
 def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int, processes: int = 1,
           pooling: str | None = None) -> dict:
     """`requests` at `concurrency`, from several client processes so the client's own GIL is not the limit;
-    `client_cpu_busiest` is the busiest client process's CPU seconds over the wall time (near 1: client-bound)."""
+    `client_cpu_busiest` is the busiest client process's CPU seconds over the wall time (near 1: client-bound).
+    `images_per_s` counts the whole run, client start-up and tail included; `steady_images_per_s` the middle 80%
+    of the answers (by time), where every client process is sending."""
     import multiprocessing
 
     processes = max(1, min(processes, concurrency))
@@ -158,11 +160,14 @@ def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int
     wall = time.perf_counter() - start
     by_image: dict[int, list[float]] = {}
     for r in results:
-        for image, seconds in r[0]:
+        for image, seconds, _ in r[0]:
             by_image.setdefault(image, []).append(seconds * 1e3)
+    done = np.sort([end for r in results for _, _, end in r[0]])
+    middle = done[len(done) // 10:len(done) - len(done) // 10]
     lat = np.array([x for v in by_image.values() for x in v])
     return dict(requests=requests, concurrency=concurrency, client_processes=processes,
                 failures=sum(r[1] for r in results), images_per_s=requests / wall,
+                steady_images_per_s=float((len(middle) - 1) / (middle[-1] - middle[0])) if len(middle) > 1 else None,
                 p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
                 client_cpu_busiest=max(r[2] for r in results) / wall,
                 p50_ms_by_image={k: float(np.percentile(v, 50)) for k, v in sorted(by_image.items())})
@@ -179,6 +184,7 @@ def main():
                     help="client processes: one httpx process tops out near 50 requests/s of these payloads")
     ap.add_argument("--preprocess-workers", type=int, default=None, help="the server's decode pool (default: cores)")
     ap.add_argument("--profile", default=None, help="py-spy raw profile of the server under saturating load")
+    ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags")
     ap.add_argument("--out", default="bench_http.json")
     args = ap.parse_args()
     files = image_files()
@@ -194,7 +200,7 @@ def main():
     extra = ["--preprocess-workers", str(args.preprocess_workers)] if args.preprocess_workers else []
     server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", "cuda:0",
                                "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "warning", *extra,
-                               port=args.port)
+                               *args.server_flags.split(), port=args.port)
     try:
         uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
         drive(url, uris, args.model, 32, 8)  # warm-up
@@ -214,13 +220,14 @@ def main():
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     for name, r in (("low load (1 client)", low), (f"saturating ({args.concurrency} clients)", high)):
-        print(f"{name:24s} {r['images_per_s']:7.1f} images/s  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  "
+        print(f"{name:24s} {r['images_per_s']:7.1f} images/s ({r['steady_images_per_s'] or 0:.1f} steady)  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  "
               f"failures {r['failures']}")
     print(f"HTTP / engine-only throughput: {high['images_per_s'] / engine:.1%}")
     json.dump(dict(model=args.model, device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
                    images=[n for n, _ in files], grids=grids, cpu_ms_per_image=costs, engine_images_per_s=engine,
                    low_load=low, saturating=high, http_over_engine=high["images_per_s"] / engine,
-                   batch_size_histogram=stats["batch_size_histogram"]), open(args.out, "w"), indent=1)
+                   batch_size_histogram=stats["batch_size_histogram"], server_flags=args.server_flags,
+                   device_processes=stats["device_processes"]), open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

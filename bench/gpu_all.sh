@@ -2,6 +2,7 @@
 # Every GPU check and benchmark in one device call (about 8 minutes on an H200), results under ${OUT:-out}/.
 # `bench/gpu_all.sh multi` runs only the 1-vs-2-GPU benchmarks (a call of their own on a 2-GPU machine: about 3
 # minutes, too much beside the rest for one 10-minute call).
+# `bench/gpu_all.sh processes`: the single-GPU fault check and HTTP bench with a device process (about 5 minutes).
 # Needs the service wheels there (../shared/tools/gpu-wheels httptools py-spy, carried as .whl).
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -12,6 +13,14 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+if [ "${1:-}" = processes ]; then  # one GPU served from a device process: the fault check and the HTTP bench
+  {
+    timeout 120 python3 bench/gpu_faults.py --server-flags=--device-processes --out "$out/gpu_faults_processes.json"
+    timeout 170 python3 bench/bench_http.py --preprocess-workers 16 --server-flags=--device-processes \
+      --out "$out/bench_http_processes.json"
+  } 2>&1 | grep -v -i warn | tee "$out/log.txt"
+  exit
+fi
 if [ "${1:-}" = multi ]; then
   {
     # the defaults (one GPU: a thread; two: a process each), then a process per device for one GPU too

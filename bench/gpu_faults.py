@@ -38,11 +38,13 @@ def main():
     ap.add_argument("--model", default="Qwen/Qwen2.5-VL-7B-Instruct")
     ap.add_argument("--fraction", type=float, default=0.08, help="of GPU memory: weights + graphs fit, a huge image not")
     ap.add_argument("--port", type=int, default=8767)
+    ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags (e.g. --device-processes)")
     ap.add_argument("--out", default="gpu_faults.json")
     args = ap.parse_args()
     server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", "cuda:0",
                                "--gpu-memory-fraction", str(args.fraction), "--max-pixels", "400000000",
-                               "--max-image-pixels", "400000000", "--payload-limit", str(256 * 2**20), port=args.port)
+                               "--max-image-pixels", "400000000", "--payload-limit", str(256 * 2**20),
+                               *args.server_flags.split(), port=args.port)
     rows = []
     try:
         small = jpeg(448)
