@@ -36,28 +36,16 @@ import torch
 from encoder import VisionEncoder
 from encoder.config import VisionConfig
 from encoder.vision_encoder import load_configs
-from encoder.preprocess import (Base64Data, ImageError, ImageTooLarge, PreprocessConfig, decode_base64, load_image,
-                                normalize_lut, resize_rgb)
+from encoder.preprocess import Base64Data, ImageError, ImageTooLarge, PreprocessConfig, normalize_lut
 
 from . import spool
+from .decode import decode_and_resize
 from .device_process import DeviceLost, DeviceProcess
 from .errors import ServiceError
 from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger("vitserve.engine")
-
-
-def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: PreprocessConfig,
-                      spool_prefix: str | None = None) -> tuple[np.ndarray | spool.Spooled, float]:
-    """Runs in a worker: encoded bytes (or their base64 text) -> the resized (H, W, 3) uint8 image, in a spool file
-    when `spool_prefix` is given and it can, and the seconds it took."""
-    start = time.perf_counter()
-    if is_base64:
-        data = decode_base64(data)
-    image = resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg)
-    seconds = time.perf_counter() - start
-    return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
 
 
 def _discard_result(job: Future | asyncio.Future) -> None:
@@ -67,12 +55,12 @@ def _discard_result(job: Future | asyncio.Future) -> None:
 
 
 def make_preprocess_pool(workers: int, processes: bool) -> Executor:
-    """Worker processes forked from a clean fork server that has imported only encoder.preprocess (numpy + PIL):
+    """Worker processes forked from a clean fork server that has imported only service.decode (numpy + PIL):
     decode and resize never contend for this process's GIL, and no worker inherits CUDA or threads."""
     if not processes:
         return ThreadPoolExecutor(workers, thread_name_prefix="vitserve-pre")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["encoder.preprocess"])
+    context.set_forkserver_preload(["service.decode"])
     return ProcessPoolExecutor(workers, mp_context=context)
 
 

@@ -576,6 +576,25 @@ def test_a_dead_decode_worker_fails_no_request(encoders):
         assert grid == want[i % 3][1] and np.array_equal(image, want[i % 3][0])
 
 
+def test_decode_workers_import_no_torch(encoders):
+    """What a decode worker runs lives away from the engine and torch (150 MB and a second or two per worker)."""
+    enc = encoders["tiny-qwen2.5-vl"]
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, preprocess_workers=1), encoder=enc)
+        await engine.start()
+        try:
+            [(image, _)] = await engine.preprocess([IMAGES[0]])  # the one worker has decoded an image
+            imported = await asyncio.wrap_future(engine.preprocess_pool.submit(
+                eval, "'torch' in __import__('sys').modules or 'service.engine' in __import__('sys').modules"))
+            return spool.pixels([image])[0], imported
+        finally:
+            await engine.stop()
+
+    image, imported = asyncio.run(scenario())
+    assert image.ndim == 3 and not imported
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the device must fail to load)")
 def test_a_device_process_that_cannot_load_fails_the_server(tmp_path):
     """The device process's load error reaches /health, and the server's own process is left clean."""

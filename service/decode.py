@@ -1,0 +1,25 @@
+"""What a decode worker process runs. Kept away from the engine (and torch): a worker that imported the engine to
+unpickle this function took 150 MB more of its own memory and a second or two at its first image, times one worker
+per core."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from encoder.preprocess import PreprocessConfig, decode_base64, load_image, resize_rgb
+
+from . import spool
+
+
+def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: PreprocessConfig,
+                      spool_prefix: str | None = None) -> tuple[np.ndarray | spool.Spooled, float]:
+    """Runs in a worker: encoded bytes (or their base64 text) -> the resized (H, W, 3) uint8 image, in a spool file
+    when `spool_prefix` is given and it can, and the seconds it took."""
+    start = time.perf_counter()
+    if is_base64:
+        data = decode_base64(data)
+    image = resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg)
+    seconds = time.perf_counter() - start
+    return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
