@@ -2,9 +2,9 @@
 
 Data flow: request -> decode + resize each image in a pool of worker processes (off the event loop and out of the
 GIL; they return uint8 pixels, 8x smaller than float patch rows, in a RAM spool file that stays until the device
-reads it) -> one WorkItem per image on the shared ImageQueue -> a device's thread takes a batch of items from concurrent requests, up to
-`max_batch_tokens` or `max_batch_wait_ms`, and runs it through the encoder's graph runner -> each item's future is
-resolved on the event loop, so every request gets exactly its own images back.
+reads it) -> one WorkItem per image on the shared ImageQueue -> a device's thread takes a batch of items from
+concurrent requests, up to `max_batch_tokens` or `max_batch_wait_ms`, and runs it through the encoder's graph
+runner -> each item's future is resolved on the event loop, so every request gets exactly its own images back.
 
 Device threads pull their batches: a device that frees up takes the next batch itself, with no trip through the
 event loop between one batch landing and the next one launching (on two H200s, a batcher on the event loop left

@@ -6,10 +6,10 @@ server near 245 images/s. A worker writes the pixels to a spool file instead and
 `Spooled` image. Reading it back in the pool's result thread as soon as it arrived then became the limit in turn
 (1.9 ms a read there, against 0.4 alone; results waited 86 ms on average for that thread at 345 images/s on two
 H200s, and two GPUs served 1.56x one), so a spooled image now stays a file until the one who runs it reads it: the
-device's thread, or the device's own process, where the server's process never touches the pixels at all (1.78x). Whoever drops an
-image instead (a failed sibling, a client gone) removes its file (`discard`). When the directory is missing,
-not writable, or full (Docker's default /dev/shm is 64 MB), the worker returns the pixels through the pipe as
-before: slower, never wrong.
+device's thread, or the device's own process, where the server's process never touches the pixels at all (1.78x).
+Whoever drops an image instead (a failed sibling, a client gone) removes its file (`discard`). When the directory
+is missing, not writable, or full (Docker's default /dev/shm is 64 MB), the worker returns the pixels through the
+pipe as before: slower, never wrong.
 """
 
 from __future__ import annotations
