@@ -14,6 +14,7 @@ pipe as before: slower, never wrong.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import itertools
 import os
@@ -59,14 +60,47 @@ def discard(image) -> None:
         remove(image.path)
 
 
+_locks: dict[str, int] = {}  # prefix -> the open, locked descriptor of its lock file (held while this process lives)
+
+
 def spool_prefix(directory: str | None = None) -> str | None:
     """A unique path prefix for this server's spool files, in `directory` (default: /dev/shm, else the temporary
-    directory when that is a tmpfs too), or None when there is no writable one: results then go through the pipe."""
+    directory when that is a tmpfs too), or None when there is no writable one: results then go through the pipe.
+
+    The prefix's lock file stays locked while this process lives. A server killed before it could clear its files
+    (SIGKILL, the OOM killer) leaves them behind, with its lock file no longer locked: the next server starting on
+    the directory removes them (in a pod, the memory-backed /dev/shm outlives a restarted container)."""
     candidates = [directory] if directory else ["/dev/shm", tempfile.gettempdir()]
     for d in candidates:
         if d and os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK) and (directory or _is_tmpfs(d)):
-            return os.path.join(d, f"vitserve-{os.getpid()}-{uuid.uuid4().hex[:8]}-")
+            sweep(d)
+            prefix = os.path.join(d, f"vitserve-{os.getpid()}-{uuid.uuid4().hex[:8]}-")
+            try:  # locked before it appears under its name, so that a sweep never takes a live server for dead
+                fd = os.open(prefix + "lock.new", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.rename(prefix + "lock.new", prefix + "lock")
+            except OSError:
+                continue
+            _locks[prefix] = fd
+            return prefix
     return None
+
+
+def sweep(directory: str) -> None:
+    """Remove the spool files of servers that are gone: those whose lock file nobody holds."""
+    for lock in glob.glob(os.path.join(glob.escape(directory), "vitserve-*-lock")):
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its server is alive
+            continue
+        else:
+            clear(lock.removesuffix("lock"))
+        finally:
+            os.close(fd)
 
 
 def _is_tmpfs(path: str) -> bool:
@@ -126,11 +160,14 @@ def read(path: str, nbytes: int) -> np.ndarray:
 
 
 def clear(prefix: str | None, keep: set[str] | frozenset = frozenset()) -> None:
-    """Remove the spool files under `prefix` but those in `keep`: a dead decode pool's, at shutdown all."""
+    """Remove the spool files under `prefix` but those in `keep`: a dead decode pool's; at shutdown all, and with
+    this server's own prefix, its lock."""
     if prefix:
         for path in glob.glob(glob.escape(prefix) + "*"):
             if path not in keep:
                 remove(path)
+        if prefix in _locks:
+            os.close(_locks.pop(prefix))
 
 
 def remove(path: str) -> None:

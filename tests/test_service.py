@@ -407,12 +407,19 @@ def test_image_queue_batches_in_arrival_order_up_to_the_budget():
     assert q.take(100, 0.0, block=True) is None  # a taker blocked on an empty queue wakes at close
 
 
+def images_in(directory) -> list[str]:
+    """The spool files in `directory` but servers' lock files."""
+    return [name for name in os.listdir(directory) if not name.endswith("lock")]
+
+
 def test_spool_round_trip_and_fallback(tmp_path):
     prefix = spool.spool_prefix(str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(prefix) + "lock"]  # held while we live
+
     image = np.random.default_rng(0).integers(0, 256, (28, 42, 3), dtype=np.uint8)
     spooled = spool.put(prefix, image)
-    assert spooled is not None and len(list(tmp_path.iterdir())) == 1
-    assert np.array_equal(spooled.read(), image) and list(tmp_path.iterdir()) == []  # read back, file gone
+    assert spooled is not None and len(images_in(tmp_path)) == 1
+    assert np.array_equal(spooled.read(), image) and images_in(tmp_path) == []  # read back, file gone
     assert spool.put(str(tmp_path / "missing" / "x-"), image) is None  # no directory: the caller pipes it
     short = spool.put(prefix, image)
     with open(short.path, "r+b") as f:
@@ -420,17 +427,41 @@ def test_spool_round_trip_and_fallback(tmp_path):
     kept, lost = spool.put(prefix, image), spool.Spooled(str(tmp_path / "gone"), (2, 2, 3))
     with pytest.raises(RuntimeError, match="lost on its way.*short"):  # every file is read and removed anyway
         spool.pixels([short, image, lost, kept])
-    assert list(tmp_path.iterdir()) == []
+    assert images_in(tmp_path) == []
     a, b = spool.put(prefix, image), spool.put(prefix, image)
     assert [x.shape for x in spool.pixels([image, a])] == [image.shape] * 2
     spool.discard(image)  # an array: nothing to do
     spool.discard(b)
-    assert list(tmp_path.iterdir()) == []
+    assert images_in(tmp_path) == []
     c = spool.put(prefix, image)
     spool.put(prefix, image)
-    spool.clear(prefix, keep={c.path})
+    spool.clear(prefix, keep={c.path})  # the lock goes with the rest: this prefix is done
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(c.path)]
     spool.clear(prefix)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
+    """A server killed with SIGKILL leaves its spool files; the next server on the directory removes them, never a
+    live server's."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from service import spool; p = spool.spool_prefix(sys.argv[1]); "
+            "open(p + '0-1', 'wb').write(b'x' * 10); print(p, flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        theirs = other.stdout.readline().strip()
+        ours = spool.spool_prefix(str(tmp_path))  # sweeps: the other server is alive, its files stay
+        assert os.path.exists(theirs + "0-1") and os.path.exists(theirs + "lock") and os.path.exists(ours + "lock")
+    finally:
+        other.kill()
+        other.wait()
+    again = spool.spool_prefix(str(tmp_path))  # the next server: the killed one's files go, ours (alive) stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(os.path.basename(p + "lock") for p in (ours, again))
+    spool.clear(ours)
+    spool.clear(again)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -444,9 +475,9 @@ def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
     async def settle(spool_dir):  # decode jobs nobody waits for finish in the background
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if not os.listdir(spool_dir):
+            if not images_in(spool_dir):
                 break
-        return os.listdir(spool_dir)
+        return images_in(spool_dir)
 
     async def scenario(spool_dir):
         engine = Engine(Settings(model=enc.name, preprocess_workers=2, spool_dir=spool_dir), encoder=enc)
@@ -456,7 +487,7 @@ def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
             pixels = spool.pixels([image for image, _ in out])
             if spool_dir == "none":
                 return pixels, [grid for _, grid in out], engine.stats()["spool"]
-            assert all(isinstance(image, spool.Spooled) for image, _ in out) and os.listdir(spool_dir) == []
+            assert all(isinstance(image, spool.Spooled) for image, _ in out) and images_in(spool_dir) == []
             with pytest.raises(ServiceError):  # a bad sibling: the good ones' files go
                 await engine.preprocess([*images, Base64Data(base64.b64encode(b"not an image").decode())])
             assert await settle(spool_dir) == []
@@ -478,7 +509,7 @@ def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
             while not engine.preprocess_pool._broken:  # the pool has seen it: the next image goes to a new one
                 await asyncio.sleep(0.01)
             again = await engine.preprocess(images[2:3])
-            assert set(os.listdir(spool_dir)) == {os.path.basename(held[0][0].path), os.path.basename(again[0][0].path)}
+            assert set(images_in(spool_dir)) == {os.path.basename(held[0][0].path), os.path.basename(again[0][0].path)}
             assert not os.path.exists(orphan.path)
             return pixels, [grid for _, grid in out], engine.stats()["spool"]
         finally:
@@ -532,7 +563,9 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
         for d in stats["devices"].values():
             assert d["batches"] > 0 and set(d["runner"]["budgets"]) == {"256", "1024"}, stats["devices"]
         assert 'vitserve_graph_replays_total{budget="256",device="cpu#1"}' in c.get("/metrics").text
-        assert [p for p in spool_dir.iterdir()] == []
+        assert images_in(spool_dir) == []
+        for lock in spool_dir.iterdir():  # the server's lock file
+            lock.unlink()
         spool_dir.rmdir()  # no spool any more: pixels and outputs cross through the pipes
         for _ in range(4):  # both devices, whichever takes each batch
             check_native()
