@@ -5,16 +5,11 @@
 set -u
 other=${1:?usage: bench/gpu_ab.sh OTHER_TREE}
 out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  site=/tmp/site:
-  export PATH=/tmp/site/bin:$PATH
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 for round in 1 2; do  # alternated, so that a drift of the machine does not favour one side
   for tree in . "$other"; do
     name=$([ "$tree" = . ] && echo this || echo other)
-    (cd "$tree" && PYTHONPATH=${site:-}$PWD timeout 150 python3 bench/bench_multi_gpu.py --no-engine --requests 2048 \
+    (cd "$tree" && PYTHONPATH=$SITE$PWD timeout 150 python3 bench/bench_multi_gpu.py --no-engine --requests 2048 \
       --server-flags=--device-processes --out "$out/$name-$round.json" 2>&1 | grep -v -i warn | grep -v "{" | tail -6 \
       | sed "s|^|$name $round: |")
   done

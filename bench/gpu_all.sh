@@ -6,13 +6,8 @@
 # Needs the service wheels there (../shared/tools/gpu-wheels httptools py-spy, carried as .whl).
 set -u
 out=${OUT:-out}; mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$SITE$PWD
 if [ "${1:-}" = processes ]; then  # one GPU served from a device process: the fault check and the HTTP bench
   {
     timeout 120 python3 bench/gpu_faults.py --server-flags=--device-processes --out "$out/gpu_faults_processes.json"

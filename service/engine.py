@@ -337,8 +337,8 @@ class Engine:
         if self.device_processes:
             if self._spool_base is not None:
                 return await self._load_processes()
-            log.warning("--device-processes needs a spool directory (/dev/shm or --spool-dir): serving the devices "
-                        "from threads of this process")
+            log.warning("a process per device needs a spool directory (/dev/shm or --spool-dir): serving the "
+                        "devices from threads of this process")
         s = self.settings
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
