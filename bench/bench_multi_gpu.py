@@ -6,6 +6,10 @@ server's CPU use (whole process, and its main thread, which runs the event loop 
 busiest client process's, each as a fraction of the wall time; `--profile DIR` also records a py-spy profile
 of the server per leg (every thread's samples, and with `-gil` only the thread holding the GIL).
 
+`--depth N --legs cuda:0` measures the front end's ceiling on one GPU: the model's tower cut to N blocks (dummy
+weights, same image sizes and output width) costs the GPU a fraction of the real one, while HTTP, JSON, decoding and
+batching cost the same, so the server's images/s is the most that any number of GPUs could be fed.
+
     PYTHONPATH=$PWD python3 bench/bench_multi_gpu.py --out multi_gpu.json
 """
 
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import drive, engine_throughput, image_files  # noqa: E402
 
 from encoder import VisionEncoder  # noqa: E402
+from encoder.config import builtin_config  # noqa: E402
 from serving import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +87,26 @@ def server_phases(before: dict, after: dict) -> dict:
                       "batch_images")}
 
 
+def shallow_checkpoint(model: str, depth: int, directory: str) -> str:
+    """A checkpoint directory (config.json alone, for dummy weights) of `model`'s tower cut to `depth` blocks."""
+    cfg = builtin_config(model)
+    vision = dict(depth=depth, num_heads=cfg.num_heads, patch_size=cfg.patch_size, hidden_act=cfg.hidden_act,
+                  temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size)
+    if cfg.family == "qwen2_vl":
+        vision.update(embed_dim=cfg.hidden_size, hidden_size=cfg.out_hidden_size,
+                      mlp_ratio=cfg.intermediate_size / cfg.hidden_size)
+    else:
+        vision.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                      out_hidden_size=cfg.out_hidden_size, window_size=cfg.window_size,
+                      fullatt_block_indexes=[depth - 1] if cfg.fullatt_block_indexes else [],
+                      deepstack_visual_indexes=list(range(min(depth, len(cfg.deepstack_visual_indexes)))),
+                      num_position_embeddings=cfg.num_position_embeddings)
+    os.makedirs(directory, exist_ok=True)
+    with open(f"{directory}/config.json", "w") as f:
+        json.dump(dict(model_type=cfg.family, vision_config=vision), f)
+    return directory
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Qwen/Qwen2.5-VL-7B-Instruct")
@@ -93,22 +118,26 @@ def main():
     ap.add_argument("--profile", default=None, help="directory for a py-spy profile of the server per leg")
     ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags for every leg")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-only measurement")
+    ap.add_argument("--depth", type=int, default=None, help="serve the tower cut to this many blocks (front-end ceiling)")
     ap.add_argument("--out", default="multi_gpu.json")
     args = ap.parse_args()
     legs = args.legs.split(";")
     needed = max(sum(d.startswith("cuda") for d in leg.split(",")) for leg in legs)
     assert torch.cuda.device_count() >= needed, f"needs {needed} GPUs"
+    model = args.model
+    if args.depth:
+        model = shallow_checkpoint(args.model, args.depth, f"/tmp/vitserve-depth{args.depth}")
     files = image_files()
     uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
-    engine = {devices: 0.0 if args.no_engine else engine_only(args.model, devices.split(","), files, args.requests // 2)
+    engine = {devices: 0.0 if args.no_engine else engine_only(model, devices.split(","), files, args.requests // 2)
               for devices in legs}
     print("engine only, images/s:", {k: round(v, 1) for k, v in engine.items()}, flush=True)
     results = {}
     for port, devices in enumerate(legs, start=8781):
-        proc, url = start_server("--model", args.model, "--load-format", "dummy", "--devices", devices,
+        proc, url = start_server("--model", model, "--load-format", "dummy", "--devices", devices,
                                  "--log-level", "warning", *args.server_flags.split(), port=port)
         try:
-            drive(url, uris, args.model, 64, 16, pooling=args.pooling)  # warm
+            drive(url, uris, model, 64, 16, pooling=args.pooling)  # warm
             spy = None
             if args.profile:
                 os.makedirs(args.profile, exist_ok=True)
@@ -120,7 +149,7 @@ def main():
             sums = histogram_sums(url)
             cpu0 = cpu_seconds(f"/proc/{proc.pid}/stat"), cpu_seconds(f"/proc/{proc.pid}/task/{proc.pid}/stat")
             t0 = time.perf_counter()
-            result = drive(url, uris, args.model, args.requests, args.concurrency, args.client_processes,
+            result = drive(url, uris, model, args.requests, args.concurrency, args.client_processes,
                            pooling=args.pooling)
             wall = time.perf_counter() - t0
             cpu1 = cpu_seconds(f"/proc/{proc.pid}/stat"), cpu_seconds(f"/proc/{proc.pid}/task/{proc.pid}/stat")
@@ -157,7 +186,7 @@ def main():
     steady = results[legs[-1]]["steady_images_per_s"] / results[legs[0]]["steady_images_per_s"]
     print(f"{legs[-1]} / {legs[0]}: {ratio:.2f}x over HTTP, {steady:.2f}x steady (target 1.8x for two GPUs over "
           f"one); engine only {engine[legs[-1]] / max(engine[legs[0]], 1e-9):.2f}x")
-    json.dump(dict(model=args.model, device=torch.cuda.get_device_name() if needed else "cpu", date=time.strftime("%Y-%m-%d"),
+    json.dump(dict(model=args.model, depth=args.depth, device=torch.cuda.get_device_name() if needed else "cpu", date=time.strftime("%Y-%m-%d"),
                    pooling=args.pooling, server_flags=args.server_flags, results=results, ratio=ratio, steady_ratio=steady), open(args.out, "w"), indent=1)
 
 
