@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import multiprocessing
 import os
 import threading
 import time
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +40,7 @@ from encoder.preprocess import Base64Data, ImageError, ImageTooLarge, Preprocess
 
 from . import spool
 from .decode import decode_and_resize
+from .decode_pool import DecodePool, WorkerDied
 from .device_process import DeviceLost, DeviceProcess
 from .errors import ServiceError
 from .metrics import Metrics
@@ -48,20 +49,19 @@ from .settings import Settings
 log = logging.getLogger("vitserve.engine")
 
 
-def _discard_result(job: Future | asyncio.Future) -> None:
-    """Done-callback of a decode job whose request is gone: its spooled image has nobody to read it."""
-    if not job.cancelled() and job.exception() is None:
+def _discard_result(job: asyncio.Future) -> None:
+    """For an image's decode whose request is gone: a spooled image it made has nobody to read it."""
+    if job.done() and not job.cancelled() and job.exception() is None:
         spool.discard(job.result()[0])
 
 
-def make_preprocess_pool(workers: int, processes: bool) -> Executor:
-    """Worker processes forked from a clean fork server that has imported only service.decode (numpy + PIL):
-    decode and resize never contend for this process's GIL, and no worker inherits CUDA or threads."""
+def make_preprocess_pool(workers: int, processes: bool) -> DecodePool | ThreadPoolExecutor:
+    """Worker processes (decode_pool.py): decode and resize never contend for this process's GIL; or threads."""
     if not processes:
         return ThreadPoolExecutor(workers, thread_name_prefix="vitserve-pre")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["service.decode"])
-    return ProcessPoolExecutor(workers, mp_context=context)
+    pool = DecodePool(workers)
+    pool.on_orphan = lambda result: spool.discard(result[0])  # decoded for a request that is gone
+    return pool
 
 
 class ClientDisconnected(Exception):
@@ -282,18 +282,15 @@ class Engine:
         self.error: str | None = None
         self.started = time.time()
         self.load_seconds = 0.0
-        self._pool_size = settings.preprocess_workers or os.cpu_count() or 4
-        self.preprocess_pool = make_preprocess_pool(self._pool_size, settings.preprocess_processes)
+        self.preprocess_pool = make_preprocess_pool(settings.preprocess_workers or os.cpu_count() or 4,
+                                                    settings.preprocess_processes)
         self._spool_base = None
         if settings.preprocess_processes and settings.spool_dir != "none":
             self._spool_base = spool.spool_prefix(settings.spool_dir)
             if self._spool_base is None:
                 log.warning("no usable spool directory (%s): decoded images cross through a pipe, which costs the "
                             "server about 2 ms of CPU per megabyte", settings.spool_dir or "/dev/shm")
-        self._pool_generation = 0
-        self._spooled: set[str] = set()  # spool files this pool handed over (some maybe not read yet)
-        self._spooled_limit = 4096
-        self.spool_prefix = self._spool_base and f"{self._spool_base}0-"  # per pool: a dead pool's files are cleared
+        self._spool_names = itertools.count()
         self.pixel_lut: np.ndarray | None = None
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
         self.images = ImageQueue(self.metrics)
@@ -324,6 +321,8 @@ class Engine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if isinstance(self.preprocess_pool, DecodePool):
+            await self.preprocess_pool.start()
         if self.workers:
             self._start_workers()
         else:
@@ -429,10 +428,10 @@ class Engine:
             if isinstance(worker, ProcessWorker):
                 await asyncio.get_running_loop().run_in_executor(None, worker.process.stop)
         self.loader.shutdown(wait=True)
-        # wait for the pool's manager thread: left running, it raced Python's exit hook on a closed pipe
-        # ("Bad file descriptor" at exit, Python 3.11)
-        pool = self.preprocess_pool
-        await asyncio.get_running_loop().run_in_executor(None, lambda: pool.shutdown(wait=True, cancel_futures=True))
+        if isinstance(self.preprocess_pool, DecodePool):
+            await self.preprocess_pool.close()
+        else:
+            self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
         spool.clear(self._spool_base)
 
     def abandon(self) -> None:
@@ -485,7 +484,7 @@ class Engine:
                 raise ServiceError(413, f"input[{index}]: {e}", e.code, param=f"input[{index}]") from None
             except ImageError as e:
                 raise ServiceError(400, f"input[{index}]: {e}", e.code, param=f"input[{index}]") from None
-            except BrokenProcessPool:  # twice: this image kills decode workers
+            except WorkerDied:  # twice: this image kills decode workers
                 raise ServiceError(400, f"input[{index}]: the image crashed the decoder", "undecodable_image",
                                    param=f"input[{index}]") from None
             except Exception as e:  # anything else the decoder raised is still about this client's bytes
@@ -495,45 +494,39 @@ class Engine:
             out.append((image, (1, image.shape[0] // p, image.shape[1] // p)))
         return out
 
-    async def _decode(self, data) -> tuple[np.ndarray, float]:
-        """One image through the decode pool. A dying worker breaks the whole pool and fails every job in it: the
-        pool is replaced and each image retried once, so only an image that kills a worker twice is refused."""
+    async def _decode(self, data) -> tuple[np.ndarray | spool.Spooled, float]:
+        """One image through the decode pool. A worker that dies on it (a decoder crash, the OOM killer) fails only
+        this image, which is tried once more: only an image that kills a worker twice is refused."""
         for attempt in (1, 2):
-            pool, prefix = self.preprocess_pool, self.spool_prefix
             try:
-                return await self._decode_in(pool, prefix, data)
-            except BrokenProcessPool:
-                if pool is self.preprocess_pool:  # the first job to see this break replaces the pool
-                    log.warning("a decode worker died; restarting the decode pool")
-                    self.preprocess_pool = make_preprocess_pool(self._pool_size, self.settings.preprocess_processes)
-                    self._pool_generation += 1
-                    self.spool_prefix = self._spool_base and f"{self._spool_base}{self._pool_generation}-"
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    # what the dead pool's workers wrote and never handed over (the rest is still to be run)
-                    spool.clear(prefix, keep=self._spooled)
-                    self._spooled = set()
+                return await self._decode_once(data)
+            except WorkerDied:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
 
-    async def _decode_in(self, pool: Executor, prefix: str | None, data) -> tuple[np.ndarray, float]:
-        cfg, limit = self.encoder.preprocess_config, self.settings.max_image_pixels
+    async def _decode_once(self, data) -> tuple[np.ndarray | spool.Spooled, float]:
+        cfg, limit, pool = self.encoder.preprocess_config, self.settings.max_image_pixels, self.preprocess_pool
         if is_base64 := isinstance(data, Base64Data):  # as bytes: a str pickles at twice the server's CPU
             data = data.encode("ascii", "replace")  # a non-ASCII character is still invalid base64 there
         start = time.perf_counter()
-        job = pool.submit(decode_and_resize, data, is_base64, limit, cfg, prefix)
-        try:
-            image, seconds = await asyncio.wrap_future(job)
-        except asyncio.CancelledError:  # the request is gone: once decoded, the image is dropped
-            job.add_done_callback(_discard_result)
-            raise
+        if not isinstance(pool, DecodePool):
+            result = await asyncio.get_running_loop().run_in_executor(pool, decode_and_resize, data, is_base64, limit,
+                                                                      cfg)
+        else:
+            path = self._spool_base and f"{self._spool_base}{next(self._spool_names)}"
+            job = pool.submit(decode_and_resize, data, is_base64, limit, cfg, path)
+            try:
+                result = await job
+            except WorkerDied:
+                if path:
+                    spool.remove(path)  # in case it wrote the image before it died
+                raise
+            except asyncio.CancelledError:  # the request is gone: the pool drops a result still to come, this one here
+                _discard_result(job)
+                raise
         self.metrics.decode_seconds.observe(time.perf_counter() - start)
-        if isinstance(image, spool.Spooled) and prefix == self.spool_prefix:
-            self._spooled.add(image.path)
-            if len(self._spooled) > self._spooled_limit:  # forget those already read
-                self._spooled = {path for path in self._spooled if os.path.exists(path)}
-                self._spooled_limit = max(4096, 2 * len(self._spooled))
-        return image, seconds
+        return result
 
     async def infer(self, prepared, disconnected: asyncio.Future | None = None, pool_mean: bool = False
                     ) -> list[WorkItem]:
@@ -602,5 +595,6 @@ class Engine:
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "spool": self._spool_base and os.path.dirname(self._spool_base),
                 "device_processes": any(isinstance(w, ProcessWorker) for w in self.workers),
+                "decode_workers_replaced": getattr(self.preprocess_pool, "replaced", 0),
                 "eager_fallbacks": sum(w.runner_stats().get("eager_fallbacks", 0) for w in self.workers),
                 "runner": self.workers[0].runner_stats() if self.workers else None}

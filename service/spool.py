@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import fcntl
 import glob
-import itertools
 import os
 import tempfile
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
-
-_names = itertools.count()  # per worker process
-
 
 @dataclass
 class Spooled:
@@ -114,9 +110,9 @@ def _is_tmpfs(path: str) -> bool:
     return best is not None and best[2] in ("tmpfs", "ramfs")
 
 
-def put(prefix: str, array: np.ndarray) -> Spooled | None:
-    """In a worker: write `array` (uint8) to a new spool file; None when it cannot (the caller pipes it instead)."""
-    path = f"{prefix}{os.getpid()}-{next(_names)}"
+def put(path: str, array: np.ndarray) -> Spooled | None:
+    """In a worker: write `array` (uint8) to a new spool file at `path`; None when it cannot (the caller pipes it
+    instead)."""
     return Spooled(path, array.shape) if write(path, [array]) else None
 
 
@@ -159,13 +155,12 @@ def read(path: str, nbytes: int) -> np.ndarray:
         remove(path)
 
 
-def clear(prefix: str | None, keep: set[str] | frozenset = frozenset()) -> None:
-    """Remove the spool files under `prefix` but those in `keep`: a dead decode pool's; at shutdown all, and with
-    this server's own prefix, its lock."""
+def clear(prefix: str | None) -> None:
+    """Remove this server's leftover spool files (at shutdown: images still queued, a device process's last), and
+    with its own prefix, its lock."""
     if prefix:
         for path in glob.glob(glob.escape(prefix) + "*"):
-            if path not in keep:
-                remove(path)
+            remove(path)
         if prefix in _locks:
             os.close(_locks.pop(prefix))
 

@@ -413,30 +413,32 @@ def images_in(directory) -> list[str]:
 
 
 def test_spool_round_trip_and_fallback(tmp_path):
+    names = iter(range(100))
     prefix = spool.spool_prefix(str(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(prefix) + "lock"]  # held while we live
 
     image = np.random.default_rng(0).integers(0, 256, (28, 42, 3), dtype=np.uint8)
-    spooled = spool.put(prefix, image)
+
+    def put(image):
+        return spool.put(f"{prefix}{next(names)}", image)
+
+    spooled = put(image)
     assert spooled is not None and len(images_in(tmp_path)) == 1
     assert np.array_equal(spooled.read(), image) and images_in(tmp_path) == []  # read back, file gone
-    assert spool.put(str(tmp_path / "missing" / "x-"), image) is None  # no directory: the caller pipes it
-    short = spool.put(prefix, image)
+    assert spool.put(str(tmp_path / "missing" / "x"), image) is None  # no directory: the caller pipes it
+    short = put(image)
     with open(short.path, "r+b") as f:
         f.truncate(10)
-    kept, lost = spool.put(prefix, image), spool.Spooled(str(tmp_path / "gone"), (2, 2, 3))
+    kept, lost = put(image), spool.Spooled(str(tmp_path / "gone"), (2, 2, 3))
     with pytest.raises(RuntimeError, match="lost on its way.*short"):  # every file is read and removed anyway
         spool.pixels([short, image, lost, kept])
     assert images_in(tmp_path) == []
-    a, b = spool.put(prefix, image), spool.put(prefix, image)
+    a, b = put(image), put(image)
     assert [x.shape for x in spool.pixels([image, a])] == [image.shape] * 2
     spool.discard(image)  # an array: nothing to do
     spool.discard(b)
     assert images_in(tmp_path) == []
-    c = spool.put(prefix, image)
-    spool.put(prefix, image)
-    spool.clear(prefix, keep={c.path})  # the lock goes with the rest: this prefix is done
-    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(c.path)]
+    put(image), put(image)
     spool.clear(prefix)
     assert list(tmp_path.iterdir()) == []
 
@@ -468,7 +470,7 @@ def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
 def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
     """With processes, decoded images stay in spool files until they are run, or dropped: the pixels equal the
     pipe's, and nothing stays behind when a request fails on a sibling image, is cancelled while decoding, or
-    leaves the queue, or when a decode worker dies."""
+    leaves the queue."""
     enc = encoders["tiny-qwen2.5-vl"]
     images = [Base64Data(base64.b64encode(x).decode()) for x in IMAGES]
 
@@ -502,15 +504,6 @@ def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
             items = [WorkItem(image, grid, gone, cancelled=True) for image, grid in await engine.preprocess(images)]
             engine.images.put(items)
             assert await settle(spool_dir) == []
-            # a decode worker dies: what the pool had handed over stays (it is still to be run), the rest goes
-            held = await engine.preprocess(images[:1])
-            orphan = spool.put(engine.spool_prefix, pixels[1])
-            os.kill(next(iter(engine.preprocess_pool._processes)), signal.SIGKILL)
-            while not engine.preprocess_pool._broken:  # the pool has seen it: the next image goes to a new one
-                await asyncio.sleep(0.01)
-            again = await engine.preprocess(images[2:3])
-            assert set(images_in(spool_dir)) == {os.path.basename(held[0][0].path), os.path.basename(again[0][0].path)}
-            assert not os.path.exists(orphan.path)
             return pixels, [grid for _, grid in out], engine.stats()["spool"]
         finally:
             await engine.stop()
@@ -582,31 +575,76 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
         assert c.get("/health").json()["status"] == "failed" and c.get("/ready").status_code == 503
 
 
-def test_a_dead_decode_worker_fails_no_request(encoders):
-    """A worker that dies (a decoder crash, the OOM killer) breaks the whole process pool and every job in it: the
-    pool is replaced and each image retried once, so the requests in flight are all answered, correctly."""
+def test_a_dead_decode_worker_fails_no_request(encoders, tmp_path):
+    """A worker that dies (a decoder crash, the OOM killer) fails only the image it was decoding, which is tried
+    again on another; the worker is replaced, every request in flight is answered correctly, and nothing is left in
+    the spool."""
     enc = encoders["tiny-qwen2.5-vl"]
     images = [Base64Data(base64.b64encode(x).decode()) for x in IMAGES]
+    big = Base64Data(base64.b64encode(png(3000, 3000)).decode())  # decodes long enough to be caught at it
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, preprocess_workers=2), encoder=enc)
+        engine = Engine(Settings(model=enc.name, preprocess_workers=2, spool_dir=str(tmp_path)), encoder=enc)
         await engine.start()
+        pool = engine.preprocess_pool
         try:
-            want = await engine.preprocess(images)
-            pool = engine.preprocess_pool
-            tasks = [asyncio.ensure_future(engine.preprocess([images[i % 3]])) for i in range(12)]
-            await asyncio.sleep(0)
-            os.kill(next(iter(pool._processes)), signal.SIGKILL)
+            want = await engine.preprocess([*images, big])
+            tasks = [asyncio.ensure_future(engine.preprocess([[*images, big][i % 4]])) for i in range(12)]
+            for _ in range(500):  # a worker busy with the big image
+                busy = [link for link in pool._links if link.job is not None and len(link.job[1]) > 100_000]
+                if busy:
+                    break
+                await asyncio.sleep(0.002)
+            os.kill(busy[0].process.pid, signal.SIGKILL)
             got = await asyncio.gather(*tasks)
             read = [(spool.pixels([image])[0], grid) for image, grid in [*want, *(g[0] for g in got)]]
-            return read[:len(want)], read[len(want):], engine.preprocess_pool is not pool
+            left = images_in(tmp_path)
+            return read[:len(want)], read[len(want):], pool.replaced, engine.stats()["decode_workers_replaced"], left
         finally:
             await engine.stop()
 
-    want, got, replaced = asyncio.run(scenario())
-    assert replaced
+    want, got, replaced, reported, left = asyncio.run(scenario())
+    assert replaced == reported == 1 and left == []
     for i, (image, grid) in enumerate(got):
-        assert grid == want[i % 3][1] and np.array_equal(image, want[i % 3][0])
+        assert grid == want[i % 4][1] and np.array_equal(image, want[i % 4][0])
+
+
+def test_decode_pool_worker_death_and_errors():
+    """The pool on its own: results in order of submission per job, exceptions back to their job, a job that kills
+    its worker fails alone (WorkerDied) while the other jobs finish, and closing fails what still waits."""
+    from service.decode_pool import DecodePool, WorkerDied
+
+    async def scenario():
+        pool = DecodePool(2)
+        await pool.start()
+        try:
+            ok = pool.submit(bytes.upper, b"abc")
+            bad = pool.submit(int, b"x")
+            dies = pool.submit(eval, b"__import__('os')._exit(3)")
+            after = [pool.submit(bytes.center, b"a", i) for i in range(6)]
+            assert await ok == b"ABC"
+            with pytest.raises(ValueError):
+                await bad
+            with pytest.raises(WorkerDied, match="exit code 3"):
+                await dies
+            assert [await f for f in after] == [b"a".center(i) for i in range(6)]
+            for _ in range(200):
+                if len(pool._links) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.replaced == 1 and len(pool._links) == 2 and len(pool._idle) == 2
+            cancelled = pool.submit(bytes.upper, b"x" * 10**6)
+            cancelled.cancel()
+            assert await pool.submit(bytes.upper, b"y" * 10**6) == b"Y" * 10**6  # a megabyte each way
+            processes = [link.process for link in pool._links]
+        finally:
+            await pool.close()
+        late = pool.submit(bytes.upper, b"x")
+        with pytest.raises(RuntimeError, match="closed"):
+            await late
+        return processes
+
+    assert all(not p.is_alive() for p in asyncio.run(scenario()))
 
 
 def test_decode_workers_import_no_torch(encoders):
@@ -618,8 +656,8 @@ def test_decode_workers_import_no_torch(encoders):
         await engine.start()
         try:
             [(image, _)] = await engine.preprocess([IMAGES[0]])  # the one worker has decoded an image
-            imported = await asyncio.wrap_future(engine.preprocess_pool.submit(
-                eval, "'torch' in __import__('sys').modules or 'service.engine' in __import__('sys').modules"))
+            imported = await engine.preprocess_pool.submit(
+                eval, b"'torch' in __import__('sys').modules or 'service.engine' in __import__('sys').modules")
             return spool.pixels([image])[0], imported
         finally:
             await engine.stop()
