@@ -116,6 +116,8 @@ class DecodePool:
 
     async def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
+        # room for a whole image in the socket (as far as the system allows): one write, not one per 200 KB
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         process = self._context.Process(target=_serve, args=(theirs,), name="vitserve-decode", daemon=True)
         try:
             await self._loop.run_in_executor(None, process.start)  # the fork server's round trip, off the loop
