@@ -33,7 +33,7 @@ class Settings:
     max_pixels: int | None = field(default=None, metadata={"help": "override the resize maximum (pixels)"})
     preprocess_workers: int = field(default=0, metadata={"help": "decode/resize workers (0: one per core)"})
     preprocess_processes: bool = field(default=True, metadata={"help": "run them as processes (false: threads)"})
-    device_processes: bool | None = field(default=None, metadata={"help": "serve each device from a process of its own, sharing no GIL with the HTTP server (default: with several CUDA devices)"})
+    device_processes: bool | None = field(default=None, metadata={"help": "serve each device from a process of its own, sharing no GIL with the HTTP server (default: on CUDA devices)"})
     spool_dir: str | None = field(default=None, metadata={"help": "RAM-backed directory where decoded images cross from the decode processes (default: /dev/shm; none: through a pipe, slower)"})
     allow_url_fetch: bool = field(default=False, metadata={"help": "accept http(s) image URLs (off: SSRF risk)"})
     url_fetch_timeout: float = field(default=10.0, metadata={"help": "seconds per URL fetch"})
