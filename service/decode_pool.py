@@ -4,7 +4,8 @@ A `ProcessPoolExecutor` moves every job through two threads of the server, a fee
 and a manager that reads each result and wakes the loop, and `submit` itself writes to a wake-up pipe: three
 takings of the GIL from the event loop per image, and one thread for every result. On two H200s an image spent
 71-74 ms in such a pool for 16 ms of decoding. Here each worker has a socket of its own, read and written by the
-event loop (uvloop does the I/O in C, without giving up the GIL), and no thread of the server takes part.
+event loop (uvloop does the I/O in C, without giving up the GIL), and no thread of the server takes part. On one
+H200 fed about 500 images/s, an image spent 47-55 ms here against 99 ms in the executor (throughput a draw).
 
 Each worker runs one job at a time, so a worker that dies (a decoder crash, the OOM killer) fails only its own job
 (`WorkerDied`), and is replaced at once.
