@@ -680,3 +680,14 @@ def test_a_device_process_that_cannot_load_fails_the_server(tmp_path):
         health = c.get("/health")
         assert health.status_code == 503 and "CUDA is not available" in health.json()["error"]
         assert c.get("/ready").json()["status"] == "failed"
+
+
+@pytest.mark.parametrize("devices, flag, expected", [
+    ("cpu", None, False), ("cpu,cpu", None, False), ("cuda:0", None, True), ("cuda:0,cuda:1", None, True),
+    ("cuda:0", False, False), ("cpu,cpu", True, True)])
+def test_device_processes_default(devices, flag, expected):
+    """A process per device by default on CUDA, one GPU too (measured faster there than a thread); threads on CPU;
+    the flag wins both ways. Only decided here: nothing is loaded or spawned."""
+    settings = Settings(model="tiny-qwen3-vl", load_format="dummy", devices=devices, device_processes=flag,
+                        preprocess_processes=False)
+    assert Engine(settings).device_processes is expected
