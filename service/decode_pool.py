@@ -29,6 +29,10 @@ class WorkerDied(Exception):
     """The worker running this job died; the others and their jobs are unaffected."""
 
 
+class PoolUnavailable(Exception):
+    """The pool cannot run jobs: it was closed, or its last worker died and none could be started in its place."""
+
+
 def _read(sock: socket.socket, n: int) -> bytes:
     chunks = []
     while n:
@@ -109,6 +113,7 @@ class DecodePool:
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.replaced = 0  # workers that died and were replaced
+        self.broken: str | None = None  # why no worker is left, when none could be started again
         self._spawning: set[asyncio.Task] = set()  # replacing dead workers
 
     async def start(self) -> None:
@@ -133,8 +138,8 @@ class DecodePool:
         """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
         (`WorkerDied` if the worker died on it). A cancelled future's job is skipped, or its result dropped."""
         future = self._loop.create_future()
-        if self._closed:
-            future.set_exception(RuntimeError("the decode pool is closed"))
+        if self._closed or self.broken:
+            future.set_exception(PoolUnavailable(self.broken or "the decode pool is closed"))
             return future
         self._waiting.append((pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), bytes(payload), future))
         self._dispatch()
@@ -174,7 +179,7 @@ class DecodePool:
             self._idle.remove(link)
         if self._closed:
             if link.job is not None and not link.job[2].done():
-                link.job[2].set_exception(RuntimeError("the decode pool is closed"))
+                link.job[2].set_exception(PoolUnavailable("the decode pool is closed"))
         else:
             task = self._loop.create_task(self._replace(link))
             self._spawning.add(task)
@@ -193,16 +198,27 @@ class DecodePool:
 
     def _replaced(self, task: asyncio.Task) -> None:
         self._spawning.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("could not start a decode worker: %s", task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("could not start a decode worker: %s", task.exception())
+        if not self._links and not self._spawning and not self._closed:  # the last one: jobs would wait forever
+            self.broken = f"no decode worker is left, and none could be started ({task.exception()})"
+            self._fail_waiting(PoolUnavailable(self.broken))
+            self.on_broken(self.broken)
+
+    def on_broken(self, reason: str) -> None:
+        """The pool has lost its last worker for good (overridden by the engine: it reports failed, for a restart)."""
+
+    def _fail_waiting(self, error: Exception) -> None:
+        for _, _, future in self._waiting:
+            if not future.done():
+                future.set_exception(error)
+        self._waiting.clear()
 
     async def close(self, timeout: float = 10) -> None:
         """Fail what waits or runs, hang up on every worker (each exits once its job is done) and wait for them."""
         self._closed = True
-        for _, _, future in self._waiting:
-            if not future.done():
-                future.set_exception(RuntimeError("the decode pool is closed"))
-        self._waiting.clear()
+        self._fail_waiting(PoolUnavailable("the decode pool is closed"))
         await asyncio.gather(*self._spawning, return_exceptions=True)
         links = list(self._links)
         for link in links:

@@ -40,7 +40,7 @@ from encoder.preprocess import Base64Data, ImageError, ImageTooLarge, Preprocess
 
 from . import spool
 from .decode import decode_and_resize
-from .decode_pool import DecodePool, WorkerDied
+from .decode_pool import DecodePool, PoolUnavailable, WorkerDied
 from .device_process import DeviceLost, DeviceProcess
 from .errors import ServiceError
 from .metrics import Metrics
@@ -284,6 +284,8 @@ class Engine:
         self.load_seconds = 0.0
         self.preprocess_pool = make_preprocess_pool(settings.preprocess_workers or os.cpu_count() or 4,
                                                     settings.preprocess_processes)
+        if isinstance(self.preprocess_pool, DecodePool):
+            self.preprocess_pool.on_broken = self._fail_server  # no decode worker left: nothing can be served
         self._spool_base = None
         if settings.preprocess_processes and settings.spool_dir != "none":
             self._spool_base = spool.spool_prefix(settings.spool_dir)
@@ -399,17 +401,18 @@ class Engine:
         log.info("ready in %.2f s on %s, one process each", self.load_seconds, ", ".join(self.devices))
 
     def device_lost(self, worker: DeviceWorker, reason: str) -> None:
-        """From a worker thread: its device process died. /health turns failed, so an orchestrator restarts us."""
+        """From a worker thread: its device process died."""
+        self._loop.call_soon_threadsafe(self._fail_server, reason)
 
-        def fail():
-            if self.state != "failed":
-                log.error("%s", reason)
-                self.state, self.error = "failed", reason
-                self.metrics.ready.set(0)
-                if self.on_failure is not None:
-                    self.on_failure()
-
-        self._loop.call_soon_threadsafe(fail)
+    def _fail_server(self, reason: str) -> None:
+        """On the event loop: a part the server cannot run without is gone. /health turns failed and the CLI exits
+        non-zero, so an orchestrator restarts us."""
+        if self.state != "failed":
+            log.error("%s", reason)
+            self.state, self.error = "failed", reason
+            self.metrics.ready.set(0)
+            if self.on_failure is not None:
+                self.on_failure()
 
     def drain(self) -> None:
         """Stop admitting requests (ready -> 503); requests already admitted are still answered."""
@@ -487,6 +490,9 @@ class Engine:
             except WorkerDied:  # twice: this image kills decode workers
                 raise ServiceError(400, f"input[{index}]: the image crashed the decoder", "undecodable_image",
                                    param=f"input[{index}]") from None
+            except PoolUnavailable as e:  # not about this image
+                raise ServiceError(503, f"{e}; the server is restarting", "decode_unavailable",
+                                   headers={"Retry-After": "5"}) from None
             except Exception as e:  # anything else the decoder raised is still about this client's bytes
                 raise ServiceError(400, f"input[{index}]: cannot decode: {type(e).__name__}: {e}",
                                    "undecodable_image", param=f"input[{index}]") from None

@@ -612,7 +612,7 @@ def test_a_dead_decode_worker_fails_no_request(encoders, tmp_path):
 def test_decode_pool_worker_death_and_errors():
     """The pool on its own: results in order of submission per job, exceptions back to their job, a job that kills
     its worker fails alone (WorkerDied) while the other jobs finish, and closing fails what still waits."""
-    from service.decode_pool import DecodePool, WorkerDied
+    from service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
 
     async def scenario():
         pool = DecodePool(2)
@@ -640,11 +640,88 @@ def test_decode_pool_worker_death_and_errors():
         finally:
             await pool.close()
         late = pool.submit(bytes.upper, b"x")
-        with pytest.raises(RuntimeError, match="closed"):
+        with pytest.raises(PoolUnavailable, match="closed"):
             await late
         return processes
 
     assert all(not p.is_alive() for p in asyncio.run(scenario()))
+
+
+def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
+    """When no worker is left and none can be started (the system out of processes or memory), what waits and what
+    comes after fails with PoolUnavailable at once, instead of waiting forever, and the owner is told."""
+    import signal as signals
+
+    from service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
+
+    async def scenario():
+        pool = DecodePool(2)
+        await pool.start()
+        told = []
+        pool.on_broken = told.append
+
+        async def cannot_spawn():
+            raise OSError("fork: Resource temporarily unavailable")
+
+        pool._spawn = cannot_spawn
+        try:
+            busy = [pool.submit(eval, b"__import__('time').sleep(30)") for _ in range(2)]
+            for _ in range(200):  # both workers hold a job
+                if not pool._idle:
+                    break
+                await asyncio.sleep(0.01)
+            waiting = pool.submit(bytes.upper, b"abc")
+            for link in list(pool._links):
+                os.kill(link.process.pid, signals.SIGKILL)
+            for job in busy:
+                with pytest.raises(WorkerDied):
+                    await asyncio.wait_for(job, 20)
+            with pytest.raises(PoolUnavailable, match="none could be started"):
+                await asyncio.wait_for(waiting, 20)
+            with pytest.raises(PoolUnavailable, match="none could be started"):
+                await pool.submit(bytes.upper, b"abc")
+            return told, pool.replaced
+        finally:
+            await pool.close()
+
+    told, replaced = asyncio.run(scenario())
+    assert replaced == 2 and len(told) == 1 and "Resource temporarily unavailable" in told[0]
+
+
+def test_engine_without_decode_workers_fails_and_answers_503(encoders):
+    """The engine's side of a broken decode pool: the server reports failed (the CLI then exits for a restart) and a
+    request is answered 503 decode_unavailable, not a 400 that blames the image."""
+    import signal as signals
+
+    enc = encoders["tiny-qwen2.5-vl"]
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, preprocess_workers=1), encoder=enc)
+        exited = []
+        engine.on_failure = lambda: exited.append(True)
+        await engine.start()
+        try:
+            pool = engine.preprocess_pool
+
+            async def cannot_spawn():
+                raise OSError("fork: Resource temporarily unavailable")
+
+            pool._spawn = cannot_spawn
+            [link] = pool._links
+            os.kill(link.process.pid, signals.SIGKILL)
+            for _ in range(500):
+                if engine.state == "failed":
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(ServiceError) as error:
+                await engine.preprocess([IMAGES[0]])
+            return engine.state, engine.error, exited, error.value
+        finally:
+            await engine.stop()
+
+    state, reason, exited, error = asyncio.run(scenario())
+    assert state == "failed" and "no decode worker is left" in reason and exited == [True]
+    assert error.status == 503 and error.code == "decode_unavailable"
 
 
 def test_decode_workers_import_no_torch(encoders):
