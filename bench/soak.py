@@ -1,6 +1,7 @@
 """Soak test (issue 7; not in CI's default run): a real server, N requests of mixed sizes at high concurrency, then a
-report of what came back — answered, 429s, 5xx (must be 0), lost (must be 0), latency percentiles, and the server's
-resident memory at start and end (growth must stay under a bound).
+report of what came back — answered, 429s, 5xx (must be 0), lost (must be 0), latency percentiles, the server's
+resident memory at start and end (growth must stay under a bound), and the spool files left in /dev/shm once every
+answer is in (must be 0: each decoded image's file goes when its device reads it, or when it is dropped).
 
     PYTHONPATH=$PWD python3 bench/soak.py --requests 10000 --concurrency 128 --out soak.json           # tiny, CPU
     PYTHONPATH=$PWD python3 bench/soak.py --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda:0 ...       # GPU
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import glob
 import io
 import json
 import signal
@@ -41,6 +43,11 @@ def rss_mib(pid: int) -> float:
         except FileNotFoundError:
             pass
     return total / 1024
+
+
+def spool_files(pid: int) -> list[str]:
+    """The server's spool files (decoded images and batch outputs), its lock file aside."""
+    return [f for f in glob.glob(f"/dev/shm/vitserve-{pid}-*") if not f.endswith("-lock")]
 
 
 def images() -> list[str]:
@@ -97,6 +104,7 @@ def main():
         result = asyncio.run(drive(url, uris, args.requests, args.concurrency))
         rss_end = rss_mib(server.pid)
         stats = httpx.get(url + "/stats").json()
+        left = spool_files(server.pid)
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=120)
@@ -109,8 +117,10 @@ def main():
                   status_429=throttled, status_5xx=server_errors, lost=lost, other=counts, seconds=result["seconds"],
                   requests_per_s=args.requests / result["seconds"], p50_ms=result["p50_ms"], p99_ms=result["p99_ms"],
                   rss_start_mib=rss_start, rss_end_mib=rss_end, rss_growth_bound_mib=args.rss_growth_bound_mib,
-                  exit_code=code, batch_size_histogram=stats["batch_size_histogram"])
-    report["passed"] = (server_errors == 0 and lost == 0 and code == 0
+                  spool_files_left=len(left), device_processes=stats["device_processes"],
+                  decode_workers_replaced=stats["decode_workers_replaced"], exit_code=code,
+                  batch_size_histogram=stats["batch_size_histogram"])
+    report["passed"] = (server_errors == 0 and lost == 0 and code == 0 and not left
                         and rss_end - rss_start <= args.rss_growth_bound_mib)
     print(json.dumps(report, indent=1))
     json.dump(report, open(args.out, "w"), indent=1)
