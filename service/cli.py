@@ -89,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             self.should_exit = True
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
-                            log_level=settings.log_level, access_log=False)
+                            log_level=settings.log_level, access_log=False,
+                            timeout_keep_alive=settings.timeout_keep_alive)
     server = Server(config)
     engine.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()

@@ -38,6 +38,7 @@ class Settings:
     allow_url_fetch: bool = field(default=False, metadata={"help": "accept http(s) image URLs (off: SSRF risk)"})
     url_fetch_timeout: float = field(default=10.0, metadata={"help": "seconds per URL fetch"})
     log_format: str = field(default="text", metadata={"help": "text or json"})
+    timeout_keep_alive: int = field(default=75, metadata={"help": "seconds an idle connection stays open; longer than clients' and proxies' own (httpx 5, aiohttp 15, load balancers 60), so they always close first"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
 
     def __post_init__(self):
@@ -48,6 +49,7 @@ class Settings:
                   (self.max_batch_wait_ms >= 0, "max-batch-wait-ms must be >= 0"),
                   (0 <= self.gpu_memory_fraction <= 1, "gpu-memory-fraction must be in [0, 1]"),
                   (self.max_concurrent_requests > 0, "max-concurrent-requests must be positive"),
+                  (self.timeout_keep_alive > 0, "timeout-keep-alive must be positive"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "limits must be positive"), (0 < self.port < 65536, "port must be 1-65535")]
         for ok, message in checks:
