@@ -115,6 +115,7 @@ class DecodePool:
         self.replaced = 0  # workers that died and were replaced
         self.broken: str | None = None  # why no worker is left, when none could be started again
         self._spawning: set[asyncio.Task] = set()  # replacing dead workers
+        self.respawn_delays = (1.0, 4.0)  # between tries at starting a replacement
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -127,6 +128,9 @@ class DecodePool:
         process = self._context.Process(target=_serve, args=(theirs,), name="vitserve-decode", daemon=True)
         try:
             await self._loop.run_in_executor(None, process.start)  # the fork server's round trip, off the loop
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()  # the worker's copy only: its death then reads as end-of-file here
         _, link = await self._loop.connect_accepted_socket(lambda: _Link(self, process), ours)
@@ -194,7 +198,14 @@ class DecodePool:
             link.job[2].set_exception(WorkerDied(reason))
         log.warning("%s; starting another", reason)
         self.replaced += 1
-        await self._spawn()
+        for delay in (*self.respawn_delays, None):  # a failed start (out of memory or processes) may pass
+            try:
+                return await self._spawn()
+            except OSError as e:
+                if delay is None or self._closed:
+                    raise
+                log.warning("could not start a decode worker (%s); trying again in %g s", e, delay)
+                await asyncio.sleep(delay)
 
     def _replaced(self, task: asyncio.Task) -> None:
         self._spawning.discard(task)

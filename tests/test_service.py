@@ -663,7 +663,7 @@ def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
         async def cannot_spawn():
             raise OSError("fork: Resource temporarily unavailable")
 
-        pool._spawn = cannot_spawn
+        pool._spawn, pool.respawn_delays = cannot_spawn, (0.01, 0.01)
         try:
             busy = [pool.submit(eval, b"__import__('time').sleep(30)") for _ in range(2)]
             for _ in range(200):  # both workers hold a job
@@ -688,6 +688,39 @@ def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
     assert replaced == 2 and len(told) == 1 and "Resource temporarily unavailable" in told[0]
 
 
+def test_decode_pool_tries_again_to_replace_a_worker():
+    """A replacement that fails to start once (the system briefly out of processes) is tried again: the pool gets
+    back to its size and serves, instead of shrinking for good."""
+    import signal as signals
+
+    from service.decode_pool import DecodePool
+
+    async def scenario():
+        pool = DecodePool(1)
+        await pool.start()
+        spawn, failures = pool._spawn, []
+
+        async def fails_once():
+            if not failures:
+                failures.append(True)
+                raise OSError("fork: Resource temporarily unavailable")
+            await spawn()
+
+        pool._spawn, pool.respawn_delays = fails_once, (0.01,)
+        try:
+            [link] = pool._links
+            os.kill(link.process.pid, signals.SIGKILL)
+            for _ in range(500):
+                if pool._links and link not in pool._links:
+                    break
+                await asyncio.sleep(0.01)
+            return await pool.submit(bytes.upper, b"abc"), len(pool._links), pool.broken, failures
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) == (b"ABC", 1, None, [True])
+
+
 def test_engine_without_decode_workers_fails_and_answers_503(encoders):
     """The engine's side of a broken decode pool: the server reports failed (the CLI then exits for a restart) and a
     request is answered 503 decode_unavailable, not a 400 that blames the image."""
@@ -706,7 +739,7 @@ def test_engine_without_decode_workers_fails_and_answers_503(encoders):
             async def cannot_spawn():
                 raise OSError("fork: Resource temporarily unavailable")
 
-            pool._spawn = cannot_spawn
+            pool._spawn, pool.respawn_delays = cannot_spawn, (0.01,)
             [link] = pool._links
             os.kill(link.process.pid, signals.SIGKILL)
             for _ in range(500):
