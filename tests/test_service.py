@@ -647,11 +647,14 @@ def test_decode_pool_worker_death_and_errors():
     assert all(not p.is_alive() for p in asyncio.run(scenario()))
 
 
+async def cannot_spawn():
+    """In place of DecodePool._spawn: the system out of processes."""
+    raise OSError("fork: Resource temporarily unavailable")
+
+
 def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
     """When no worker is left and none can be started (the system out of processes or memory), what waits and what
     comes after fails with PoolUnavailable at once, instead of waiting forever, and the owner is told."""
-    import signal as signals
-
     from service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
 
     async def scenario():
@@ -659,9 +662,6 @@ def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
         await pool.start()
         told = []
         pool.on_broken = told.append
-
-        async def cannot_spawn():
-            raise OSError("fork: Resource temporarily unavailable")
 
         pool._spawn, pool.respawn_delays = cannot_spawn, (0.01, 0.01)
         try:
@@ -672,7 +672,7 @@ def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
                 await asyncio.sleep(0.01)
             waiting = pool.submit(bytes.upper, b"abc")
             for link in list(pool._links):
-                os.kill(link.process.pid, signals.SIGKILL)
+                os.kill(link.process.pid, signal.SIGKILL)
             for job in busy:
                 with pytest.raises(WorkerDied):
                     await asyncio.wait_for(job, 20)
@@ -691,8 +691,6 @@ def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
 def test_decode_pool_tries_again_to_replace_a_worker():
     """A replacement that fails to start once (the system briefly out of processes) is tried again: the pool gets
     back to its size and serves, instead of shrinking for good."""
-    import signal as signals
-
     from service.decode_pool import DecodePool
 
     async def scenario():
@@ -709,7 +707,7 @@ def test_decode_pool_tries_again_to_replace_a_worker():
         pool._spawn, pool.respawn_delays = fails_once, (0.01,)
         try:
             [link] = pool._links
-            os.kill(link.process.pid, signals.SIGKILL)
+            os.kill(link.process.pid, signal.SIGKILL)
             for _ in range(500):
                 if pool._links and link not in pool._links:
                     break
@@ -724,8 +722,6 @@ def test_decode_pool_tries_again_to_replace_a_worker():
 def test_engine_without_decode_workers_fails_and_answers_503(encoders):
     """The engine's side of a broken decode pool: the server reports failed (the CLI then exits for a restart) and a
     request is answered 503 decode_unavailable, not a 400 that blames the image."""
-    import signal as signals
-
     enc = encoders["tiny-qwen2.5-vl"]
 
     async def scenario():
@@ -735,13 +731,9 @@ def test_engine_without_decode_workers_fails_and_answers_503(encoders):
         await engine.start()
         try:
             pool = engine.preprocess_pool
-
-            async def cannot_spawn():
-                raise OSError("fork: Resource temporarily unavailable")
-
             pool._spawn, pool.respawn_delays = cannot_spawn, (0.01,)
             [link] = pool._links
-            os.kill(link.process.pid, signals.SIGKILL)
+            os.kill(link.process.pid, signal.SIGKILL)
             for _ in range(500):
                 if engine.state == "failed":
                     break
