@@ -10,9 +10,9 @@ COPY service ./service
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${BASE}
-# torch comes with the base image; the rest from the wheel's declared dependencies
+# torch comes with the base image; the rest from the wheel's declared dependencies, with the attention kernels
 COPY --from=build /wheels /wheels
-RUN python -m pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+RUN python -m pip install --no-cache-dir "$(echo /wheels/vitserve-*.whl)[gpu]" && rm -rf /wheels \
     && useradd --create-home --uid 1000 --shell /usr/sbin/nologin vitserve \
     && mkdir -p /data && chown vitserve /data
 ENV HF_HOME=/data \

@@ -1,9 +1,12 @@
 """The benchmark (issue 5): one process, one GPU, every way a user could run a Qwen-VL tower, per family and case.
 
-Columns (GPU ms per call, median of CUDA-event timings): the bf16 matmul ceiling and the FLOP floor; transformers'
-eager tower (sdpa); transformers + torch.compile (one case, compile time reported); per-shape CUDA graphs over
-transformers' own modules with torch's flash varlen kernel (SGLang's technique, metadata precomputed); our eager
-tower; our graph runner (replay alone, and the whole `runner.run` call including planning and copies).
+Columns (GPU ms per call, median of CUDA-event timings): the bf16 matmul ceiling and the FLOP floor; our graph
+runner's replays with each attention backend installed (`g-flash`, `g-cudnn`, `g-fa4`: that kernel in every
+layer) and with `auto` (`g-auto`: the fastest for full attention, flash for Qwen2.5's windows); then, with auto, the
+whole `runner.run` call including planning and copies, and our eager tower; transformers' eager tower (sdpa);
+transformers + torch.compile (one case, compile time reported); per-shape CUDA graphs over transformers' own modules
+with torch's flash varlen kernel (SGLang's technique, metadata precomputed). `graph%` is the FLOP floor over auto's
+graph time.
 Prints a table, writes JSON and a PNG plot.
 
     PYTHONPATH=$PWD python3 bench/bench.py --out bench.json --plot bench.png
@@ -25,6 +28,7 @@ from encoder import VisionEncoder  # noqa: E402
 from encoder.checkpoint import dummy_tensors  # noqa: E402
 from encoder.layers import rotary_cos_sin  # noqa: E402
 from encoder.plan import make_plan, to_device  # noqa: E402
+from encoder.runner import capture_graph  # noqa: E402
 
 MODELS = ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
 CASES = {"224²": [(224, 224)], "448²": [(448, 448)], "448×896": [(448, 896)], "896²": [(896, 896)],
@@ -122,14 +126,7 @@ def hf_graph(tower, cfg, px, grids):
     """SGLang's technique: `hf_module_forward` captured in one CUDA graph for this exact shape; returns replay."""
     forward = hf_module_forward(tower, cfg, px, grids)
     with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
+        graph, _ = capture_graph(forward)
     return graph.replay
 
 
@@ -139,20 +136,33 @@ def main():
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--compile-case", default="448²", help="the case timed under torch.compile (first model only)")
     ap.add_argument("--ours-only", action="store_true", help="skip transformers' columns (a quick check, not the table)")
+    ap.add_argument("--attention-backends", nargs="*", default=["flash", "cudnn", "fa4"],
+                    help="a graph column per attention backend (those not installed are skipped); the others use auto")
     ap.add_argument("--out", default="bench.json")
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     ceiling = matmul_tflops()
     attn = register_varlen_attention()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
-    header = (f"{'model':14s} {'case':8s} {'patches':>7s} {'floor':>6s} {'graph':>7s} {'call':>7s} {'eager':>7s} "
-              f"{'hf-graph':>8s} {'hf-comp':>7s} {'hf-eager':>8s} {'graph%':>6s} {'img/s':>7s} replays")
     rows, startup = [], {}
     for m, name in enumerate(args.models):
-        t0 = time.perf_counter()
-        enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy")
-        startup[name] = dict(seconds=time.perf_counter() - t0, capture_seconds=enc.runner.stats.capture_seconds,
-                             pool_bytes=enc.runner.stats.pool_bytes)
+        encoders = {}
+        for backend in dict.fromkeys([*args.attention_backends, "auto"]):
+            t0 = time.perf_counter()
+            try:
+                encoders[backend] = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16",
+                                                                  load_format="dummy", attention_backend=backend)
+            except ValueError as e:
+                print(f"{backend}: {e}")
+                continue
+            stats = encoders[backend].runner.stats
+            startup[f"{name} {backend}"] = dict(seconds=time.perf_counter() - t0, pool_bytes=stats.pool_bytes,
+                                                capture_seconds=stats.capture_seconds)
+            print(f"{name} [{backend}]: load + capture {time.perf_counter() - t0:.1f} s (capture "
+                  f"{stats.capture_seconds:.2f} s, pool {stats.pool_bytes / 2**20:.0f} MiB)")
+        columns = list(encoders)
+        enc = encoders["auto"]
+        auto = "+".join(dict.fromkeys(enc.runner.stats.attention.values()))  # full (+ window) backends
         cfg, runner = enc.config, enc.runner
         hf_eager = hf_flash = None
         if not args.ours_only:
@@ -160,8 +170,11 @@ def main():
             hf_eager = hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16)
             hf_flash = use_varlen(hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16), attn)
             del tensors
-        print(f"\n{name}: load + capture {startup[name]['seconds']:.1f} s (capture {runner.stats.capture_seconds:.2f} s,"
-              f" pool {runner.stats.pool_bytes / 2**20:.0f} MiB)\n{header}")
+        header = (f"{'model':14s} {'case':8s} {'patches':>7s} {'floor':>6s} "
+                  + " ".join(f"{'g-' + b:>7s}" for b in columns)
+                  + f" {'call':>7s} {'eager':>7s} {'hf-graph':>8s} {'hf-comp':>7s} {'hf-eager':>8s} {'graph%':>6s}"
+                  f" {'img/s':>7s} replays (auto: {auto})")
+        print(header)
         cases = CASES | EXTRA_CASES.get(cfg.family, {})
         for case in args.cases + list(EXTRA_CASES.get(cfg.family, {})):
             grids = [(1, h // cfg.patch_size, w // cfg.patch_size) for h, w in cases[case]]
@@ -169,11 +182,16 @@ def main():
             px = torch.randn(n, cfg.patch_dim)
             pxd, thw = px.cuda().bfloat16(), torch.tensor(grids, device="cuda")
             with torch.inference_mode():
-                graph, replays = 0.0, runner.pack(grids)
-                for b in replays:  # each replay alone, its metadata already in the static buffers
-                    plan = make_plan([grids[i] for i in b.indices], cfg, pad_to=b.budget)
-                    runner._load(plan, torch.randn(plan.num_patches, cfg.patch_dim), b.budget)
-                    graph += gpu_ms(runner.graphs[b.budget].replay)
+                by_backend = {}
+                for backend in columns:
+                    r = encoders[backend].runner
+                    by_backend[backend], replays = 0.0, r.pack(grids)
+                    for b in replays:  # each replay alone, its metadata already in the static buffers
+                        plan = make_plan([grids[i] for i in b.indices], cfg, pad_to=b.budget)
+                        r._load(plan, torch.randn(plan.num_patches, cfg.patch_dim), b.budget)
+                        by_backend[backend] += gpu_ms(r.graphs[b.budget].replay)
+                replays = runner.pack(grids)
+                graph = by_backend["auto"]
                 runner.run(px, grids)
                 t = time.perf_counter()
                 for _ in range(10):
@@ -197,14 +215,17 @@ def main():
                     startup["torch.compile first call s"] = compile_s
             flops = tower_flops(cfg, grids)
             row = dict(model=name, case=case, patches=n, images=len(grids), replays=[b.budget for b in replays],
+                       attention=auto, graph_ms_by_backend=by_backend,
                        flops=flops, floor_ms=flops / ceiling / 1e9,
                        graph_ms=graph, call_ms=call, eager_ms=eager, hf_graph_ms=hf_graph_ms, hf_compile_ms=compiled,
                        hf_eager_ms=hf_ms, graph_frac=flops / graph / 1e9 / ceiling, images_per_s=len(grids) / graph * 1e3)
             rows.append(row)
-            print(f"{name.split('/')[-1][:14]:14s} {case:8s} {n:7d} {row['floor_ms']:6.2f} {graph:7.2f} {call:7.2f} "
-                  f"{eager:7.2f} {hf_graph_ms:8.2f} {compiled:7.2f} {hf_ms:8.2f} {100 * row['graph_frac']:5.1f}% "
-                  f"{row['images_per_s']:7.1f} {'+'.join(str(b.budget) for b in replays)}", flush=True)
-        enc = runner = hf_eager = hf_flash = None  # free this model before the next
+            print(f"{name.split('/')[-1][:14]:14s} {case:8s} {n:7d} {row['floor_ms']:6.2f} "
+                  + " ".join(f"{by_backend[b]:7.2f}" for b in columns)
+                  + f" {call:7.2f} {eager:7.2f} {hf_graph_ms:8.2f} {compiled:7.2f} {hf_ms:8.2f} "
+                  f"{100 * row['graph_frac']:5.1f}% {row['images_per_s']:7.1f} {'+'.join(str(b.budget) for b in replays)}",
+                  flush=True)
+        encoders = enc = runner = hf_eager = hf_flash = None  # free this model before the next
         torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                   matmul_tflops=ceiling, startup=startup, rows=rows)
@@ -223,15 +244,18 @@ def plot(result, path):
     rows = [r for r in result["rows"] if r["images"] == 1]
     models = sorted({r["model"] for r in rows}, key=[r["model"] for r in rows].index)
     fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 8), squeeze=False)
-    series = [("graph_ms", "vitserve graph"), ("eager_ms", "vitserve eager"), ("hf_graph_ms", "transformers + CUDA graph"),
-              ("hf_eager_ms", "transformers eager"), ("floor_ms", "FLOP floor")]
     for col, model in enumerate(models):
         mine = [r for r in rows if r["model"] == model]
         x = [r["patches"] for r in mine]
-        for key, label in series:
-            style = "k--" if key == "floor_ms" else "o-"
-            axes[0][col].plot(x, [r[key] for r in mine], style, label=label)
-            axes[1][col].plot(x, [1e3 / r[key] for r in mine], style, label=label)
+        backends = [b for b in mine[0]["graph_ms_by_backend"] if b != "auto"]
+        series = [(lambda r, b=b: r["graph_ms_by_backend"][b], f"vitserve graph, {b}") for b in backends] + [
+            (lambda r, k=k: r[k], label) for k, label in (("eager_ms", "vitserve eager"),
+                                                          ("hf_graph_ms", "transformers + CUDA graph"),
+                                                          ("hf_eager_ms", "transformers eager"), ("floor_ms", "FLOP floor"))]
+        for value, label in series:
+            style = "k--" if label == "FLOP floor" else "o-"
+            axes[0][col].plot(x, [value(r) for r in mine], style, label=label)
+            axes[1][col].plot(x, [1e3 / value(r) for r in mine], style, label=label)
         axes[0][col].set(title=f"{model.split('/')[-1]}: latency", xscale="log", yscale="log", xlabel="patches per image",
                          ylabel="GPU ms per image")
         axes[1][col].set(title="throughput (one image per call)", xscale="log", yscale="log", xlabel="patches per image",

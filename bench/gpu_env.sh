@@ -1,9 +1,12 @@
-# Sourced by the device scripts: the service wheels carried as .whl (../shared/tools/gpu-wheels) installed under
-# /tmp/site, which $SITE (empty without wheels) puts first on a PYTHONPATH; PYTHONUNBUFFERED for live logs.
+# Sourced by the device scripts: the wheels carried as .whl (../shared/tools/gpu-wheels httptools
+# nvidia-cudnn-frontend, for the service and the cuDNN attention backend) installed under /tmp/site, which $SITE
+# (empty without wheels) puts first on a PYTHONPATH; PYTHONUNBUFFERED for live logs. The CuTe DSL behind
+# flash-attn-4 finds its packages through a .pth file, which a --target install does not run: its folder joins $SITE.
 SITE=
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   SITE=/tmp/site:
+  [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && SITE=$SITE/tmp/site/nvidia_cutlass_dsl/dsl_packages:
   export PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONUNBUFFERED=1

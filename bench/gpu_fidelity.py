@@ -1,5 +1,6 @@
 """GPU fidelity check (issue 2): for each family at real size with dummy weights, our bf16 tower against
-transformers' fp32 tower on the same weights, next to transformers' own bf16 tower. Pass: our error <= 1.5x theirs.
+transformers' fp32 tower on the same weights, next to transformers' own bf16 tower, once per attention backend
+installed. Pass: our error <= 1.5x theirs.
 
     PYTHONPATH=$PWD python3 bench/gpu_fidelity.py --out fidelity.json
 """
@@ -7,6 +8,7 @@ transformers' fp32 tower on the same weights, next to transformers' own bf16 tow
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -33,6 +35,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="fidelity.json")
     ap.add_argument("--models", nargs="*", default=MODELS)
+    ap.add_argument("--attention-backends", nargs="*", default=["flash", "cudnn", "fa4"])
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must really be fp32
     torch.backends.cudnn.allow_tf32 = False
@@ -43,9 +46,14 @@ def main():
         tensors = dummy_tensors(cfg, seed=0, device=dev)
         ref32 = hf_vision_tower(cfg, tensors, dev, torch.float32)
         ref16 = hf_vision_tower(cfg, tensors, dev, torch.bfloat16)
-        ours = build_tower(cfg, tensors, dev, torch.bfloat16)
+        towers = {}
+        for backend in args.attention_backends:
+            try:
+                towers[backend] = build_tower(cfg, tensors, dev, torch.bfloat16, backend)
+            except ValueError as e:
+                print(f"{backend}: {e}")
         del tensors
-        for case, grids in CASES.items():
+        for (backend, ours), (case, grids) in itertools.product(towers.items(), CASES.items()):
             n = sum(t * h * w for t, h, w in grids)
             gen = torch.Generator(device=dev).manual_seed(1)
             px = torch.randn(n, cfg.patch_dim, device=dev, generator=gen)
@@ -60,13 +68,13 @@ def main():
                 outs.append((f"deepstack{j}", d, o16.deepstack_features[j], deepstack[j]))
             for what, r32, r16, mine in outs:
                 e_hf, e_ours = rel(r16, r32), rel(mine, r32)
-                row = dict(model=name, case=case, output=what, tokens=n // 4, hf_bf16_err=e_hf, ours_bf16_err=e_ours,
+                row = dict(model=name, attention=backend, case=case, output=what, tokens=n // 4, hf_bf16_err=e_hf, ours_bf16_err=e_ours,
                            ratio=e_ours / e_hf, finite=bool(torch.isfinite(mine).all()),
                            passed=bool(torch.isfinite(mine).all()) and e_ours <= 1.5 * e_hf)
                 rows.append(row)
-                print(f"{name:32s} {case:8s} {what:10s} hf_bf16 {e_hf:.3e}  ours {e_ours:.3e}  ratio {row['ratio']:.2f}"
+                print(f"{name:28s} {backend:5s} {case:8s} {what:10s} hf_bf16 {e_hf:.3e}  ours {e_ours:.3e}  ratio {row['ratio']:.2f}"
                       f"  {'PASS' if row['passed'] else 'FAIL'}", flush=True)
-        del ref32, ref16, ours
+        del ref32, ref16, towers
         torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M"),
                   rows=rows, all_passed=all(r["passed"] for r in rows))

@@ -1,5 +1,6 @@
-"""GPU check of the graph runner (issue 3): for each family at real size (dummy weights, bf16), many random batches
-replayed from CUDA graphs against our eager forward, plus capture time and pool size for the default budgets.
+"""GPU check of the graph runner (issue 3): for each family at real size (dummy weights, bf16) and each attention
+backend installed, many random batches replayed from CUDA graphs against our eager forward, plus capture time and
+pool size for the default budgets.
 
     PYTHONPATH=$PWD python3 bench/gpu_runner_check.py --out runner_check.json
 
@@ -11,6 +12,7 @@ Per image: `same_plan` compares the graph replay with an eager forward over the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import random
@@ -48,14 +50,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runner_check.json")
     ap.add_argument("--batches", type=int, default=50)
+    ap.add_argument("--attention-backends", nargs="*", default=["flash", "cudnn", "fa4"])
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rng = random.Random(0)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, families=[])
     ok = True
-    for name in MODELS:
+    for name, backend in itertools.product(MODELS, args.attention_backends):
         t0 = time.perf_counter()
-        enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy")
+        try:
+            enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy",
+                                                attention_backend=backend)
+        except ValueError as e:
+            print(f"{backend}: {e}")
+            continue
         load_s = time.perf_counter() - t0
         runner, cfg = enc.runner, enc.config
         worst_same, worst_exact, nan, count = 0.0, 0.0, False, 0
@@ -79,11 +87,11 @@ def main():
         stats = runner.stats.as_dict()
         passed = worst_same <= 1e-3 and worst_exact <= 3e-2 and not nan and stats["eager_fallbacks"] >= 2
         ok &= passed
-        fam = dict(model=name, load_and_capture_s=round(load_s, 2), capture_s=stats["capture_seconds"],
+        fam = dict(model=name, attention=backend, load_and_capture_s=round(load_s, 2), capture_s=stats["capture_seconds"],
                    pool_mib=round(stats["pool_bytes"] / 2**20, 1), images=count, worst_same_plan=worst_same,
                    worst_exact_plan=worst_exact, any_nan=nan, passed=passed, stats=stats)
         report["families"].append(fam)
-        print(f"{name:30s} images {count:4d} same-plan {worst_same:.2e} exact-plan {worst_exact:.2e} nan {nan} "
+        print(f"{name:28s} {backend:5s} images {count:4d} same-plan {worst_same:.2e} exact-plan {worst_exact:.2e} nan {nan} "
               f"capture {stats['capture_seconds']:.2f}s pool {fam['pool_mib']} MiB eager {stats['eager_fallbacks']} "
               f"{'PASS' if passed else 'FAIL'}", flush=True)
         del enc, runner

@@ -27,8 +27,8 @@ from encoder.layers import round_up  # noqa: E402
 from encoder.plan import make_plan, to_device  # noqa: E402
 
 CASES = {"Qwen/Qwen2.5-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
-         "Qwen/Qwen2-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8},
-         "Qwen/Qwen3-VL-8B-Instruct": {"8×512²": [(32, 32)] * 8}}
+         "Qwen/Qwen2-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
+         "Qwen/Qwen3-VL-8B-Instruct": {"8×512²": [(32, 32)] * 8, "1344²": [(84, 84)]}}
 KINDS = [("attention", re.compile(r"flash|fmha|attn|sdpa|cudnn", re.I)),
          ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)), ("fused", re.compile(r"^_\w+_kernel$|triton", re.I))]
 
@@ -116,14 +116,18 @@ def attention_table(heads: int, head_dim: int) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", default=list(CASES))
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--out", default="profile.json")
     args = ap.parse_args()
     ceiling = matmul_tflops()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
-    result = {"device": torch.cuda.get_device_name(), "matmul_tflops": ceiling, "models": {}}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "matmul_tflops": ceiling,
+              "models": {}}
     for name in args.models:
-        enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy", capture=False)
+        enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy", capture=False,
+                                            attention_backend=args.attention_backend)
         cfg = enc.config
+        print(f"{name}: attention {enc.runner.stats.attention}")
         out = {"cases": {case: kernel_breakdown(enc, grids) for case, grids in CASES[name].items()},
                "gemms": gemm_table(enc, ceiling), "attention": attention_table(cfg.num_heads, cfg.head_dim)}
         result["models"][name] = out

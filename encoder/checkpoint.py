@@ -140,8 +140,10 @@ def dummy_tensors(cfg: VisionConfig, seed: int = 0, device: str | torch.device =
     return out
 
 
-def build_tower(cfg: VisionConfig, tensors: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype):
-    """Check, convert (fuse qkv/gate-up, pad MLP widths) and load published-layout tensors into our tower."""
+def build_tower(cfg: VisionConfig, tensors: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype,
+                attention: str = "auto"):
+    """Check, convert (fuse qkv/gate-up, pad MLP widths) and load published-layout tensors into our tower, with the
+    attention backend called `attention` (encoder.attention.BACKENDS)."""
     check_layout(tensors, cfg)
     family = FAMILY_MODULES[cfg.family]
     state = {k: v.to(device=device, dtype=dtype) for k, v in family.convert(tensors, cfg).items()}
@@ -149,4 +151,5 @@ def build_tower(cfg: VisionConfig, tensors: dict[str, torch.Tensor], device: str
         tower = family.build(cfg)
     tower.load_state_dict(state, strict=True, assign=True)
     tower.reset_buffers(device)
+    tower.set_attention(attention, device, dtype)
     return tower.eval().requires_grad_(False)

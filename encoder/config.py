@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# attention kernels a tower can run (encoder.attention); auto: the fastest that runs on the device and dtype
+ATTENTION_BACKENDS = ("auto", "cudnn", "fa4", "flash", "sdpa")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import attention, kernels
 from .config import VisionConfig
 from .plan import TowerInputs
 
@@ -83,32 +83,6 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
     return emb.cos(), emb.sin()
 
 
-def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, seqlens: list[int] | None) -> torch.Tensor:
-    """Attention within each segment of a packed [N, heads, head_dim] batch.
-
-    On CUDA in half precision: one flash varlen call (graph-capturable; zero-length segments are fine). cuDNN's
-    ragged attention runs 1.5-2x faster on an H200 at these head dims (bench/results/h200-profile.json), but torch
-    2.11's path to it invalidates CUDA graph capture, so it is not used. Elsewhere (CPU, or float32 on CUDA): exact
-    per-segment SDPA over the plan's host-side lengths. Rows after the last segment (padding) are in no segment: their
-    output is unspecified on CUDA and zero here, and never read for real rows.
-    """
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        from torch.nn.attention.varlen import varlen_attn
-
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-    if seqlens is None:
-        raise ValueError("the non-flash attention path needs the plan's host-side segment lengths")
-    out, start = [], 0
-    for n in seqlens:
-        if n:
-            seg = [t[start:start + n].transpose(0, 1)[None] for t in (q, k, v)]
-            out.append(F.scaled_dot_product_attention(*seg)[0].transpose(0, 1))
-        start += n
-    if start < q.shape[0]:
-        out.append(q.new_zeros(q.shape[0] - start, *q.shape[1:]))
-    return torch.cat(out, dim=0)
-
-
 class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -116,10 +90,10 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, seqlens) -> torch.Tensor:
+    def forward(self, x, cos, sin, attend) -> torch.Tensor:
+        """`attend`: a segment layout bound by the tower's attention backend (attention.py)."""
         q, k, v = kernels.rotary_qk(self.qkv(x), cos, sin, self.num_heads)
-        o = varlen_attention(q, k, v, cu_seqlens, max_seqlen, seqlens)
-        return self.proj(o.reshape(x.shape[0], -1))
+        return self.proj(attend(q, k, v).reshape(x.shape[0], -1))
 
 
 class Block(nn.Module):
@@ -133,13 +107,13 @@ class Block(nn.Module):
         self.attn = Attention(cfg.hidden_size, cfg.num_heads)
         self.mlp = mlp
 
-    def forward(self, residual, delta, cos, sin, cu_seqlens, max_seqlen, seqlens):
+    def forward(self, residual, delta, cos, sin, attend):
         n1, n2 = self.norm1, self.norm2
         if delta is None:
             h = kernels.norm(residual, n1.weight, n1.bias, n1.eps)
         else:
             residual, h = kernels.add_norm(residual, delta, n1.weight, n1.bias, n1.eps)
-        residual, h = kernels.add_norm(residual, self.attn(h, cos, sin, cu_seqlens, max_seqlen, seqlens),
+        residual, h = kernels.add_norm(residual, self.attn(h, cos, sin, attend),
                                        n2.weight, n2.bias, n2.eps)
         return residual, self.mlp(h)
 
@@ -165,6 +139,8 @@ class VisionTower(nn.Module):
 
     Returns the merged tokens [total / 4, out_hidden] in raster order (padding rows included, for the caller to
     drop) and the deepstack features, one [total / 4, out_hidden] per deepstack layer (empty list otherwise).
+    `attention` and `window_attention` are the attention backends (attention.py) of full-attention and window
+    layers: exact SDPA until `set_attention` picks others.
     """
 
     def __init__(self, cfg: VisionConfig, norm, make_mlp, patch_bias: bool):
@@ -181,6 +157,15 @@ class VisionTower(nn.Module):
         self.windowed = cfg.window_size > 0
         self.full_attention_layers = set(cfg.fullatt_block_indexes) if self.windowed else set(range(cfg.depth))
         self.deepstack_layers = {layer: j for j, layer in enumerate(cfg.deepstack_visual_indexes)}
+        self.attention = self.window_attention = attention.SDPA()
+
+    def set_attention(self, name: str, device, dtype) -> None:
+        """Use the attention backend called `name` (attention.BACKENDS; auto: the fastest that runs here, chosen
+        apart for full attention and for Qwen2.5's windows)."""
+        device, heads, head_dim = torch.device(device), self.cfg.num_heads, self.cfg.head_dim
+        self.attention = attention.select(name, device, dtype, heads, head_dim)
+        self.window_attention = attention.select(name, device, dtype, heads, head_dim, windows=True) \
+            if self.windowed and name == "auto" else self.attention
 
     def _inv_freq(self, device=None) -> torch.Tensor:
         quarter = self.cfg.head_dim // 2  # half the head dim rotates by row, half by column
@@ -197,11 +182,12 @@ class VisionTower(nn.Module):
             learned = (self.pos_embed.weight[inp.interp_indices] * inp.interp_weights[..., None]).sum(1)
             x = x + learned.to(x.dtype)
         cos, sin = rotary_cos_sin(inp.positions, self.inv_freq)
-        full = (inp.cu_seqlens, inp.max_seqlen, inp.seqlens)
-        window = (inp.cu_window_seqlens, inp.max_window_seqlen, inp.window_seqlens)
+        full = self.attention.bind(inp.cu_seqlens, inp.max_seqlen, inp.seqlens)
+        window = self.window_attention.bind(inp.cu_window_seqlens, inp.max_window_seqlen, inp.window_seqlens) \
+            if self.windowed else None
         deepstack, delta = [], None
         for i, block in enumerate(self.blocks):
-            x, delta = block(x, delta, cos, sin, *(full if i in self.full_attention_layers else window))
+            x, delta = block(x, delta, cos, sin, full if i in self.full_attention_layers else window)
             if i in self.deepstack_layers:
                 deepstack.append(self.deepstack_mergers[self.deepstack_layers[i]](x + delta))
         merged = self.merger(x + delta)

@@ -8,13 +8,14 @@ Row order. transformers' Qwen2.5 tower permutes hidden states into window order 
 patch embedding is row-wise, we apply the same permutation to the *input rows* instead (`patch_order`) and compute
 rotary positions directly in that order. The merger output is put back into raster order with `token_order`.
 
-Padding. `make_plan(..., pad_to=budget)` appends padding patches after the real ones. They belong to no attention
-segment (`cu_seqlens` ends at the last real patch): a padding row attends to nothing and nothing attends to it, and
-every other op is row-wise or works on whole 2x2 merge groups, which padding fills on its own (it starts at a
-multiple of 4). So padding can never change a real token's output, and its outputs are never returned. Keeping
-padding out of the segments matters for speed: flash varlen launches (segments x ceil(max_seqlen / 128) x heads)
-blocks, so padding segments under a budget-sized max_seqlen cost ~1.3 ns per empty block (measured on an H200,
-bench/results/varlen-probe-h200.json), milliseconds per layer at large budgets.
+Padding. `make_plan(..., pad_to=budget)` appends padding patches after the real ones, and they form attention
+segments of their own after the real ones (`padding_segments`): one for full attention, window-sized ones for
+Qwen2.5's windows. A real row never attends to a padding row nor a padding row to a real one, and every other op
+is row-wise or works on whole 2x2 merge groups, which padding fills on its own (it starts at a multiple of 4). So
+padding can never change a real token's output, and its outputs are never returned. Covering padding with segments
+keeps its rows finite through every layer (a kernel writes nothing for rows outside all segments, which would hold
+whatever memory held before): a kernel that reads a tile past a segment's end and weights it zero (fa4) must read
+finite numbers, since NaN times zero is NaN. It costs one short extra segment per layer.
 """
 
 from __future__ import annotations
@@ -115,6 +116,17 @@ def _interpolation(rows: np.ndarray, cols: np.ndarray, h: int, w: int, side: int
     return indices.numpy(), weights.numpy()
 
 
+def padding_segments(padding: int, cfg: VisionConfig) -> tuple[list[int], list[int]]:
+    """The lengths of the full-attention and window segments that cover `padding` padding patches (module
+    docstring): one segment, and window-sized ones (none without windows)."""
+    if not padding:
+        return [], []
+    if not cfg.window_size:
+        return [padding], []
+    rows = cfg.window_tokens ** 2 * cfg.merge_unit
+    return [padding], [rows] * (padding // rows) + ([padding % rows] if padding % rows else [])
+
+
 def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -> BatchPlan:
     """Plan one packed batch of images (or video clips) given as (t, h, w) patch grids."""
     grids = check_grids(grids, cfg)
@@ -156,6 +168,9 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -
         start += n
         token_offsets.append(start // unit)
 
+    full_pad, window_pad = padding_segments(total - num_patches, cfg)
+    full_lengths += full_pad
+    window_lengths += window_pad
     patch_order = token_order = window = None
     if windowed:
         patch_order = torch.from_numpy((token_window_order[:, None] * unit + np.arange(unit)).reshape(-1))

@@ -10,11 +10,13 @@ How it stays correct for every batch (the two ways SGLang's ViT graph runner fai
 
 Kernel launch parameters that must be Python ints are chosen so that any batch the packer admits is in range: full
 attention runs with max_seqlen = budget (any frame that fits), window attention with the window size, and the number
-of segments is a fixed capacity (unused entries repeat the end offset: zero-length segments). Flash varlen launches
-segments x ceil(max_seqlen / 128) x heads blocks, empty ones costing ~1.3 ns each (bench/results/varlen-probe-h200.json),
-so frame capacity is bounded (`frame_capacity`): it shrinks as the budget grows (at most ~40 us per full-attention
-layer), and towers with full attention in every layer (Qwen2-VL, Qwen3-VL) admit fewer frames per replay than
-Qwen2.5-VL with 4 of 32, keeping the waste near 2% of a replay's compute; more small images take another replay.
+of segments is a fixed capacity (unused entries repeat the end offset: zero-length segments), the segments that cover
+a replay's padding included (plan.padding_segments). Flash and fa4 launch segments x ceil(max_seqlen / 128) x heads
+blocks, empty ones costing ~1.3 ns each (bench/results/varlen-probe-h200.json), so frame capacity is bounded
+(`frame_capacity`): it shrinks as the budget grows (at most ~40 us per full-attention layer), and towers with full
+attention in every layer (Qwen2-VL, Qwen3-VL) admit fewer frames per replay than Qwen2.5-VL with 4 of 32, keeping
+the waste near 2% of a replay's compute; more small images take another replay. A backend whose unused segments
+cost a flat amount (cudnn) states its own bound (`max_segments`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import numpy as np
 import torch
 
 from .config import VisionConfig
-from .plan import BatchPlan, TowerInputs, _block_order, check_grids, grid_patches, make_plan, to_device
+from .plan import (BatchPlan, TowerInputs, _block_order, check_grids, grid_patches, make_plan, padding_segments,
+                   to_device)
 
 log = logging.getLogger("vitserve.runner")
 
@@ -43,16 +46,21 @@ FULL_ATTENTION_FRAMES = 16  # frames per replay when every layer is full attenti
 MIN_FRAME_PATCHES = 16  # the smallest frame the default preprocessing makes (56x56 pixels = 4x4 patches)
 
 
-def frame_capacity(budget: int, cfg: VisionConfig) -> int:
-    """Full-attention segments (image frames) one replay of this budget admits for this tower."""
+def frame_capacity(budget: int, cfg: VisionConfig, max_segments: int | None = None) -> int:
+    """Full-attention segments (image frames) one replay of this budget admits for this tower. `max_segments`: the
+    attention backend's own bound, where an unused segment costs it a flat amount (attention.py); None: flash's
+    launch grid, bounded as the module docstring says."""
+    if max_segments is not None:
+        return max(1, min(budget // MIN_FRAME_PATCHES, max_segments))
     full_layers = len(cfg.fullatt_block_indexes) if cfg.window_size else cfg.depth
     by_layers = FULL_ATTENTION_FRAMES * cfg.depth // max(1, full_layers)
     return max(1, min(budget // MIN_FRAME_PATCHES, MAX_ROW_BLOCKS * 128 // budget, by_layers))
 
 
-def window_capacity(budget: int) -> int:
-    """Window-attention segments one replay admits: windows average >= 16 patches for any preprocessed image."""
-    return max(1, budget // MIN_FRAME_PATCHES)
+def window_capacity(budget: int, max_segments: int | None = None) -> int:
+    """Window-attention segments one replay admits: windows average >= 16 patches for any preprocessed image (and
+    at most the backend's `max_segments`)."""
+    return max(1, min(budget // MIN_FRAME_PATCHES, max_segments or budget))
 
 
 def count_windows(grid, cfg: VisionConfig) -> int:
@@ -106,9 +114,10 @@ class RunnerStats:
     eager_patches: int = 0
     pool_bytes: int = 0
     capture_seconds: float = 0.0
+    attention: dict[str, str] = field(default_factory=dict)  # layer kind (full, window) -> attention backend
 
     def as_dict(self) -> dict:
-        return {"budgets": {str(b): vars(s).copy() for b, s in self.budgets.items()},
+        return {"budgets": {str(b): vars(s).copy() for b, s in self.budgets.items()}, "attention": dict(self.attention),
                 "eager_fallbacks": self.eager_fallbacks, "eager_patches": self.eager_patches,
                 "pool_bytes": self.pool_bytes, "capture_seconds": round(self.capture_seconds, 3)}
 
@@ -130,17 +139,20 @@ class GraphRunner:
         bad = [b for b in self.budgets if b < MIN_FRAME_PATCHES or b % MIN_FRAME_PATCHES]
         if not self.budgets or bad:
             raise ValueError(f"budgets must be positive multiples of {MIN_FRAME_PATCHES} patches, got {bad or budgets}")
-        self.use_graphs = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        self.use_graphs = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and \
+            tower.attention.capturable and tower.window_attention.capturable
         self.window_seqlen = cfg.window_tokens ** 2 * cfg.merge_unit if cfg.window_size else 0
-        self.stats = RunnerStats(budgets={b: BudgetStats() for b in self.budgets})
+        self.stats = RunnerStats(budgets={b: BudgetStats() for b in self.budgets},
+                                 attention={"full": tower.attention.name,
+                                            **({"window": tower.window_attention.name} if cfg.window_size else {})})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self._luts: dict[bytes, torch.Tensor] = {}
 
         largest = self.budgets[-1]
-        cap_full = max(frame_capacity(b, cfg) for b in self.budgets)
-        cap_window = max(window_capacity(b) for b in self.budgets)
+        cap_full = max(self.frame_capacity(b) for b in self.budgets)
+        cap_window = max(self.window_capacity(b) for b in self.budgets)
         windowed, interp = bool(cfg.window_size), bool(cfg.num_position_embeddings)
 
         def buf(*shape, dtype=torch.int32, on=True):
@@ -157,11 +169,21 @@ class GraphRunner:
             interp_weights=buf(largest, 4, dtype=torch.float32, on=interp))
 
     # ---- packing -------------------------------------------------------------------------------------------------
+    def frame_capacity(self, budget: int) -> int:
+        return frame_capacity(budget, self.cfg, self.tower.attention.max_segments)
+
+    def window_capacity(self, budget: int) -> int:
+        return window_capacity(budget, self.tower.window_attention.max_segments)
+
     def budget_for(self, patches: int, frames: int, windows: int) -> int | None:
-        """The smallest budget whose replay admits this many patches, frames and windows (None: run eagerly)."""
+        """The smallest budget whose replay admits this many patches, frames and windows, with the segments that
+        cover its padding (plan.padding_segments) (None: run eagerly)."""
         for b in self.budgets:
-            if patches <= b and frames <= frame_capacity(b, self.cfg) and windows <= window_capacity(b):
-                return b
+            if patches <= b:
+                full_pad, window_pad = padding_segments(b - patches, self.cfg)
+                if frames + len(full_pad) <= self.frame_capacity(b) and \
+                        windows + len(window_pad) <= self.window_capacity(b):
+                    return b
         return None
 
     def pack(self, grids) -> list[Batch]:
@@ -367,13 +389,13 @@ class GraphRunner:
             s.pixel_values[:n].copy_(pixel_values)
         s.pixel_values[n:budget].zero_()
         h2d(s.positions[:budget], plan.positions)
-        full = _padded_cu(plan.full.cu_seqlens, frame_capacity(budget, self.cfg))
+        full = _padded_cu(plan.full.cu_seqlens, self.frame_capacity(budget))
         h2d(s.cu_seqlens[:full.numel()], full)
         inputs = TowerInputs(
             pixel_values=s.pixel_values[:budget], positions=s.positions[:budget], cu_seqlens=s.cu_seqlens[:full.numel()],
             max_seqlen=budget, seqlens=None if self.use_graphs else _lengths(full))
         if plan.window is not None:
-            window = _padded_cu(plan.window.cu_seqlens, window_capacity(budget))
+            window = _padded_cu(plan.window.cu_seqlens, self.window_capacity(budget))
             h2d(s.cu_window_seqlens[:window.numel()], window)
             h2d(s.patch_order[:budget], plan.patch_order)
             h2d(s.token_order[:budget // self.cfg.merge_unit], plan.token_order)
@@ -405,17 +427,10 @@ class GraphRunner:
         pool = None
         for budget in reversed(self.budgets):
             t0 = time.perf_counter()
-            side = budget // 2  # a valid image filling the budget: 2 x (budget / 2) patches
-            plan = make_plan([(1, 2, side)], self.cfg, pad_to=budget)
+            rows = 16 if budget % 32 == 0 else 2  # a valid image filling the budget, its windows within capacity
+            plan = make_plan([(1, rows, budget // rows)], self.cfg, pad_to=budget)
             inputs = self._load(plan, torch.zeros(budget, self.cfg.patch_dim), budget)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up off the capture stream (cuBLAS workspaces, autotuning)
-                self.tower(inputs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
-                self.outputs[budget] = self.tower(inputs)
+            graph, self.outputs[budget] = capture_graph(lambda: self.tower(inputs), self.device, pool, capture_stream)
             pool = graph.pool()
             self.graphs[budget] = graph
             torch.cuda.synchronize(self.device)
@@ -427,6 +442,21 @@ class GraphRunner:
         self.stats.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved0
         log.info("captured %d budgets in %.2f s, pool %.1f MiB", len(self.graphs), self.stats.capture_seconds,
                  self.stats.pool_bytes / 2**20)
+
+
+def capture_graph(forward, device=None, pool=None, stream=None):
+    """Run `forward()` once on a side stream (the warm-up: cuBLAS workspaces, Triton autotuning, cuDNN graph builds,
+    none of which may happen during a capture), then capture it; returns the CUDA graph and what the captured call
+    returned (the tensors each replay rewrites)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        outputs = forward()
+    return graph, outputs
 
 
 def _padded_cu(cu: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -85,6 +85,11 @@ class VisionEncoder:
         self.device, self.dtype, self.name = device, dtype, name
         self.runner = GraphRunner(tower, config, device, dtype, budgets)
 
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend the tower runs (encoder.attention)."""
+        return self.tower.attention.name
+
     def capture(self) -> None:
         """Capture the CUDA graphs of every budget (done by from_pretrained unless capture=False)."""
         self.runner.capture()
@@ -93,17 +98,21 @@ class VisionEncoder:
     def from_pretrained(cls, model: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                         load_format: str = "auto", revision: str | None = None, allow_download: bool | None = None,
                         min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
-                        cache_dir: str | None = None, budgets=DEFAULT_BUDGETS, capture: bool = True) -> VisionEncoder:
+                        cache_dir: str | None = None, budgets=DEFAULT_BUDGETS, capture: bool = True,
+                        attention_backend: str = "auto") -> VisionEncoder:
         """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
         `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
-        On CUDA in half precision the graphs of every token budget are captured before this returns."""
+        `attention_backend`: one of encoder.attention.BACKENDS; `auto` takes the fastest that runs on this device and
+        dtype (exact SDPA on the CPU and in float32). On CUDA in half precision the graphs of every token budget are
+        captured before this returns."""
         device, dtype = parse_device(device), parse_dtype(dtype)
         cfg, pcfg, ckpt = load_configs(model, load_format, revision, allow_download, min_pixels, max_pixels, cache_dir)
         if ckpt is None:
             tensors = checkpoint.dummy_tensors(cfg, seed, device)
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
-        encoder = cls(checkpoint.build_tower(cfg, tensors, device, dtype), cfg, pcfg, device, dtype, model, budgets)
+        tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
+        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets)
         if capture:
             encoder.capture()
         return encoder

@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from encoder.config import ATTENTION_BACKENDS
+
 ENV_PREFIX = "VITSERVE_"
 
 
@@ -17,6 +19,7 @@ class Settings:
     device: str = field(default="auto", metadata={"help": "auto (cuda:0 if available, else cpu), cpu or cuda[:i]"})
     devices: str | None = field(default=None, metadata={"help": "several devices, e.g. cuda:0,cuda:1 or all: one runner per device"})
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16"})
+    attention_backend: str = field(default="auto", metadata={"help": f"attention kernel: {', '.join(ATTENTION_BACKENDS)} (auto: the fastest installed for the device; cudnn needs vitserve[cudnn])"})
     gpu_memory_fraction: float = field(default=0.0, metadata={"help": "cap each GPU's memory to this fraction (0: no cap)"})
     host: str = field(default="0.0.0.0", metadata={"help": "bind address"})
     port: int = field(default=8000, metadata={"help": "bind port"})
@@ -44,6 +47,8 @@ class Settings:
     def __post_init__(self):
         checks = [(bool(self.model), "--model (or VITSERVE_MODEL) is required"),
                   (self.load_format in ("auto", "safetensors", "dummy"), "load-format must be auto, safetensors or dummy"),
+                  (self.attention_backend in ATTENTION_BACKENDS,
+                   f"attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}"),
                   (self.log_format in ("text", "json"), "log-format must be text or json"),
                   (self.max_batch_tokens > 0, "max-batch-tokens must be positive"),
                   (self.max_batch_wait_ms >= 0, "max-batch-wait-ms must be >= 0"),
@@ -65,7 +70,8 @@ class Settings:
         wherever a device loads (a thread of the server, or a device process)."""
         budgets = self.budget_list()
         return dict(load_format=self.load_format, revision=self.revision, min_pixels=self.min_pixels,
-                    max_pixels=self.max_pixels, **({} if budgets is None else {"budgets": budgets}))
+                    max_pixels=self.max_pixels, attention_backend=self.attention_backend,
+                    **({} if budgets is None else {"budgets": budgets}))
 
     def budget_list(self) -> tuple[int, ...] | None:
         if not self.budgets:

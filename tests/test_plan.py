@@ -60,15 +60,21 @@ def test_plan_equals_transformers_metadata(seed):
 
 
 @pytest.mark.parametrize("cfg", [QWEN2, QWEN25, QWEN3], ids=lambda c: c.family)
-def test_padding_is_in_no_segment(cfg):
+def test_padding_forms_segments_of_its_own(cfg):
+    """The real segments are the unpadded plan's; padding patches follow as one full-attention segment and as
+    window-sized window segments, so no real row attends to padding and every padding row is in some segment."""
     grids = [(1, 10, 14), (1, 4, 4)]
     real = 156
     plan = make_plan(grids, cfg, pad_to=1024)
     unpadded = make_plan(grids, cfg)
     assert plan.num_patches == real and plan.total_patches == 1024
-    for seg, ref in [(plan.full, unpadded.full), (plan.window, unpadded.window)]:
-        if seg is not None:  # segments end at the last real patch, identical to the unpadded plan's
-            assert seg.cu_seqlens.tolist() == ref.cu_seqlens.tolist() and seg.cu_seqlens[-1] == real
+    assert plan.full.cu_seqlens.tolist() == unpadded.full.cu_seqlens.tolist() + [1024]
+    if plan.window is not None:  # 868 padding rows: 13 windows of 64, then 36
+        pad = plan.window.cu_seqlens.tolist()[len(unpadded.window.cu_seqlens):]
+        assert plan.window.cu_seqlens.tolist()[:len(unpadded.window.cu_seqlens)] == unpadded.window.cu_seqlens.tolist()
+        assert pad == [real + 64 * i for i in range(1, 14)] + [1024]
+        assert plan.window.max_seqlen == 64
+    assert make_plan(grids, cfg, pad_to=real).full.cu_seqlens.tolist() == unpadded.full.cu_seqlens.tolist()
     assert torch.equal(plan.positions[:real], unpadded.positions) and plan.positions[real:].abs().sum() == 0
     if plan.interp_weights is not None:
         assert plan.interp_weights[real:].abs().sum() == 0 and plan.interp_indices[real:].abs().sum() == 0

@@ -319,12 +319,17 @@ def test_settings_from_env(monkeypatch):
     monkeypatch.setenv("VITSERVE_MODEL", "tiny-qwen2-vl")
     monkeypatch.setenv("VITSERVE_MAX_BATCH_TOKENS", "1024")
     monkeypatch.setenv("VITSERVE_ALLOW_URL_FETCH", "true")
+    monkeypatch.setenv("VITSERVE_ATTENTION_BACKEND", "cudnn")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     s = from_args(parser.parse_args(["--port", "9000"]))
     assert (s.model, s.max_batch_tokens, s.allow_url_fetch, s.port) == ("tiny-qwen2-vl", 1024, True, 9000)
+    # the attention backend reaches from_pretrained wherever a device loads (in-process or a device process)
+    assert s.attention_backend == "cudnn" and s.encoder_kwargs()["attention_backend"] == "cudnn"
     with pytest.raises(ValueError, match="model"):
         Settings()
+    with pytest.raises(ValueError, match="attention-backend must be one of auto, cudnn, fa4, flash, sdpa"):
+        Settings(model="m", attention_backend="flash2")
     assert json.loads(json.dumps(s.__dict__))["model"] == "tiny-qwen2-vl"
 
 
