@@ -66,7 +66,8 @@ def tower_flops(cfg, grids) -> float:
     for layer in range(cfg.depth):
         full = not cfg.window_size or layer in cfg.fullatt_block_indexes
         total += sum(4 * L * L * d for L in (plan.full.lengths if full else plan.window.lengths))
-    merger = n // 4 * (2 * 4 * d * 4 * d + 2 * 4 * d * cfg.out_hidden_size)
+    u = cfg.merge_unit
+    merger = n // u * (2 * u * d * u * d + 2 * u * d * cfg.out_hidden_size)
     return total + merger * (1 + len(cfg.deepstack_visual_indexes))
 
 

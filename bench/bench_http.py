@@ -35,7 +35,7 @@ from encoder import VisionEncoder
 from encoder.preprocess import load_image, normalize_lut, preprocess_image, resize_rgb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import start_server  # noqa: E402
+from service.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def cpu_costs(enc: VisionEncoder, files) -> dict:
         t2 = time.perf_counter()
         pixels, grid = preprocess_image(img, cfg)
         t3 = time.perf_counter()
-        tokens = torch.randn(grid[1] * grid[2] // 4, enc.config.out_hidden_size)
+        tokens = torch.randn(grid[1] * grid[2] // enc.config.merge_unit, enc.config.out_hidden_size)
         t4 = time.perf_counter()
         json.dumps({"data": [{"embedding": base64.b64encode(tokens.mean(0).numpy().tobytes()).decode()}]})
         t5 = time.perf_counter()
@@ -91,7 +91,7 @@ def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: 
     for i in range(images):
         image = prepared[i % len(prepared)]
         n = (image.shape[0] // p) * (image.shape[1] // p)
-        if batch and patches + n > max_batch_tokens * 4:
+        if batch and patches + n > max_batch_tokens * enc.config.merge_unit:
             batches.append(batch)
             batch, patches = [], 0
         batch.append(image)
@@ -182,7 +182,7 @@ def main():
     ap.add_argument("--port", type=int, default=8766)
     ap.add_argument("--client-processes", type=int, default=8,
                     help="client processes: one httpx process tops out near 50 requests/s of these payloads")
-    ap.add_argument("--preprocess-workers", type=int, default=None, help="the server's decode pool (default: cores)")
+    ap.add_argument("--decode-workers", type=int, default=None, help="the server's decode pool (default: cores)")
     ap.add_argument("--profile", default=None, help="py-spy raw profile of the server under saturating load")
     ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags")
     ap.add_argument("--out", default="bench_http.json")
@@ -197,7 +197,7 @@ def main():
     print(f"{len(files)} images ({', '.join(n for n, _ in files)}); grids {grids}")
     print("CPU ms per image: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
     print(f"engine only: {engine:.1f} images/s")
-    extra = ["--preprocess-workers", str(args.preprocess_workers)] if args.preprocess_workers else []
+    extra = ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
     server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", "cuda:0",
                                "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "warning", *extra,
                                *args.server_flags.split(), port=args.port)

@@ -35,7 +35,7 @@ from bench_http import drive, engine_throughput, image_files  # noqa: E402
 
 from encoder import VisionEncoder  # noqa: E402
 from encoder.config import builtin_config  # noqa: E402
-from serving import start_server  # noqa: E402
+from service.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")

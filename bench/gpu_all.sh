@@ -40,6 +40,6 @@ fi
 if [ "${1:-}" != tower ]; then
   {
     timeout 120 python3 bench/gpu_faults.py --out "$out/gpu_faults.json"
-    timeout 170 python3 bench/bench_http.py --preprocess-workers 16 --out "$out/bench_http.json"
+    timeout 170 python3 bench/bench_http.py --decode-workers 16 --out "$out/bench_http.json"
   } 2>&1 | grep -v -i warn | tee -a "$out/log.txt"
 fi

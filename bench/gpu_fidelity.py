@@ -68,7 +68,7 @@ def main():
                 outs.append((f"deepstack{j}", d, o16.deepstack_features[j], deepstack[j]))
             for what, r32, r16, mine in outs:
                 e_hf, e_ours = rel(r16, r32), rel(mine, r32)
-                row = dict(model=name, attention=backend, case=case, output=what, tokens=n // 4, hf_bf16_err=e_hf, ours_bf16_err=e_ours,
+                row = dict(model=name, attention=backend, case=case, output=what, tokens=n // cfg.merge_unit, hf_bf16_err=e_hf, ours_bf16_err=e_ours,
                            ratio=e_ours / e_hf, finite=bool(torch.isfinite(mine).all()),
                            passed=bool(torch.isfinite(mine).all()) and e_ours <= 1.5 * e_hf)
                 rows.append(row)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import gpu_ms, matmul_tflops  # noqa: E402
 
 from encoder import VisionEncoder  # noqa: E402
-from encoder.layers import round_up  # noqa: E402
+from encoder.layers import MLP_ALIGN, round_up  # noqa: E402
 from encoder.plan import make_plan, to_device  # noqa: E402
 
 CASES = {"Qwen/Qwen2.5-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
@@ -64,13 +64,14 @@ def kernel_breakdown(enc, grids) -> dict:
 
 def gemm_table(enc, ceiling: float, m: int = 8192) -> list[dict]:
     cfg, d = enc.config, enc.config.hidden_size
-    width = round_up(cfg.intermediate_size, 64)
+    width = round_up(cfg.intermediate_size, MLP_ALIGN)
     mlp = [("gate_up", d, 2 * width), ("down", width, d)] if cfg.hidden_act == "silu" else [("fc1", d, width),
                                                                                            ("fc2", width, d)]
     rows = []
-    for name, k, nout in [("qkv", d, 3 * d), ("proj", d, d), *mlp, ("merger.fc1", 4 * d, 4 * d),
-                          ("merger.fc2", 4 * d, cfg.out_hidden_size)]:
-        rows_m = m // 4 if name.startswith("merger") else m
+    u = cfg.merge_unit
+    for name, k, nout in [("qkv", d, 3 * d), ("proj", d, d), *mlp, ("merger.fc1", u * d, u * d),
+                          ("merger.fc2", u * d, cfg.out_hidden_size)]:
+        rows_m = m // u if name.startswith("merger") else m
         x = torch.randn(rows_m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(nout, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         b = torch.randn(nout, device="cuda", dtype=torch.bfloat16)

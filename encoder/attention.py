@@ -14,18 +14,18 @@ are: zero pixels through the tower), as NaN times zero is NaN.
 
 - `sdpa`: exact per-segment torch SDPA over the plan's host-side lengths: the CPU and float32 path.
 - `flash`: torch's FlashAttention-2 varlen kernel. Launches (segments x max_seqlen / 128 x heads) blocks, and an
-  empty one costs ~1.3 ns: the runner bounds its segment capacity by that (runner.frame_capacity).
+  empty one costs ~1.3 ns: packing bounds its segment capacity by that (packing.frame_capacity).
 - `fa4`: FlashAttention-4's CuTe DSL kernels (`pip install vitserve[fa4]`), compiled when selected (a few seconds per
-  head size and process). Its launch grid grows with segments like flash's, so the runner bounds it the same way.
+  head size and process). Its launch grid grows with segments like flash's, so packing bounds it the same way.
 - `cudnn`: cuDNN's ragged SDPA through nvidia-cudnn-frontend's graph API (`pip install vitserve[cudnn]`). A
   cuDNN graph is built per (segments, max_seqlen, layout), both rounded up to powers of two, on first use: the
   runner's warm-up forward before each capture builds them, never the capture itself. An unused segment costs it
   ~0.17 us whatever max_seqlen (16 heads, H200), so a call takes at most `max_segments` of them.
 
-`select` resolves a name, `auto` picking the first of `AUTO_ORDER` that runs here (the order measured fastest on an
-H200 by bench/attention_probe.py: fa4 ran the towers' full attention 1.4-1.5x faster than cudnn and 2.1x faster
-than flash at 7056-9216 rows), with one log line per backend it passes over. Qwen2.5's windows (at most 64 rows
-each) take `select(..., windows=True)`: under `auto`, flash, which ran them 1.6-2.3x faster than cudnn and fa4.
+`select` resolves a name, `auto` picking the first of `AUTO_ORDER` that runs here (fastest first for the towers'
+full attention on an H200, bench/attention_probe.py), with one log line per backend it passes over. Qwen2.5's
+windows (at most 64 rows each) take `select(..., windows=True)`: under `auto`, flash, the fastest for short
+segments.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Flash:
 
     name = "flash"
     capturable = True
-    max_segments = None  # bounded by its launch grid instead (runner.frame_capacity)
+    max_segments = None  # bounded by its launch grid instead (packing.frame_capacity)
 
     def __init__(self):
         from torch.nn.attention.varlen import varlen_attn
@@ -95,7 +95,7 @@ class FA4:
 
     name = "fa4"
     capturable = True
-    max_segments = None  # bounded like flash's launch grid (runner.frame_capacity)
+    max_segments = None  # bounded like flash's launch grid (packing.frame_capacity)
 
     def __init__(self, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int):
         try:

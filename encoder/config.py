@@ -7,6 +7,15 @@ from dataclasses import dataclass
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # attention kernels a tower can run (encoder.attention); auto: the fastest that runs on the device and dtype
 ATTENTION_BACKENDS = ("auto", "cudnn", "fa4", "flash", "sdpa")
+# where weights come from (VisionEncoder.from_pretrained); dummy: seeded random weights in the published layout
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+# Pixel normalization: OpenAI CLIP's statistics (Qwen2-VL, Qwen2.5-VL, transformers' processor default), and
+# Qwen3-VL's, which maps [0, 1] onto [-1, 1].
+OPENAI_CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+QWEN3_IMAGE_MEAN: tuple[float, float, float] = (0.5, 0.5, 0.5)
+QWEN3_IMAGE_STD: tuple[float, float, float] = QWEN3_IMAGE_MEAN
 
 
 @dataclass(frozen=True)
@@ -27,8 +36,8 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...] = ()
     deepstack_visual_indexes: tuple[int, ...] = ()
     num_position_embeddings: int = 0  # Qwen3: learned position table (48 x 48)
-    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
-    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
 
@@ -49,7 +58,7 @@ _FAMILY_OF_MODEL_TYPE = {
     "qwen2_5_vl": "qwen2_5_vl", "qwen2_5_vl_vision": "qwen2_5_vl",
     "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "qwen3_vl_vision": "qwen3_vl", "qwen3_vl_moe_vision": "qwen3_vl",
 }
-_QWEN3_PIXELS = dict(patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+_QWEN3_PIXELS = dict(patch_size=16, image_mean=QWEN3_IMAGE_MEAN, image_std=QWEN3_IMAGE_STD,
                      min_pixels=65536, max_pixels=16777216)
 _QWEN2_PIXELS = dict(min_pixels=3136, max_pixels=12845056)
 
@@ -143,4 +152,5 @@ def builtin_config(name: str) -> VisionConfig:
     raise KeyError(f"no built-in config named {name!r}; known: {', '.join(sorted(BUILTIN_CONFIGS))}")
 
 
-__all__ = ["VisionConfig", "FAMILIES", "BUILTIN_CONFIGS", "builtin_config", "from_hf_config"]
+__all__ = ["VisionConfig", "FAMILIES", "ATTENTION_BACKENDS", "LOAD_FORMATS", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD",
+           "QWEN3_IMAGE_MEAN", "QWEN3_IMAGE_STD", "BUILTIN_CONFIGS", "builtin_config", "from_hf_config"]

@@ -2,13 +2,13 @@
 
 Pure tensor code: every shape comes from the inputs' shapes or the config, every per-batch fact from `TowerInputs`
 (built by plan.py), and nothing here syncs with the host. The three families differ only in the pieces they plug in
-(norm, MLP, patch-embed bias, learned positions, windows, deepstack), chosen in models/.
+(norm, MLP, patch-embed bias, learned positions, windows, deepstack), chosen in models/; how published checkpoints
+map onto these parameters is models/layout.py's job.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import attention, kernels
@@ -119,7 +119,8 @@ class Block(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """2x2 patches -> one token: norm (before the concat, or after it for Qwen3's deepstack) -> fc1 -> GELU -> fc2."""
+    """One token per merge group (`cfg.merge_unit` patches): norm (before the concat, or after it for Qwen3's
+    deepstack) -> fc1 -> GELU -> fc2."""
 
     def __init__(self, cfg: VisionConfig, norm, postshuffle: bool = False):
         super().__init__()
@@ -137,8 +138,9 @@ class PatchMerger(nn.Module):
 class VisionTower(nn.Module):
     """Patch embedding -> blocks -> merger (+ deepstack mergers) over one packed batch described by TowerInputs.
 
-    Returns the merged tokens [total / 4, out_hidden] in raster order (padding rows included, for the caller to
-    drop) and the deepstack features, one [total / 4, out_hidden] per deepstack layer (empty list otherwise).
+    Returns the merged tokens [total / merge_unit, out_hidden] in raster order (padding rows included, for the
+    caller to drop) and the deepstack features, one [total / merge_unit, out_hidden] per deepstack layer (empty list
+    otherwise).
     `attention` and `window_attention` are the attention backends (attention.py) of full-attention and window
     layers: exact SDPA until `set_attention` picks others.
     """
@@ -194,61 +196,3 @@ class VisionTower(nn.Module):
         if inp.token_order is not None:
             merged = merged[inp.token_order]
         return merged, deepstack
-
-
-# Checkpoint layout helpers shared by the family files: the published tensor names and shapes (`visual.` prefix
-# stripped), and their conversion into this module's fused, padded parameters.
-
-def linear_layout(name: str, out_dim: int, in_dim: int, bias: bool = True) -> dict[str, tuple[int, ...]]:
-    return {f"{name}.weight": (out_dim, in_dim), **({f"{name}.bias": (out_dim,)} if bias else {})}
-
-
-def norm_layout(name: str, dim: int, bias: bool) -> dict[str, tuple[int, ...]]:
-    return {f"{name}.weight": (dim,), **({f"{name}.bias": (dim,)} if bias else {})}
-
-
-def tower_layout(cfg: VisionConfig, *, norm_bias: bool, patch_bias: bool, mlp_layout, merger_names) -> dict:
-    """Every vision tensor of a published checkpoint: the parts all families share, plus the family's MLP
-    (`mlp_layout(prefix)`) and merger names (`merger_names` = (norm, fc1, fc2) under `merger.`)."""
-    d, p = cfg.hidden_size, cfg.patch_size
-    shapes = {"patch_embed.proj.weight": (d, cfg.in_channels, cfg.temporal_patch_size, p, p)}
-    if patch_bias:
-        shapes["patch_embed.proj.bias"] = (d,)
-    if cfg.num_position_embeddings:
-        shapes["pos_embed.weight"] = (cfg.num_position_embeddings, d)
-    for i in range(cfg.depth):
-        b = f"blocks.{i}."
-        shapes |= norm_layout(b + "norm1", d, norm_bias) | norm_layout(b + "norm2", d, norm_bias)
-        shapes |= linear_layout(b + "attn.qkv", 3 * d, d) | linear_layout(b + "attn.proj", d, d)
-        shapes |= mlp_layout(b + "mlp.")
-    wide = d * cfg.merge_unit
-    norm, fc1, fc2 = merger_names
-    shapes |= norm_layout(f"merger.{norm}", d, norm_bias)
-    shapes |= linear_layout(f"merger.{fc1}", wide, wide) | linear_layout(f"merger.{fc2}", cfg.out_hidden_size, wide)
-    for j in range(len(cfg.deepstack_visual_indexes)):
-        s = f"deepstack_merger_list.{j}."
-        shapes |= norm_layout(s + "norm", wide, True)
-        shapes |= linear_layout(s + "linear_fc1", wide, wide) | linear_layout(s + "linear_fc2", cfg.out_hidden_size, wide)
-    return shapes
-
-
-def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0]))
-
-
-def pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
-    return F.pad(t, (0, cols - t.shape[1]))
-
-
-def convert_shared(hf: dict[str, torch.Tensor], cfg: VisionConfig, renames: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Rename every tensor that needs no fusing or padding (`renames`: published name fragment -> ours); the Conv3d
-    patch embedding becomes a [D, C*T*p*p] GEMM weight. MLP tensors are left to the family's `convert`."""
-    out = {}
-    for name, t in hf.items():
-        if ".mlp." in name and name.startswith("blocks."):
-            continue
-        for old, new in renames.items():
-            name = name.replace(old, new)
-        name = name.replace("deepstack_merger_list.", "deepstack_mergers.").replace(".linear_fc", ".fc")
-        out[name] = t.reshape(cfg.hidden_size, -1) if name == "patch_embed.proj.weight" else t
-    return out

@@ -1,8 +1,8 @@
 """Host-side planning: image grids -> every piece of per-batch metadata the tensor forward needs.
 
-This is the only module that looks at grids. Everything here runs on the CPU with numpy, so that the tensor forward
-(layers.py, models/) has no host sync, no data-dependent shape and no branch on tensor values: a CUDA graph captured
-once can replay any batch whose plan is copied into its static buffers.
+Grids become tensors only here. Everything runs on the CPU with numpy, so that the tensor forward (layers.py,
+models/) has no host sync, no data-dependent shape and no branch on tensor values: a CUDA graph captured once can
+replay any batch whose plan is copied into its static buffers.
 
 Row order. transformers' Qwen2.5 tower permutes hidden states into window order after the patch embedding; since the
 patch embedding is row-wise, we apply the same permutation to the *input rows* instead (`patch_order`) and compute
@@ -11,11 +11,12 @@ rotary positions directly in that order. The merger output is put back into rast
 Padding. `make_plan(..., pad_to=budget)` appends padding patches after the real ones, and they form attention
 segments of their own after the real ones (`padding_segments`): one for full attention, window-sized ones for
 Qwen2.5's windows. A real row never attends to a padding row nor a padding row to a real one, and every other op
-is row-wise or works on whole 2x2 merge groups, which padding fills on its own (it starts at a multiple of 4). So
-padding can never change a real token's output, and its outputs are never returned. Covering padding with segments
-keeps its rows finite through every layer (a kernel writes nothing for rows outside all segments, which would hold
-whatever memory held before): a kernel that reads a tile past a segment's end and weights it zero (fa4) must read
-finite numbers, since NaN times zero is NaN. It costs one short extra segment per layer.
+is row-wise or works on whole merge groups (`merge_unit` patches), which padding fills on its own (it starts at a
+multiple of `merge_unit`). So padding can never change a real token's output, and its outputs are never returned.
+Covering padding with segments keeps its rows finite through every layer (a kernel writes nothing for rows outside
+all segments, which would hold whatever memory held before): a kernel that reads a tile past a segment's end and
+weights it zero (fa4) must read finite numbers, since NaN times zero is NaN. It costs one short extra segment per
+layer.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def check_grids(grids: list[Grid], cfg: VisionConfig) -> list[Grid]:
     return out
 
 
-def _block_order(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+def block_order(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     """Row and column of each patch of an h x w frame, in merge-block order (how the processor lays rows out)."""
     rows = np.broadcast_to(np.arange(h)[:, None], (h, w)).reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3)
     cols = np.broadcast_to(np.arange(w)[None, :], (h, w)).reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3)
@@ -150,7 +151,7 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -
     start = 0  # first patch of the current image
     for t, h, w in grids:
         n = t * h * w
-        rows, cols = _block_order(h, w, m)
+        rows, cols = block_order(h, w, m)
         frame = np.stack([rows, cols], axis=1)
         full_lengths += [h * w] * t
         if windowed:

@@ -7,6 +7,16 @@ does to a PIL image (``convert_to_rgb`` -> ``smart_resize`` + PIL bicubic resize
 service needs in front of it (typed errors, decompression-bomb guard, EXIF
 orientation, animated images, truncated files, 16-bit images as transformers converts them).
 
+Two steps, kept apart because they run in different places:
+
+* decode: ``load_image`` (bytes or path -> validated RGB image) then ``resize_rgb``
+  (-> uint8 ``(H, W, 3)``, sides multiples of the patch size). The server runs this
+  in its decode workers, with no torch imported.
+* normalize + patchify: uint8 pixels -> float32 patch rows, through ``normalize_lut``.
+  ``preprocess`` / ``preprocess_image`` do it on the host in transformers' processor
+  layout (decoding first what is not yet an image); the runner does the same
+  arithmetic on the device (``runner.GraphRunner.launch_images``).
+
 Fidelity to transformers (PIL backend, transformers 5.x):
 
 * ``convert_to_rgb``: images with an alpha band or palette/tRNS transparency are
@@ -45,6 +55,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import numpy as np
 from PIL import Image, ImageOps
 
+from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
 if TYPE_CHECKING:
     import torch
 
@@ -61,9 +73,6 @@ __all__ = [
     "preprocess_image",
     "preprocess",
 ]
-
-OPENAI_CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 
 MAX_ASPECT_RATIO = 200
 # transformers' default ``rescale_factor``; Qwen-VL configs store 0.00392156862745098 == 1/255.
@@ -425,7 +434,7 @@ def normalize_lut(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray
 
 
 # Elements per channel per stripe in ``_patchify_into``: keeps the gather temporaries
-# cache-resident (~1 MiB) which measured ~25% faster than one whole-image pass.
+# cache-resident (~1 MiB), faster than one whole-image pass.
 _STRIPE_ELEMS = 1 << 18
 
 

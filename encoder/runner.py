@@ -1,22 +1,19 @@
-"""Graph-cached runner: CUDA graphs captured per token budget, replayed with fresh metadata for any mix of images.
+"""Graph-cached runner: one CUDA graph per patch budget, replayed with fresh metadata for any mix of images.
 
-How it stays correct for every batch (the two ways SGLang's ViT graph runner failed):
+It owns the static buffers, the capture and replay of the graphs, and the copies between host and device; which
+images share a replay, and at which budget, is decided by packing.py.
+
+Every batch replays correctly because:
 - Nothing that depends on the grids is frozen at capture. Pixels and *all* metadata (positions, full and window
   cu_seqlens, window permutation and its inverse, Qwen3 interpolation taps) are copied into static buffers before
   every replay; a graph is keyed by its budget only because everything else is an input. Rotary cos/sin are computed
   inside the graph from the positions, so there is no shared rotary cache to go stale.
 - Static buffers are allocated once, at the largest budget, before any capture, and only ever written in place
   (`copy_`/`zero_`); graphs read views of them. Nothing is reallocated while graphs exist.
-
-Kernel launch parameters that must be Python ints are chosen so that any batch the packer admits is in range: full
-attention runs with max_seqlen = budget (any frame that fits), window attention with the window size, and the number
-of segments is a fixed capacity (unused entries repeat the end offset: zero-length segments), the segments that cover
-a replay's padding included (plan.padding_segments). Flash and fa4 launch segments x ceil(max_seqlen / 128) x heads
-blocks, empty ones costing ~1.3 ns each (bench/results/varlen-probe-h200.json), so frame capacity is bounded
-(`frame_capacity`): it shrinks as the budget grows (at most ~40 us per full-attention layer), and towers with full
-attention in every layer (Qwen2-VL, Qwen3-VL) admit fewer frames per replay than Qwen2.5-VL with 4 of 32, keeping
-the waste near 2% of a replay's compute; more small images take another replay. A backend whose unused segments
-cost a flat amount (cudnn) states its own bound (`max_segments`).
+- Kernel launch parameters that must be Python ints hold for any batch the packer admits: full attention runs with
+  max_seqlen = budget (any frame that fits), window attention with the window size, and the number of segments is
+  the budget's fixed capacity (packing.frame_capacity, packing.window_capacity), unused entries repeating the end
+  offset (zero-length segments).
 """
 
 from __future__ import annotations
@@ -30,45 +27,16 @@ import numpy as np
 import torch
 
 from .config import VisionConfig
-from .plan import (BatchPlan, TowerInputs, _block_order, check_grids, grid_patches, make_plan, padding_segments,
-                   to_device)
+from .packing import Batch, Packer
+from .plan import BatchPlan, TowerInputs, block_order, check_grids, grid_patches, make_plan, to_device
 
 log = logging.getLogger("vitserve.runner")
 
-# From one 224x224 image (256 patches) to 16 448x448 images or one 1792x1792 image (16384 patches): steps of 256 up to
-# 4096 (where a server's batches mostly fall), then of 1024. Padding is compute thrown away: a step of 256 bounds it
-# under 20% from 1280 patches up, a step of 1024 under 20% from 5120 up; powers of two wasted 44% on one 1344x1344
-# image (9216 -> 16384: 92.7 ms against 58.7 ms eager on an H200, bench/results/bench-runner-h200-pow2.json).
-# A capture costs ~50-150 ms and one output buffer (19 budgets captured in 1.3-3.3 s on an H200), so 28 are cheap.
+# Patch budgets captured by default: from one 224x224 image (256 patches) to 16 448x448 images or one 1792x1792
+# image (16384 patches), in steps of 256 up to 4096 (where a server's batches mostly fall), then of 1024. Padding is
+# compute thrown away: a step of 256 keeps it under 20% of a replay from 1280 patches up, a step of 1024 from 5120
+# up. A capture costs ~50-150 ms and one output buffer, so holding all 28 budgets is cheap.
 DEFAULT_BUDGETS = (*range(256, 4096 + 1, 256), *range(5120, 16384 + 1, 1024))
-MAX_ROW_BLOCKS = 2048  # frames x ceil(budget / 128) bound on full-attention row blocks per replay
-FULL_ATTENTION_FRAMES = 16  # frames per replay when every layer is full attention (scaled up by depth / full layers)
-MIN_FRAME_PATCHES = 16  # the smallest frame the default preprocessing makes (56x56 pixels = 4x4 patches)
-
-
-def frame_capacity(budget: int, cfg: VisionConfig, max_segments: int | None = None) -> int:
-    """Full-attention segments (image frames) one replay of this budget admits for this tower. `max_segments`: the
-    attention backend's own bound, where an unused segment costs it a flat amount (attention.py); None: flash's
-    launch grid, bounded as the module docstring says."""
-    if max_segments is not None:
-        return max(1, min(budget // MIN_FRAME_PATCHES, max_segments))
-    full_layers = len(cfg.fullatt_block_indexes) if cfg.window_size else cfg.depth
-    by_layers = FULL_ATTENTION_FRAMES * cfg.depth // max(1, full_layers)
-    return max(1, min(budget // MIN_FRAME_PATCHES, MAX_ROW_BLOCKS * 128 // budget, by_layers))
-
-
-def window_capacity(budget: int, max_segments: int | None = None) -> int:
-    """Window-attention segments one replay admits: windows average >= 16 patches for any preprocessed image (and
-    at most the backend's `max_segments`)."""
-    return max(1, min(budget // MIN_FRAME_PATCHES, max_segments or budget))
-
-
-def count_windows(grid, cfg: VisionConfig) -> int:
-    if not cfg.window_size:
-        return 0
-    t, h, w = grid
-    side = cfg.window_tokens * cfg.spatial_merge_size
-    return t * -(-h // side) * -(-w // side)
 
 
 @dataclass
@@ -78,17 +46,6 @@ class BudgetStats:
     replays: int = 0
     real_patches: int = 0
     padded_patches: int = 0
-
-
-@dataclass
-class Batch:
-    """Images (by input index) that run together: in one replay of `budget`, or eagerly when budget is None."""
-
-    indices: list[int]
-    budget: int | None
-    patches: int = 0
-    frames: int = 0
-    windows: int = 0
 
 
 @dataclass
@@ -123,7 +80,7 @@ class RunnerStats:
 
 
 class GraphRunner:
-    """Encodes lists of images by packing them into token budgets and replaying one CUDA graph per budget.
+    """Encodes lists of images by packing them into patch budgets and replaying one CUDA graph per budget.
 
     Thread-safety: one runner per device, used from one worker thread. Its static buffers and graphs are shared
     state, so a call that overlaps another (from a second thread) raises RuntimeError instead of corrupting it.
@@ -135,10 +92,8 @@ class GraphRunner:
     def __init__(self, tower, cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
                  budgets=DEFAULT_BUDGETS):
         self.tower, self.cfg, self.device, self.dtype = tower, cfg, device, dtype
-        self.budgets = sorted({int(b) for b in budgets})
-        bad = [b for b in self.budgets if b < MIN_FRAME_PATCHES or b % MIN_FRAME_PATCHES]
-        if not self.budgets or bad:
-            raise ValueError(f"budgets must be positive multiples of {MIN_FRAME_PATCHES} patches, got {bad or budgets}")
+        self.packer = Packer(cfg, budgets, tower.attention.max_segments, tower.window_attention.max_segments)
+        self.budgets = self.packer.budgets
         self.use_graphs = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and \
             tower.attention.capturable and tower.window_attention.capturable
         self.window_seqlen = cfg.window_tokens ** 2 * cfg.merge_unit if cfg.window_size else 0
@@ -151,8 +106,8 @@ class GraphRunner:
         self._luts: dict[bytes, torch.Tensor] = {}
 
         largest = self.budgets[-1]
-        cap_full = max(self.frame_capacity(b) for b in self.budgets)
-        cap_window = max(self.window_capacity(b) for b in self.budgets)
+        cap_full = max(self.packer.frame_capacity(b) for b in self.budgets)
+        cap_window = max(self.packer.window_capacity(b) for b in self.budgets)
         windowed, interp = bool(cfg.window_size), bool(cfg.num_position_embeddings)
 
         def buf(*shape, dtype=torch.int32, on=True):
@@ -168,44 +123,9 @@ class GraphRunner:
             interp_indices=buf(largest, 4, dtype=torch.int64, on=interp),
             interp_weights=buf(largest, 4, dtype=torch.float32, on=interp))
 
-    # ---- packing -------------------------------------------------------------------------------------------------
-    def frame_capacity(self, budget: int) -> int:
-        return frame_capacity(budget, self.cfg, self.tower.attention.max_segments)
-
-    def window_capacity(self, budget: int) -> int:
-        return window_capacity(budget, self.tower.window_attention.max_segments)
-
-    def budget_for(self, patches: int, frames: int, windows: int) -> int | None:
-        """The smallest budget whose replay admits this many patches, frames and windows, with the segments that
-        cover its padding (plan.padding_segments) (None: run eagerly)."""
-        for b in self.budgets:
-            if patches <= b:
-                full_pad, window_pad = padding_segments(b - patches, self.cfg)
-                if frames + len(full_pad) <= self.frame_capacity(b) and \
-                        windows + len(window_pad) <= self.window_capacity(b):
-                    return b
-        return None
-
     def pack(self, grids) -> list[Batch]:
-        """First-fit decreasing into as few replays as possible; no image is split; oversize images run eagerly."""
-        grids = check_grids(grids, self.cfg)
-        batches: list[Batch] = []
-        for i in sorted(range(len(grids)), key=lambda i: -grid_patches(grids[i])):
-            p, f, w = grid_patches(grids[i]), grids[i][0], count_windows(grids[i], self.cfg)
-            if self.budget_for(p, f, w) is None:
-                batches.append(Batch([i], None, p, f, w))
-                continue
-            for batch in batches:
-                if batch.budget is not None:
-                    budget = self.budget_for(batch.patches + p, batch.frames + f, batch.windows + w)
-                    if budget is not None:
-                        batch.indices.append(i)
-                        batch.budget, batch.patches, batch.frames, batch.windows = budget, batch.patches + p, \
-                            batch.frames + f, batch.windows + w
-                        break
-            else:
-                batches.append(Batch([i], self.budget_for(p, f, w), p, f, w))
-        return batches
+        """The replays (and eager batches) a call with these grids runs: packing.Packer.pack."""
+        return self.packer.pack(grids)
 
     # ---- running -------------------------------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -317,7 +237,7 @@ class GraphRunner:
         row = 0
         for a in arrays:
             h, w = a.shape[0] // p, a.shape[1] // p
-            rows, cols = _block_order(h, w, m)
+            rows, cols = block_order(h, w, m)
             base[row:row + h * w] = offset + (rows * p * a.shape[1] + cols * p) * 3
             stride[row:row + h * w] = a.shape[1] * 3
             offset, row = offset + a.size, row + h * w
@@ -389,13 +309,13 @@ class GraphRunner:
             s.pixel_values[:n].copy_(pixel_values)
         s.pixel_values[n:budget].zero_()
         h2d(s.positions[:budget], plan.positions)
-        full = _padded_cu(plan.full.cu_seqlens, self.frame_capacity(budget))
+        full = _padded_cu(plan.full.cu_seqlens, self.packer.frame_capacity(budget))
         h2d(s.cu_seqlens[:full.numel()], full)
         inputs = TowerInputs(
             pixel_values=s.pixel_values[:budget], positions=s.positions[:budget], cu_seqlens=s.cu_seqlens[:full.numel()],
             max_seqlen=budget, seqlens=None if self.use_graphs else _lengths(full))
         if plan.window is not None:
-            window = _padded_cu(plan.window.cu_seqlens, self.window_capacity(budget))
+            window = _padded_cu(plan.window.cu_seqlens, self.packer.window_capacity(budget))
             h2d(s.cu_window_seqlens[:window.numel()], window)
             h2d(s.patch_order[:budget], plan.patch_order)
             h2d(s.token_order[:budget // self.cfg.merge_unit], plan.token_order)
@@ -419,7 +339,7 @@ class GraphRunner:
 
     def _capture_all(self) -> None:
         # torch.cuda.graph's default capture stream is one per process, made on whichever device was current at the
-        # first capture: a second device's runner must capture on a stream of its own (seen on a 2-GPU H200 host).
+        # first capture: a second device's runner must capture on a stream of its own.
         capture_stream = torch.cuda.Stream(self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # capture empties the cache anyway: measure the pool from the same baseline

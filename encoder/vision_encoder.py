@@ -1,4 +1,5 @@
-"""The public entry point: load a tower, preprocess images, encode them."""
+"""The public entry point: load a tower with its preprocessing config, encode images. `DTYPES` names the dtypes a
+tower runs in, config.LOAD_FORMATS where its weights come from."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ import torch
 from PIL import Image
 
 from . import checkpoint
-from .config import VisionConfig, builtin_config
+from .config import LOAD_FORMATS, VisionConfig, builtin_config
 from .preprocess import PreprocessConfig, load_image, normalize_lut, preprocess, resize_rgb
 from .runner import DEFAULT_BUDGETS, GraphRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass
@@ -34,7 +34,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
             return dtype
     elif dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
+    names = [str(d).removeprefix("torch.") for d in dict.fromkeys(DTYPES.values())]
+    raise ValueError(f"unsupported dtype {dtype!r}; use {', '.join(names[:-1])} or {names[-1]}")
 
 
 def parse_device(device: str | torch.device) -> torch.device:
@@ -103,7 +104,7 @@ class VisionEncoder:
         """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
         `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
         `attention_backend`: one of encoder.attention.BACKENDS; `auto` takes the fastest that runs on this device and
-        dtype (exact SDPA on the CPU and in float32). On CUDA in half precision the graphs of every token budget are
+        dtype (exact SDPA on the CPU and in float32). On CUDA in half precision the graphs of every patch budget are
         captured before this returns."""
         device, dtype = parse_device(device), parse_dtype(dtype)
         cfg, pcfg, ckpt = load_configs(model, load_format, revision, allow_download, min_pixels, max_pixels, cache_dir)
@@ -119,12 +120,13 @@ class VisionEncoder:
 
     def preprocess(self, images) -> tuple[torch.Tensor, torch.Tensor]:
         """PIL images, encoded bytes or paths -> (pixel_values [rows, patch_dim] float32, grid_thw [n, 3] int64),
-        the layout of transformers' Qwen2-VL image processor."""
+        the layout of transformers' Qwen2-VL image processor: decode where needed, then normalize + patchify on the
+        host (preprocess.preprocess)."""
         return preprocess(list(images), self.preprocess_config)
 
     def encode(self, images) -> list[EncodedImage]:
-        """PIL images, encoded bytes or paths -> one result per image, in order. Only decoding and resizing run
-        on the host; normalization and patchify run where the model does (the server's path too)."""
+        """PIL images, encoded bytes or paths -> one result per image, in order. Only the decode step (load_image,
+        resize_rgb) runs on the host; normalize + patchify run where the model does (the server's path too)."""
         arrays = [resize_rgb(load_image(x) if not isinstance(x, Image.Image) else x, self.preprocess_config)
                   for x in images]
         return self.collect(self.runner.launch_images(arrays, normalize_lut(self.preprocess_config.image_mean, self.preprocess_config.image_std)))

@@ -11,21 +11,23 @@ import time
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from encoder.vision_encoder import DTYPES, LOAD_FORMATS
+
     p.add_argument("--model", required=True, help="checkpoint directory, hub id, or built-in name (tiny-qwen2.5-vl, ...)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: seeded random weights from a built-in config, no files read")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--min-pixels", type=int, default=None, help="override the checkpoint's preprocessing minimum")
     p.add_argument("--max-pixels", type=int, default=None, help="override the checkpoint's preprocessing maximum")
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
     from encoder import VisionEncoder
     from encoder.preprocess import ImageError, load_image
+
+    from .outputs import OUTPUT_DTYPES, safetensors_body
 
     enc = VisionEncoder.from_pretrained(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                                         revision=args.revision, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
@@ -37,41 +39,23 @@ def cmd_encode(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = enc.encode(images)
     seconds = time.perf_counter() - start
-    tensors = {}
-    for i, r in enumerate(results):
-        tensors[f"images.{i}.embeddings"] = r.embeddings.contiguous()
-        for j, d in enumerate(r.deepstack or []):
-            tensors[f"images.{i}.deepstack.{j}"] = d.contiguous()
-    metadata = {"model": args.model, "family": enc.config.family, "dtype": args.dtype,
+    dtype = next(name for name, t in OUTPUT_DTYPES.items() if t == enc.dtype)
+    metadata = {"model": args.model, "family": enc.config.family, "dtype": dtype,
                 "grid_thw": json.dumps([list(r.grid_thw) for r in results]), "sources": json.dumps(args.images)}
-    save_file(tensors, args.output, metadata=metadata)
+    body = safetensors_body([(r.embeddings, r.deepstack or []) for r in results], dtype, metadata)
+    with open(args.output, "wb") as f:
+        f.write(body)
     tokens = sum(r.num_tokens for r in results)
     print(f"encoded {len(results)} image(s), {tokens} tokens, in {seconds * 1e3:.1f} ms -> {args.output}", file=sys.stderr)
     return 0
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-                 "message": record.getMessage()}
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(log_format: str, level: str) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if log_format == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .engine import State
+    from .logs import configure_logging
     from .settings import from_args
 
     settings = from_args(args)
@@ -88,17 +72,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 self.force_exit = True
             self.should_exit = True
 
+        async def on_tick(self, counter: int) -> bool:
+            """Exit once the engine has failed (a model that did not load, a lost device): for a restart."""
+            return await super().on_tick(counter) or engine.state is State.FAILED
+
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             log_level=settings.log_level, access_log=False,
                             timeout_keep_alive=settings.timeout_keep_alive)
     server = Server(config)
-    engine.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()
     if server.force_exit:  # "exit now": no interpreter teardown (seconds, with torch and a process pool loaded)
         engine.abandon()
         logging.shutdown()
         os._exit(1)
-    return 1 if engine.state == "failed" else 0
+    return 1 if engine.state is State.FAILED else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,5 @@
-"""What a decode worker process runs. Kept away from the engine (and torch): a worker that imported the engine to
-unpickle this function took 150 MB more of its own memory and a second or two at its first image, times one worker
-per core."""
+"""What a decode worker process runs: decode + resize, the pixels into a spool file. It imports numpy, PIL and the
+preprocessing only, never the engine or torch (which would cost each worker ~150 MB and seconds at its first image)."""
 
 from __future__ import annotations
 

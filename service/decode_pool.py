@@ -1,13 +1,8 @@
 """Decode worker processes driven from the event loop: jobs go out and results come back on the loop's own sockets.
 
-A `ProcessPoolExecutor` moves every job through two threads of the server, a feeder that pickles and writes it
-and a manager that reads each result and wakes the loop, and `submit` itself writes to a wake-up pipe: three
-takings of the GIL from the event loop per image, and one thread for every result. On two H200s an image spent
-71-74 ms in such a pool for 16 ms of decoding. Here each worker has a socket of its own, read and written by the
-event loop (uvloop does the I/O in C, without giving up the GIL), and no thread of the server takes part. On one
-H200 fed about 500 images/s, an image spent 47-55 ms here against 99 ms in the executor (throughput a draw).
-
-Each worker runs one job at a time, so a worker that dies (a decoder crash, the OOM killer) fails only its own job
+Each worker has a socket of its own, read and written by the event loop (uvloop does the I/O in C, without giving
+up the GIL); no thread of the server takes part, and an image's bytes are written as they are, not pickled. Each
+worker runs one job at a time, so a worker that dies (a decoder crash, the OOM killer) fails only its own job
 (`WorkerDied`), and is replaced at once.
 """
 
@@ -21,6 +16,7 @@ import pickle
 import signal
 import socket
 import struct
+from typing import Callable
 
 log = logging.getLogger("vitserve.decode")
 
@@ -101,10 +97,14 @@ class _Link(asyncio.Protocol):
 
 class DecodePool:
     """`workers` processes forked from a clean fork server that has imported only `preload` (what they run:
-    numpy and PIL, no torch): none inherits CUDA or threads. Use from one event loop: `start`, `submit`, `close`."""
+    numpy and PIL, no torch): none inherits CUDA or threads. Use from one event loop: `start`, `submit`, `close`.
+    `on_orphan(result)`: a result whose caller is gone (a spooled image's file to remove); `on_broken(reason)`: the
+    last worker died and none could be started in its place."""
 
-    def __init__(self, workers: int, preload: str = "service.decode"):
+    def __init__(self, workers: int, preload: str = "service.decode", on_orphan: Callable = lambda result: None,
+                 on_broken: Callable[[str], None] = lambda reason: None):
         self.size = workers
+        self.on_orphan, self.on_broken = on_orphan, on_broken
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload([preload])
         self._links: set[_Link] = set()
@@ -113,15 +113,17 @@ class DecodePool:
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.replaced = 0  # workers that died and were replaced
+        self.submitted = 0  # jobs submitted since the start
         self.broken: str | None = None  # why no worker is left, when none could be started again
         self._spawning: set[asyncio.Task] = set()  # replacing dead workers
         self.respawn_delays = (1.0, 4.0)  # between tries at starting a replacement
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await asyncio.gather(*(self._spawn() for _ in range(self.size)))
+        await asyncio.gather(*(self.start_worker() for _ in range(self.size)))
 
-    async def _spawn(self) -> None:
+    async def start_worker(self) -> None:
+        """Start one worker and put it to work."""
         ours, theirs = socket.socketpair()
         # room for a whole image in the socket (as far as the system allows): one write, not one per 200 KB
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
@@ -138,10 +140,20 @@ class DecodePool:
         if not self._closed:
             self._ready(link)
 
+    def workers(self) -> list[tuple[multiprocessing.Process, int | None]]:
+        """Each live worker's process and the payload size of the job it runs (None when idle)."""
+        return [(link.process, None if link.job is None else len(link.job[1])) for link in self._links]
+
+    @property
+    def idle(self) -> int:
+        """Live workers waiting for a job."""
+        return len(self._idle)
+
     def submit(self, fn, payload: bytes, *args) -> asyncio.Future:
         """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
         (`WorkerDied` if the worker died on it). A cancelled future's job is skipped, or its result dropped."""
         future = self._loop.create_future()
+        self.submitted += 1
         if self._closed or self.broken:
             future.set_exception(PoolUnavailable(self.broken or "the decode pool is closed"))
             return future
@@ -174,9 +186,6 @@ class DecodePool:
             future.set_exception(value)
         self._ready(link)
 
-    def on_orphan(self, result) -> None:
-        """A result nobody waits for any more (overridden by the engine: a spooled image's file is removed)."""
-
     def _lost(self, link: _Link) -> None:
         self._links.discard(link)
         if link in self._idle:
@@ -200,7 +209,7 @@ class DecodePool:
         self.replaced += 1
         for delay in (*self.respawn_delays, None):  # a failed start (out of memory or processes) may pass
             try:
-                return await self._spawn()
+                return await self.start_worker()
             except OSError as e:
                 if delay is None or self._closed:
                     raise
@@ -216,9 +225,6 @@ class DecodePool:
             self.broken = f"no decode worker is left, and none could be started ({task.exception()})"
             self._fail_waiting(PoolUnavailable(self.broken))
             self.on_broken(self.broken)
-
-    def on_broken(self, reason: str) -> None:
-        """The pool has lost its last worker for good (overridden by the engine: it reports failed, for a restart)."""
 
     def _fail_waiting(self, error: Exception) -> None:
         for _, _, future in self._waiting:

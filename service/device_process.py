@@ -1,39 +1,67 @@
-"""A device served by a process of its own (`--device-processes`), so that its GPU thread shares no GIL with the
-event loop.
+"""A device served by a process of its own, so that its GPU work shares no GIL with the event loop.
 
-With threads, two H200s served 1.57x one: each GPU thread gave up the GIL at every torch call and waited for the
-event loop to hand it back (a 9.5-image batch took 111 ms on two GPUs against 93 ms on one), while the runners alone
-scaled 2.01x. Here the server's thread for the device only moves batches: the device process reads the batch's
-images from the decode workers' spool files itself (the server passes their names; an image that came through the
-pipe, the array), its outputs come back as a spool file of their own, and the pipe between them carries
-descriptions (or, where the spool is full or gone, the bytes themselves: slower, never wrong).
-The device process keeps two batches on its GPU, like the in-process worker; the server keeps a third one waiting
-in the pipe, so that the GPU never waits for the round trip.
+The server's thread for the device only moves batches: the device process reads the batch's images from the
+decode workers' spool files itself (the server passes their names; an image that came through a pipe, the array),
+its outputs come back as a spool file of their own, and the pipe between them carries small typed records (or,
+where the spool is full or gone, the bytes themselves: slower, never wrong). The device process keeps two batches
+on its GPU (`worker.pipeline`, as a device in the server's process does); the server keeps one more waiting in the
+pipe, so that the GPU never waits for the round trip.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
-import logging
 import multiprocessing
 import signal
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from encoder import VisionEncoder
-from encoder.vision_encoder import parse_device
 from encoder.preprocess import normalize_lut
+from encoder.vision_encoder import parse_device
 
 from . import spool
+from .errors import Unavailable
+from .logs import configure_logging
 from .settings import Settings
+from .worker import BATCHES_IN_FLIGHT, STOP, pipeline
 
-log = logging.getLogger("vitserve.device")
+
+@dataclass
+class Ready:
+    """Device process -> server: loaded and captured."""
+
+    stats: dict
 
 
-def _error(e: BaseException) -> tuple[str, str]:
-    return type(e).__name__, str(e)
+@dataclass
+class LoadFailed:
+    """Device process -> server: the model could not be loaded or captured there."""
+
+    error: str
+
+
+@dataclass
+class Job:
+    """Server -> device process: a batch to run (spooled images by name, others as arrays)."""
+
+    job: int
+    images: list
+    mean_pooling: list[bool]
+
+
+@dataclass
+class Answer:
+    """Device process -> server: a job's outputs (in the spool file `path`, or as `data`), or its error."""
+
+    job: int
+    stats: dict
+    path: str | None = None
+    layout: list | None = None  # per image, per tensor: (dtype name, shape, bytes)
+    data: bytes | None = None
+    error: tuple[str, str] | None = None  # exception type name, message
 
 
 def _pack_outputs(outputs) -> tuple[list, list[np.ndarray]]:
@@ -61,9 +89,7 @@ def _unpack_outputs(raw: np.ndarray, layout: list) -> list[tuple[torch.Tensor, l
 
 
 def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str) -> None:
-    """The device process: load and capture, say ready, then run the batches the server sends, in order."""
-    from .cli import configure_logging  # the server's log format (text or JSON) and level
-
+    """The device process: load and capture, say Ready, then run the Jobs the server sends, in order."""
     configure_logging(settings.log_format, settings.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops this process
     try:
@@ -73,54 +99,55 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
                 torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_fraction)
         encoder = VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())
     except Exception as e:
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        conn.send(LoadFailed(f"{type(e).__name__}: {e}"))
         return
     runner, names = encoder.runner, itertools.count()
-    conn.send(("ready", runner.stats.as_dict()))
+    conn.send(Ready(runner.stats.as_dict()))
     cfg = encoder.preprocess_config
     lut = normalize_lut(cfg.image_mean, cfg.image_std)
-    pending: collections.deque = collections.deque()
 
-    def answer(job: int, launch) -> None:
+    def take(block: bool):
+        if not block and not conn.poll():
+            return None
+        job = conn.recv()
+        return STOP if job is None else job
+
+    def launch(job: Job):
         try:
-            layout, arrays = _pack_outputs(runner.collect(launch))
+            return runner.launch_images(spool.pixels(job.images), lut, job.mean_pooling)
+        except Exception as e:
+            conn.send(Answer(job.job, runner.stats.as_dict(), error=(type(e).__name__, str(e))))
+            return None
+
+    def answer(job: Job, launched) -> None:
+        try:
+            layout, arrays = _pack_outputs(runner.collect(launched))
             path = f"{prefix}out-{next(names)}"
             # a full or missing spool: the bytes go through the pipe (as bytes: a pickled tensor would go through
             # shared memory, /dev/shm again), slower, never wrong
             data = None if spool.write(path, arrays) else b"".join(a.tobytes() for a in arrays)
         except Exception as e:
-            conn.send((job, None, None, _error(e), runner.stats.as_dict(), None))
+            conn.send(Answer(job.job, runner.stats.as_dict(), error=(type(e).__name__, str(e))))
         else:
-            conn.send((job, path, layout, None, runner.stats.as_dict(), data))
+            conn.send(Answer(job.job, runner.stats.as_dict(), path=path, layout=layout, data=data))
 
     try:
-        while True:
-            if pending and not conn.poll():
-                answer(*pending.popleft())  # nothing new to launch behind it: wait for it to land
-                continue
-            message = conn.recv()
-            if message is None:
-                break
-            job, images, pool_mean = message
-            try:
-                launch = runner.launch_images(spool.pixels(images), lut, pool_mean)
-            except Exception as e:
-                conn.send((job, None, None, _error(e), runner.stats.as_dict(), None))
-                continue
-            pending.append((job, launch))
-            if len(pending) > 1:
-                answer(*pending.popleft())
-        while pending:
-            answer(*pending.popleft())
+        pipeline(take, launch, answer, BATCHES_IN_FLIGHT)
     except (EOFError, OSError, KeyboardInterrupt):  # the server went away: nothing to answer
         pass
 
 
-class DeviceProcess:
-    """The server's end of a device process: starts it, sends batches, receives outputs (one thread uses it)."""
+ERRORS = {"OutOfMemoryError": torch.OutOfMemoryError, "ImageLost": spool.ImageLost}  # re-raised as themselves
+
+
+class ProcessDevice:
+    """The server's end of a device process (a device for `worker.DeviceWorker`): starts it, sends Jobs, receives
+    Answers. One thread uses it."""
+
+    depth = BATCHES_IN_FLIGHT + 1  # the device process runs two; one more waits in its pipe
 
     def __init__(self, settings: Settings, device: str, dtype: str, prefix: str):
-        self.device, self.prefix = device, prefix
+        self.name, self.prefix = device, prefix
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process's state
         self.conn, child = context.Pipe()
         self.process = context.Process(target=serve_device, args=(child, settings, device, dtype, prefix),
@@ -129,28 +156,39 @@ class DeviceProcess:
         child.close()
         self.stats: dict = {}
         self._jobs = itertools.count()
-        self._answers: dict[int, tuple] = {}
+        self._answers: dict[int, Answer] = {}
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
 
     def wait_ready(self) -> None:
         """Blocks until the process has loaded and captured (RuntimeError when it could not)."""
         try:
-            kind, payload = self.conn.recv()
+            message = self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"the process for {self.device} exited while loading "
+            raise RuntimeError(f"the process for {self.name} exited while loading "
                                f"(exit code {self.process.exitcode})") from None
-        if kind != "ready":
-            raise RuntimeError(f"{self.device}: {payload}")
-        self.stats = payload
+        if not isinstance(message, Ready):
+            raise RuntimeError(f"{self.name}: {message.error}")
+        self.stats = message.stats
 
-    def launch(self, images: list, pool_mean: list[bool]) -> int:
-        """Send a batch: spooled images (`spool.Spooled`) by name, arrays as they are."""
+    def bind_thread(self) -> None:
+        pass
+
+    def _lost(self) -> Unavailable:
+        return Unavailable(f"the process serving {self.name} exited (exit code {self.process.exitcode}); the server "
+                           "is restarting", "device_lost")
+
+    def launch(self, batch) -> int:
         job = next(self._jobs)
+        images = [item.image for item in batch]
         try:
-            self.conn.send((job, images, pool_mean))
+            self.conn.send(Job(job, images, [item.mean_pooling for item in batch]))
         except OSError:  # BrokenPipeError: the process is gone
             for image in images:
                 spool.discard(image)
-            raise DeviceLost(f"the process serving {self.device} exited (exit code {self.process.exitcode})") from None
+            raise self._lost() from None
         return job
 
     def collect(self, job: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -158,18 +196,21 @@ class DeviceProcess:
             try:
                 answer = self.conn.recv()
             except (EOFError, OSError):
-                raise DeviceLost(f"the process serving {self.device} exited (exit code "
-                                 f"{self.process.exitcode})") from None
-            self._answers[answer[0]] = answer
-        _, path, layout, error, self.stats, data = self._answers.pop(job)
-        if error is not None:
-            kind, message = error
-            raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else RuntimeError)(f"{kind}: {message}")
-        size = sum(n for entry in layout for _, _, n in entry)
-        return _unpack_outputs(np.frombuffer(data, np.uint8).copy() if data is not None else spool.read(path, size),
-                               layout)
+                raise self._lost() from None
+            self._answers[answer.job] = answer
+        answer = self._answers.pop(job)
+        self.stats = answer.stats
+        if answer.error is not None:
+            kind, message = answer.error
+            raise ERRORS.get(kind, RuntimeError)(f"{kind}: {message}" if kind not in ERRORS else message)
+        size = sum(n for entry in answer.layout for _, _, n in entry)
+        raw = np.frombuffer(answer.data, np.uint8).copy() if answer.data is not None else spool.read(answer.path, size)
+        return _unpack_outputs(raw, answer.layout)
 
-    def stop(self, timeout: float = 30) -> None:
+    def runner_stats(self) -> dict:
+        return self.stats
+
+    def close(self, timeout: float = 30) -> None:
         try:
             self.conn.send(None)
         except (OSError, ValueError):
@@ -179,7 +220,3 @@ class DeviceProcess:
             self.process.kill()
             self.process.join()
         spool.clear(self.prefix)
-
-
-class DeviceLost(RuntimeError):
-    """The device process is gone: its batches fail and the server reports itself failed."""

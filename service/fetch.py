@@ -13,25 +13,25 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from .errors import ServiceError
+from .errors import InputRejected, InputTooLarge
 from .settings import Settings
 
 MAX_REDIRECTS = 3
 
 
 async def resolve_public(url: str, param: str) -> tuple[str, str]:
-    """(host, a checked public address to connect to) for an http(s) URL, or a 400."""
+    """(host, a checked public address to connect to) for an http(s) URL, or InputRejected."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ServiceError(400, f"{param}: only http(s) URLs with a host can be fetched", "invalid_url", param)
+        raise InputRejected(f"{param}: only http(s) URLs with a host can be fetched", "invalid_url", param)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
-        raise ServiceError(400, f"{param}: cannot resolve {parts.hostname!r}", "invalid_url", param) from None
+        raise InputRejected(f"{param}: cannot resolve {parts.hostname!r}", "invalid_url", param) from None
     addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
     if not addresses or any(not a.is_global or a.is_multicast or a.is_reserved for a in addresses):
-        raise ServiceError(400, f"{param}: {parts.hostname!r} resolves to a non-public address", "forbidden_url", param)
+        raise InputRejected(f"{param}: {parts.hostname!r} resolves to a non-public address", "forbidden_url", param)
     return parts.hostname, str(addresses[0])
 
 
@@ -57,24 +57,24 @@ async def fetch_url(client: httpx.AsyncClient, url: str, index: int, settings: S
                     url = urljoin(url, response.headers["location"])
                     continue
                 if response.status_code != 200:
-                    raise ServiceError(400, f"{param}: fetching the URL gave HTTP {response.status_code}",
+                    raise InputRejected(f"{param}: fetching the URL gave HTTP {response.status_code}",
                                        "url_fetch_failed", param)
                 data = bytearray()
                 async for chunk in response.aiter_bytes():
                     data += chunk
                     if len(data) > settings.payload_limit:
-                        raise ServiceError(413, f"{param}: image at URL is over {settings.payload_limit} bytes",
+                        raise InputTooLarge(f"{param}: image at URL is over {settings.payload_limit} bytes",
                                            "image_too_large", param)
                     if time.monotonic() > deadline:
-                        raise ServiceError(400, f"{param}: fetching the URL took over {settings.url_fetch_timeout} s",
+                        raise InputRejected(f"{param}: fetching the URL took over {settings.url_fetch_timeout} s",
                                            "url_fetch_failed", param)
                 return bytes(data)
             finally:
                 await response.aclose()
         except httpx.HTTPError as e:
-            raise ServiceError(400, f"{param}: fetching the URL failed: {type(e).__name__}", "url_fetch_failed",
+            raise InputRejected(f"{param}: fetching the URL failed: {type(e).__name__}", "url_fetch_failed",
                                param) from None
-    raise ServiceError(400, f"{param}: more than {MAX_REDIRECTS} redirects", "url_fetch_failed", param)
+    raise InputRejected(f"{param}: more than {MAX_REDIRECTS} redirects", "url_fetch_failed", param)
 
 
 async def fetch_all(images: list, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> list:

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
-from encoder.config import ATTENTION_BACKENDS
+from encoder.config import ATTENTION_BACKENDS, LOAD_FORMATS
 
 ENV_PREFIX = "VITSERVE_"
 
@@ -14,7 +14,7 @@ ENV_PREFIX = "VITSERVE_"
 @dataclass
 class Settings:
     model: str | None = field(default=None, metadata={"help": "checkpoint dir, hub id, or built-in name (required)"})
-    load_format: str = field(default="auto", metadata={"help": "auto, safetensors or dummy (seeded random weights)"})
+    load_format: str = field(default="auto", metadata={"help": f"{', '.join(LOAD_FORMATS)} (dummy: seeded random weights)"})
     revision: str | None = field(default=None, metadata={"help": "hub revision"})
     device: str = field(default="auto", metadata={"help": "auto (cuda:0 if available, else cpu), cpu or cuda[:i]"})
     devices: str | None = field(default=None, metadata={"help": "several devices, e.g. cuda:0,cuda:1 or all: one runner per device"})
@@ -34,8 +34,10 @@ class Settings:
     max_images_per_request: int = field(default=64, metadata={"help": "images per request (413)"})
     min_pixels: int | None = field(default=None, metadata={"help": "override the resize minimum (pixels)"})
     max_pixels: int | None = field(default=None, metadata={"help": "override the resize maximum (pixels)"})
-    preprocess_workers: int = field(default=0, metadata={"help": "decode/resize workers (0: one per core)"})
-    preprocess_processes: bool = field(default=True, metadata={"help": "run them as processes (false: threads)"})
+    decode_workers: int = field(default=0, metadata={"help": "decode + resize workers (0: one per core)",
+                                                     "aliases": ("preprocess_workers",)})
+    decode_processes: bool = field(default=True, metadata={"help": "run them as processes (false: threads)",
+                                                           "aliases": ("preprocess_processes",)})
     device_processes: bool | None = field(default=None, metadata={"help": "serve each device from a process of its own, sharing no GIL with the HTTP server (default: on CUDA devices)"})
     spool_dir: str | None = field(default=None, metadata={"help": "RAM-backed directory where decoded images cross from the decode processes (default: /dev/shm; none: through a pipe, slower)"})
     allow_url_fetch: bool = field(default=False, metadata={"help": "accept http(s) image URLs (off: SSRF risk)"})
@@ -46,7 +48,7 @@ class Settings:
 
     def __post_init__(self):
         checks = [(bool(self.model), "--model (or VITSERVE_MODEL) is required"),
-                  (self.load_format in ("auto", "safetensors", "dummy"), "load-format must be auto, safetensors or dummy"),
+                  (self.load_format in LOAD_FORMATS, f"load-format must be one of {', '.join(LOAD_FORMATS)}"),
                   (self.attention_backend in ATTENTION_BACKENDS,
                    f"attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}"),
                   (self.log_format in ("text", "json"), "log-format must be text or json"),
@@ -82,6 +84,24 @@ class Settings:
             raise ValueError(f"budgets must be comma-separated integers, got {self.budgets!r}") from None
 
 
+def resolve_devices(settings: Settings) -> tuple[list[str], str]:
+    """The devices to serve on (`--devices` list or "all", else `--device`) and the dtype (auto: bfloat16 on CUDA)."""
+    import torch
+
+    if settings.devices:
+        if settings.devices == "all":
+            count = torch.cuda.device_count()
+            devices = [f"cuda:{i}" for i in range(count)] if count else ["cpu"]
+        else:
+            devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
+    else:
+        devices = ["cuda:0" if torch.cuda.is_available() else "cpu"] if settings.device == "auto" else [settings.device]
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if devices[0].startswith("cuda") else "float32"
+    return devices, dtype
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -94,25 +114,46 @@ def _parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
 
 
+def _env_default(f):
+    """The field's default from VITSERVE_<FIELD> (or an alias's variable) when set, else the dataclass default."""
+    for name in (f.name, *f.metadata.get("aliases", ())):
+        if ENV_PREFIX + name.upper() in os.environ:
+            return os.environ[ENV_PREFIX + name.upper()]
+    return f.default
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field; its default comes from VITSERVE_<FIELD> when set, else the dataclass default."""
+    """One flag per field (plus its old names, kept as aliases); its default comes from the environment."""
     for f in fields(Settings):
         env = ENV_PREFIX + f.name.upper()
         kind = f.type if isinstance(f.type, type) else str(f.type)
-        default = os.environ.get(env, f.default)
+        default = _env_default(f)
+        names = [_flag(f.name), *map(_flag, f.metadata.get("aliases", ()))]
         help_text = f"{f.metadata['help']} [env {env}; default {f.default}]"
+        common = dict(dest=f.name, help=help_text)
         if "bool" in str(kind):
-            parser.add_argument(_flag(f.name), type=_parse_bool, nargs="?", const=True,
-                                default=_parse_bool(default) if isinstance(default, str) else default, help=help_text)
+            parser.add_argument(*names, type=_parse_bool, nargs="?", const=True,
+                                default=_parse_bool(default) if isinstance(default, str) else default, **common)
         elif "int" in str(kind) and "None" not in str(kind):
-            parser.add_argument(_flag(f.name), type=int, default=int(default), help=help_text)
+            parser.add_argument(*names, type=int, default=int(default), **common)
         elif "int" in str(kind):
-            parser.add_argument(_flag(f.name), type=int, default=None if default is None else int(default), help=help_text)
+            parser.add_argument(*names, type=int, default=None if default is None else int(default), **common)
         elif "float" in str(kind):
-            parser.add_argument(_flag(f.name), type=float, default=float(default), help=help_text)
+            parser.add_argument(*names, type=float, default=float(default), **common)
         else:
-            parser.add_argument(_flag(f.name), default=default, help=help_text)
+            parser.add_argument(*names, default=default, **common)
 
 
 def from_args(args: argparse.Namespace) -> Settings:
     return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
+
+
+def flag_table() -> str:
+    """Every flag as a Markdown table (docs/configuration.md holds it; a test keeps the two equal)."""
+    rows = ["| flag | env var | default | meaning |", "|---|---|---|---|"]
+    for f in fields(Settings):
+        aliases = "".join(f" (or `{_flag(a)}`)" for a in f.metadata.get("aliases", ()))
+        default = "(required)" if f.name == "model" else f.default
+        rows.append(f"| `{_flag(f.name)}`{aliases} | `{ENV_PREFIX}{f.name.upper()}` | `{default}` | "
+                    f"{f.metadata['help']} |")
+    return "\n".join(rows)

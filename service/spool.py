@@ -1,15 +1,12 @@
 """Decoded pixels from the decode worker processes to whoever runs them, through files in RAM (a tmpfs: /dev/shm).
 
-A process pool returns results pickled through one pipe that every worker shares, read by one thread of the
-server that holds the GIL for each chunk: about 2 ms of the server's CPU per 868 KB image, which capped a 2-GPU
-server near 245 images/s. A worker writes the pixels to a spool file instead and returns only its name: a
-`Spooled` image. Reading it back in the pool's result thread as soon as it arrived then became the limit in turn
-(1.9 ms a read there, against 0.4 alone; results waited 86 ms on average for that thread at 345 images/s on two
-H200s, and two GPUs served 1.56x one), so a spooled image now stays a file until the one who runs it reads it: the
-device's thread, or the device's own process, where the server's process never touches the pixels at all (1.78x).
-Whoever drops an image instead (a failed sibling, a client gone) removes its file (`discard`). When the directory
-is missing, not writable, or full (Docker's default /dev/shm is 64 MB), the worker returns the pixels through the
-pipe as before: slower, never wrong.
+A decode worker writes an image's pixels to a spool file and returns only its name (a `Spooled` image): no pixels
+cross a pipe, nor the server's GIL. The file stays until the one who runs the image reads it (the device's thread,
+or the device's own process, so that the server's process never touches the pixels); whoever drops an image
+instead (a failed sibling, a client gone) removes its file (`discard`). When the directory is missing, not
+writable, or full (Docker's default /dev/shm is 64 MB), the worker returns the pixels through its socket instead:
+slower, never wrong. Each server holds a lock file while it lives, so that the next server on the directory can
+remove what a killed one left behind.
 """
 
 from __future__ import annotations
@@ -22,6 +19,10 @@ import uuid
 from dataclasses import dataclass
 
 import numpy as np
+
+class ImageLost(RuntimeError):
+    """A spooled image could not be read back (its file is gone or short): its batch fails."""
+
 
 @dataclass
 class Spooled:
@@ -45,8 +46,8 @@ def pixels(images: list) -> list[np.ndarray]:
         except OSError as e:
             lost = lost or e
     if lost is not None:
-        raise RuntimeError(f"a decoded image was lost on its way from the decode worker ({type(lost).__name__}: "
-                           f"{lost})")
+        raise ImageLost(f"a decoded image was lost on its way from the decode worker ({type(lost).__name__}: "
+                        f"{lost})")
     return out
 
 

@@ -62,5 +62,9 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, object]]:
     return out
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+@pytest.fixture(scope="session")
+def encoders():
+    """Tiny towers with seeded dummy weights, by name, shared by the service tests."""
+    from encoder import VisionEncoder
+
+    return {name: VisionEncoder.from_pretrained(name, load_format="dummy") for name in ("tiny-qwen2.5-vl", "tiny-qwen3-vl")}

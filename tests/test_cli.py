@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 from PIL import Image
 from safetensors import safe_open
 
@@ -27,6 +27,7 @@ def write_images(tmp_path: Path) -> list[str]:
     return paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_encode_cli_matches_transformers_pipeline(checkpoints, tmp_path, family):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -59,6 +60,7 @@ def test_encode_cli_matches_transformers_pipeline(checkpoints, tmp_path, family)
             assert not any(".deepstack." in k for k in f.keys())
 
 
+@pytest.mark.slow
 def test_encode_cli_reports_bad_input(tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not an image")

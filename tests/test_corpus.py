@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 from corpus import INVALID_IMAGES, VALID_IMAGES, encode, photo, uri
 from fastapi.testclient import TestClient
 from PIL import Image, ImageOps
@@ -31,7 +31,7 @@ def served(checkpoints):
     enc = VisionEncoder.from_pretrained(path)
     settings = Settings(model=path, served_model_name="tiny", max_batch_wait_ms=150, payload_limit=2 * 2**20,
                         max_image_pixels=50_000_000)
-    with TestClient(create_app(settings, Engine(settings, encoder=enc))) as client:
+    with TestClient(create_app(settings, Engine(settings, encoders=enc))) as client:
         yield client, hf_tower
 
 

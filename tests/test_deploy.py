@@ -50,6 +50,7 @@ def test_dockerfile_lints_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_image_commands_work_in_a_clean_venv(tmp_path):
     """Build the wheel as the image does, install it into a fresh venv, and run the image's ENTRYPOINT/CMD (with the
     tiny dummy model) until /ready, then its HEALTHCHECK; torch and the rest come from this environment, as they

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from service import fetch
-from service.errors import ServiceError
+from service.errors import EngineError, ServiceError
 from service.settings import Settings
 
 DNS = {"images.example": ["93.184.216.34"], "cdn.example": ["151.101.1.1"], "internal.example": ["10.1.2.3"],
@@ -57,16 +57,16 @@ def test_connection_is_pinned_to_the_checked_address():
 @pytest.mark.parametrize("url", ["http://internal.example/x.png", "http://mixed.example/x.png",
                                  "http://metadata.example/latest/meta-data", "http://127.0.0.1/x", "http://[::1]/x"])
 def test_non_public_addresses_are_refused_before_connecting(url):
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(EngineError) as e:
         run([url], lambda r: pytest.fail("must not connect"))
-    assert e.value.status == 400 and e.value.code == "forbidden_url"
+    assert ServiceError.of(e.value).status == 400 and e.value.code == "forbidden_url"
 
 
 def test_redirects_are_rechecked_and_bounded():
     def to_internal(request):
         return httpx.Response(302, headers={"location": "http://internal.example/secret"})
 
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(EngineError) as e:
         run(["http://images.example/a"], to_internal)
     assert e.value.code == "forbidden_url"
 
@@ -81,18 +81,18 @@ def test_redirects_are_rechecked_and_bounded():
     data, _ = run(["http://images.example/a"], to_cdn)
     assert data == [b"OK"] and hops == ["images.example", "cdn.example"]
 
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(EngineError) as e:
         run(["http://images.example/a"], lambda r: httpx.Response(302, headers={"location": "/again"}))
     assert "redirects" in e.value.message
 
 
 def test_size_status_and_scheme_limits():
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(EngineError) as e:
         run(["http://images.example/big"], lambda r: httpx.Response(200, content=b"x" * 5000), payload_limit=4096)
-    assert e.value.status == 413
-    with pytest.raises(ServiceError) as e:
+    assert ServiceError.of(e.value).status == 413
+    with pytest.raises(EngineError) as e:
         run(["http://images.example/missing"], lambda r: httpx.Response(404))
-    assert e.value.status == 400 and "HTTP 404" in e.value.message
-    with pytest.raises(ServiceError) as e:
+    assert ServiceError.of(e.value).status == 400 and "HTTP 404" in e.value.message
+    with pytest.raises(EngineError) as e:
         run(["http://nowhere.example/x"], lambda r: httpx.Response(200))
     assert e.value.code == "invalid_url"

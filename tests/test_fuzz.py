@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from test_server import start_server  # noqa: E402
+from service.launch import start_server  # noqa: E402
 
 KEY = {"authorization": "Bearer fuzz-key"}
 
 
 def test_no_server_errors_from_any_generated_request():
-    proc, url = start_server("--max-batch-wait-ms", "1", "--api-key", "fuzz-key")
+    proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--max-batch-wait-ms", "1",
+                             "--api-key", "fuzz-key", timeout=60, capture_log=True)
     try:
         schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=KEY)
         operations = [result.ok() for result in schema.get_all_operations()]
@@ -34,4 +36,5 @@ def test_no_server_errors_from_any_generated_request():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    proc.log_reader.join(10)
     assert "Traceback" not in "".join(proc.log)

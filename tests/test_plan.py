@@ -43,7 +43,7 @@ def test_plan_equals_transformers_metadata(seed):
     assert torch.equal(p25.window.cu_seqlens, cu_window)
     assert p25.window.max_seqlen == int((cu_window[1:] - cu_window[:-1]).max())
     # our rows are the window-permuted rows, and our positions are transformers' positions permuted the same way
-    rows = (window_index[:, None] * 4 + torch.arange(4)).reshape(-1)
+    rows = (window_index[:, None] * QWEN25.merge_unit + torch.arange(QWEN25.merge_unit)).reshape(-1)
     assert torch.equal(p25.patch_order, rows)
     assert torch.equal(p25.positions.long(), ref_pos[rows])
     assert torch.equal(p25.token_order, torch.argsort(window_index))
@@ -55,7 +55,7 @@ def test_plan_equals_transformers_metadata(seed):
     assert torch.equal(p3.interp_weights, wts)
     offsets = [0]
     for t, h, w in grids:
-        offsets.append(offsets[-1] + t * h * w // 4)
+        offsets.append(offsets[-1] + t * h * w // QWEN3.merge_unit)
     assert p3.token_offsets == offsets
 
 
@@ -81,7 +81,8 @@ def test_padding_forms_segments_of_its_own(cfg):
     if plan.patch_order is not None:  # padding rows stay at the end, untouched by the window permutation
         assert torch.equal(plan.patch_order[:real], unpadded.patch_order)
         assert torch.equal(plan.patch_order[real:], torch.arange(real, 1024))
-        assert torch.equal(plan.token_order[real // 4:], torch.arange(real // 4, 256))
+        u = cfg.merge_unit
+        assert torch.equal(plan.token_order[real // u:], torch.arange(real // u, 1024 // u))
 
 
 def test_rejects_bad_grids_and_padding():

@@ -6,12 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES, rel_err
+from conftest import FAMILIES
+from helpers import rel_err
 
 from encoder import VisionEncoder
 from encoder.plan import make_plan, to_device
 from encoder.preprocess import normalize_lut
-from encoder.runner import GraphRunner, frame_capacity, window_capacity
+from encoder.packing import frame_capacity, window_capacity
+from encoder.runner import GraphRunner
 
 CPU = torch.device("cpu")
 
@@ -112,14 +114,14 @@ def test_packing_order_and_capacities(checkpoints):
         if b.budget is not None:
             assert b.patches == sum(grids[i][1] * grids[i][2] for i in b.indices) <= b.budget
             assert b.frames <= frame_capacity(b.budget, runner.cfg) and b.windows <= window_capacity(b.budget)
-            assert b.budget == runner.budget_for(b.patches, b.frames, b.windows)  # the smallest that admits it
+            assert b.budget == runner.packer.budget_for(b.patches, b.frames, b.windows)  # the smallest that admits it
     # first-fit decreasing: 560 + 256 + 256 + 64 + 16 + 4 = 1156 patches need 2 replays, not more
     assert len(batches) - len(eager) == 2
     # results come back in input order
     px = pixels(grids, enc.config.patch_dim)
     results = enc.encode_pixels(px, grids)
     assert [r.grid_thw for r in results] == grids
-    assert [r.num_tokens for r in results] == [t * h * w // 4 for t, h, w in grids]
+    assert [r.num_tokens for r in results] == [t * h * w // enc.config.merge_unit for t, h, w in grids]
 
 
 def test_many_tiny_frames_split_by_capacity(checkpoints):
@@ -191,7 +193,7 @@ def test_pooled_images_come_back_as_device_means(encoders):
     mixed = runner.collect(runner.launch_images(images, lut, [True, False, True, False]))
     pooled = runner.collect(runner.launch_images(images, lut, [True] * 4))
     for i, (t, deepstack) in enumerate(tokens):
-        assert t.shape[0] == images[i].shape[0] * images[i].shape[1] // (p * p * 4) and len(deepstack) == 2
+        assert t.shape[0] == images[i].shape[0] * images[i].shape[1] // (p * p * enc.config.merge_unit) and len(deepstack) == 2
         for vec, ds in [pooled[i]] + ([mixed[i]] if i % 2 == 0 else []):
             assert vec.dtype == torch.float32 and vec.shape == (t.shape[1],) and ds == []
             assert rel_err(vec, t.mean(0, dtype=torch.float32)) <= 1e-6

@@ -16,19 +16,23 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import rel_err
-from test_service import data_uri, png
+from helpers import data_uri, png, rel_err, wait_until
 
 from encoder import VisionEncoder
+from service import launch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import serving  # noqa: E402  (bench/serving.py: start the server, wait until ready)
+pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen2.5-vl"
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    return serving.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=60, capture_log=True)
+    return launch.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=60, capture_log=True)
+
+
+def log_of(proc: subprocess.Popen) -> str:
+    """Everything the exited server wrote (its log reader has drained the pipe)."""
+    proc.log_reader.join(10)
+    return "".join(proc.log)
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +65,9 @@ def test_concurrent_mixed_sizes_then_sigterm_with_requests_in_flight(direct):
             # SIGTERM while requests wait in the batcher: every one is answered, new ones get 503, exit code 0
             with ThreadPoolExecutor(12) as pool:
                 futures = [pool.submit(post, i % len(IMAGES)) for i in range(12)]
-                deadline = time.time() + 10
-                while client.get("/stats").json()["requests_in_flight"] < 12 and time.time() < deadline:
-                    time.sleep(0.005)
+                wait_until(lambda: client.get("/stats").json()["requests_in_flight"] >= 12, 10, "12 requests admitted")
                 proc.send_signal(signal.SIGTERM)
-                time.sleep(0.05)
+                wait_until(lambda: refuses(url), 10, "the drain to begin")
                 try:  # a new request is refused: 503 on a kept-alive connection, or no connection at all (refused,
                     # or the idle kept-alive connection closed under it: a reset when the close crosses the request)
                     late = client.post("/v1/embeddings", json={"model": MODEL, "input": [data_uri(IMAGES[0])]})
@@ -80,9 +82,16 @@ def test_concurrent_mixed_sizes_then_sigterm_with_requests_in_flight(direct):
     finally:
         if proc.poll() is None:
             proc.kill()
-        time.sleep(0.2)
-        output = "".join(proc.log)
+        output = log_of(proc)
     assert "Traceback" not in output, output
+
+
+def refuses(url: str) -> bool:
+    """Whether a new request is turned away (503, or no connection): the server is draining."""
+    try:
+        return httpx.get(url + "/ready", timeout=5).status_code == 503
+    except httpx.HTTPError:
+        return True
 
 
 def test_openai_sdk_and_second_sigterm(direct):
@@ -110,10 +119,9 @@ def test_openai_sdk_and_second_sigterm(direct):
 
 
 def test_model_load_failure_exits_nonzero(tmp_path):
-    port = serving.free_port()
+    port = launch.free_port()
     proc = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", str(tmp_path / "nothing"),
-                           "--port", str(port), "--host", "127.0.0.1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+                           "--port", str(port), "--host", "127.0.0.1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "model load failed" in proc.stderr and "does not exist" in proc.stderr
 
@@ -137,14 +145,10 @@ def test_clients_that_disconnect_are_dropped_without_leaking():
         sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
         for sock in sockets:
             sock.sendall(request)
-        deadline = time.time() + 10
-        while httpx.get(url + "/stats").json()["requests_in_flight"] < 30 and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] >= 30, 10, "30 requests admitted")
         for sock in sockets:
             sock.close()
-        deadline = time.time() + 10
-        while metric(url, "vitserve_dropped_images_total") < 30 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: metric(url, "vitserve_dropped_images_total") >= 30, 10, "30 images dropped")
         assert metric(url, "vitserve_dropped_images_total") == 30.0
         stats = httpx.get(url + "/stats").json()
         assert stats["requests_in_flight"] == 0 and stats["queue_depth"] == 0 and stats["batch_size_histogram"] == {}
@@ -156,8 +160,7 @@ def test_clients_that_disconnect_are_dropped_without_leaking():
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-    time.sleep(0.2)
-    assert "Traceback" not in "".join(proc.log)  # neither a client going away nor bad input is an error
+    assert "Traceback" not in log_of(proc)  # neither a client going away nor bad input is an error
 
 
 def test_burst_far_above_capacity_gets_answers_or_429s(direct):
@@ -189,11 +192,9 @@ def test_second_sigterm_exits_promptly():
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(lambda: httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]},
                                                  timeout=30))
-        deadline = time.time() + 10
-        while httpx.get(url + "/stats").json()["requests_in_flight"] < 1 and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] >= 1, 10, "the request admitted")
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        wait_until(lambda: refuses(url), 10, "the drain to begin")
         assert proc.poll() is None  # draining: still waiting for the admitted request
         start = time.time()
         proc.send_signal(signal.SIGTERM)

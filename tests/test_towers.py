@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, rel_err
+from conftest import FAMILIES
+from helpers import rel_err
 
 from encoder import VisionEncoder, builtin_config
 from encoder.layers import MLP_ALIGN
@@ -60,7 +61,7 @@ def test_packed_batch_equals_one_by_one(checkpoints, family):
         n = grid[0] * grid[1] * grid[2]
         (alone,) = enc.encode_pixels(px[start:start + n], [grid])
         start += n
-        assert result.embeddings.shape == (n // 4, enc.config.out_hidden_size)
+        assert result.embeddings.shape == (n // enc.config.merge_unit, enc.config.out_hidden_size)
         assert rel_err(result.embeddings, alone.embeddings) <= TOL
         for a, b in zip(result.deepstack or [], alone.deepstack or []):
             assert rel_err(a, b) <= TOL

@@ -4,8 +4,8 @@ On CUDA (half precision, Triton importable) the fused Triton kernels run; everyw
 with transformers' exact op order (so the CPU tests compare bit-for-bit-close against transformers' towers). The GPU
 tests check every Triton kernel against its reference on fresh random inputs.
 
-What is fused, and why: at 8192 patches each block moved ~1 GB through unfused elementwise ops (fp32 upcasts for
-norms and rotary, SiLU then multiply, residual adds, copies), as much time as its GEMMs.
+What is fused, and why: unfused, the elementwise ops of a block (fp32 upcasts for norms and rotary, SiLU then
+multiply, residual adds, copies) move ~1 GB at 8192 patches and take as long as its GEMMs.
 - `add_norm`: residual add + RMSNorm/LayerNorm in one pass (statistics in fp32), returning both.
 - `rotary_qk`: q and k read straight from the fused qkv GEMM output, rotated in fp32, written contiguous.
 - `gated_act` / `act`: SiLU(gate) * up, quick-GELU, tanh-GELU in one pass each.

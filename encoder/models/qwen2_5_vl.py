@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..config import VisionConfig
-from ..layers import MLP_ALIGN, GatedMLP, VisionTower, convert_shared, linear_layout, pad_cols, pad_rows, rms_norm, \
-    round_up, tower_layout
-from .qwen2_vl import MERGER, MERGER_RENAMES
+from ..layers import MLP_ALIGN, GatedMLP, VisionTower, rms_norm, round_up
+from .layout import QWEN2_MERGER, convert_shared, linear_layout, pad_cols, pad_rows, tower_layout
 
 
 def build(cfg: VisionConfig) -> VisionTower:
@@ -19,11 +18,11 @@ def build(cfg: VisionConfig) -> VisionTower:
 def hf_layout(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     d, i = cfg.hidden_size, cfg.intermediate_size
     mlp = lambda p: linear_layout(p + "gate_proj", i, d) | linear_layout(p + "up_proj", i, d) | linear_layout(p + "down_proj", d, i)
-    return tower_layout(cfg, norm_bias=False, patch_bias=False, merger_names=MERGER, mlp_layout=mlp)
+    return tower_layout(cfg, norm_bias=False, patch_bias=False, merger_names=QWEN2_MERGER, mlp_layout=mlp)
 
 
 def convert(hf: dict[str, torch.Tensor], cfg: VisionConfig) -> dict[str, torch.Tensor]:
-    out, width = convert_shared(hf, cfg, MERGER_RENAMES), round_up(cfg.intermediate_size, MLP_ALIGN)
+    out, width = convert_shared(hf, cfg, QWEN2_MERGER), round_up(cfg.intermediate_size, MLP_ALIGN)
     for i in range(cfg.depth):
         p = f"blocks.{i}.mlp."
         for kind in ("weight", "bias"):

@@ -5,11 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..config import VisionConfig
-from ..layers import MLP, MLP_ALIGN, VisionTower, convert_shared, layer_norm, linear_layout, pad_cols, pad_rows, \
-    round_up, tower_layout
-
-MERGER = ("ln_q", "mlp.0", "mlp.2")
-MERGER_RENAMES = {"merger.ln_q.": "merger.norm.", "merger.mlp.0.": "merger.fc1.", "merger.mlp.2.": "merger.fc2."}
+from ..layers import MLP, VisionTower, layer_norm
+from .layout import QWEN2_MERGER, convert_gelu_mlp, convert_shared, gelu_mlp_layout, tower_layout
 
 
 def build(cfg: VisionConfig) -> VisionTower:
@@ -18,22 +15,9 @@ def build(cfg: VisionConfig) -> VisionTower:
 
 
 def hf_layout(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
-    d, i = cfg.hidden_size, cfg.intermediate_size
-    return tower_layout(cfg, norm_bias=True, patch_bias=False, merger_names=MERGER,
-                        mlp_layout=lambda p: linear_layout(p + "fc1", i, d) | linear_layout(p + "fc2", d, i))
-
-
-def convert_gelu_mlp(hf: dict, cfg: VisionConfig, fc1: str, fc2: str) -> dict[str, torch.Tensor]:
-    """fc1/fc2 MLPs (Qwen2-VL, Qwen3-VL) with the hidden width zero-padded to MLP_ALIGN."""
-    width, out = round_up(cfg.intermediate_size, MLP_ALIGN), {}
-    for i in range(cfg.depth):
-        p = f"blocks.{i}.mlp."
-        out[p + "fc1.weight"] = pad_rows(hf[p + fc1 + ".weight"], width)
-        out[p + "fc1.bias"] = pad_rows(hf[p + fc1 + ".bias"], width)
-        out[p + "fc2.weight"] = pad_cols(hf[p + fc2 + ".weight"], width)
-        out[p + "fc2.bias"] = hf[p + fc2 + ".bias"]
-    return out
+    return tower_layout(cfg, norm_bias=True, patch_bias=False, merger_names=QWEN2_MERGER,
+                        mlp_layout=gelu_mlp_layout(cfg, "fc1", "fc2"))
 
 
 def convert(hf: dict[str, torch.Tensor], cfg: VisionConfig) -> dict[str, torch.Tensor]:
-    return convert_shared(hf, cfg, MERGER_RENAMES) | convert_gelu_mlp(hf, cfg, "fc1", "fc2")
+    return convert_shared(hf, cfg, QWEN2_MERGER) | convert_gelu_mlp(hf, cfg, "fc1", "fc2")

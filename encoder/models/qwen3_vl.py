@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from ..config import VisionConfig
-from ..layers import MLP, VisionTower, convert_shared, layer_norm, linear_layout, tower_layout
-from .qwen2_vl import convert_gelu_mlp
+from ..layers import MLP, VisionTower, layer_norm
+from .layout import convert_gelu_mlp, convert_shared, gelu_mlp_layout, tower_layout
+
+MERGER = ("norm", "linear_fc1", "linear_fc2")
 
 
 def build(cfg: VisionConfig) -> VisionTower:
@@ -16,10 +18,9 @@ def build(cfg: VisionConfig) -> VisionTower:
 
 
 def hf_layout(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
-    d, i = cfg.hidden_size, cfg.intermediate_size
-    return tower_layout(cfg, norm_bias=True, patch_bias=True, merger_names=("norm", "linear_fc1", "linear_fc2"),
-                        mlp_layout=lambda p: linear_layout(p + "linear_fc1", i, d) | linear_layout(p + "linear_fc2", d, i))
+    return tower_layout(cfg, norm_bias=True, patch_bias=True, merger_names=MERGER,
+                        mlp_layout=gelu_mlp_layout(cfg, "linear_fc1", "linear_fc2"))
 
 
 def convert(hf: dict[str, torch.Tensor], cfg: VisionConfig) -> dict[str, torch.Tensor]:
-    return convert_shared(hf, cfg, {}) | convert_gelu_mlp(hf, cfg, "linear_fc1", "linear_fc2")
+    return convert_shared(hf, cfg, MERGER) | convert_gelu_mlp(hf, cfg, "linear_fc1", "linear_fc2")

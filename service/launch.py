@@ -1,4 +1,4 @@
-"""Start `vitserve serve` and wait until it is ready (shared by the bench scripts and tests/test_server.py)."""
+"""Start a `vitserve serve` subprocess and wait until it is ready: for benchmarks, tests and users' own tests."""
 
 from __future__ import annotations
 
@@ -8,11 +8,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -23,17 +20,18 @@ def free_port() -> int:
 
 def start_server(*flags: str, port: int | None = None, timeout: float = 600, capture_log: bool = False,
                  **popen) -> tuple[subprocess.Popen, str]:
-    """`vitserve serve --host 127.0.0.1 --port PORT FLAGS...` from the repository, once `/ready` answers 200.
-    `capture_log`: its output lines collect in `proc.log`, drained continuously (a full pipe would block the
-    server's logging). RuntimeError when it exits or is not ready in `timeout` seconds."""
+    """`vitserve serve --host 127.0.0.1 --port PORT FLAGS...` (this interpreter's), once `/ready` answers 200.
+    `capture_log`: its output lines collect in `proc.log`, drained continuously by `proc.log_reader` (a full pipe
+    would block the server's logging), which ends once the server has exited. RuntimeError when it exits or is not ready in `timeout` seconds."""
     port = port or free_port()
     if capture_log:
         popen |= dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             *flags], cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"}, **popen)
+                             *flags], env=os.environ | {"PYTHONUNBUFFERED": "1"}, **popen)
     proc.log = []
-    if capture_log:
-        threading.Thread(target=lambda: proc.log.extend(proc.stdout), daemon=True).start()
+    proc.log_reader = threading.Thread(target=lambda: proc.log.extend(proc.stdout) if capture_log else None,
+                                       daemon=True)
+    proc.log_reader.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -1,0 +1,91 @@
+"""Work items and the image queue that every device worker takes its batches from.
+
+One item per image of a request, in arrival order; a device worker takes a batch of items from concurrent
+requests up to `max_patches`, waiting up to `wait_s` after the first for more to arrive. A request's future per
+image is resolved on the event loop, so every request gets exactly its own images back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import spool
+from .metrics import Metrics
+
+
+@dataclass
+class WorkItem:
+    """One image waiting for (or in) a batch."""
+
+    image: np.ndarray | spool.Spooled  # resized uint8 [H, W, 3], maybe still in its spool file
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    future: asyncio.Future  # resolved on the event loop with (tokens, deepstack) or (mean vector, [])
+    mean_pooling: bool = False  # answer with the mean of the tokens (taken on the device) instead of the tokens
+    enqueued: float = field(default_factory=time.perf_counter)
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+    cancelled: bool = False  # its client went away: dropped when a batch would take it
+
+    @property
+    def patches(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+class ImageQueue:
+    """Images waiting for a batch, in arrival order, shared by the device worker threads (thread-safe)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self._items: collections.deque[WorkItem] = collections.deque()
+        self._ready = threading.Condition()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, items: list[WorkItem]) -> None:
+        with self._ready:
+            self._items.extend(items)
+            self.metrics.queue_depth.set(len(self._items))
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """Wake every taker with None: the engine is stopping (images still queued are left)."""
+        with self._ready:
+            self.closed = True
+            self._ready.notify_all()
+
+    def take(self, max_patches: int, wait_s: float, block: bool) -> list[WorkItem] | None:
+        """A batch: images in arrival order up to `max_patches` (the first one whatever its size; one that does not
+        fit stays first in line), waiting up to `wait_s` after the first for more. Waits for the first only when
+        `block`. [] when there was nothing to take, None once closed. Images whose client left are dropped."""
+        with self._ready:
+            while block and not self._items and not self.closed:
+                self._ready.wait()
+            if self.closed:
+                return None
+            batch, patches, deadline = [], 0, time.monotonic() + wait_s
+            while True:
+                while self._items and (not batch or patches + self._items[0].patches <= max_patches):
+                    item = self._items.popleft()
+                    batch.append(item)
+                    patches += item.patches
+                if not batch or self._items or patches >= max_patches or self.closed:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._ready.wait(remaining) and not self._items:
+                    break
+            self.metrics.queue_depth.set(len(self._items))
+        live = [item for item in batch if not item.cancelled]  # a client may have left while its batch formed
+        if len(live) < len(batch):
+            self.metrics.dropped.inc(len(batch) - len(live))
+            for item in batch:
+                if item.cancelled:
+                    spool.discard(item.image)
+        return live

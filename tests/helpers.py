@@ -1,0 +1,73 @@
+"""Helpers the tests share (no fixtures: those are in conftest.py): images, payload decoding, errors, waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import time
+
+import numpy as np
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def png(w: int, h: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+IMAGES = [png(120, 90, 1), png(64, 200, 2), png(300, 300, 3)]
+
+
+def b64_floats(s: str, dtype="<f4") -> np.ndarray:
+    return np.frombuffer(base64.b64decode(s), dtype=dtype)
+
+
+def b64_tensor(s: str, shape, dtype="<f4") -> torch.Tensor:
+    return torch.from_numpy(b64_floats(s, dtype).reshape(shape).astype(np.float32))
+
+
+def client_for(encoder, **overrides) -> TestClient:
+    """The app over an already loaded encoder (`Settings` overrides as keywords)."""
+    from service.app import create_app
+    from service.engine import Engine
+    from service.settings import Settings
+
+    settings = Settings(model=encoder.name, load_format="dummy", **overrides)
+    return TestClient(create_app(settings, Engine(settings, encoders=encoder)))
+
+
+def images_in(directory) -> list[str]:
+    """The spool files in `directory` but servers' lock files."""
+    return [name for name in os.listdir(directory) if not name.endswith("lock")]
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
+    """Block until `condition()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(0.01)
+
+
+async def until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
+    """On an event loop: wait until `condition()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        await asyncio.sleep(0.002)

@@ -1,0 +1,244 @@
+"""The HTTP API over Starlette's TestClient (the ASGI app with its lifespan), tiny models on the CPU: responses,
+formats, the error envelope and status codes, limits, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from helpers import IMAGES, b64_floats, b64_tensor, client_for, data_uri, png, rel_err
+from PIL import Image
+from safetensors.torch import load as safetensors_load
+
+from service.app import create_app
+from service.engine import Engine
+from service.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def client(encoders):
+    with client_for(encoders["tiny-qwen3-vl"]) as c:
+        yield c
+
+
+def test_embeddings_float_and_base64_match_direct_encoding(client, encoders):
+    direct = encoders["tiny-qwen3-vl"].encode(IMAGES)
+    body = {"model": "tiny-qwen3-vl", "input": [data_uri(x) for x in IMAGES]}
+    as_float = client.post("/v1/embeddings", json=body)
+    as_b64 = client.post("/v1/embeddings", json=body | {"encoding_format": "base64"})
+    assert as_float.status_code == as_b64.status_code == 200
+    assert float(as_float.headers["x-queue-time"]) >= 0 and float(as_float.headers["x-inference-time"]) > 0
+    f, b = as_float.json(), as_b64.json()
+    assert f["object"] == "list" and f["model"] == "tiny-qwen3-vl"
+    tokens = sum(r.num_tokens for r in direct)
+    assert f["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    for i, r in enumerate(direct):
+        assert f["data"][i]["index"] == i and f["data"][i]["object"] == "embedding"
+        vec = torch.tensor(f["data"][i]["embedding"])
+        assert torch.equal(vec, torch.from_numpy(b64_floats(b["data"][i]["embedding"]).copy()))
+        assert rel_err(vec, r.embeddings.mean(0)) <= 1e-6
+
+
+def test_pooling_none_is_the_token_matrix(client, encoders):
+    direct = encoders["tiny-qwen3-vl"].encode(IMAGES[:2])
+    inputs = [base64.b64encode(x).decode() for x in IMAGES[:2]]  # bare base64 works too
+    none = client.post("/v1/embeddings", json={"input": inputs, "pooling": "none", "encoding_format": "base64"}).json()
+    mean = client.post("/v1/embeddings", json={"input": inputs}).json()
+    for i, r in enumerate(direct):
+        item = none["data"][i]
+        assert item["shape"] == list(r.embeddings.shape) and item["grid_thw"] == list(r.grid_thw)
+        tokens = b64_tensor(item["embedding"], item["shape"])
+        assert rel_err(tokens, r.embeddings) <= 1e-6
+        assert rel_err(tokens.mean(0), torch.tensor(mean["data"][i]["embedding"])) <= 1e-6
+
+
+def test_encode_json_multipart_and_safetensors(client, encoders):
+    direct = encoders["tiny-qwen3-vl"].encode(IMAGES)
+    js = client.post("/v1/encode", json={"images": [data_uri(x) for x in IMAGES]}).json()
+    files = [("images", (f"{i}.png", x, "image/png")) for i, x in enumerate(IMAGES)]
+    multi = client.post("/v1/encode", files=files).json()
+    st = client.post("/v1/encode", files=files, data={"dtype": "bfloat16"}, headers={"accept": "application/octet-stream"})
+    assert st.status_code == 200 and st.headers["content-type"] == "application/octet-stream"
+    tensors = safetensors_load(st.content)
+    for i, r in enumerate(direct):
+        for reply in (js, multi):
+            item = reply["data"][i]
+            assert item["grid_thw"] == list(r.grid_thw) and item["dtype"] == "float32"
+            assert rel_err(b64_tensor(item["embeddings"], item["shape"]), r.embeddings) <= 1e-6
+            assert len(item["deepstack"]) == 2
+            for j, d in enumerate(item["deepstack"]):
+                assert rel_err(b64_tensor(d, item["shape"]), r.deepstack[j]) <= 1e-6
+        assert tensors[f"images.{i}.embeddings"].dtype == torch.bfloat16
+        assert rel_err(tensors[f"images.{i}.embeddings"].float(), r.embeddings) <= 1e-2
+        assert f"images.{i}.deepstack.1" in tensors
+    half = client.post("/v1/encode", json={"images": [data_uri(IMAGES[0])], "dtype": "float16", "deepstack": False})
+    item = half.json()["data"][0]
+    assert item["deepstack"] is None
+    assert rel_err(b64_tensor(item["embeddings"], item["shape"], "<f2"), direct[0].embeddings) <= 1e-3
+
+
+def test_info_endpoints(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"status": "ready"}
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny-qwen3-vl" and models["data"][0]["embedding_dim"] == 32
+    client.post("/v1/embeddings", json={"input": data_uri(IMAGES[0])})
+    stats = client.get("/stats").json()
+    assert stats["state"] == "ready" and stats["family"] == "qwen3_vl" and stats["device"] == "cpu"
+    assert sum(stats["batch_size_histogram"].values()) >= 1 and "budgets" in stats["runner"]
+    metrics = client.get("/metrics").text
+    for name in ("vitserve_requests_total", "vitserve_queue_seconds_bucket", "vitserve_preprocess_seconds_bucket",
+                 "vitserve_inference_seconds_bucket", "vitserve_queue_depth", "vitserve_batch_tokens_bucket",
+                 "vitserve_graph_replays_total", "vitserve_graph_padded_patches_total", "vitserve_eager_fallbacks_total"):
+        assert name in metrics, name
+    for name in ("vitserve_decode_seconds_count", 'vitserve_request_seconds_count{endpoint="/v1/embeddings"}',
+                 "vitserve_queue_seconds_count"):
+        assert float(next(line for line in metrics.splitlines() if line.startswith(name)).split()[-1]) >= 1, name
+
+
+def test_unknown_paths_share_one_metrics_label(client):
+    for i in range(3):
+        assert client.post(f"/v1/no-such-route-{i}", json={}).status_code == 404
+    metrics = client.get("/metrics").text
+    assert "no-such-route" not in metrics
+    assert 'vitserve_requests_total{endpoint="other",outcome="404"} 3.0' in metrics
+
+
+@pytest.mark.parametrize("item, status, code", [
+    ("%%%not-base64%%%", 400, "invalid_base64"),
+    (base64.b64encode(b"just some text, not an image").decode(), 400, "undecodable_image"),
+    (data_uri(IMAGES[0], "text/plain"), 400, "invalid_media_type"),
+    ("data:image/png," + base64.b64encode(IMAGES[0]).decode(), 400, "invalid_media_type"),
+    ("https://example.com/cat.png", 400, "url_fetch_disabled"),
+    ("", 400, "invalid_image"),
+])
+def test_bad_inputs_are_4xx(client, item, status, code):
+    r = client.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0]), item]})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == "input[1]" and err["message"].startswith("input[1]")
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"input": 5}, "input"), ({"input": []}, "input"), ({"input": ["x"], "encoding_format": "hex"}, "encoding_format"),
+    ({"input": ["x"], "pooling": "max"}, "pooling"), ({"input": ["x"], "surprise": 1}, "surprise"),
+    ({"input": ["x"], "dimensions": 8}, "dimensions"), ({}, "input"),
+])
+def test_validation_is_422(client, body, where):
+    r = client.post("/v1/embeddings", json=body)
+    assert r.status_code == 422 and r.json()["error"]["param"].startswith(where)
+
+
+def test_multipart_validation_and_unknown_routes(client):
+    files = [("images", ("a.png", IMAGES[0], "image/png"))]
+    r = client.post("/v1/encode", files=files, data={"dtype": "int4"})
+    assert r.status_code == 422 and r.json()["error"]["param"].startswith("dtype")
+    r = client.post("/v1/encode", files=[("x", ("a.txt", b"not an image", "text/plain"))])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0]"
+    r = client.post("/v1/encode", data={"dtype": "float32"}, files=[])
+    assert r.status_code == 400
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.get("/v1/embeddings")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "http_error"
+
+
+def test_unknown_model_and_bad_json(client):
+    r = client.post("/v1/embeddings", json={"model": "gpt-4", "input": [data_uri(IMAGES[0])]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.post("/v1/encode", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = client.post("/v1/encode", json={"images": ["x"], "dtype": "int8"})
+    assert r.status_code == 422
+
+
+def test_limits_are_413(encoders):
+    with client_for(encoders["tiny-qwen2.5-vl"], payload_limit=4096, max_images_per_request=2,
+                    max_image_pixels=100 * 100) as c:
+        r = c.post("/v1/embeddings", json={"input": [data_uri(png(200, 200))]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        r = c.post("/v1/embeddings", json={"input": [data_uri(png(8, 8))] * 3})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_images"
+        big = io.BytesIO()
+        Image.new("L", (150, 150)).save(big, "PNG")  # 22500 decoded pixels > 10000, but a tiny file
+        r = c.post("/v1/embeddings", json={"input": [data_uri(big.getvalue())]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "image_too_large"
+        # a chunked body with no Content-Length is cut off while streaming
+        r = c.post("/v1/encode", content=iter([b"{\"images\": [\"" + b"A" * 3000, b"A" * 3000 + b"\"]}"]),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 413
+
+
+def test_api_key(encoders):
+    with client_for(encoders["tiny-qwen2.5-vl"], api_key="s3cret") as c:
+        body = {"input": [data_uri(IMAGES[0])]}
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "s3cret"}):
+            r = c.post("/v1/embeddings", json=body, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert "s3cret" not in r.text
+        assert c.post("/v1/embeddings", json=body, headers={"authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/v1/models").status_code == 401 and c.get("/stats").status_code == 401
+        for path in ("/health", "/ready", "/metrics"):
+            assert c.get(path).status_code == 200
+
+
+def test_queue_full_is_429(encoders):
+    with client_for(encoders["tiny-qwen2.5-vl"], max_concurrent_requests=2) as c:
+        engine = c.app.state.engine
+        with engine.admitted(), engine.admitted():  # two requests admitted and not yet answered
+            r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+        assert c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}).status_code == 200
+
+
+def test_not_ready_and_draining_are_503(encoders, monkeypatch):
+    async def never_loads(self):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(Engine, "_load", never_loads)
+    settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy")
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/health").status_code == 200
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.json() == {"status": "loading", "reason": "loading model weights"}
+        r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and r.headers["retry-after"] == "5"
+    with client_for(encoders["tiny-qwen2.5-vl"]) as c:
+        c.app.state.engine.drain()
+        assert c.get("/ready").json()["status"] == "draining"
+        r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+
+
+def test_url_fetching_refuses_private_addresses(encoders):
+    """With fetching enabled, URLs resolving to loopback, private or link-local addresses are refused before any
+    connection is made (SSRF); a non-http scheme is not a URL at all."""
+    with client_for(encoders["tiny-qwen2.5-vl"], allow_url_fetch=True) as c:
+        for url in ("http://127.0.0.1:9/cat.png", "http://localhost/cat.png", "https://169.254.169.254/latest/",
+                    "http://10.0.0.1/x.png", "http://[::1]/x.png"):
+            r = c.post("/v1/embeddings", json={"input": [url]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "forbidden_url", (url, r.text)
+        r = c.post("/v1/embeddings", json={"input": ["http:///nohost.png"]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_url"
+
+
+def test_every_domain_error_has_one_status():
+    """The one table: every domain error the engine raises maps to an HTTP status (and Retry-After where retrying
+    helps), a subclass included."""
+    from service import errors
+
+    domain = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.EngineError)
+              and c is not errors.EngineError]
+    assert set(domain) == set(errors.HTTP_STATUS)
+    assert errors.ServiceError.of(errors.QueueFull("x")).headers == {"Retry-After": "1"}
+    assert errors.ServiceError.of(errors.Unavailable("x", "device_lost")).status == 503
+
+    class Narrower(errors.InputRejected):
+        pass
+
+    assert errors.ServiceError.of(Narrower("x", "odd")).status == 400

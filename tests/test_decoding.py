@@ -1,0 +1,297 @@
+"""Decoding: the spool files that carry decoded pixels, the decode pool's worker processes (death, replacement,
+a pool that cannot replace its last worker), and the decoder that drives them for the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import IMAGES, images_in, png, until
+
+from encoder.preprocess import Base64Data
+from service import spool
+from service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
+from service.engine import Engine, State
+from service.errors import InputRejected, ServiceError, Unavailable
+from service.scheduler import WorkItem
+from service.settings import Settings
+
+
+def b64(data: bytes) -> Base64Data:
+    return Base64Data(base64.b64encode(data).decode())
+
+
+def test_spool_round_trip_and_fallback(tmp_path):
+    names = iter(range(100))
+    prefix = spool.spool_prefix(str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(prefix) + "lock"]  # held while we live
+
+    image = np.random.default_rng(0).integers(0, 256, (28, 42, 3), dtype=np.uint8)
+
+    def put(image):
+        return spool.put(f"{prefix}{next(names)}", image)
+
+    spooled = put(image)
+    assert spooled is not None and len(images_in(tmp_path)) == 1
+    assert np.array_equal(spooled.read(), image) and images_in(tmp_path) == []  # read back, file gone
+    assert spool.put(str(tmp_path / "missing" / "x"), image) is None  # no directory: the caller pipes it
+    short = put(image)
+    with open(short.path, "r+b") as f:
+        f.truncate(10)
+    kept, lost = put(image), spool.Spooled(str(tmp_path / "gone"), (2, 2, 3))
+    with pytest.raises(spool.ImageLost, match="lost on its way.*short"):  # every file is read and removed anyway
+        spool.pixels([short, image, lost, kept])
+    assert images_in(tmp_path) == []
+    a, b = put(image), put(image)
+    assert [x.shape for x in spool.pixels([image, a])] == [image.shape] * 2
+    spool.discard(image)  # an array: nothing to do
+    spool.discard(b)
+    assert images_in(tmp_path) == []
+    put(image), put(image)
+    spool.clear(prefix)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
+    """A server killed with SIGKILL leaves its spool files; the next server on the directory removes them, never a
+    live server's."""
+    code = ("import sys, time; from service import spool; p = spool.spool_prefix(sys.argv[1]); "
+            "open(p + '0-1', 'wb').write(b'x' * 10); print(p, flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = other.stdout.readline().strip()
+        ours = spool.spool_prefix(str(tmp_path))  # sweeps: the other server is alive, its files stay
+        assert os.path.exists(theirs + "0-1") and os.path.exists(theirs + "lock") and os.path.exists(ours + "lock")
+    finally:
+        other.kill()
+        other.wait()
+    again = spool.spool_prefix(str(tmp_path))  # the next server: the killed one's files go, ours (alive) stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(os.path.basename(p + "lock") for p in (ours, again))
+    spool.clear(ours)
+    spool.clear(again)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
+    """With processes, decoded images stay in spool files until they are run, or dropped: the pixels equal the
+    pipe's, and nothing stays behind when a request fails on a sibling image, is cancelled while decoding, or
+    leaves the queue."""
+    enc = encoders["tiny-qwen2.5-vl"]
+    images = [b64(x) for x in IMAGES]
+
+    async def scenario(spool_dir):
+        engine = Engine(Settings(model=enc.name, decode_workers=2, spool_dir=spool_dir), encoders=enc)
+        await engine.start()
+        decoder, cfg = engine.decoder, engine.model.preprocess_config
+        settled = lambda: images_in(spool_dir) == []  # noqa: E731  (decode jobs nobody waits for finish later)
+        try:
+            out = await decoder.decode(images, cfg)
+            pixels = spool.pixels([image for image, _ in out])
+            if spool_dir == "none":
+                return pixels, [grid for _, grid in out], engine.stats()["spool"]
+            assert all(isinstance(image, spool.Spooled) for image, _ in out) and images_in(spool_dir) == []
+            with pytest.raises(InputRejected):  # a bad sibling: the good ones' files go
+                await decoder.decode([*images, b64(b"not an image")], cfg)
+            await until(settled, what="the spool emptied")
+            submitted = decoder.pool.submitted
+            task = asyncio.ensure_future(decoder.decode(images, cfg))  # cancelled while decoding
+            await until(lambda: decoder.pool.submitted == submitted + len(images), what="every job submitted")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await until(settled, what="the spool emptied")
+            gone = asyncio.get_running_loop().create_future()  # left while queued (the batch waits 5 ms)
+            items = [WorkItem(image, grid, gone, cancelled=True) for image, grid in await decoder.decode(images, cfg)]
+            engine.queue.put(items)
+            await until(settled, what="the spool emptied")
+            return pixels, [grid for _, grid in out], engine.stats()["spool"]
+        finally:
+            await engine.stop()
+
+    spooled, grids_a, where = asyncio.run(scenario(str(tmp_path)))
+    piped, grids_b, nowhere = asyncio.run(scenario("none"))
+    assert where == str(tmp_path) and nowhere is None and grids_a == grids_b
+    for a, b in zip(spooled, piped):
+        assert np.array_equal(a, b)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_dead_decode_worker_fails_no_request(encoders, tmp_path):
+    """A worker that dies (a decoder crash, the OOM killer) fails only the image it was decoding, which is tried
+    again on another; the worker is replaced, every request in flight is answered correctly, and nothing is left in
+    the spool."""
+    enc = encoders["tiny-qwen2.5-vl"]
+    images = [b64(x) for x in IMAGES]
+    big = b64(png(3000, 3000))  # decodes long enough to be caught at it
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, decode_workers=2, spool_dir=str(tmp_path)), encoders=enc)
+        await engine.start()
+        decoder, cfg = engine.decoder, engine.model.preprocess_config
+        try:
+            want = await decoder.decode([*images, big], cfg)
+            tasks = [asyncio.ensure_future(decoder.decode([[*images, big][i % 4]], cfg)) for i in range(12)]
+            busy = []
+
+            def on_big():
+                busy[:] = [p for p, size in decoder.pool.workers() if size and size > 100_000]
+                return busy
+
+            await until(on_big, what="a worker busy with the big image")
+            os.kill(busy[0].pid, signal.SIGKILL)
+            got = await asyncio.gather(*tasks)
+            read = [(spool.pixels([image])[0], grid) for image, grid in [*want, *(g[0] for g in got)]]
+            left = images_in(tmp_path)
+            return read[:len(want)], read[len(want):], decoder.pool.replaced, engine.stats()["decode_workers_replaced"], left
+        finally:
+            await engine.stop()
+
+    want, got, replaced, reported, left = asyncio.run(scenario())
+    assert replaced == reported == 1 and left == []
+    for i, (image, grid) in enumerate(got):
+        assert grid == want[i % 4][1] and np.array_equal(image, want[i % 4][0])
+
+
+def test_decode_pool_worker_death_and_errors():
+    """The pool on its own: results in order of submission per job, exceptions back to their job, a job that kills
+    its worker fails alone (WorkerDied) while the other jobs finish, and closing fails what still waits."""
+    async def scenario():
+        pool = DecodePool(2)
+        await pool.start()
+        try:
+            ok = pool.submit(bytes.upper, b"abc")
+            bad = pool.submit(int, b"x")
+            dies = pool.submit(eval, b"__import__('os')._exit(3)")
+            after = [pool.submit(bytes.center, b"a", i) for i in range(6)]
+            assert await ok == b"ABC"
+            with pytest.raises(ValueError):
+                await bad
+            with pytest.raises(WorkerDied, match="exit code 3"):
+                await dies
+            assert [await f for f in after] == [b"a".center(i) for i in range(6)]
+            await until(lambda: len(pool.workers()) == 2 and pool.idle == 2, what="the dead worker replaced")
+            assert pool.replaced == 1
+            cancelled = pool.submit(bytes.upper, b"x" * 10**6)
+            cancelled.cancel()
+            assert await pool.submit(bytes.upper, b"y" * 10**6) == b"Y" * 10**6  # a megabyte each way
+            processes = [p for p, _ in pool.workers()]
+        finally:
+            await pool.close()
+        late = pool.submit(bytes.upper, b"x")
+        with pytest.raises(PoolUnavailable, match="closed"):
+            await late
+        return processes
+
+    assert all(not p.is_alive() for p in asyncio.run(scenario()))
+
+
+async def cannot_start():
+    """In place of DecodePool.start_worker: the system out of processes."""
+    raise OSError("fork: Resource temporarily unavailable")
+
+
+def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
+    """When no worker is left and none can be started (the system out of processes or memory), what waits and what
+    comes after fails with PoolUnavailable at once, instead of waiting forever, and the owner is told."""
+    async def scenario():
+        told = []
+        pool = DecodePool(2, on_broken=told.append)
+        await pool.start()
+        pool.start_worker, pool.respawn_delays = cannot_start, (0.01, 0.01)
+        try:
+            busy = [pool.submit(eval, b"__import__('time').sleep(30)") for _ in range(2)]
+            await until(lambda: pool.idle == 0, what="both workers holding a job")
+            waiting = pool.submit(bytes.upper, b"abc")
+            for process, _ in pool.workers():
+                os.kill(process.pid, signal.SIGKILL)
+            for job in busy:
+                with pytest.raises(WorkerDied):
+                    await asyncio.wait_for(job, 20)
+            with pytest.raises(PoolUnavailable, match="none could be started"):
+                await asyncio.wait_for(waiting, 20)
+            with pytest.raises(PoolUnavailable, match="none could be started"):
+                await pool.submit(bytes.upper, b"abc")
+            return told, pool.replaced
+        finally:
+            await pool.close()
+
+    told, replaced = asyncio.run(scenario())
+    assert replaced == 2 and len(told) == 1 and "Resource temporarily unavailable" in told[0]
+
+
+def test_decode_pool_tries_again_to_replace_a_worker():
+    """A replacement that fails to start once (the system briefly out of processes) is tried again: the pool gets
+    back to its size and serves, instead of shrinking for good."""
+    async def scenario():
+        pool = DecodePool(1)
+        await pool.start()
+        start, failures = pool.start_worker, []
+
+        async def fails_once():
+            if not failures:
+                failures.append(True)
+                raise OSError("fork: Resource temporarily unavailable")
+            await start()
+
+        pool.start_worker, pool.respawn_delays = fails_once, (0.01,)
+        try:
+            [(dead, _)] = pool.workers()
+            os.kill(dead.pid, signal.SIGKILL)
+            await until(lambda: [p.pid for p, _ in pool.workers()] not in ([], [dead.pid]), what="a new worker")
+            return await pool.submit(bytes.upper, b"abc"), len(pool.workers()), pool.broken, failures
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) == (b"ABC", 1, None, [True])
+
+
+def test_engine_without_decode_workers_fails_and_answers_503(encoders):
+    """The engine's side of a broken decode pool: the server reports failed (the CLI then exits for a restart) and a
+    request is answered 503 decode_unavailable, not a 400 that blames the image."""
+    enc = encoders["tiny-qwen2.5-vl"]
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, decode_workers=1), encoders=enc)
+        await engine.start()
+        try:
+            pool = engine.decoder.pool
+            pool.start_worker, pool.respawn_delays = cannot_start, (0.01,)
+            [(process, _)] = pool.workers()
+            os.kill(process.pid, signal.SIGKILL)
+            await until(lambda: engine.state is State.FAILED, what="the engine to fail")
+            with pytest.raises(Unavailable) as error:
+                await engine.decoder.decode([IMAGES[0]], engine.model.preprocess_config)
+            return engine.error, ServiceError.of(error.value)
+        finally:
+            await engine.stop()
+
+    reason, error = asyncio.run(scenario())
+    assert "no decode worker is left" in reason
+    assert error.status == 503 and error.code == "decode_unavailable"
+
+
+def test_decode_workers_import_no_torch(encoders):
+    """What a decode worker runs lives away from the engine and torch (150 MB and a second or two per worker)."""
+    enc = encoders["tiny-qwen2.5-vl"]
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, decode_workers=1), encoders=enc)
+        await engine.start()
+        try:
+            [(image, _)] = await engine.decoder.decode([IMAGES[0]], engine.model.preprocess_config)
+            imported = await engine.decoder.pool.submit(
+                eval, b"'torch' in __import__('sys').modules or 'service.engine' in __import__('sys').modules")
+            return spool.pixels([image])[0], imported
+        finally:
+            await engine.stop()
+
+    image, imported = asyncio.run(scenario())
+    assert image.ndim == 3 and not imported

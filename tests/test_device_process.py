@@ -1,0 +1,86 @@
+"""A device served by a process of its own: answers equal the in-process encoder's, batches and outputs cross
+through the spool (or the pipe without one), and a device process that dies or cannot load fails the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from helpers import IMAGES, b64_tensor, data_uri, images_in, rel_err, wait_until
+
+from service.app import create_app
+from service.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+
+def test_devices_in_processes_of_their_own(encoders, tmp_path):
+    """--device-processes: each device loads and serves in its own process; batches and outputs cross through the
+    spool. Answers equal the in-process encoder's (pooled, tokens, Qwen3 deepstack), both devices serve, their
+    runner stats (of the configured budgets and attention backend) reach /stats and /metrics, nothing stays in the
+    spool, answers stay right through the pipe when the spool goes away, and a device process that dies fails its
+    batch with a 503 and turns /health failed."""
+    enc = encoders["tiny-qwen3-vl"]
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    settings = Settings(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True,
+                        spool_dir=str(spool_dir), max_batch_wait_ms=1, max_batch_tokens=256, decode_workers=2,
+                        budgets="256,1024", attention_backend="sdpa")
+    direct = enc.encode(IMAGES)
+    with TestClient(create_app(settings)) as c:
+        wait_until(lambda: c.get("/ready").status_code == 200, 120, "the device processes ready")
+        with ThreadPoolExecutor(8) as pool:
+            pooled = list(pool.map(lambda i: c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[i % 3])]}),
+                                   range(16)))
+        for i, r in enumerate(pooled):
+            assert r.status_code == 200
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), direct[i % 3].embeddings.mean(0)) <= 1e-6
+
+        def check_native():
+            native = c.post("/v1/encode", json={"images": [data_uri(x) for x in IMAGES]}).json()
+            for item, want in zip(native["data"], direct):
+                assert rel_err(b64_tensor(item["embeddings"], item["shape"]), want.embeddings) <= 1e-6
+                assert len(item["deepstack"]) == len(want.deepstack)
+                for d, w in zip(item["deepstack"], want.deepstack):
+                    assert rel_err(b64_tensor(d, item["shape"]), w) <= 1e-6
+
+        check_native()
+        stats = c.get("/stats").json()
+        assert set(stats["devices"]) == {"cpu#0", "cpu#1"} and stats["family"] == "qwen3_vl"
+        for d in stats["devices"].values():
+            assert d["batches"] > 0 and set(d["runner"]["budgets"]) == {"256", "1024"}, stats["devices"]
+            assert d["runner"]["attention"] == {"full": "sdpa"}
+        assert 'vitserve_graph_replays_total{budget="256",device="cpu#1"}' in c.get("/metrics").text
+        assert images_in(spool_dir) == []
+        for lock in spool_dir.iterdir():  # the server's lock file
+            lock.unlink()
+        spool_dir.rmdir()  # no spool any more: pixels and outputs cross through the pipes
+        for _ in range(4):  # both devices, whichever takes each batch
+            check_native()
+        device = c.app.state.engine.workers[0].device
+        os.kill(device.pid, signal.SIGKILL)
+        wait_until(lambda: not device.process.is_alive(), 10, "the device process to die")
+        errors = []
+        for _ in range(40):  # the live device may take some: both take from one queue
+            r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+            if r.status_code != 200:
+                errors.append((r.status_code, r.json()["error"]["code"]))
+                break
+        assert errors == [(503, "device_lost")]
+        assert c.get("/health").json()["status"] == "failed" and c.get("/ready").status_code == 503
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the device must fail to load)")
+def test_a_device_process_that_cannot_load_fails_the_server(tmp_path):
+    """The device process's load error reaches /health, and the server's own process is left clean."""
+    settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0", dtype="float32",
+                        device_processes=True, spool_dir=str(tmp_path))
+    with TestClient(create_app(settings)) as c:
+        wait_until(lambda: c.get("/health").status_code != 200, 120, "the load to fail")
+        health = c.get("/health")
+        assert health.status_code == 503 and "CUDA is not available" in health.json()["error"]
+        assert c.get("/ready").json()["status"] == "failed"
