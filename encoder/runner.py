@@ -56,7 +56,7 @@ class Launch:
 
     grids: list
     parts: list
-    pool_mean: list[bool]
+    mean_pooling: list[bool]
     done: object = None
 
     @property
@@ -159,12 +159,12 @@ class GraphRunner:
         return self._launch(grids, rows_for)
 
     @torch.inference_mode()
-    def launch_images(self, images: list, pixel_lut, pool_mean: list[bool] | None = None) -> Launch:
+    def launch_images(self, images: list, pixel_lut, mean_pooling: list[bool] | None = None) -> Launch:
         """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size, from
         preprocess.resize_rgb): 8x fewer bytes to copy, and normalize + patchify run on the device through
         `pixel_lut` ([3, 256] float32, preprocess.normalize_lut), giving exactly preprocess()'s values.
 
-        Images flagged in `pool_mean` come back as (mean of their tokens [D] in float32, []): the mean is taken on
+        Images flagged in `mean_pooling` come back as (mean of their tokens [D] in float32, []): the mean is taken on
         the device, and a replay whose images are all pooled copies only the means back."""
         arrays = [a.numpy() if torch.is_tensor(a) else np.asarray(a) for a in images]
         p = self.cfg.patch_size
@@ -175,7 +175,7 @@ class GraphRunner:
         grids = check_grids([(1, a.shape[0] // p, a.shape[1] // p) for a in arrays], self.cfg)
         lut = self._device_lut(pixel_lut)
         return self._launch(grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut),
-                            pool_mean)
+                            mean_pooling)
 
     def _device_lut(self, pixel_lut) -> torch.Tensor:
         """The normalization table on the device, uploaded once per table: a fresh upload per launch is a pageable
@@ -186,10 +186,10 @@ class GraphRunner:
             self._luts[key] = torch.tensor(table, device=self.device)
         return self._luts[key]
 
-    def _launch(self, grids, rows_for, pool_mean: list[bool] | None = None) -> Launch:
-        pool_mean = list(pool_mean) if pool_mean is not None else [False] * len(grids)
-        if len(pool_mean) != len(grids):
-            raise ValueError(f"pool_mean has {len(pool_mean)} flags for {len(grids)} images")
+    def _launch(self, grids, rows_for, mean_pooling: list[bool] | None = None) -> Launch:
+        mean_pooling = list(mean_pooling) if mean_pooling is not None else [False] * len(grids)
+        if len(mean_pooling) != len(grids):
+            raise ValueError(f"mean_pooling has {len(mean_pooling)} flags for {len(grids)} images")
         self._enter()
         try:
             parts = []
@@ -197,7 +197,7 @@ class GraphRunner:
                 n = sum(grid_patches(grids[i]) for i in batch.indices)
                 plan, merged, deepstack = self._run_batch([grids[i] for i in batch.indices],
                                                           rows_for(batch.indices, n), batch.budget)
-                pooled = [pool_mean[i] for i in batch.indices]
+                pooled = [mean_pooling[i] for i in batch.indices]
                 tokens = ds = means = None
                 if not all(pooled):
                     tokens, ds = self._to_host(merged, plan), [self._to_host(d, plan) for d in deepstack]
@@ -208,7 +208,7 @@ class GraphRunner:
             if self._pin:
                 done = torch.cuda.Event()
                 done.record()
-            return Launch(grids, parts, pool_mean, done)
+            return Launch(grids, parts, mean_pooling, done)
         finally:
             self._lock.release()
 
@@ -259,7 +259,7 @@ class GraphRunner:
         for indices, plan, merged, deepstack, means in launch.parts:
             offsets = plan.token_offsets
             for j, (i, a, b) in enumerate(zip(indices, offsets, offsets[1:])):
-                results[i] = (means[j], []) if launch.pool_mean[i] else (merged[a:b], [d[a:b] for d in deepstack])
+                results[i] = (means[j], []) if launch.mean_pooling[i] else (merged[a:b], [d[a:b] for d in deepstack])
         return results
 
     @property
@@ -271,7 +271,7 @@ class GraphRunner:
         dst.copy_(src.pin_memory() if self._pin and not src.is_pinned() else src, non_blocking=True)
 
     def _to_host(self, out: torch.Tensor, plan: BatchPlan | None = None) -> torch.Tensor:
-        """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the pool."""
+        """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the graph memory pool."""
         rows = out[:plan.num_tokens] if plan is not None else out
         if not self._pin:
             return rows
@@ -331,7 +331,7 @@ class GraphRunner:
     # ---- capture -------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every budget, largest first, into one shared memory pool (no-op without CUDA graphs)."""
+        """Capture every budget, largest first, into one graph memory pool (no-op without CUDA graphs)."""
         if not self.use_graphs or self.graphs:
             return
         with torch.cuda.device(self.device):

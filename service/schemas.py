@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .outputs import OUTPUT_DTYPES
+
 
 class EmbeddingRequest(BaseModel):
     """OpenAI's embeddings request; `input` items are images (data URIs, base64, or URLs when enabled)."""
@@ -33,5 +35,5 @@ class EncodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     images: list[str] = Field(min_length=1)
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal[tuple(OUTPUT_DTYPES)] = "float32"
     deepstack: bool = True

@@ -47,11 +47,11 @@ def test_batch_failure_fails_only_that_batch(encoders, monkeypatch):
         real_launch = enc.runner.launch_images
         calls = []
 
-        def faulty(images, lut, pool_mean=None):
+        def faulty(images, lut, mean_pooling=None):
             calls.append(len(images))
             if len(calls) == 1:
                 raise RuntimeError("injected fault")
-            return real_launch(images, lut, pool_mean)
+            return real_launch(images, lut, mean_pooling)
 
         monkeypatch.setattr(enc.runner, "launch_images", faulty)
         r = c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})

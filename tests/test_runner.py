@@ -181,7 +181,7 @@ def test_uint8_images_path_equals_float_rows(encoders):
 
 
 def test_pooled_images_come_back_as_device_means(encoders):
-    """`pool_mean` images return the mean of exactly the tokens they would return, in float32, whether the whole
+    """`mean_pooling` images return the mean of exactly the tokens they would return, in float32, whether the whole
     replay is pooled (only means are copied back) or mixed with token requests; the others are unchanged."""
     enc = encoders["qwen3_vl"]
     rng = np.random.default_rng(0)
@@ -199,7 +199,7 @@ def test_pooled_images_come_back_as_device_means(encoders):
             assert rel_err(vec, t.mean(0, dtype=torch.float32)) <= 1e-6
         if i % 2:
             assert torch.equal(mixed[i][0], t) and all(torch.equal(a, b) for a, b in zip(mixed[i][1], deepstack))
-    with pytest.raises(ValueError, match="pool_mean"):
+    with pytest.raises(ValueError, match="mean_pooling"):
         runner.launch_images(images, lut, [True])
 
 
