@@ -4,7 +4,8 @@ ARG BASE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 
 FROM ${BASE} AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
+COPY vitserve ./vitserve
 COPY encoder ./encoder
 COPY service ./service
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .

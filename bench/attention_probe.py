@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from encoder import attention
-from encoder.runner import capture_graph
+from vitserve.encoder import attention
+from vitserve.encoder.runner import capture_graph
 
 HEADS = 16
 LAYOUTS = {  # name: (segment lengths, budget-style capacity, budget-style max_seqlen, padding rows)

@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from hf_reference import hf_vision_tower  # noqa: E402
 
-from encoder import VisionEncoder  # noqa: E402
-from encoder.checkpoint import dummy_tensors  # noqa: E402
-from encoder.layers import rotary_cos_sin  # noqa: E402
-from encoder.plan import make_plan, to_device  # noqa: E402
-from encoder.runner import capture_graph  # noqa: E402
+from vitserve.encoder import VisionEncoder  # noqa: E402
+from vitserve.encoder.checkpoint import dummy_tensors  # noqa: E402
+from vitserve.encoder.layers import rotary_cos_sin  # noqa: E402
+from vitserve.encoder.plan import make_plan, to_device  # noqa: E402
+from vitserve.encoder.runner import capture_graph  # noqa: E402
 
 MODELS = ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
 CASES = {"224²": [(224, 224)], "448²": [(448, 448)], "448×896": [(448, 896)], "896²": [(896, 896)],

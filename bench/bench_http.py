@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from encoder import VisionEncoder
-from encoder.preprocess import load_image, normalize_lut, preprocess_image, resize_rgb
+from vitserve.encoder import VisionEncoder
+from vitserve.encoder.preprocess import load_image, normalize_lut, preprocess_image, resize_rgb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service.launch import start_server  # noqa: E402
+from vitserve.service.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

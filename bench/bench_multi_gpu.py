@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import drive, engine_throughput, image_files  # noqa: E402
 
-from encoder import VisionEncoder  # noqa: E402
-from encoder.config import builtin_config  # noqa: E402
-from service.launch import start_server  # noqa: E402
+from vitserve.encoder import VisionEncoder  # noqa: E402
+from vitserve.encoder.config import builtin_config  # noqa: E402
+from vitserve.service.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from encoder import builtin_config
-from encoder.layers import MLP_ALIGN, round_up
+from vitserve.encoder import builtin_config
+from vitserve.encoder.layers import MLP_ALIGN, round_up
 
 MODELS = ["Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
 

@@ -18,9 +18,9 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from hf_reference import hf_vision_tower  # noqa: E402
 
-from encoder import builtin_config  # noqa: E402
-from encoder.checkpoint import build_tower, dummy_tensors  # noqa: E402
-from encoder.plan import make_plan, to_device  # noqa: E402
+from vitserve.encoder import builtin_config  # noqa: E402
+from vitserve.encoder.checkpoint import build_tower, dummy_tensors  # noqa: E402
+from vitserve.encoder.plan import make_plan, to_device  # noqa: E402
 
 MODELS = ["Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
 CASES = {"448x448": [(1, 32, 32)], "640x480": [(1, 34, 46)],

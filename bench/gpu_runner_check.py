@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from encoder import VisionEncoder
-from encoder.plan import make_plan, to_device
+from vitserve.encoder import VisionEncoder
+from vitserve.encoder.plan import make_plan, to_device
 
 MODELS = ["Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
 

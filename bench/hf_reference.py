@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from encoder.config import VisionConfig
+from vitserve.encoder.config import VisionConfig
 
 
 def hf_vision_tower(cfg: VisionConfig, tensors: dict[str, torch.Tensor], device, dtype, attn: str = "sdpa"):

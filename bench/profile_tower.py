@@ -22,9 +22,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import gpu_ms, matmul_tflops  # noqa: E402
 
-from encoder import VisionEncoder  # noqa: E402
-from encoder.layers import MLP_ALIGN, round_up  # noqa: E402
-from encoder.plan import make_plan, to_device  # noqa: E402
+from vitserve.encoder import VisionEncoder  # noqa: E402
+from vitserve.encoder.layers import MLP_ALIGN, round_up  # noqa: E402
+from vitserve.encoder.plan import make_plan, to_device  # noqa: E402
 
 CASES = {"Qwen/Qwen2.5-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
          "Qwen/Qwen2-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
@@ -79,7 +79,7 @@ def gemm_table(enc, ceiling: float, m: int = 8192) -> list[dict]:
         tflops = 2 * rows_m * k * nout / ms / 1e9
         rows.append({"gemm": name, "m": rows_m, "k": k, "n": nout, "ms": ms, "tflops": tflops, "of_ceiling": tflops / ceiling})
         if cfg.hidden_act == "gelu_pytorch_tanh" and name == "fc1":  # cuBLASLt's bias + GELU(tanh) epilogue
-            from encoder import kernels
+            from vitserve.encoder import kernels
 
             sep = gpu_ms(lambda x=x, w=w, b=b: kernels.act(F.linear(x, w, b), "gelu_pytorch_tanh"), warmup=5, reps=30)
             fused = gpu_ms(lambda x=x, w=w, b=b: torch._addmm_activation(b, x, w.t(), use_gelu=True), warmup=5, reps=30)

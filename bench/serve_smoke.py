@@ -40,7 +40,7 @@ def main():
     ap.add_argument("--out", default="serve_smoke.json")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--load-format",
+    proc = subprocess.Popen([sys.executable, "-m", "vitserve", "serve", "--model", args.model, "--load-format",
                              "dummy", "--device", "cuda:0", "--host", "127.0.0.1", "--port", str(args.port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})

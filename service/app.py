@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from encoder.preprocess import Base64Data
+from ..encoder.preprocess import Base64Data
 
 from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, ServiceError, error_response

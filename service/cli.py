@@ -11,7 +11,7 @@ import time
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    from encoder.vision_encoder import DTYPES, LOAD_FORMATS
+    from ..encoder.vision_encoder import DTYPES, LOAD_FORMATS
 
     p.add_argument("--model", required=True, help="checkpoint directory, hub id, or built-in name (tiny-qwen2.5-vl, ...)")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
@@ -24,8 +24,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from encoder import VisionEncoder
-    from encoder.preprocess import ImageError, load_image
+    from ..encoder import VisionEncoder
+    from ..encoder.preprocess import ImageError, load_image
 
     from .outputs import OUTPUT_DTYPES, safetensors_body
 
@@ -91,7 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .settings import add_arguments
 
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="vitserve", description="Qwen-VL vision encoding")
+    parser.add_argument("--version", action="version", version=f"vitserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP service")
     add_arguments(serve)
@@ -105,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from encoder.checkpoint import CheckpointError
+    from ..encoder.checkpoint import CheckpointError
 
     args = build_parser().parse_args(argv)
     try:

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from encoder.preprocess import PreprocessConfig, decode_base64, load_image, resize_rgb
+from ..encoder.preprocess import PreprocessConfig, decode_base64, load_image, resize_rgb
 
 from . import spool
 

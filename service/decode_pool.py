@@ -101,7 +101,7 @@ class DecodePool:
     `on_orphan(result)`: a result whose caller is gone (a spooled image's file to remove); `on_broken(reason)`: the
     last worker died and none could be started in its place."""
 
-    def __init__(self, workers: int, preload: str = "service.decode", on_orphan: Callable = lambda result: None,
+    def __init__(self, workers: int, preload: str = "vitserve.service.decode", on_orphan: Callable = lambda result: None,
                  on_broken: Callable[[str], None] = lambda reason: None):
         self.size = workers
         self.on_orphan, self.on_broken = on_orphan, on_broken

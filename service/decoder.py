@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from encoder.preprocess import Base64Data, ImageError, ImageTooLarge, PreprocessConfig
+from ..encoder.preprocess import Base64Data, ImageError, ImageTooLarge, PreprocessConfig
 
 from . import spool
 from .decode import decode_and_resize

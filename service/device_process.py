@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from encoder import VisionEncoder
-from encoder.preprocess import normalize_lut
-from encoder.vision_encoder import parse_device
+from ..encoder import VisionEncoder
+from ..encoder.preprocess import normalize_lut
+from ..encoder.vision_encoder import parse_device
 
 from . import spool
 from .errors import Unavailable

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from encoder import VisionEncoder
-from encoder.config import VisionConfig
-from encoder.preprocess import PreprocessConfig, normalize_lut
-from encoder.vision_encoder import load_configs
+from ..encoder import VisionEncoder
+from ..encoder.config import VisionConfig
+from ..encoder.preprocess import PreprocessConfig, normalize_lut
+from ..encoder.vision_encoder import load_configs
 
 from . import fetch
 from .decoder import Decoder

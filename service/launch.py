@@ -26,7 +26,7 @@ def start_server(*flags: str, port: int | None = None, timeout: float = 600, cap
     port = port or free_port()
     if capture_log:
         popen |= dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "vitserve", "serve", "--host", "127.0.0.1", "--port", str(port),
                              *flags], env=os.environ | {"PYTHONUNBUFFERED": "1"}, **popen)
     proc.log = []
     proc.log_reader = threading.Thread(target=lambda: proc.log.extend(proc.stdout) if capture_log else None,

@@ -8,7 +8,7 @@ import base64
 import torch
 from safetensors.torch import save as safetensors_save
 
-from encoder.vision_encoder import DTYPES
+from ..encoder.vision_encoder import DTYPES
 
 OUTPUT_DTYPES = {name: DTYPES[name] for name in dict.fromkeys(str(t).removeprefix("torch.") for t in DTYPES.values())}
 

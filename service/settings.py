@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
-from encoder.config import ATTENTION_BACKENDS, LOAD_FORMATS
+from ..encoder.config import ATTENTION_BACKENDS, LOAD_FORMATS
 
 ENV_PREFIX = "VITSERVE_"
 

@@ -65,6 +65,6 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, object]]:
 @pytest.fixture(scope="session")
 def encoders():
     """Tiny towers with seeded dummy weights, by name, shared by the service tests."""
-    from encoder import VisionEncoder
+    from vitserve.encoder import VisionEncoder
 
     return {name: VisionEncoder.from_pretrained(name, load_format="dummy") for name in ("tiny-qwen2.5-vl", "tiny-qwen3-vl")}

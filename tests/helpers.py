@@ -42,9 +42,9 @@ def b64_tensor(s: str, shape, dtype="<f4") -> torch.Tensor:
 
 def client_for(encoder, **overrides) -> TestClient:
     """The app over an already loaded encoder (`Settings` overrides as keywords)."""
-    from service.app import create_app
-    from service.engine import Engine
-    from service.settings import Settings
+    from vitserve.service.app import create_app
+    from vitserve.service.engine import Engine
+    from vitserve.service.settings import Settings
 
     settings = Settings(model=encoder.name, load_format="dummy", **overrides)
     return TestClient(create_app(settings, Engine(settings, encoders=encoder)))

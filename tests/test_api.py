@@ -14,9 +14,9 @@ from helpers import IMAGES, b64_floats, b64_tensor, client_for, data_uri, png, r
 from PIL import Image
 from safetensors.torch import load as safetensors_load
 
-from service.app import create_app
-from service.engine import Engine
-from service.settings import Settings
+from vitserve.service.app import create_app
+from vitserve.service.engine import Engine
+from vitserve.service.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def test_url_fetching_refuses_private_addresses(encoders):
 def test_every_domain_error_has_one_status():
     """The one table: every domain error the engine raises maps to an HTTP status (and Retry-After where retrying
     helps), a subclass included."""
-    from service import errors
+    from vitserve.service import errors
 
     domain = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.EngineError)
               and c is not errors.EngineError]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from encoder import attention
+from vitserve.encoder import attention
 
 
 def test_auto_is_exact_sdpa_on_cpu_and_in_float32():

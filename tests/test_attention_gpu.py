@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from encoder import attention
-from encoder.runner import capture_graph
+from vitserve.encoder import attention
+from vitserve.encoder.runner import capture_graph
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 HEADS = 4

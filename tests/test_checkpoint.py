@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from encoder import VisionEncoder
-from encoder.checkpoint import CheckpointError, read_vision_tensors, resolve_checkpoint
+from vitserve.encoder import VisionEncoder
+from vitserve.encoder.checkpoint import CheckpointError, read_vision_tensors, resolve_checkpoint
 
 
 def copy_ckpt(checkpoints, name, tmp_path) -> Path:

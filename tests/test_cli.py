@@ -35,7 +35,7 @@ def test_encode_cli_matches_transformers_pipeline(checkpoints, tmp_path, family)
     path, hf_tower = checkpoints[family]
     images = write_images(tmp_path)
     out = tmp_path / "out.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "service.cli", "encode", "--model", path, *images, "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "vitserve", "encode", "--model", path, *images, "-o", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "encoded 2 image(s)" in proc.stderr
@@ -64,10 +64,10 @@ def test_encode_cli_matches_transformers_pipeline(checkpoints, tmp_path, family)
 def test_encode_cli_reports_bad_input(tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not an image")
-    cmd = [sys.executable, "-m", "service.cli", "encode", "--model", "tiny-qwen2-vl", "--load-format", "dummy"]
+    cmd = [sys.executable, "-m", "vitserve", "encode", "--model", "tiny-qwen2-vl", "--load-format", "dummy"]
     proc = subprocess.run(cmd + [str(bad), "-o", str(tmp_path / "o.safetensors")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "vitserve encode:" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "service.cli", "encode", "--model", str(tmp_path / "missing"),
+    proc = subprocess.run([sys.executable, "-m", "vitserve", "encode", "--model", str(tmp_path / "missing"),
                            str(bad), "-o", "x"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr

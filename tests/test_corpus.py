@@ -17,10 +17,10 @@ from corpus import INVALID_IMAGES, VALID_IMAGES, encode, photo, uri
 from fastapi.testclient import TestClient
 from PIL import Image, ImageOps
 
-from encoder import VisionEncoder
-from service.app import create_app
-from service.engine import Engine
-from service.settings import Settings
+from vitserve.encoder import VisionEncoder
+from vitserve.service.app import create_app
+from vitserve.service.engine import Engine
+from vitserve.service.settings import Settings
 
 FAMILY = "qwen2_5_vl"
 

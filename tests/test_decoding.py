@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from helpers import IMAGES, images_in, png, until
 
-from encoder.preprocess import Base64Data
-from service import spool
-from service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
-from service.engine import Engine, State
-from service.errors import InputRejected, ServiceError, Unavailable
-from service.scheduler import WorkItem
-from service.settings import Settings
+from vitserve.encoder.preprocess import Base64Data
+from vitserve.service import spool
+from vitserve.service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
+from vitserve.service.engine import Engine, State
+from vitserve.service.errors import InputRejected, ServiceError, Unavailable
+from vitserve.service.scheduler import WorkItem
+from vitserve.service.settings import Settings
 
 
 def b64(data: bytes) -> Base64Data:
@@ -62,7 +62,7 @@ def test_spool_round_trip_and_fallback(tmp_path):
 def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
     """A server killed with SIGKILL leaves its spool files; the next server on the directory removes them, never a
     live server's."""
-    code = ("import sys, time; from service import spool; p = spool.spool_prefix(sys.argv[1]); "
+    code = ("import sys, time; from vitserve.service import spool; p = spool.spool_prefix(sys.argv[1]); "
             "open(p + '0-1', 'wb').write(b'x' * 10); print(p, flush=True); time.sleep(60)")
     other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -288,7 +288,7 @@ def test_decode_workers_import_no_torch(encoders):
         try:
             [(image, _)] = await engine.decoder.decode([IMAGES[0]], engine.model.preprocess_config)
             imported = await engine.decoder.pool.submit(
-                eval, b"'torch' in __import__('sys').modules or 'service.engine' in __import__('sys').modules")
+                eval, b"'torch' in __import__('sys').modules or 'vitserve.service.engine' in __import__('sys').modules")
             return spool.pixels([image])[0], imported
         finally:
             await engine.stop()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from service.cli import build_parser
+from vitserve.service.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -161,7 +161,7 @@ def test_kustomization_renders_and_hangs_together():
 
 
 def test_autoscaling_uses_a_metric_the_service_exports():
-    from service.metrics import Metrics
+    from vitserve.service.metrics import Metrics
 
     exported = {m.name for m in Metrics().registry.collect()}
     hpa = yaml.safe_load((DEPLOY / "base" / "hpa.yaml").read_text())

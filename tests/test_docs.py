@@ -7,7 +7,7 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from service.settings import ENV_PREFIX, Settings, flag_table
+from vitserve.service.settings import ENV_PREFIX, Settings, flag_table
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGURATION = ROOT / "docs" / "configuration.md"

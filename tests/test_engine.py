@@ -11,12 +11,12 @@ import torch
 from fastapi.testclient import TestClient
 from helpers import IMAGES, client_for, data_uri, rel_err, until
 
-from encoder import VisionEncoder
-from encoder.preprocess import Base64Data
-from service.app import create_app
-from service.engine import Engine, State
-from service.errors import ClientDisconnected
-from service.settings import Settings
+from vitserve.encoder import VisionEncoder
+from vitserve.encoder.preprocess import Base64Data
+from vitserve.service.app import create_app
+from vitserve.service.engine import Engine, State
+from vitserve.service.errors import ClientDisconnected
+from vitserve.service.settings import Settings
 
 
 def b64(data: bytes) -> Base64Data:

@@ -10,9 +10,9 @@ import socket
 import httpx
 import pytest
 
-from service import fetch
-from service.errors import EngineError, ServiceError
-from service.settings import Settings
+from vitserve.service import fetch
+from vitserve.service.errors import EngineError, ServiceError
+from vitserve.service.settings import Settings
 
 DNS = {"images.example": ["93.184.216.34"], "cdn.example": ["151.101.1.1"], "internal.example": ["10.1.2.3"],
        "mixed.example": ["93.184.216.34", "127.0.0.1"], "metadata.example": ["169.254.169.254"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encoder import kernels
+from vitserve.encoder import kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DTYPES = [torch.bfloat16, torch.float16]

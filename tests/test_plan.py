@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from encoder import builtin_config
-from encoder.plan import make_plan
+from vitserve.encoder import builtin_config
+from vitserve.encoder.plan import make_plan
 
 vu = pytest.importorskip("transformers.vision_utils")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder.preprocess import (
+from vitserve.encoder.preprocess import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     BadAspectRatio,

@@ -9,11 +9,11 @@ import torch
 from conftest import FAMILIES
 from helpers import rel_err
 
-from encoder import VisionEncoder
-from encoder.plan import make_plan, to_device
-from encoder.preprocess import normalize_lut
-from encoder.packing import frame_capacity, window_capacity
-from encoder.runner import GraphRunner
+from vitserve.encoder import VisionEncoder
+from vitserve.encoder.plan import make_plan, to_device
+from vitserve.encoder.preprocess import normalize_lut
+from vitserve.encoder.packing import frame_capacity, window_capacity
+from vitserve.encoder.runner import GraphRunner
 
 CPU = torch.device("cpu")
 
@@ -163,7 +163,7 @@ def test_uint8_images_path_equals_float_rows(encoders):
     import numpy as np
     from PIL import Image
 
-    from encoder.preprocess import normalize_lut
+    from vitserve.encoder.preprocess import normalize_lut
 
     enc = encoders["qwen3_vl"]
     rng = np.random.default_rng(0)
@@ -206,7 +206,7 @@ def test_pooled_images_come_back_as_device_means(encoders):
 def test_frame_capacity_follows_full_attention_layers():
     """Empty flash blocks cost per full-attention layer: all-full towers admit 16 frames a replay, Qwen2.5 (4 full
     layers of 32) up to the row-block bound."""
-    from encoder.config import builtin_config
+    from vitserve.encoder.config import builtin_config
 
     qwen2, qwen25, qwen3 = (builtin_config(m) for m in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct",
                                                      "Qwen/Qwen3-VL-8B-Instruct"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encoder import VisionEncoder
+from vitserve.encoder import VisionEncoder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -47,7 +47,7 @@ def test_pooled_means_on_gpu_equal_the_mean_of_the_tokens():
     same replay's tokens, for a mix of pooled and token images."""
     import numpy as np
 
-    from encoder.preprocess import normalize_lut
+    from vitserve.encoder.preprocess import normalize_lut
 
     enc = VisionEncoder.from_pretrained("tiny-qwen3-vl", device="cuda", dtype="bfloat16", load_format="dummy",
                                         budgets=(256, 1024, 4096))

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from service.metrics import Metrics
-from service.scheduler import ImageQueue, WorkItem
-from service.worker import STOP, pipeline
+from vitserve.service.metrics import Metrics
+from vitserve.service.scheduler import ImageQueue, WorkItem
+from vitserve.service.worker import STOP, pipeline
 
 
 def items(*patches):

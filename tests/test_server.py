@@ -18,8 +18,8 @@ import pytest
 import torch
 from helpers import data_uri, png, rel_err, wait_until
 
-from encoder import VisionEncoder
-from service import launch
+from vitserve.encoder import VisionEncoder
+from vitserve.service import launch
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen2.5-vl"
@@ -120,7 +120,7 @@ def test_openai_sdk_and_second_sigterm(direct):
 
 def test_model_load_failure_exits_nonzero(tmp_path):
     port = launch.free_port()
-    proc = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", str(tmp_path / "nothing"),
+    proc = subprocess.run([sys.executable, "-m", "vitserve", "serve", "--model", str(tmp_path / "nothing"),
                            "--port", str(port), "--host", "127.0.0.1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "model load failed" in proc.stderr and "does not exist" in proc.stderr
@@ -236,7 +236,7 @@ def test_idle_connections_are_closed_by_the_client_not_under_it():
     """A server that closes an idle connection at the moment a client reuses it loses that request (httpx keeps
     connections 5 s, as uvicorn did: 16 of 192 requests failed with a ReadError at 4.97-5 s of idle). The default
     keep-alive outlasts httpx's; `--timeout-keep-alive` is honored: open after 1 s idle, closed after 3 s at 2."""
-    from service.settings import Settings
+    from vitserve.service.settings import Settings
 
     assert Settings(model=MODEL).timeout_keep_alive > 2 * httpx.Limits().keepalive_expiry
     proc, url = start_server("--timeout-keep-alive", "2")

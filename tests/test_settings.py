@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from service.settings import Settings, add_arguments, from_args, resolve_devices
+from vitserve.service.settings import Settings, add_arguments, from_args, resolve_devices
 
 
 def parse(*argv: str) -> Settings:

@@ -7,14 +7,14 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("encoder", "service")
+PACKAGES = {"vitserve": "vitserve", "encoder": "vitserve.encoder", "service": "vitserve.service"}  # folder: package
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = (*package.split("."), *path.relative_to(ROOT / folder).with_suffix("").parts)
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 

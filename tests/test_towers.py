@@ -7,8 +7,8 @@ import torch
 from conftest import FAMILIES
 from helpers import rel_err
 
-from encoder import VisionEncoder, builtin_config
-from encoder.layers import MLP_ALIGN
+from vitserve.encoder import VisionEncoder, builtin_config
+from vitserve.encoder.layers import MLP_ALIGN
 
 TOL = 1e-5
 # Mixed batch: a grid not divisible by Qwen2.5's 4x4-token window (20x28 -> 10x14 tokens), a tall narrow one,
@@ -111,7 +111,7 @@ def test_builtin_configs_cover_published_checkpoints():
 
 def test_parameter_counts_match_published_towers():
     """Meta-device builds of the real-size towers have the published parameter counts (before MLP padding)."""
-    from encoder.models import FAMILY_MODULES
+    from vitserve.encoder.models import FAMILY_MODULES
 
     for name, millions in [("Qwen/Qwen2-VL-7B-Instruct", 676), ("Qwen/Qwen2.5-VL-7B-Instruct", 677),
                            ("Qwen/Qwen3-VL-8B-Instruct", 576), ("Qwen/Qwen3-VL-2B-Instruct", 407)]:

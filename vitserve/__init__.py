@@ -1,0 +1,23 @@
+"""vitserve: Qwen-VL vision towers as a service. `vitserve.encoder` is the library (no HTTP), `vitserve.service` the
+HTTP service over it; the library's main names are importable from here: `from vitserve import VisionEncoder`.
+
+Importing this package imports no torch: the names below load on first use."""
+
+from __future__ import annotations
+
+import os as _os
+
+__version__ = "0.2.0"
+__all__ = ["VisionEncoder", "EncodedImage", "VisionConfig", "BUILTIN_CONFIGS", "builtin_config", "__version__"]
+
+# An installed wheel holds encoder/ and service/ inside this package; a source checkout keeps them beside it.
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "encoder")):
+    __path__.append(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+
+
+def __getattr__(name: str):
+    if name in __all__ and name != "__version__":
+        from . import encoder
+
+        return getattr(encoder, name)
+    raise AttributeError(f"module 'vitserve' has no attribute {name!r}")
