@@ -89,7 +89,7 @@ def main():
                   single_448_ms_p50=float(np.median(single) * 1e3), requests=args.requests,
                   concurrency=args.concurrency, ok=statuses.count(200), p50_ms=float(np.percentile(lat, 50)),
                   p99_ms=float(np.percentile(lat, 99)), images_per_s=args.requests / wall, exit_code=code,
-                  batch_size_histogram=stats["batch_size_histogram"], runner=stats["runner"]["capture_seconds"])
+                  batch_size_histogram=stats["batch_size_histogram"], runner=next(iter(stats["devices"].values()))["runner"]["capture_seconds"])
     print(json.dumps({k: v for k, v in report.items() if k != "runner"}, indent=1))
     json.dump(report | {"stats": stats}, open(args.out, "w"), indent=1)
     return 0 if code == 0 and report["ok"] == args.requests else 1

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from contextlib import asynccontextmanager
+
+import torch.nn.functional as F
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +18,7 @@ from pydantic_core import to_json
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..encoder.preprocess import Base64Data
 
@@ -22,7 +26,7 @@ from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, ServiceError, error_response
 from .gate import Gate
 from .outputs import OUTPUT_DTYPES as OUT, b64, embedding_payload, safetensors_body
-from .schemas import EmbeddingRequest, EncodeRequest
+from .schemas import EmbeddingRequest, EncodeForm, EncodeRequest
 from .settings import Settings
 
 
@@ -46,14 +50,37 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         raise RequestValidationError(errors) from None
 
 
-def request_body(model: type[BaseModel]) -> dict:
-    """The OpenAPI entry of a JSON body parsed by `parse_body` (FastAPI documents only the ones it parses)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+log = logging.getLogger("vitserve.app")
+TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
 
 
-def decode_input(item: str, index: int, allow_url: bool) -> Base64Data | str:
+def request_body(model: type[BaseModel], form: type[BaseModel] | None = None) -> dict:
+    """The OpenAPI entry of a body parsed by `parse_body` (FastAPI documents only the ones it parses), and of a
+    multipart form: image files plus `form`'s fields."""
+    content = {"application/json": {"schema": model.model_json_schema()}}
+    if form is not None:
+        schema = form.model_json_schema()
+        schema["properties"] = {"images": {"type": "array", "items": {"type": "string", "format": "binary"},
+                                           "description": "image files (any file field name)"},
+                                **schema["properties"]}
+        schema["required"] = ["images"]
+        content["multipart/form-data"] = {"schema": schema}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def where(loc: tuple) -> str:
+    """A validation error's field as the client wrote it: `images[1]`, `input` (not pydantic's `input.str`)."""
+    out = ""
+    for part in loc:
+        if part == "body" or isinstance(part, str) and (part in TYPE_TAGS or not part.isidentifier()):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
+    return out
+
+
+def decode_input(item: str, index: int, allow_url: bool, field: str = "input") -> Base64Data | str:
     """A data URI, bare base64, or (when enabled) an http(s) URL left for the fetcher."""
-    param = f"input[{index}]"
+    param = f"{field}[{index}]"
     if item.startswith(("http://", "https://")):
         if not allow_url:
             raise ServiceError(400, f"{param}: image URLs are disabled on this server; send a data URI or base64",
@@ -99,22 +126,33 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     async def on_http_error(request: Request, exc: StarletteHTTPException):  # unknown routes, 405, multipart limits
         return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_disconnect(request: Request, exc: ClientDisconnect):  # while it sent its body
+        log.info("client disconnected while sending its request (%s %s)", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(422, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request",
-                              where or None)
+        field = where(tuple(first.get("loc", ())))
+        return error_response(422, f"{field or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request",
+                              field or None)
 
-    async def encode_images(request: Request, images: list, mean_pooling: bool = False) -> Encoded:
+    async def encode_images(request: Request, images: list, field: str, mean_pooling: bool = False,
+                            max_pixels: int | None = None) -> Encoded:
         if len(images) > settings.max_images_per_request:
             raise ServiceError(413, f"{len(images)} images in one request; the limit is "
-                                    f"{settings.max_images_per_request}", "too_many_images", "input")
+                                    f"{settings.max_images_per_request}", "too_many_images", field)
         disconnected = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            return await engine.encode(images, mean_pooling, disconnected)
+            result = await engine.encode(images, mean_pooling, disconnected, field, max_pixels)
         finally:
             disconnected.cancel()
+        unit = engine.model.config.merge_unit
+        request.state.images, request.state.tokens = len(result.grids), sum(math.prod(g) // unit for g in result.grids)
+        request.state.queue_ms = round(result.queue_s * 1e3, 2)
+        request.state.inference_ms = round(result.inference_s * 1e3, 2)
+        return result
 
     def timing_headers(result: Encoded) -> dict[str, str]:
         return {"x-queue-time": f"{result.queue_s * 1e3:.2f}", "x-inference-time": f"{result.inference_s * 1e3:.2f}"}
@@ -131,10 +169,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         inputs = [body.input] if isinstance(body.input, str) else body.input
         images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(inputs)]
         mean = body.pooling == "mean"  # taken on the device: only the vectors come back
-        result = await encode_images(request, images, mean)
-        data, tokens, unit = [], 0, engine.model.config.merge_unit
+        result = await encode_images(request, images, "input", mean, body.max_pixels)
+        data, tokens = [], request.state.tokens
         for i, ((embeddings, _deepstack), grid) in enumerate(zip(result.outputs, result.grids)):
-            tokens += math.prod(grid) // unit
+            if body.normalize:
+                embeddings = F.normalize(embeddings.float(), dim=-1)
             item = {"object": "embedding", "index": i}
             if not mean:
                 item |= {"shape": list(embeddings.shape), "grid_thw": grid}
@@ -143,27 +182,27 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         return FastJSONResponse(payload, headers=timing_headers(result))
 
-    @app.post("/v1/encode", openapi_extra=request_body(EncodeRequest))
+    @app.post("/v1/encode", openapi_extra=request_body(EncodeRequest, EncodeForm))
     async def encode(request: Request):
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
             form = await request.form(max_files=settings.max_images_per_request + 1, max_fields=64)
             images = [await v.read() for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            fields = {k: v for k, v in form.multi_items() if not isinstance(v, UploadFile)}
             await form.close()
             if not images:
                 raise ServiceError(400, "multipart body has no file parts", "no_images", "images")
-            raw = {"images": ["(file)"] * len(images),
-                   "dtype": form.get("dtype") or request.query_params.get("dtype", "float32"),
-                   "deepstack": str(form.get("deepstack", "true")).lower() != "false"}
+            if "dtype" in request.query_params:
+                fields.setdefault("dtype", request.query_params["dtype"])
             try:
-                body = EncodeRequest.model_validate(raw)
+                body = EncodeForm.model_validate(fields)
             except ValidationError as e:
                 raise RequestValidationError(e.errors()) from None
         else:
             body = parse_body(EncodeRequest, await request.body())
-            check_model(body.model)
-            images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(body.images)]
-        result = await encode_images(request, images)
-        tokens = sum(embeddings.shape[0] for embeddings, _ in result.outputs)
+            images = [decode_input(item, i, settings.allow_url_fetch, "images") for i, item in enumerate(body.images)]
+        check_model(body.model)
+        result = await encode_images(request, images, "images", max_pixels=body.max_pixels)
+        tokens = request.state.tokens
         if "application/octet-stream" in request.headers.get("accept", ""):
             metadata = {"model": settings.model_name, "grid_thw": json.dumps(result.grids), "dtype": body.dtype,
                         "tokens": str(tokens)}

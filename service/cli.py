@@ -9,28 +9,20 @@ import os
 import sys
 import time
 
+from .settings import Parser, Settings, add_arguments, from_args
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    from ..encoder.vision_encoder import DTYPES, LOAD_FORMATS
-
-    p.add_argument("--model", required=True, help="checkpoint directory, hub id, or built-in name (tiny-qwen2.5-vl, ...)")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="dummy: seeded random weights from a built-in config, no files read")
-    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--min-pixels", type=int, default=None, help="override the checkpoint's preprocessing minimum")
-    p.add_argument("--max-pixels", type=int, default=None, help="override the checkpoint's preprocessing maximum")
+log = logging.getLogger("vitserve.cli")
 
 
-def cmd_encode(args: argparse.Namespace) -> int:
+def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     from ..encoder import VisionEncoder
     from ..encoder.preprocess import ImageError, load_image
 
     from .outputs import OUTPUT_DTYPES, safetensors_body
+    from .settings import resolve_devices
 
-    enc = VisionEncoder.from_pretrained(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                                        revision=args.revision, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    (device,), dtype = resolve_devices(settings)
+    enc = VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())
     try:
         images = [load_image(path) for path in args.images]
     except (ImageError, OSError) as e:
@@ -39,27 +31,24 @@ def cmd_encode(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = enc.encode(images)
     seconds = time.perf_counter() - start
-    dtype = next(name for name, t in OUTPUT_DTYPES.items() if t == enc.dtype)
-    metadata = {"model": args.model, "family": enc.config.family, "dtype": dtype,
+    name = next(name for name, t in OUTPUT_DTYPES.items() if t == enc.dtype)  # an alias's canonical name
+    metadata = {"model": settings.model, "family": enc.config.family, "dtype": name,
                 "grid_thw": json.dumps([list(r.grid_thw) for r in results]), "sources": json.dumps(args.images)}
-    body = safetensors_body([(r.embeddings, r.deepstack or []) for r in results], dtype, metadata)
+    body = safetensors_body([(r.embeddings, r.deepstack or []) for r in results], name, metadata)
     with open(args.output, "wb") as f:
         f.write(body)
     tokens = sum(r.num_tokens for r in results)
-    print(f"encoded {len(results)} image(s), {tokens} tokens, in {seconds * 1e3:.1f} ms -> {args.output}", file=sys.stderr)
+    print(f"encoded {len(results)} image(s), {tokens} tokens, on {device} in {name}, in {seconds * 1e3:.1f} ms "
+          f"-> {args.output}", file=sys.stderr)
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
     from .engine import State
-    from .logs import configure_logging
-    from .settings import from_args
 
-    settings = from_args(args)
-    configure_logging(settings.log_format, settings.log_level)
     app = create_app(settings)
     engine = app.state.engine
 
@@ -88,19 +77,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 1 if engine.state is State.FAILED else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .settings import add_arguments
-
+def build_parser() -> Parser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="vitserve", description="Qwen-VL vision encoding")
+    parser = Parser(prog="vitserve", description="Qwen-VL vision encoding")
     parser.add_argument("--version", action="version", version=f"vitserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP service")
     add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
     enc = sub.add_parser("encode", help="encode image files into one safetensors file")
-    add_model_args(enc)
+    add_arguments(enc, encode=True)
     enc.add_argument("images", nargs="+", help="image files")
     enc.add_argument("-o", "--output", required=True, help="output .safetensors path")
     enc.set_defaults(func=cmd_encode)
@@ -108,11 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse and check every setting (exit 2 with one line when one is wrong), then run the command."""
     from ..encoder.checkpoint import CheckpointError
+    from .logs import configure_logging
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        settings = from_args(args)
+        notes = settings.prepare()
+        configure_logging(settings.log_format, settings.log_level)
+        for note in notes:
+            log.warning(note)
+        return args.func(settings, args)
     except (CheckpointError, ValueError) as e:  # bad model, config or flag: a message, not a traceback
         print(f"vitserve {args.command}: {e}", file=sys.stderr)
         return 2

@@ -77,8 +77,8 @@ class Decoder:
         """A forced exit: remove the spool files without waiting for anyone (the processes are killed by then)."""
         spool.clear(self.spool_prefix)
 
-    async def decode(self, images: list, cfg: PreprocessConfig) -> list[Decoded]:
-        """Decode and resize concurrently; the first bad image fails the request (only it)."""
+    async def decode(self, images: list, cfg: PreprocessConfig, field: str = "input") -> list[Decoded]:
+        """Decode and resize concurrently; the first bad image fails the request (only it), named `field[i]`."""
         jobs = [asyncio.ensure_future(self._decode(data, cfg)) for data in images]
         try:
             await asyncio.wait(jobs)
@@ -93,17 +93,17 @@ class Decoder:
                 if error is None:
                     spool.discard(job.result()[0])
             index, error = next((i, e) for i, e in enumerate(errors) if e is not None)
-            raise self._error(index, error) from None
+            raise self._error(f"{field}[{index}]", error) from None
         out, p = [], cfg.patch_size
         for job in jobs:
             image, seconds = job.result()
             self.metrics.preprocess_seconds.observe(seconds)
+            self.metrics.record("decode", seconds)
             out.append((image, (1, image.shape[0] // p, image.shape[1] // p)))
         return out
 
     @staticmethod
-    def _error(index: int, e: BaseException) -> Exception:
-        param = f"input[{index}]"
+    def _error(param: str, e: BaseException) -> Exception:
         if isinstance(e, ImageTooLarge):
             return InputTooLarge(f"{param}: {e}", e.code, param)
         if isinstance(e, ImageError):

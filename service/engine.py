@@ -13,6 +13,7 @@ last decode worker), it turns FAILED, and the CLI exits for a supervisor to rest
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import multiprocessing
@@ -32,7 +33,7 @@ from ..encoder.vision_encoder import load_configs
 from . import fetch
 from .decoder import Decoder
 from .device_process import ProcessDevice
-from .errors import ClientDisconnected, EngineError, NotReady, QueueFull
+from .errors import ClientDisconnected, EngineError, InputRejected, NotReady, QueueFull
 from .metrics import Metrics
 from .scheduler import ImageQueue, WorkItem
 from .settings import Settings, resolve_devices
@@ -123,6 +124,9 @@ class Engine:
             for i, worker in enumerate(self.workers):
                 worker.name = f"{worker.name}#{i}"
         self.devices = [w.name for w in self.workers]
+        attention = devices[0].runner_stats().get("attention", {}) if devices else {}
+        self.metrics.describe_build(torch=torch.__version__, model=s.model_name, family=model.config.family,
+                                    dtype=self.dtype, attention="+".join(dict.fromkeys(attention.values())))
         self.metrics.watch_runners(lambda: {w.name: w.device.runner_stats() for w in self.workers})
         for worker in self.workers:
             worker.start()
@@ -238,14 +242,21 @@ class Engine:
             self.metrics.requests_in_flight.set(self.in_flight)
 
     # ---- work ----------------------------------------------------------------------------------------------------
-    async def encode(self, images: list, mean_pooling: bool = False,
-                     disconnected: asyncio.Future | None = None) -> Encoded:
+    async def encode(self, images: list, mean_pooling: bool = False, disconnected: asyncio.Future | None = None,
+                     field: str = "input", max_pixels: int | None = None) -> Encoded:
         """Encode a request's images (Base64Data, bytes, or URLs when fetching is on): admission, decoding, batching.
-        If `disconnected` resolves first, its images are dropped from the queue (ClientDisconnected)."""
+        If `disconnected` resolves first, its images are dropped from the queue (ClientDisconnected). `field`
+        names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's."""
+        cfg = self.model.preprocess_config if self.model else None
+        if max_pixels is not None and cfg is not None:
+            if max_pixels < cfg.min_pixels:
+                raise InputRejected(f"max_pixels must be at least this server's min_pixels ({cfg.min_pixels})",
+                                    "invalid_max_pixels", "max_pixels")
+            cfg = dataclasses.replace(cfg, max_pixels=min(max_pixels, cfg.max_pixels))
         with self.admitted():
             if self.settings.allow_url_fetch:
-                images = await fetch.fetch_all(images, self.settings)
-            decoded = await self.decoder.decode(images, self.model.preprocess_config)
+                images = await fetch.fetch_all(images, self.settings, field)
+            decoded = await self.decoder.decode(images, cfg, field)
             loop = asyncio.get_running_loop()
             items = [WorkItem(image, grid, loop.create_future(), mean_pooling) for image, grid in decoded]
             self.queue.put(items)
@@ -281,16 +292,22 @@ class Engine:
         m.batch_images.observe(len(batch))
         m.images.labels(worker.name).inc(len(batch))
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+        m.record("inference", seconds)
         for item, output in zip(batch, outputs):
             m.queue_seconds.observe(item.queue_s)
+            m.record("queue", item.queue_s)
             item.inference_s = seconds
             if not item.future.done():
                 item.future.set_result(output)
 
     def stats(self) -> dict:
         runners = [w.device.runner_stats() for w in self.workers]
+        devices = {}
+        for worker, runner in zip(self.workers, runners):  # the budgets captured or used: not all 28 on a CPU
+            budgets = {b: s for b, s in runner.get("budgets", {}).items() if s["captured"] or s["replays"]}
+            devices[worker.name] = worker.stats() | {"runner": runner | {"budgets": budgets}}
         return {"model": self.settings.model_name, "state": self.state.value, "error": self.error,
-                "device": self.devices[0], "devices": {w.name: w.stats() for w in self.workers},
+                "device": self.devices[0], "devices": devices, "latency": self.metrics.percentiles(),
                 "dtype": self.dtype, "family": self.model.config.family if self.model else None,
                 "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
                 "requests_in_flight": self.in_flight, "queue_depth": len(self.queue),
@@ -298,5 +315,4 @@ class Engine:
                 "spool": self.decoder.spool_prefix and os.path.dirname(self.decoder.spool_prefix),
                 "device_processes": any(isinstance(w.device, ProcessDevice) for w in self.workers),
                 "decode_workers_replaced": self.decoder.workers_replaced,
-                "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners),
-                "runner": runners[0] if runners else None}
+                "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners)}

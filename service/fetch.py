@@ -43,8 +43,7 @@ def pinned(url: str, address: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
 
 
-async def fetch_url(client: httpx.AsyncClient, url: str, index: int, settings: Settings) -> bytes:
-    param = f"input[{index}]"
+async def fetch_url(client: httpx.AsyncClient, url: str, param: str, settings: Settings) -> bytes:
     deadline = time.monotonic() + settings.url_fetch_timeout
     for _ in range(MAX_REDIRECTS + 1):
         host, address = await resolve_public(url, param)
@@ -77,14 +76,15 @@ async def fetch_url(client: httpx.AsyncClient, url: str, index: int, settings: S
     raise InputRejected(f"{param}: more than {MAX_REDIRECTS} redirects", "url_fetch_failed", param)
 
 
-async def fetch_all(images: list, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> list:
-    """Replace each URL in `images` by its bytes (other items unchanged)."""
+async def fetch_all(images: list, settings: Settings, field: str = "input",
+                    transport: httpx.AsyncBaseTransport | None = None) -> list:
+    """Replace each URL in `images` by its bytes (other items unchanged); errors name the image `field[i]`."""
     urls = [(i, x) for i, x in enumerate(images) if type(x) is str]  # Base64Data is a str too, not a URL
     if not urls:
         return images
     async with httpx.AsyncClient(follow_redirects=False, timeout=settings.url_fetch_timeout, transport=transport,
                                  trust_env=False) as client:
-        fetched = await asyncio.gather(*(fetch_url(client, url, i, settings) for i, url in urls))
+        fetched = await asyncio.gather(*(fetch_url(client, url, f"{field}[{i}]", settings) for i, url in urls))
     images = list(images)
     for (i, _), data in zip(urls, fetched):
         images[i] = data

@@ -1,31 +1,49 @@
-"""Prometheus collectors, all named vitserve_*, on a registry of the app's own (so several apps can coexist)."""
+"""Prometheus collectors, all named vitserve_* (plus process_*), on a registry of the app's own (so several apps can
+coexist), and the recent latencies per phase that /stats reports as percentiles."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import collections
+import platform
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client import disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series beside every counter and histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PHASES = ("decode", "queue", "inference", "request")  # what /stats reports percentiles of
+RECENT = 2048  # latencies kept per phase for those percentiles
+
+
+def outcome(status: int) -> str:
+    """A response's outcome label: ok, client_error or server_error (fast failures apart from real work)."""
+    return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
 
 
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("vitserve_requests", "HTTP requests by endpoint and outcome", ["endpoint", "outcome"],
+        ProcessCollector(registry=r)
+        self.build = Info("vitserve_build", "The running vitserve: version, python, torch, model", registry=r)
+        self.requests = Counter("vitserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"],
                                 registry=r)
         self.images = Counter("vitserve_images", "Images encoded", ["device"], registry=r)
         self.queue_seconds = Histogram("vitserve_queue_seconds", "Time an image waited for its batch",
                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.preprocess_seconds = Histogram("vitserve_preprocess_seconds", "Decode + preprocess time per image",
-                                            buckets=LATENCY_BUCKETS, registry=r)
+        self.preprocess_seconds = Histogram("vitserve_preprocess_seconds", "Decode + resize work per image, in its "
+                                            "decode worker", buckets=LATENCY_BUCKETS, registry=r)
         self.decode_seconds = Histogram("vitserve_decode_seconds", "Wall time from handing an image to the decode pool "
                                         "to getting its pixels back (pool queueing included)",
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.inference_seconds = Histogram("vitserve_inference_seconds", "Device time per batch (incl. copies)",
                                            ["device"], buckets=LATENCY_BUCKETS, registry=r)
-        self.request_seconds = Histogram("vitserve_request_seconds", "End-to-end request time", ["endpoint"],
+        self.request_seconds = Histogram("vitserve_request_seconds", "End-to-end request time, by endpoint and "
+                                         "outcome (ok, client_error, server_error)", ["endpoint", "outcome"],
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("vitserve_queue_depth", "Images waiting for a batch", registry=r)
         self.requests_in_flight = Gauge("vitserve_requests_in_flight", "Admitted requests not yet answered",
@@ -38,6 +56,29 @@ class Metrics:
                                registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the model is loaded, graphs captured and not draining", registry=r)
         self._runners = None
+        self._recent = {phase: collections.deque(maxlen=RECENT) for phase in PHASES}
+        self._lock = threading.Lock()
+
+    def describe_build(self, **labels: str) -> None:
+        from .. import __version__
+
+        self.build.info({"version": __version__, "python": platform.python_version(), **labels})
+
+    def record(self, phase: str, seconds: float) -> None:
+        """One latency of `phase` for /stats's percentiles (the histograms are observed where it is measured)."""
+        with self._lock:
+            self._recent[phase].append(seconds)
+
+    def percentiles(self) -> dict:
+        """p50 and p99 in ms of the recent latencies of each phase (None before the first)."""
+        out = {}
+        with self._lock:
+            recent = {phase: sorted(values) for phase, values in self._recent.items()}
+        for phase, values in recent.items():
+            pick = (lambda q: round(values[min(len(values) - 1, int(q * len(values)))] * 1e3, 3)) if values else \
+                (lambda q: None)
+            out[phase] = {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "count": len(values)}
+        return out
 
     def watch_runners(self, stats_by_device) -> None:
         """Graph-cache figures read from the runners' own counters at scrape time (never out of step)."""

@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .outputs import OUTPUT_DTYPES
 
+MAX_PIXELS = Field(default=None, gt=0, description="cap on the resized image's pixels for this request (at most the "
+                                                   "server's own, which also applies when this is larger)")
+
 
 class EmbeddingRequest(BaseModel):
     """OpenAI's embeddings request; `input` items are images (data URIs, base64, or URLs when enabled)."""
@@ -17,6 +20,8 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str] = Field(min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
     pooling: Literal["mean", "none"] = "mean"  # extension: mean = one vector per image; none = the token matrix
+    normalize: bool = False  # extension: L2-normalize each returned vector (the pooled one, or each token)
+    max_pixels: int | None = MAX_PIXELS
     user: str | None = None
     modality: Literal["image"] | None = None  # Infinity's field, accepted for compatibility
     dimensions: int | None = None
@@ -37,3 +42,14 @@ class EncodeRequest(BaseModel):
     images: list[str] = Field(min_length=1)
     dtype: Literal[tuple(OUTPUT_DTYPES)] = "float32"
     deepstack: bool = True
+    max_pixels: int | None = MAX_PIXELS
+
+
+class EncodeForm(BaseModel):
+    """The multipart form of /v1/encode: image files in any file field (`images` by convention), and these fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    dtype: Literal[tuple(OUTPUT_DTYPES)] = "float32"
+    deepstack: bool = True
+    max_pixels: int | None = MAX_PIXELS

@@ -1,67 +1,103 @@
-"""Server settings: one dataclass; every field is a kebab-case flag and a VITSERVE_* environment variable."""
+"""Settings: one dataclass for `serve` and `encode`; every field is a kebab-case flag and a VITSERVE_* environment
+variable, and every value is checked before anything loads or binds."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
-from ..encoder.config import ATTENTION_BACKENDS, LOAD_FORMATS
+from ..encoder.config import ATTENTION_BACKENDS, LOAD_FORMATS, builtin_config
 
 ENV_PREFIX = "VITSERVE_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def _setting(default, help: str, encode: bool = False, aliases: tuple[str, ...] = ()):
+    """A field; `encode`: `vitserve encode` reads it too (its other settings are the defaults)."""
+    return field(default=default, metadata={"help": help, "encode": encode, "aliases": aliases})
 
 
 @dataclass
 class Settings:
-    model: str | None = field(default=None, metadata={"help": "checkpoint dir, hub id, or built-in name (required)"})
-    load_format: str = field(default="auto", metadata={"help": f"{', '.join(LOAD_FORMATS)} (dummy: seeded random weights)"})
-    revision: str | None = field(default=None, metadata={"help": "hub revision"})
-    device: str = field(default="auto", metadata={"help": "auto (cuda:0 if available, else cpu), cpu or cuda[:i]"})
-    devices: str | None = field(default=None, metadata={"help": "several devices, e.g. cuda:0,cuda:1 or all: one runner per device"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16"})
-    attention_backend: str = field(default="auto", metadata={"help": f"attention kernel: {', '.join(ATTENTION_BACKENDS)} (auto: the fastest installed for the device; cudnn needs vitserve[cudnn])"})
-    gpu_memory_fraction: float = field(default=0.0, metadata={"help": "cap each GPU's memory to this fraction (0: no cap)"})
-    host: str = field(default="0.0.0.0", metadata={"help": "bind address"})
-    port: int = field(default=8000, metadata={"help": "bind port"})
-    served_model_name: str | None = field(default=None, metadata={"help": "model id in the API (default: --model)"})
-    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' (not on /health, /ready, /metrics)"})
-    max_batch_tokens: int = field(default=4096, metadata={"help": "vision tokens (4 patches each) per GPU batch"})
-    max_batch_wait_ms: float = field(default=5.0, metadata={"help": "how long a batch waits for more images"})
-    budgets: str | None = field(default=None, metadata={"help": "comma-separated CUDA graph budgets in patches (default: built-in)"})
-    max_concurrent_requests: int = field(default=512, metadata={"help": "requests in flight before 429"})
-    payload_limit: int = field(default=32 * 2**20, metadata={"help": "request body limit in bytes (413)"})
-    max_image_pixels: int = field(default=64_000_000, metadata={"help": "decoded pixels per image (413; bomb guard)"})
-    max_images_per_request: int = field(default=64, metadata={"help": "images per request (413)"})
-    min_pixels: int | None = field(default=None, metadata={"help": "override the resize minimum (pixels)"})
-    max_pixels: int | None = field(default=None, metadata={"help": "override the resize maximum (pixels)"})
-    decode_workers: int = field(default=0, metadata={"help": "decode + resize workers (0: one per core)",
-                                                     "aliases": ("preprocess_workers",)})
-    decode_processes: bool = field(default=True, metadata={"help": "run them as processes (false: threads)",
-                                                           "aliases": ("preprocess_processes",)})
-    device_processes: bool | None = field(default=None, metadata={"help": "serve each device from a process of its own, sharing no GIL with the HTTP server (default: on CUDA devices)"})
-    spool_dir: str | None = field(default=None, metadata={"help": "RAM-backed directory where decoded images cross from the decode processes (default: /dev/shm; none: through a pipe, slower)"})
-    allow_url_fetch: bool = field(default=False, metadata={"help": "accept http(s) image URLs (off: SSRF risk)"})
-    url_fetch_timeout: float = field(default=10.0, metadata={"help": "seconds per URL fetch"})
-    log_format: str = field(default="text", metadata={"help": "text or json"})
-    timeout_keep_alive: int = field(default=75, metadata={"help": "seconds an idle connection stays open; longer than clients' and proxies' own (httpx 5, aiohttp 15, load balancers 60), so they always close first"})
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    model: str | None = _setting(None, "checkpoint dir, hub id, or built-in name (required)", encode=True)
+    load_format: str = _setting("auto", f"{', '.join(LOAD_FORMATS)} (dummy: seeded random weights; implied for the "
+                                        "tiny-* built-ins)", encode=True)
+    revision: str | None = _setting(None, "hub revision", encode=True)
+    device: str = _setting("auto", "auto (cuda:0 if available, else cpu), cpu or cuda[:i]", encode=True)
+    devices: str | None = _setting(None, "several devices, e.g. cuda:0,cuda:1 or all: one runner per device")
+    dtype: str = _setting("auto", "auto (bfloat16 on CUDA, float32 on CPU), float32, float16 or bfloat16 (or fp32, "
+                                  "fp16, bf16, half)", encode=True)
+    attention_backend: str = _setting("auto", f"attention kernel: {', '.join(ATTENTION_BACKENDS)} (auto: the fastest "
+                                              "installed for the device; cudnn needs vitserve[cudnn])", encode=True)
+    gpu_memory_fraction: float = _setting(0.0, "cap each GPU's memory to this fraction (0: no cap)")
+    host: str = _setting("0.0.0.0", "bind address")
+    port: int = _setting(8000, "bind port")
+    served_model_name: str | None = _setting(None, "model id in the API (default: --model)")
+    api_key: str | None = _setting(None, "require 'Authorization: Bearer KEY' (not on /health, /ready, /metrics)")
+    max_batch_tokens: int = _setting(4096, "vision tokens (4 patches each) per GPU batch")
+    max_batch_wait_ms: float = _setting(5.0, "how long a batch waits for more images")
+    budgets: str | None = _setting(None, "comma-separated CUDA graph budgets in patches (default: built-in)",
+                                   encode=True)
+    max_concurrent_requests: int = _setting(512, "requests in flight before 429")
+    payload_limit: int = _setting(32 * 2**20, "request body limit in bytes (413)")
+    max_image_pixels: int = _setting(64_000_000, "decoded pixels per image (413; bomb guard)")
+    max_images_per_request: int = _setting(64, "images per request (413)")
+    min_pixels: int | None = _setting(None, "override the resize minimum (pixels)", encode=True)
+    max_pixels: int | None = _setting(None, "override the resize maximum (pixels)", encode=True)
+    decode_workers: int = _setting(0, "decode + resize workers (0: one per core)", aliases=("preprocess_workers",))
+    decode_processes: bool = _setting(True, "run them as processes (false: threads)", aliases=("preprocess_processes",))
+    device_processes: bool | None = _setting(None, "serve each device from a process of its own, sharing no GIL with "
+                                                   "the HTTP server (default: on CUDA devices)")
+    spool_dir: str | None = _setting(None, "RAM-backed directory where decoded images cross from the decode processes "
+                                           "(default: /dev/shm; none: through a pipe, slower)")
+    allow_url_fetch: bool = _setting(False, "accept http(s) image URLs (off: SSRF risk)")
+    url_fetch_timeout: float = _setting(10.0, "seconds per URL fetch")
+    log_format: str = _setting("text", "text or json", encode=True)
+    timeout_keep_alive: int = _setting(75, "seconds an idle connection stays open; longer than clients' and proxies' "
+                                           "own (httpx 5, aiohttp 15, load balancers 60), so they always close first")
+    log_level: str = _setting("info", "debug, info, warning or error", encode=True)
 
     def __post_init__(self):
+        """Check every value on its own, before anything loads: ValueError with the flag and what is wrong."""
+        from ..encoder.vision_encoder import DTYPES
+
+        listed = self._device_list() if self.devices and self.devices != "all" else None
         checks = [(bool(self.model), "--model (or VITSERVE_MODEL) is required"),
-                  (self.load_format in LOAD_FORMATS, f"load-format must be one of {', '.join(LOAD_FORMATS)}"),
+                  (self.load_format in LOAD_FORMATS, f"--load-format must be one of {', '.join(LOAD_FORMATS)}, "
+                                                     f"got {self.load_format!r}"),
+                  (self.dtype == "auto" or self.dtype in DTYPES,
+                   f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+                  (self.device == "auto" or DEVICE.fullmatch(self.device),
+                   f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
+                  (listed is None or listed and all(DEVICE.fullmatch(d) for d in listed),
+                   f"--devices must be all or a comma-separated list of cpu, cuda or cuda:N, got {self.devices!r}"),
                   (self.attention_backend in ATTENTION_BACKENDS,
-                   f"attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}"),
-                  (self.log_format in ("text", "json"), "log-format must be text or json"),
-                  (self.max_batch_tokens > 0, "max-batch-tokens must be positive"),
-                  (self.max_batch_wait_ms >= 0, "max-batch-wait-ms must be >= 0"),
-                  (0 <= self.gpu_memory_fraction <= 1, "gpu-memory-fraction must be in [0, 1]"),
-                  (self.max_concurrent_requests > 0, "max-concurrent-requests must be positive"),
-                  (self.timeout_keep_alive > 0, "timeout-keep-alive must be positive"),
+                   f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
+                  (self.log_format in ("text", "json"), f"--log-format must be text or json, got {self.log_format!r}"),
+                  (self.log_level in LOG_LEVELS, f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
+                                                 f"got {self.log_level!r}"),
+                  (self.max_batch_tokens > 0, "--max-batch-tokens must be positive"),
+                  (self.max_batch_wait_ms >= 0, "--max-batch-wait-ms must be >= 0"),
+                  (0 <= self.gpu_memory_fraction <= 1, "--gpu-memory-fraction must be in [0, 1]"),
+                  (self.max_concurrent_requests > 0, "--max-concurrent-requests must be positive"),
+                  (self.timeout_keep_alive > 0, "--timeout-keep-alive must be positive"),
+                  (self.url_fetch_timeout > 0, "--url-fetch-timeout must be positive"),
+                  (self.decode_workers >= 0, "--decode-workers must be >= 0"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
-                   "limits must be positive"), (0 < self.port < 65536, "port must be 1-65535")]
+                   "--payload-limit, --max-image-pixels and --max-images-per-request must be positive"),
+                  (all(p is None or p > 0 for p in (self.min_pixels, self.max_pixels)),
+                   "--min-pixels and --max-pixels must be positive"),
+                  (None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels,
+                   "--min-pixels must not exceed --max-pixels"),
+                  (0 < self.port < 65536, "--port must be 1-65535")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self.budget_list()
 
     @property
     def model_name(self) -> str:
@@ -69,19 +105,92 @@ class Settings:
 
     def encoder_kwargs(self) -> dict:
         """VisionEncoder.from_pretrained's arguments from these settings, besides model, device and dtype: the same
-        wherever a device loads (a thread of the server, or a device process)."""
+        wherever a device loads (a thread of the server, a device process, or `vitserve encode`)."""
         budgets = self.budget_list()
         return dict(load_format=self.load_format, revision=self.revision, min_pixels=self.min_pixels,
                     max_pixels=self.max_pixels, attention_backend=self.attention_backend,
                     **({} if budgets is None else {"budgets": budgets}))
 
     def budget_list(self) -> tuple[int, ...] | None:
+        """`--budgets` as integers, each a positive multiple of the smallest frame (16 patches); None: built-in."""
+        from ..encoder.packing import MIN_FRAME_PATCHES
+
         if not self.budgets:
             return None
         try:
-            return tuple(int(b) for b in self.budgets.split(",") if b.strip())
+            budgets = tuple(int(b) for b in self.budgets.split(",") if b.strip())
         except ValueError:
-            raise ValueError(f"budgets must be comma-separated integers, got {self.budgets!r}") from None
+            budgets = ()
+        if not budgets or any(b <= 0 or b % MIN_FRAME_PATCHES for b in budgets):
+            raise ValueError(f"--budgets must be comma-separated positive multiples of {MIN_FRAME_PATCHES}, "
+                             f"got {self.budgets!r}")
+        return budgets
+
+    def _device_list(self) -> list[str]:
+        return [d.strip() for d in self.devices.split(",") if d.strip()]
+
+    def prepare(self) -> list[str]:
+        """Check what depends on this machine, before anything loads or binds (ValueError when wrong): the CUDA devices
+        asked for exist, and the model is found without the network. A tiny-* built-in, which has no checkpoint
+        anywhere, switches to dummy weights. Returns lines to log about what was implied."""
+        self._check_devices()
+        return self._check_model()
+
+    def _check_devices(self) -> None:
+        asked = [self.device] if not self.devices else [] if self.devices == "all" else self._device_list()
+        cuda = [d for d in asked if d.startswith("cuda")]
+        if not cuda:
+            return
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {cuda[0]} asked for, but CUDA is not available on this machine "
+                             f"(torch.cuda.is_available() is false); use --device cpu or auto")
+        count = torch.cuda.device_count()
+        for d in cuda:
+            if int(d.partition(":")[2] or 0) >= count:
+                raise ValueError(f"device {d} asked for, but this machine has {count} CUDA device(s): "
+                                 f"cuda:0 to cuda:{count - 1}")
+
+    def _check_model(self) -> list[str]:
+        """A tiny-* built-in implies dummy weights; with downloads off (HF_HUB_OFFLINE), a hub id must be in the local
+        Hugging Face cache, looked up offline. A directory is left to the load (which reports one that is missing)."""
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        from ..encoder.checkpoint import CheckpointError, resolve_checkpoint
+
+        if Path(self.model).expanduser().exists() or self.model.startswith((".", "/", "~")):
+            return []
+        try:
+            builtin_config(self.model)
+            builtin = True
+        except KeyError:
+            builtin = False
+        if builtin and self.load_format == "dummy":
+            return []
+        if builtin and self.model.lower().startswith("tiny-"):
+            if self.load_format != "auto":
+                raise ValueError(f"{self.model} is a built-in test tower with no checkpoint: use --load-format dummy")
+            self.load_format = "dummy"
+            return [f"{self.model} is a built-in test tower with no checkpoint: using seeded random weights "
+                    "(--load-format dummy)"]
+        if downloads_allowed():
+            return []  # the load fetches what the cache lacks
+        try:
+            resolve_checkpoint(self.model, self.revision, allow_download=False)
+        except CheckpointError as e:
+            if not builtin:
+                raise
+            raise ValueError(f"{self.model!r} is not a local directory and not in the Hugging Face cache "
+                             f"({HF_HUB_CACHE}), and downloads are off (HF_HUB_OFFLINE=1): add --load-format dummy "
+                             f"for seeded random weights, or download it first (hf download {self.model}), or allow "
+                             "downloads (unset HF_HUB_OFFLINE)") from e
+        return []
+
+
+def downloads_allowed() -> bool:
+    """Whether a hub id missing from the cache may be downloaded: unless HF_HUB_OFFLINE is set (as the loader)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("1", "true", "yes")
 
 
 def resolve_devices(settings: Settings) -> tuple[list[str], str]:
@@ -93,13 +202,30 @@ def resolve_devices(settings: Settings) -> tuple[list[str], str]:
             count = torch.cuda.device_count()
             devices = [f"cuda:{i}" for i in range(count)] if count else ["cpu"]
         else:
-            devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
+            devices = settings._device_list()
     else:
         devices = ["cuda:0" if torch.cuda.is_available() else "cpu"] if settings.device == "auto" else [settings.device]
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if devices[0].startswith("cuda") else "float32"
     return devices, dtype
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors as one line, `<prog>: <what is wrong>`, with exit status 2. A bad VITSERVE_* variable (add_arguments
+    records it) is one too, reported before any argument is read, `--help` included."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.env_errors: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.env_errors:
+            self.error(self.env_errors[0])
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def _flag(name: str) -> str:
@@ -114,46 +240,52 @@ def _parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
 
 
-def _env_default(f):
-    """The field's default from VITSERVE_<FIELD> (or an alias's variable) when set, else the dataclass default."""
-    for name in (f.name, *f.metadata.get("aliases", ())):
+def _kind(f) -> type:
+    """The field's value type: bool, int, float or str (str for `str | None` fields)."""
+    kind = str(f.type)
+    return next((t for t in (bool, int, float) if t.__name__ in kind), str)
+
+
+def _env_value(f):
+    """VITSERVE_<FIELD> (or an alias's variable) as (variable, text) when set, else None."""
+    for name in (f.name, *f.metadata["aliases"]):
         if ENV_PREFIX + name.upper() in os.environ:
-            return os.environ[ENV_PREFIX + name.upper()]
-    return f.default
+            return ENV_PREFIX + name.upper(), os.environ[ENV_PREFIX + name.upper()]
+    return None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field (plus its old names, kept as aliases); its default comes from the environment."""
+def add_arguments(parser: Parser, encode: bool = False) -> None:
+    """One flag per field (plus its old names, kept as aliases), `encode`: only the fields `vitserve encode` reads.
+    A flag's default is its variable's value, converted here: a bad one is recorded on the parser."""
     for f in fields(Settings):
-        env = ENV_PREFIX + f.name.upper()
-        kind = f.type if isinstance(f.type, type) else str(f.type)
-        default = _env_default(f)
-        names = [_flag(f.name), *map(_flag, f.metadata.get("aliases", ()))]
-        help_text = f"{f.metadata['help']} [env {env}; default {f.default}]"
-        common = dict(dest=f.name, help=help_text)
-        if "bool" in str(kind):
-            parser.add_argument(*names, type=_parse_bool, nargs="?", const=True,
-                                default=_parse_bool(default) if isinstance(default, str) else default, **common)
-        elif "int" in str(kind) and "None" not in str(kind):
-            parser.add_argument(*names, type=int, default=int(default), **common)
-        elif "int" in str(kind):
-            parser.add_argument(*names, type=int, default=None if default is None else int(default), **common)
-        elif "float" in str(kind):
-            parser.add_argument(*names, type=float, default=float(default), **common)
-        else:
-            parser.add_argument(*names, default=default, **common)
+        if encode and not f.metadata["encode"]:
+            continue
+        kind = _kind(f)
+        convert = _parse_bool if kind is bool else kind
+        default, env = f.default, _env_value(f)
+        if env is not None:
+            try:
+                default = convert(env[1])
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                reason = str(e) if kind is bool else f"invalid {kind.__name__} value: {env[1]!r}"
+                parser.env_errors.append(f"{env[0]}: {reason}")
+        names = [_flag(f.name), *map(_flag, f.metadata["aliases"])]
+        common = dict(dest=f.name, default=default, type=convert,
+                      help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default {f.default}]")
+        parser.add_argument(*names, **common, **(dict(nargs="?", const=True) if kind is bool else {}))
 
 
 def from_args(args: argparse.Namespace) -> Settings:
-    return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
+    """Settings from parsed flags; a field the parser lacks (one `encode` does not read) keeps its default."""
+    return Settings(**{f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)})
 
 
 def flag_table() -> str:
     """Every flag as a Markdown table (docs/configuration.md holds it; a test keeps the two equal)."""
-    rows = ["| flag | env var | default | meaning |", "|---|---|---|---|"]
+    rows = ["| flag | env var | default | `encode` | meaning |", "|---|---|---|---|---|"]
     for f in fields(Settings):
-        aliases = "".join(f" (or `{_flag(a)}`)" for a in f.metadata.get("aliases", ()))
+        aliases = "".join(f" (or `{_flag(a)}`)" for a in f.metadata["aliases"])
         default = "(required)" if f.name == "model" else f.default
         rows.append(f"| `{_flag(f.name)}`{aliases} | `{ENV_PREFIX}{f.name.upper()}` | `{default}` | "
-                    f"{f.metadata['help']} |")
+                    f"{'yes' if f.metadata['encode'] else ''} | {f.metadata['help']} |")
     return "\n".join(rows)

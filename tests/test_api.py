@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import logging
 
 import pytest
 import torch
@@ -89,13 +90,18 @@ def test_info_endpoints(client):
     client.post("/v1/embeddings", json={"input": data_uri(IMAGES[0])})
     stats = client.get("/stats").json()
     assert stats["state"] == "ready" and stats["family"] == "qwen3_vl" and stats["device"] == "cpu"
-    assert sum(stats["batch_size_histogram"].values()) >= 1 and "budgets" in stats["runner"]
+    assert sum(stats["batch_size_histogram"].values()) >= 1 and "runner" not in stats  # one copy: per device
+    budgets = stats["devices"]["cpu"]["runner"]["budgets"]  # only those used (no graphs are captured on a CPU)
+    assert budgets and all(b["replays"] > 0 and not b["captured"] for b in budgets.values())
+    for phase in ("decode", "queue", "inference", "request"):
+        latency = stats["latency"][phase]
+        assert latency["count"] >= 1 and 0 <= latency["p50_ms"] <= latency["p99_ms"], (phase, latency)
     metrics = client.get("/metrics").text
     for name in ("vitserve_requests_total", "vitserve_queue_seconds_bucket", "vitserve_preprocess_seconds_bucket",
                  "vitserve_inference_seconds_bucket", "vitserve_queue_depth", "vitserve_batch_tokens_bucket",
                  "vitserve_graph_replays_total", "vitserve_graph_padded_patches_total", "vitserve_eager_fallbacks_total"):
         assert name in metrics, name
-    for name in ("vitserve_decode_seconds_count", 'vitserve_request_seconds_count{endpoint="/v1/embeddings"}',
+    for name in ("vitserve_decode_seconds_count", 'vitserve_request_seconds_count{endpoint="/v1/embeddings",outcome="ok"}',
                  "vitserve_queue_seconds_count"):
         assert float(next(line for line in metrics.splitlines() if line.startswith(name)).split()[-1]) >= 1, name
 
@@ -105,7 +111,7 @@ def test_unknown_paths_share_one_metrics_label(client):
         assert client.post(f"/v1/no-such-route-{i}", json={}).status_code == 404
     metrics = client.get("/metrics").text
     assert "no-such-route" not in metrics
-    assert 'vitserve_requests_total{endpoint="other",outcome="404"} 3.0' in metrics
+    assert 'vitserve_requests_total{code="404",endpoint="other"} 3.0' in metrics
 
 
 @pytest.mark.parametrize("item, status, code", [
@@ -138,7 +144,7 @@ def test_multipart_validation_and_unknown_routes(client):
     r = client.post("/v1/encode", files=files, data={"dtype": "int4"})
     assert r.status_code == 422 and r.json()["error"]["param"].startswith("dtype")
     r = client.post("/v1/encode", files=[("x", ("a.txt", b"not an image", "text/plain"))])
-    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0]"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "images[0]"
     r = client.post("/v1/encode", data={"dtype": "float32"}, files=[])
     assert r.status_code == 400
     r = client.get("/v1/nothing")
@@ -242,3 +248,83 @@ def test_every_domain_error_has_one_status():
         pass
 
     assert errors.ServiceError.of(Narrower("x", "odd")).status == 400
+
+
+def test_metrics_are_conventional(client):
+    """Status codes as numbers, no *_created series, process metrics and build info, latency by outcome."""
+    client.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]})
+    client.post("/v1/embeddings", json={"input": ["%%%"]})
+    metrics = client.get("/metrics").text
+    assert 'vitserve_requests_total{code="200",endpoint="/v1/embeddings"}' in metrics
+    assert 'vitserve_requests_total{code="400",endpoint="/v1/embeddings"}' in metrics
+    assert "outcome=\"ok\"" not in metrics.split("vitserve_requests_total")[1].split("\n# ")[0]
+    assert "_created" not in metrics
+    assert "process_resident_memory_bytes" in metrics and "process_cpu_seconds_total" in metrics
+    build = next(line for line in metrics.splitlines() if line.startswith("vitserve_build_info{"))
+    assert 'family="qwen3_vl"' in build and 'version="' in build and build.endswith(" 1.0")
+    for outcome in ("ok", "client_error"):
+        assert f'vitserve_request_seconds_count{{endpoint="/v1/embeddings",outcome="{outcome}"}}' in metrics
+
+
+def test_request_ids_and_access_lines(client, caplog):
+    """Every response carries x-request-id (the client's, or a new one); every request, a 4xx too, logs one access
+    line with it."""
+    with caplog.at_level(logging.INFO, logger="vitserve.access"):
+        ok = client.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, headers={"x-request-id": "abc-123"})
+        bad = client.post("/v1/embeddings", json={"input": ["%%%"]})
+        odd = client.get("/v1/models", headers={"x-request-id": "not ok\x01"})
+    assert ok.headers["x-request-id"] == "abc-123"
+    assert len(bad.headers["x-request-id"]) == 32 and odd.headers["x-request-id"] != "not ok\x01"
+    lines = [r for r in caplog.records if r.name == "vitserve.access"]
+    assert len(lines) == 3
+    first = lines[0].fields
+    assert first["status"] == 200 and first["images"] == 1 and first["tokens"] > 0 and first["request_id"] == "abc-123"
+    assert first["queue_ms"] >= 0 and first["inference_ms"] > 0 and "request_id=abc-123" in lines[0].getMessage()
+    assert lines[1].fields["status"] == 400 and lines[1].fields["request_id"] == bad.headers["x-request-id"]
+
+
+def test_normalize_and_per_request_max_pixels(client, encoders):
+    big = png(600, 400, 7)
+    plain = client.post("/v1/embeddings", json={"input": [data_uri(big)]}).json()["data"][0]["embedding"]
+    unit = client.post("/v1/embeddings", json={"input": [data_uri(big)], "normalize": True}).json()
+    vector = torch.tensor(unit["data"][0]["embedding"])
+    assert abs(vector.norm().item() - 1) < 1e-5 and rel_err(vector, torch.nn.functional.normalize(
+        torch.tensor(plain), dim=0)) < 1e-6
+    tokens = client.post("/v1/embeddings", json={"input": [data_uri(big)], "pooling": "none", "normalize": True})
+    item = tokens.json()["data"][0]
+    assert torch.allclose(torch.tensor(item["embedding"]).norm(dim=-1), torch.ones(item["shape"][0]), atol=1e-5)
+    capped = client.post("/v1/encode", json={"images": [data_uri(big)], "max_pixels": 100_000}).json()["data"][0]
+    full = client.post("/v1/encode", json={"images": [data_uri(big)]}).json()["data"][0]
+    patch = encoders["tiny-qwen3-vl"].preprocess_config.patch_size
+    assert capped["grid_thw"][1] * capped["grid_thw"][2] * patch**2 <= 100_000 < \
+        full["grid_thw"][1] * full["grid_thw"][2] * patch**2
+    huge = client.post("/v1/encode", json={"images": [data_uri(big)], "max_pixels": 10**12}).json()["data"][0]
+    assert huge["grid_thw"] == full["grid_thw"]  # the server's own cap still applies
+    low = client.post("/v1/encode", json={"images": [data_uri(big)], "max_pixels": 64})
+    assert low.status_code == 400 and low.json()["error"]["param"] == "max_pixels"
+    files = [("images", ("a.png", big, "image/png"))]
+    form = client.post("/v1/encode", files=files, data={"max_pixels": "100000"}).json()["data"][0]
+    assert form["grid_thw"] == capped["grid_thw"]
+
+
+def test_multipart_fields_are_strict_and_params_name_the_real_field(client):
+    files = [("images", ("a.png", IMAGES[0], "image/png"))]
+    for data, where in (({"dtyp": "float16"}, "dtyp"), ({"deepstack": "maybe"}, "deepstack")):
+        r = client.post("/v1/encode", files=files, data=data)
+        assert r.status_code == 422 and r.json()["error"]["param"] == where, r.text
+    r = client.post("/v1/encode", files=files, data={"model": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert client.post("/v1/encode", files=files, data={"deepstack": "false"}).json()["data"][0]["deepstack"] is None
+    r = client.post("/v1/encode", json={"images": [data_uri(IMAGES[0]), "%%%"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "images[1]"
+    r = client.post("/v1/encode", json={"images": [data_uri(IMAGES[0]), 5]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "images[1]"
+    assert client.post("/v1/embeddings", json={"input": 5}).json()["error"]["param"] == "input"
+
+
+def test_openapi_documents_the_multipart_form(client):
+    body = client.get("/openapi.json").json()["paths"]["/v1/encode"]["post"]["requestBody"]["content"]
+    form = body["multipart/form-data"]["schema"]
+    assert form["properties"]["images"]["items"]["format"] == "binary" and {"dtype", "deepstack"} <= set(
+        form["properties"])
+    assert "application/json" in body

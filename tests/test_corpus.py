@@ -66,7 +66,7 @@ def test_invalid_image_is_a_clear_4xx_and_spares_its_neighbour(served, name):
         bad, good = bad.result(), good.result()
     assert bad.status_code == status, bad.text
     error = bad.json()["error"]
-    assert error["code"] == code and error["param"] == "input[0]" and error["message"].startswith("input[0]: ")
+    assert error["code"] == code and error["param"] == "images[0]" and error["message"].startswith("images[0]: ")
     assert good.status_code == 200
     assert good.json()["data"][0]["grid_thw"] == grid and rel_err(tokens_of(good.json()), expected) <= 1e-5
 

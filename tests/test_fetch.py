@@ -40,7 +40,7 @@ def run(urls, handler, **settings):
         seen.append(request)
         return handler(request)
 
-    result = asyncio.run(fetch.fetch_all(urls, Settings(model="m", **settings), httpx.MockTransport(record)))
+    result = asyncio.run(fetch.fetch_all(urls, Settings(model="m", **settings), transport=httpx.MockTransport(record)))
     return result, seen
 
 
