@@ -77,16 +77,24 @@ __all__ = [
 MAX_ASPECT_RATIO = 200
 # transformers' default ``rescale_factor``; Qwen-VL configs store 0.00392156862745098 == 1/255.
 _RESCALE_FACTOR = 1 / 255
-_DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+_DEFAULT_MAX_IMAGE_PIXELS = 50_000_000  # above any camera's default output; bounds a decode's memory (decode_bytes)
+# the formats transformers' processor is fed in practice; others (EPS runs Ghostscript, PSD, JPEG 2000, ...) are
+# refused before their pixel data is read. PIL's JPEG reader also opens phones' multi-picture JPEGs (as MPO).
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 # --------------------------------------------------------------------------- errors
 
 
 class ImageError(ValueError):
-    """Base class for client-side image problems. ``code`` is a short machine code."""
+    """Base class for client-side image problems. ``code`` is a short machine code; ``public`` the message without
+    the decoder's own text (what a server tells a client; ``str()`` keeps the detail)."""
 
     code = "image_error"
+
+    def __init__(self, message: str, detail: str | None = None):
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.public = message
 
 
 class InvalidBase64(ImageError):
@@ -120,6 +128,12 @@ class ImageTooLarge(ImageError):
     """The image declares more pixels than allowed (decompression-bomb guard)."""
 
     code = "image_too_large"
+
+
+class UnsupportedFormat(ImageError):
+    """An image format outside ``ALLOWED_FORMATS``."""
+
+    code = "unsupported_format"
 
 
 class BadAspectRatio(ImageError):
@@ -293,10 +307,7 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
 
 def _undecodable(msg: str, exc: BaseException | None = None) -> UndecodableImage:
-    if exc is not None:
-        detail = str(exc).strip() or type(exc).__name__
-        msg = f"{msg}: {detail}"
-    return UndecodableImage(msg)
+    return UndecodableImage(msg, None if exc is None else str(exc).strip() or type(exc).__name__)
 
 
 def _check_declared_size(img: Image.Image, max_image_pixels: int) -> None:
@@ -349,7 +360,8 @@ def _decode_opened(img: Image.Image, max_image_pixels: int) -> Image.Image:
     return rgb
 
 
-def load_image(source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+def load_image(source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS,
+               formats: tuple[str, ...] | None = ALLOWED_FORMATS) -> Image.Image:
     """Decode ``source`` into an RGB ``PIL.Image.Image``, validating it on the way.
 
     ``source`` may be a ``PIL.Image.Image``, ``bytes``/``bytearray``/``memoryview`` of an
@@ -381,14 +393,14 @@ def load_image(source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
         data = bytes(source)
         if len(data) == 0:
             raise UndecodableImage("image data is empty (0 bytes)")
-        return _open_and_decode(io.BytesIO(data), max_image_pixels, what=f"{len(data)} bytes of data")
+        return _open_and_decode(io.BytesIO(data), max_image_pixels, f"{len(data)} bytes of data", formats)
 
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         with open(path, "rb") as fh:  # OSError (missing file, permissions) propagates
             if os.fstat(fh.fileno()).st_size == 0:
                 raise UndecodableImage(f"image file is empty (0 bytes): {path!r}")
-            return _open_and_decode(fh, max_image_pixels, what=f"file {path!r}")
+            return _open_and_decode(fh, max_image_pixels, f"file {path!r}", formats)
 
     raise TypeError(
         "image source must be a PIL.Image.Image, bytes/bytearray/memoryview or a path, "
@@ -396,17 +408,86 @@ def load_image(source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
     )
 
 
-def _open_and_decode(fp: Any, max_image_pixels: int, what: str) -> Image.Image:
+def _open(fp: Any, what: str, formats: tuple[str, ...] | None) -> Image.Image:
+    """The image's header read (no pixel data yet), in one of `formats` (None: any PIL reads)."""
+    Image.init()  # every plugin registered (formats names some that PIL loads only on demand: MPO, WEBP, TIFF)
     try:
-        img = Image.open(fp)
+        return Image.open(fp, formats=formats)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageTooLarge(str(exc)) from exc
     except Image.UnidentifiedImageError as exc:
+        other = None
+        if formats is not None:  # one PIL knows but we do not take, or not an image at all (its header only)
+            fp.seek(0)
+            try:
+                with Image.open(fp) as img:
+                    other = img.format
+            except Exception:
+                pass
+        if other is not None:
+            raise UnsupportedFormat(f"{other} images are not accepted; send one of "
+                                    f"{', '.join(formats)}") from exc
         raise UndecodableImage(f"not a recognized image format ({what})") from exc
     except MemoryError:
         raise
     except Exception as exc:
         raise _undecodable(f"could not read image header ({what})", exc) from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageHeader:
+    """What an encoded image's header declares, read without decoding its pixels."""
+
+    format: str
+    width: int
+    height: int
+    mode: str
+    transparency: bool
+
+    @property
+    def decode_bytes(self) -> int:
+        """An upper estimate of the memory that decoding and converting it to RGB takes (PIL keeps every pixel of a
+        multi-band image in 4 bytes): the decoded image, then for transparency its RGBA copy, a white background and
+        the composite, else one RGB copy, plus one more for the EXIF rotation."""
+        decoded = 1 if self.mode in ("1", "L", "P") else 2 if self.mode == "I;16" else 4
+        conversions = 3 if self.transparency or "A" in self.mode else 1
+        return self.width * self.height * (decoded + 4 * (conversions + 1))
+
+
+def _webp_header(data: bytes) -> ImageHeader | None:
+    """A WebP file's canvas size and alpha from its first chunk (PIL reads WebP only whole), None if it has none."""
+    chunk = data[12:16]
+    if chunk == b"VP8X" and len(data) >= 30:
+        alpha = bool(data[20] & 0x10)
+        width, height = 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    elif chunk == b"VP8L" and len(data) >= 25 and data[20] == 0x2F:
+        bits = int.from_bytes(data[21:25], "little")
+        width, height, alpha = 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF), bool(bits >> 28 & 1)
+    elif chunk == b"VP8 " and len(data) >= 30:
+        width, height, alpha = (int.from_bytes(data[26:28], "little") & 0x3FFF,
+                                int.from_bytes(data[28:30], "little") & 0x3FFF, False)
+    else:
+        return None
+    return ImageHeader("WEBP", width, height, "RGBA" if alpha else "RGB", alpha)
+
+
+def probe(data: bytes, formats: tuple[str, ...] | None = ALLOWED_FORMATS) -> ImageHeader:
+    """The header of an encoded image, from its first bytes where they hold it (UndecodableImage where they do not),
+    in one of `formats` (UnsupportedFormat otherwise)."""
+    if not data:
+        raise UndecodableImage("image data is empty (0 bytes)")
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP" and (formats is None or "WEBP" in formats):
+        header = _webp_header(data)
+        if header is not None:
+            return header
+    with _open(io.BytesIO(data), f"{len(data)} bytes of data", formats) as img:
+        transparency = "transparency" in img.info or "A" in img.getbands()
+        return ImageHeader(img.format, img.width, img.height, img.mode, transparency)
+
+
+def _open_and_decode(fp: Any, max_image_pixels: int, what: str,
+                     formats: tuple[str, ...] | None = ALLOWED_FORMATS) -> Image.Image:
+    img = _open(fp, what, formats)
     with img:
         try:
             return _decode_opened(img, max_image_pixels)

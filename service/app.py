@@ -247,7 +247,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(Gate, settings=settings, metrics=engine.metrics)
+    app.add_middleware(Gate, settings=settings, metrics=engine.metrics, engine=engine)
     return app
 
 

@@ -95,6 +95,35 @@ class _Link(asyncio.Protocol):
         self.pool._lost(self)
 
 
+class FairQueue:
+    """Jobs waiting for a worker, taken round-robin by owner (a request): one request's many images interleave with
+    the others' instead of all going first."""
+
+    def __init__(self):
+        self._by_owner: collections.OrderedDict[object, collections.deque] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(len(jobs) for jobs in self._by_owner.values())
+
+    def __iter__(self):
+        for jobs in list(self._by_owner.values()):
+            yield from jobs
+
+    def append(self, owner, job) -> None:
+        self._by_owner.setdefault(owner, collections.deque()).append(job)
+
+    def popleft(self):
+        owner, jobs = next(iter(self._by_owner.items()))
+        job = jobs.popleft()
+        del self._by_owner[owner]
+        if jobs:  # its next job waits behind every other owner's
+            self._by_owner[owner] = jobs
+        return job
+
+    def clear(self) -> None:
+        self._by_owner.clear()
+
+
 class DecodePool:
     """`workers` processes forked from a clean fork server that has imported only `preload` (what they run:
     numpy and PIL, no torch): none inherits CUDA or threads. Use from one event loop: `start`, `submit`, `close`.
@@ -109,7 +138,7 @@ class DecodePool:
         self._context.set_forkserver_preload([preload])
         self._links: set[_Link] = set()
         self._idle: collections.deque[_Link] = collections.deque()
-        self._waiting: collections.deque[tuple[bytes, bytes, asyncio.Future]] = collections.deque()
+        self._waiting = FairQueue()  # of (pickled call, payload, future)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.replaced = 0  # workers that died and were replaced
@@ -149,15 +178,17 @@ class DecodePool:
         """Live workers waiting for a job."""
         return len(self._idle)
 
-    def submit(self, fn, payload: bytes, *args) -> asyncio.Future:
+    def submit(self, fn, payload: bytes, *args, owner=None) -> asyncio.Future:
         """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
-        (`WorkerDied` if the worker died on it). A cancelled future's job is skipped, or its result dropped."""
+        (`WorkerDied` if the worker died on it). A cancelled future's job is skipped, or its result dropped. Waiting
+        jobs go to the workers round-robin by `owner` (FairQueue)."""
         future = self._loop.create_future()
         self.submitted += 1
         if self._closed or self.broken:
             future.set_exception(PoolUnavailable(self.broken or "the decode pool is closed"))
             return future
-        self._waiting.append((pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), bytes(payload), future))
+        self._waiting.append(owner, (pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), bytes(payload),
+                                     future))
         self._dispatch()
         return future
 

@@ -1,13 +1,22 @@
 """Decoding a request's images: decode + resize in worker processes (or threads), pixels back through the spool.
 
+Before any pixel is decoded, each image's header is read on the event loop from its first bytes (`probe`): its
+format must be allowed, its pixels under `--max-image-pixels`, and the memory its decode takes (estimated from the
+size and mode, alpha and palette expansion included) counts against the request's limit
+(`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, `DecodeBudget`: an image waits
+until its share fits, so large images queue instead of overcommitting the host). The decode pool hands waiting
+images to the workers round-robin by request, so one large request cannot stall a small one behind it.
+
 The decoder owns the decode pool, this server's spool prefix and the retry: a worker that dies on an image (a
 decoder crash, the OOM killer) fails only that image, which is tried once more; only an image that kills a worker
-twice is refused. Failures become the request's domain errors (errors.py), naming the image (`input[i]`).
+twice is refused. Failures become the request's domain errors (errors.py), naming the image (`input[i]`), in the
+service's own words: the decoder's text goes to the log only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -17,7 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..encoder.preprocess import Base64Data, ImageError, ImageTooLarge, PreprocessConfig
+from ..encoder.preprocess import (Base64Data, ImageError, ImageHeader, ImageTooLarge, PreprocessConfig,
+                                  UndecodableImage, decode_base64, probe)
 
 from . import spool
 from .decode import decode_and_resize
@@ -29,6 +39,71 @@ from .settings import Settings
 log = logging.getLogger("vitserve.decoder")
 
 Decoded = tuple[np.ndarray | spool.Spooled, tuple[int, int, int]]  # pixels (maybe in a spool file) and patch grid
+
+
+PROBE_BYTES = 64 * 2**10  # of an image, where its header is read first (the whole image where that does not do)
+
+
+def head(data) -> bytes:
+    """The first PROBE_BYTES of an image's bytes (of its base64 text: decoded from a 4-aligned prefix)."""
+    if not isinstance(data, Base64Data):
+        return bytes(data[:PROBE_BYTES])
+    chunk = data[:PROBE_BYTES * 4 // 3 + 256]
+    text = "".join(chunk.split())  # base64 may hold line breaks
+    if len(chunk) < len(data):
+        text = text[:len(text) // 4 * 4]
+    return decode_base64(text)
+
+
+def header_of(data) -> ImageHeader:
+    """The image's header, from its first bytes, else from all of them."""
+    first = head(data)
+    try:
+        return probe(first)
+    except UndecodableImage:
+        whole = decode_base64(data) if isinstance(data, Base64Data) else bytes(data)
+        if len(whole) <= len(first):
+            raise
+        return probe(whole)
+
+
+class DecodeBudget:
+    """Estimated decode memory in flight on the whole server. An image takes its share before it is decoded and
+    gives it back after; one that does not fit waits, while smaller ones that fit go ahead of it, unless it has
+    waited over `patience` seconds (then it goes next). An image larger than the whole budget takes all of it."""
+
+    def __init__(self, limit: int, patience: float = 1.0):
+        self.limit, self.patience, self.used = limit, patience, 0
+        self._waiters: collections.deque[tuple[int, float, asyncio.Future]] = collections.deque()
+
+    async def acquire(self, cost: int) -> int:
+        cost = min(cost, self.limit)
+        if not self._waiters and self.used + cost <= self.limit:
+            self.used += cost
+            return cost
+        waiter = (cost, time.monotonic(), asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            await waiter[2]
+        except asyncio.CancelledError:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif not waiter[2].cancelled():  # granted as it was cancelled
+                self.release(cost)
+            raise
+        return cost
+
+    def release(self, cost: int) -> None:
+        self.used -= cost
+        now = time.monotonic()
+        for waiter in list(self._waiters):
+            cost, since, future = waiter
+            if self.used + cost <= self.limit:
+                self._waiters.remove(waiter)
+                self.used += cost
+                future.set_result(None)
+            elif now - since > self.patience:
+                break  # it has waited long enough: nobody goes ahead of it any more
 
 
 def _discard_result(job: asyncio.Future) -> None:
@@ -57,6 +132,7 @@ class Decoder:
                 log.warning("no usable spool directory (%s): decoded images cross through a pipe, which costs the "
                             "server about 2 ms of CPU per megabyte", settings.spool_dir or "/dev/shm")
         self._names = itertools.count()
+        self.budget = DecodeBudget(settings.decode_memory)
 
     @property
     def workers_replaced(self) -> int:
@@ -77,9 +153,29 @@ class Decoder:
         """A forced exit: remove the spool files without waiting for anyone (the processes are killed by then)."""
         spool.clear(self.spool_prefix)
 
+    def costs(self, images: list, field: str) -> list[int]:
+        """Each image's decode memory from its header; the request's errors before anything is decoded."""
+        costs = []
+        for index, data in enumerate(images):
+            try:
+                header = header_of(data)
+                if header.width * header.height > self.settings.max_image_pixels:
+                    raise ImageTooLarge(f"image is {header.width}x{header.height} = {header.width * header.height} "
+                                        f"pixels, more than the limit of {self.settings.max_image_pixels}")
+            except Exception as e:
+                raise self._error(f"{field}[{index}]", e) from None
+            costs.append(header.decode_bytes)
+        limit = self.settings.decode_memory_per_request
+        if sum(costs) > limit:
+            raise InputTooLarge(f"decoding these {len(images)} image(s) takes about {sum(costs) / 2**20:.0f} MB; a "
+                                f"request may take {limit / 2**20:.0f} MB (send fewer or smaller images)",
+                                "decode_memory", field)
+        return costs
+
     async def decode(self, images: list, cfg: PreprocessConfig, field: str = "input") -> list[Decoded]:
         """Decode and resize concurrently; the first bad image fails the request (only it), named `field[i]`."""
-        jobs = [asyncio.ensure_future(self._decode(data, cfg)) for data in images]
+        costs, owner = self.costs(images, field), object()  # the request, for the decode pool's fair queue
+        jobs = [asyncio.ensure_future(self._decode(data, cfg, cost, owner)) for data, cost in zip(images, costs)]
         try:
             await asyncio.wait(jobs)
         except BaseException:  # the request was cancelled: what was decoded goes, the rest is dropped when done
@@ -104,27 +200,33 @@ class Decoder:
 
     @staticmethod
     def _error(param: str, e: BaseException) -> Exception:
-        if isinstance(e, ImageTooLarge):
-            return InputTooLarge(f"{param}: {e}", e.code, param)
         if isinstance(e, ImageError):
-            return InputRejected(f"{param}: {e}", e.code, param)
+            if str(e) != e.public:
+                log.info("%s: %s", param, e)  # the decoder's own words: for the log, not the client
+            return (InputTooLarge if isinstance(e, ImageTooLarge) else InputRejected)(f"{param}: {e.public}", e.code,
+                                                                                     param)
         if isinstance(e, WorkerDied):  # twice: this image kills decode workers
             return InputRejected(f"{param}: the image crashed the decoder", "undecodable_image", param)
         if isinstance(e, PoolUnavailable):  # not about this image
             return Unavailable(f"{e}; the server is restarting", "decode_unavailable")
         # anything else the decoder raised is still about this client's bytes
-        return InputRejected(f"{param}: cannot decode: {type(e).__name__}: {e}", "undecodable_image", param)
+        log.info("%s: cannot decode: %s: %s", param, type(e).__name__, e)
+        return InputRejected(f"{param}: cannot decode the image", "undecodable_image", param)
 
-    async def _decode(self, data, cfg: PreprocessConfig):
-        for attempt in (1, 2):
-            try:
-                return await self._decode_once(data, cfg)
-            except WorkerDied:
-                if attempt == 2:
-                    raise
+    async def _decode(self, data, cfg: PreprocessConfig, cost: int, owner):
+        share = await self.budget.acquire(cost)
+        try:
+            for attempt in (1, 2):
+                try:
+                    return await self._decode_once(data, cfg, owner)
+                except WorkerDied:
+                    if attempt == 2:
+                        raise
+        finally:
+            self.budget.release(share)
         raise AssertionError("unreachable")
 
-    async def _decode_once(self, data, cfg: PreprocessConfig):
+    async def _decode_once(self, data, cfg: PreprocessConfig, owner):
         limit = self.settings.max_image_pixels
         if is_base64 := isinstance(data, Base64Data):  # as bytes: a str pickles at twice the server's CPU
             data = data.encode("ascii", "replace")  # a non-ASCII character is still invalid base64 there
@@ -134,7 +236,7 @@ class Decoder:
                                                                       is_base64, limit, cfg)
         else:
             path = self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-            job = self.pool.submit(decode_and_resize, data, is_base64, limit, cfg, path)
+            job = self.pool.submit(decode_and_resize, data, is_base64, limit, cfg, path, owner=owner)
             try:
                 result = await job
             except WorkerDied:

@@ -244,33 +244,35 @@ class Engine:
     # ---- work ----------------------------------------------------------------------------------------------------
     async def encode(self, images: list, mean_pooling: bool = False, disconnected: asyncio.Future | None = None,
                      field: str = "input", max_pixels: int | None = None) -> Encoded:
-        """Encode a request's images (Base64Data, bytes, or URLs when fetching is on): admission, decoding, batching.
+        """Encode a request's images (Base64Data, bytes, or URLs when fetching is on): decoding, then batching.
         If `disconnected` resolves first, its images are dropped from the queue (ClientDisconnected). `field`
-        names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's."""
-        cfg = self.model.preprocess_config if self.model else None
-        if max_pixels is not None and cfg is not None:
+        names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's. Admission
+        (`admitted`) is the caller's: the gate admits a request from its first byte."""
+        if self.model is None:
+            raise NotReady(f"model is not ready yet ({self.state.value})")
+        cfg = self.model.preprocess_config
+        if max_pixels is not None:
             if max_pixels < cfg.min_pixels:
                 raise InputRejected(f"max_pixels must be at least this server's min_pixels ({cfg.min_pixels})",
                                     "invalid_max_pixels", "max_pixels")
             cfg = dataclasses.replace(cfg, max_pixels=min(max_pixels, cfg.max_pixels))
-        with self.admitted():
-            if self.settings.allow_url_fetch:
-                images = await fetch.fetch_all(images, self.settings, field)
-            decoded = await self.decoder.decode(images, cfg, field)
-            loop = asyncio.get_running_loop()
-            items = [WorkItem(image, grid, loop.create_future(), mean_pooling) for image, grid in decoded]
-            self.queue.put(items)
-            results = asyncio.gather(*(item.future for item in items))
-            await asyncio.wait({results} if disconnected is None else {results, disconnected},
-                               return_when=asyncio.FIRST_COMPLETED)
-            if not results.done():
-                for item in items:
-                    item.cancelled = True
-                results.cancel()
-                results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
-                raise ClientDisconnected("the client went away")
-            return Encoded(results.result(), [list(i.grid) for i in items], max(i.queue_s for i in items),
-                           max(i.inference_s for i in items))
+        if self.settings.allow_url_fetch:
+            images = await fetch.fetch_all(images, self.settings, field)
+        decoded = await self.decoder.decode(images, cfg, field)
+        loop = asyncio.get_running_loop()
+        items = [WorkItem(image, grid, loop.create_future(), mean_pooling) for image, grid in decoded]
+        self.queue.put(items)
+        results = asyncio.gather(*(item.future for item in items))
+        await asyncio.wait({results} if disconnected is None else {results, disconnected},
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not results.done():
+            for item in items:
+                item.cancelled = True
+            results.cancel()
+            results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
+            raise ClientDisconnected("the client went away")
+        return Encoded(results.result(), [list(i.grid) for i in items], max(i.queue_s for i in items),
+                       max(i.inference_s for i in items))
 
     def _done(self, worker: DeviceWorker, batch: list[WorkItem], outputs, error: EngineError | None,
               seconds: float) -> None:

@@ -1,25 +1,30 @@
-"""The ASGI gate in front of the app: request id, API key, body size limit, and per request one access log line and
-its metrics.
+"""The ASGI gate in front of the app: request id, API key, admission, body size limit and deadline, and per request
+one access log line and its metrics.
 
-Pure ASGI (not BaseHTTPMiddleware, which breaks disconnect detection and streaming limits). The body limit is
-enforced at once from Content-Length, else while the body streams in: a body is never read whole first. Routes
+Pure ASGI (not BaseHTTPMiddleware, which breaks disconnect detection and streaming limits). An encoding request is
+admitted (503 while not ready, 429 over `--max-concurrent-requests`) as soon as its headers are in, before its body
+is read: a slow or unfinished body counts. The body limit is enforced at once from Content-Length, else while the
+body streams in (a body is never read whole first), and the body must arrive within `--body-timeout` (408). Routes
 leave what the access line reports (images, tokens, queue and inference time) in the request's state.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import re
 import time
 import uuid
 
-from .errors import error_response
+from .errors import EngineError, ServiceError, error_response
 from .metrics import Metrics, outcome
 from .settings import Settings
 
 OPEN_PATHS = {"/health", "/ready", "/metrics"}  # no API key needed
 API_PATHS = {"/v1/embeddings", "/v1/encode", "/v1/models"}
+ENCODE_PATHS = {"/v1/embeddings", "/v1/encode"}  # admitted by the gate
 REQUEST_ID = re.compile(rb"[\w.:/+=@-]{1,128}")  # a client's x-request-id is echoed only when it looks like one
 
 access = logging.getLogger("vitserve.access")
@@ -29,14 +34,18 @@ class PayloadTooLarge(Exception):
     pass
 
 
+class BodyTimeout(Exception):
+    pass
+
+
 def endpoint_label(path: str) -> str:
     """The metrics label of a /v1/ path: its route, or "other" (a label per unknown path would grow without end)."""
     return path if path in API_PATHS else "other"
 
 
 class Gate:
-    def __init__(self, app, settings: Settings, metrics: Metrics):
-        self.app, self.settings, self.metrics = app, settings, metrics
+    def __init__(self, app, settings: Settings, metrics: Metrics, engine=None):
+        self.app, self.settings, self.metrics, self.engine = app, settings, metrics, engine
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -74,27 +83,45 @@ class Gate:
         if length is not None and (not length.isdigit() or int(length) > limit):
             return await error_response(413, f"request body over the {limit}-byte limit", "payload_too_large")(
                 scope, receive, send)
-        seen, started = 0, [False]
+        seen, started, body_done = 0, [False], [False]
+        deadline = time.monotonic() + self.settings.body_timeout
 
         async def limited_receive():
             nonlocal seen
-            message = await receive()
+            if body_done[0]:  # waiting for a disconnect while the images run: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise BodyTimeout() from None
             seen += len(message.get("body", b""))
             if seen > limit:
                 raise PayloadTooLarge()
+            body_done[0] = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         async def started_send(message):
             started[0] = started[0] or message["type"] == "http.response.start"
             await send(message)
 
-        try:
-            await self.app(scope, limited_receive, started_send)
-        except PayloadTooLarge:
-            if started[0]:
-                raise
-            await error_response(413, f"request body over the {limit}-byte limit", "payload_too_large")(
-                scope, receive, send)
+        with contextlib.ExitStack() as admitted:
+            if self.engine is not None and scope.get("method") == "POST" and path in ENCODE_PATHS:
+                try:
+                    admitted.enter_context(self.engine.admitted())
+                except EngineError as e:
+                    return await ServiceError.of(e).response()(scope, receive, send)
+            try:
+                await self.app(scope, limited_receive, started_send)
+            except PayloadTooLarge:
+                if started[0]:
+                    raise
+                await error_response(413, f"request body over the {limit}-byte limit", "payload_too_large")(
+                    scope, receive, send)
+            except BodyTimeout:
+                if started[0]:
+                    raise
+                await error_response(408, f"the request body did not arrive within {self.settings.body_timeout:g} s",
+                                     "request_timeout", headers={"Connection": "close"})(scope, receive, send)
 
     def _account(self, scope, status: int, seconds: float) -> None:
         """The request's metrics and its access line (every request but the scrapes and probes, which would drown

@@ -44,7 +44,11 @@ class Settings:
                                    encode=True)
     max_concurrent_requests: int = _setting(512, "requests in flight before 429")
     payload_limit: int = _setting(32 * 2**20, "request body limit in bytes (413)")
-    max_image_pixels: int = _setting(64_000_000, "decoded pixels per image (413; bomb guard)")
+    max_image_pixels: int = _setting(50_000_000, "decoded pixels per image, read from its header (413; bomb guard)")
+    decode_memory_per_request: int = _setting(2 * 2**30, "bytes that decoding one request's images may take, "
+                                                          "estimated from their headers (413 beyond)")
+    decode_memory: int = _setting(4 * 2**30, "bytes that the images being decoded may take on the whole server, "
+                                             "estimated from their headers: images beyond it wait their turn")
     max_images_per_request: int = _setting(64, "images per request (413)")
     min_pixels: int | None = _setting(None, "override the resize minimum (pixels)", encode=True)
     max_pixels: int | None = _setting(None, "override the resize maximum (pixels)", encode=True)
@@ -57,6 +61,14 @@ class Settings:
     allow_url_fetch: bool = _setting(False, "accept http(s) image URLs (off: SSRF risk)")
     url_fetch_timeout: float = _setting(10.0, "seconds per URL fetch")
     log_format: str = _setting("text", "text or json", encode=True)
+    max_header_bytes: int = _setting(64 * 2**10, "bytes of a request's line and headers (beyond, a 400 and the "
+                                                 "connection closed)")
+    header_timeout: float = _setting(10.0, "seconds to receive a request's headers, from its first byte (beyond, "
+                                           "the connection is closed)")
+    body_timeout: float = _setting(60.0, "seconds to receive a request's body (408 beyond)")
+    max_connections: int = _setting(1024, "open connections (beyond, 503: uvicorn's limit-concurrency)")
+    url_fetch_memory: int = _setting(256 * 2**20, "bytes fetched from image URLs in flight on the whole server "
+                                                  "(429 beyond; one request's fetches are bounded by --payload-limit)")
     timeout_keep_alive: int = _setting(75, "seconds an idle connection stays open; longer than clients' and proxies' "
                                            "own (httpx 5, aiohttp 15, load balancers 60), so they always close first")
     log_level: str = _setting("info", "debug, info, warning or error", encode=True)
@@ -86,6 +98,12 @@ class Settings:
                   (self.max_concurrent_requests > 0, "--max-concurrent-requests must be positive"),
                   (self.timeout_keep_alive > 0, "--timeout-keep-alive must be positive"),
                   (self.url_fetch_timeout > 0, "--url-fetch-timeout must be positive"),
+                  (min(self.decode_memory_per_request, self.decode_memory, self.max_header_bytes,
+                       self.max_connections, self.url_fetch_memory) > 0,
+                   "--decode-memory-per-request, --decode-memory, --max-header-bytes, --max-connections and "
+                   "--url-fetch-memory must be positive"),
+                  (self.header_timeout > 0 and self.body_timeout > 0,
+                   "--header-timeout and --body-timeout must be positive"),
                   (self.decode_workers >= 0, "--decode-workers must be >= 0"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "--payload-limit, --max-image-pixels and --max-images-per-request must be positive"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import os
+import re
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -83,19 +84,29 @@ def spool_prefix(directory: str | None = None) -> str | None:
     return None
 
 
+LOCK = re.compile(r"vitserve-\d+-[0-9a-f]{8}-lock")  # a server's lock file, as spool_prefix names it
+
+
 def sweep(directory: str) -> None:
-    """Remove the spool files of servers that are gone: those whose lock file nobody holds."""
-    for lock in glob.glob(os.path.join(glob.escape(directory), "vitserve-*-lock")):
+    """Remove the spool files of servers that are gone: those whose lock file nobody holds. Only lock files named as
+    spool_prefix names them and owned by this process's user count (a shared sticky directory such as /dev/shm may
+    hold anybody's files), and a held lock is never touched."""
+    for name in os.listdir(directory):
+        lock = os.path.join(directory, name)
+        if not LOCK.fullmatch(name):
+            continue
         try:
-            fd = os.open(lock, os.O_RDONLY)
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # held: its server is alive
             continue
         else:
-            clear(lock.removesuffix("lock"))
+            clear(lock.removesuffix("lock"), own=True)
         finally:
             os.close(fd)
 
@@ -156,18 +167,24 @@ def read(path: str, nbytes: int) -> np.ndarray:
         remove(path)
 
 
-def clear(prefix: str | None) -> None:
-    """Remove this server's leftover spool files (at shutdown: images still queued, a device process's last), and
-    with its own prefix, its lock."""
+def clear(prefix: str | None, own: bool = False) -> None:
+    """Remove the leftover spool files of a prefix (at shutdown: images still queued, a device process's last), and
+    with this process's own prefix, its lock. `own`: only files of this process's user (a dead server's)."""
     if prefix:
         for path in glob.glob(glob.escape(prefix) + "*"):
+            try:
+                if own and os.lstat(path).st_uid != os.getuid():
+                    continue
+            except OSError:
+                continue
             remove(path)
         if prefix in _locks:
             os.close(_locks.pop(prefix))
 
 
 def remove(path: str) -> None:
+    """Remove a file if it is there; a file that cannot be removed (another user's, a read-only mount) stays."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass

@@ -297,7 +297,7 @@ def test_config_properties_and_overrides():
     cfg = PreprocessConfig()
     assert cfg.factor == 28 and cfg.patch_dim == 3 * 2 * 14 * 14 == 1176
     assert cfg.image_mean == OPENAI_CLIP_MEAN and cfg.image_std == OPENAI_CLIP_STD
-    assert cfg.max_image_pixels == 64_000_000 and cfg.max_pixels == 28 * 28 * 1280 and cfg.min_pixels == 3136
+    assert cfg.max_image_pixels == 50_000_000 and cfg.max_pixels == 28 * 28 * 1280 and cfg.min_pixels == 3136
     assert QWEN3.factor == 32 and QWEN3.patch_dim == 1536
     c2 = cfg.with_overrides(max_pixels=1_000_000, image_mean=[0.5, 0.5, 0.5])
     assert c2.max_pixels == 1_000_000 and c2.image_mean == (0.5, 0.5, 0.5) and cfg.max_pixels == 28 * 28 * 1280
