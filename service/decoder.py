@@ -78,7 +78,8 @@ class DecodeBudget:
 
     async def acquire(self, cost: int) -> int:
         cost = min(cost, self.limit)
-        if not self._waiters and self.used + cost <= self.limit:
+        now = time.monotonic()
+        if self.used + cost <= self.limit and not any(now - since > self.patience for _, since, _ in self._waiters):
             self.used += cost
             return cost
         waiter = (cost, time.monotonic(), asyncio.get_running_loop().create_future())

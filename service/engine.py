@@ -91,6 +91,7 @@ class Engine:
         self.started, self.load_seconds = time.time(), 0.0
         self.decoder = Decoder(settings, self.metrics, on_broken=self.fail)
         self.queue = ImageQueue(self.metrics)
+        self.fetch_budget = fetch.FetchBudget(settings.url_fetch_memory)
         self.in_flight = 0
         self.batch_sizes: dict[int, int] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
@@ -257,7 +258,7 @@ class Engine:
                                     "invalid_max_pixels", "max_pixels")
             cfg = dataclasses.replace(cfg, max_pixels=min(max_pixels, cfg.max_pixels))
         if self.settings.allow_url_fetch:
-            images = await fetch.fetch_all(images, self.settings, field)
+            images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
         decoded = await self.decoder.decode(images, cfg, field)
         loop = asyncio.get_running_loop()
         items = [WorkItem(image, grid, loop.create_future(), mean_pooling) for image, grid in decoded]

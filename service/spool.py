@@ -85,6 +85,7 @@ def spool_prefix(directory: str | None = None) -> str | None:
 
 
 LOCK = re.compile(r"vitserve-\d+-[0-9a-f]{8}-lock")  # a server's lock file, as spool_prefix names it
+FILE = re.compile(r"\d+|dev\d+-out-\d+|lock(\.new)?")  # what follows a prefix in a spool file's name
 
 
 def sweep(directory: str) -> None:
@@ -169,11 +170,12 @@ def read(path: str, nbytes: int) -> np.ndarray:
 
 def clear(prefix: str | None, own: bool = False) -> None:
     """Remove the leftover spool files of a prefix (at shutdown: images still queued, a device process's last), and
-    with this process's own prefix, its lock. `own`: only files of this process's user (a dead server's)."""
+    with this process's own prefix, its lock. `own` (a dead server's): only files named as servers name them and
+    owned by this process's user."""
     if prefix:
         for path in glob.glob(glob.escape(prefix) + "*"):
             try:
-                if own and os.lstat(path).st_uid != os.getuid():
+                if own and (not FILE.fullmatch(path[len(prefix):]) or os.lstat(path).st_uid != os.getuid()):
                     continue
             except OSError:
                 continue

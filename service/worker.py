@@ -96,7 +96,7 @@ def batch_error(e: Exception, batch: list[WorkItem]) -> EngineError:
         log.error("batch of %d images failed: %s", len(batch), e)
         return InferenceFailed(str(e), "internal_error")
     log.error("batch of %d images failed", len(batch), exc_info=e)  # only its own requests fail
-    return InferenceFailed(f"inference failed for this batch: {type(e).__name__}: {e}")
+    return InferenceFailed("inference failed for this batch; the server's log has the cause")
 
 
 class DeviceWorker:

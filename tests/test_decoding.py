@@ -63,12 +63,12 @@ def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
     """A server killed with SIGKILL leaves its spool files; the next server on the directory removes them, never a
     live server's."""
     code = ("import sys, time; from vitserve.service import spool; p = spool.spool_prefix(sys.argv[1]); "
-            "open(p + '0-1', 'wb').write(b'x' * 10); print(p, flush=True); time.sleep(60)")
+            "open(p + '7', 'wb').write(b'x' * 10); print(p, flush=True); time.sleep(60)")
     other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         theirs = other.stdout.readline().strip()
         ours = spool.spool_prefix(str(tmp_path))  # sweeps: the other server is alive, its files stay
-        assert os.path.exists(theirs + "0-1") and os.path.exists(theirs + "lock") and os.path.exists(ours + "lock")
+        assert os.path.exists(theirs + "7") and os.path.exists(theirs + "lock") and os.path.exists(ours + "lock")
     finally:
         other.kill()
         other.wait()
@@ -295,3 +295,77 @@ def test_decode_workers_import_no_torch(encoders):
 
     image, imported = asyncio.run(scenario())
     assert image.ndim == 3 and not imported
+
+
+def test_the_decode_queue_is_round_robin_by_request():
+    from vitserve.service.decode_pool import FairQueue
+
+    q = FairQueue()
+    for job in ("a1", "a2", "a3"):
+        q.append("A", job)
+    q.append("B", "b1")
+    q.append("C", "c1")
+    q.append("A", "a4")
+    assert len(q) == 6 and [q.popleft() for _ in range(6)] == ["a1", "b1", "c1", "a2", "a3", "a4"]
+
+
+def test_the_decode_budget_queues_what_does_not_fit_and_lets_small_images_pass():
+    from vitserve.service.decoder import DecodeBudget
+
+    async def scenario():
+        budget = DecodeBudget(100, patience=0.2)
+        order = []
+
+        async def take(name, cost, hold):
+            share = await budget.acquire(cost)
+            order.append(name)
+            await asyncio.sleep(hold)
+            budget.release(share)
+
+        first = asyncio.ensure_future(take("first 60", 60, 0.05))
+        await asyncio.sleep(0)
+        big = asyncio.ensure_future(take("big 60", 60, 0))  # does not fit beside the first: waits
+        small = asyncio.ensure_future(take("small 30", 30, 0))  # fits: goes ahead of the big one
+        huge = asyncio.ensure_future(take("huge 500", 500, 0))  # more than the whole budget: takes all of it, alone
+        await asyncio.gather(first, big, small, huge)
+        assert budget.used == 0
+        cancelled = asyncio.ensure_future(budget.acquire(10))
+        budget.used = 100
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        budget.used = 0
+        # one that has waited past its patience: nobody goes ahead of it any more
+        budget.used = 50
+        waiting = asyncio.ensure_future(budget.acquire(60))
+        await asyncio.sleep(0.3)
+        late = asyncio.ensure_future(budget.acquire(10))
+        await asyncio.sleep(0)
+        budget.release(0)  # a release re-checks the waiters: the patient one does not fit yet, so `late` waits
+        assert not late.done()
+        budget.release(50)
+        await asyncio.wait_for(asyncio.gather(waiting, late), 1)
+        return order
+
+    assert asyncio.run(scenario()) == ["first 60", "small 30", "big 60", "huge 500"]
+
+
+def test_decode_memory_is_estimated_from_the_header_alone():
+    import io as _io
+
+    from PIL import Image
+
+    from vitserve.encoder.preprocess import probe
+    from vitserve.service.decoder import head
+
+    def encoded(mode, fmt, size=(6000, 4000), **kw):
+        buf = _io.BytesIO()
+        Image.new(mode, size).save(buf, fmt, **kw)
+        return buf.getvalue()
+
+    for data, mode in ((encoded("RGBA", "WEBP", lossless=True), "RGBA"), (encoded("RGB", "WEBP", quality=50), "RGB"),
+                       (encoded("RGB", "PNG"), "RGB"), (encoded("L", "JPEG"), "L")):
+        header = probe(head(b64(data)))  # from the first 64 KB of its base64 text
+        assert (header.width, header.height, header.mode) == (6000, 4000, mode)
+    opaque, clear = probe(encoded("RGB", "PNG")), probe(encoded("RGBA", "PNG"))
+    assert opaque.decode_bytes == 6000 * 4000 * 12 and clear.decode_bytes == 6000 * 4000 * 20

@@ -33,6 +33,11 @@ def fake_dns(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
 
+def respond(body: bytes, status: int = 200, **headers) -> httpx.Response:
+    """A response whose body streams, as from the network."""
+    return httpx.Response(status, headers=headers, stream=httpx.ByteStream(body))
+
+
 def run(urls, handler, **settings):
     seen = []
 
@@ -45,12 +50,12 @@ def run(urls, handler, **settings):
 
 
 def test_connection_is_pinned_to_the_checked_address():
-    data, seen = run(["https://images.example/cat.png?x=1"], lambda r: httpx.Response(200, content=b"PNGDATA"))
+    data, seen = run(["https://images.example/cat.png?x=1"], lambda r: respond(b"PNGDATA"))
     assert data == [b"PNGDATA"]
     (request,) = seen
     assert request.url.host == "93.184.216.34" and request.url.path == "/cat.png" and request.url.query == b"x=1"
     assert request.headers["host"] == "images.example" and request.extensions["sni_hostname"] == "images.example"
-    data, seen = run(["http://v6.example:8080/a.jpg"], lambda r: httpx.Response(200, content=b"J"))
+    data, seen = run(["http://v6.example:8080/a.jpg"], lambda r: respond(b"J"))
     assert seen[0].url.host == "2606:4700::6810:84e5" and seen[0].url.port == 8080
 
 
@@ -76,7 +81,7 @@ def test_redirects_are_rechecked_and_bounded():
         hops.append(request.headers["host"])
         if request.headers["host"] == "images.example":
             return httpx.Response(301, headers={"location": "https://cdn.example/a.png"})
-        return httpx.Response(200, content=b"OK")
+        return respond(b"OK")
 
     data, _ = run(["http://images.example/a"], to_cdn)
     assert data == [b"OK"] and hops == ["images.example", "cdn.example"]
@@ -88,7 +93,7 @@ def test_redirects_are_rechecked_and_bounded():
 
 def test_size_status_and_scheme_limits():
     with pytest.raises(EngineError) as e:
-        run(["http://images.example/big"], lambda r: httpx.Response(200, content=b"x" * 5000), payload_limit=4096)
+        run(["http://images.example/big"], lambda r: respond(b"x" * 5000), payload_limit=4096)
     assert ServiceError.of(e.value).status == 413
     with pytest.raises(EngineError) as e:
         run(["http://images.example/missing"], lambda r: httpx.Response(404))
@@ -96,3 +101,70 @@ def test_size_status_and_scheme_limits():
     with pytest.raises(EngineError) as e:
         run(["http://nowhere.example/x"], lambda r: httpx.Response(200))
     assert e.value.code == "invalid_url"
+
+
+@pytest.mark.parametrize("url", ["http://example.com:99999/", "http://example.com:-1/", "http://[::1/",
+                                 "http://exa\r\nmple.com/", "http://images.example/a b", "ftp://images.example/"])
+def test_malformed_urls_are_400_invalid_url(url):
+    with pytest.raises(EngineError) as e:
+        run([url], lambda r: pytest.fail("must not connect"))
+    assert ServiceError.of(e.value).status == 400 and e.value.code == "invalid_url"
+    assert len(e.value.message) < 400
+
+
+@pytest.mark.parametrize("address", ["::ffff:10.0.0.1", "2002:0a00:0001::1", "2002:7f00:0001::1",
+                                     "2001:0000:4136:e378:8000:63bf:f5ff:fffe", "64:ff9b::a00:1"])
+def test_private_ipv4_inside_ipv6_is_refused(address, monkeypatch):
+    """IPv4-mapped, 6to4, Teredo and NAT64 addresses that carry a private (or loopback) IPv4 address."""
+    monkeypatch.setitem(DNS, "sneaky.example", [address])
+    with pytest.raises(EngineError) as e:
+        run(["http://sneaky.example/x.png"], lambda r: pytest.fail("must not connect"))
+    assert e.value.code == "forbidden_url"
+
+
+def test_compressed_bodies_are_inflated_with_a_cap_and_bytes_are_bounded():
+    import gzip
+
+    small = gzip.compress(b"PNG" * 100)
+    data, _ = run(["http://images.example/a"], lambda r: respond(small, **{"content-encoding": "gzip"}))
+    assert data == [b"PNG" * 100]
+    bomb = gzip.compress(b"\0" * (64 * 2**20))  # 64 KB that inflate to 64 MiB
+    with pytest.raises(EngineError) as e:
+        run(["http://images.example/a"], lambda r: respond(bomb, **{"content-encoding": "gzip"}),
+            payload_limit=2**20)
+    assert ServiceError.of(e.value).status == 413
+    # one request's URLs together: 3 x 400 bytes against a 1000-byte limit
+    with pytest.raises(EngineError) as e:
+        run(["http://images.example/a"] * 3, lambda r: respond(b"x" * 400), payload_limit=1000)
+    assert ServiceError.of(e.value).status == 413
+
+
+def test_the_servers_fetch_budget_is_429_beyond_and_given_back():
+    budget = fetch.FetchBudget(1000)
+    settings = Settings(model="m", allow_url_fetch=True)
+
+    def fetch_with(body):
+        transport = httpx.MockTransport(lambda r: respond(body))
+        return asyncio.run(fetch.fetch_all(["http://images.example/a"], settings, budget=budget, transport=transport))
+
+    assert fetch_with(b"x" * 900) == [b"x" * 900] and budget.used == 0
+    budget.used = 500  # another request's fetch in flight
+    with pytest.raises(EngineError) as e:
+        fetch_with(b"x" * 900)
+    assert ServiceError.of(e.value).status == 429 and budget.used == 500
+
+
+def test_one_deadline_for_the_whole_fetch():
+    """A host that answers byte by byte, each in time for a per-read timeout, is cut off at the overall deadline."""
+    class Trickle(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                yield b"x"
+
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(EngineError) as e:
+        run(["http://images.example/slow"], lambda r: httpx.Response(200, stream=Trickle()), url_fetch_timeout=0.5)
+    assert e.value.code == "url_fetch_failed" and time.monotonic() - start < 3
