@@ -8,6 +8,7 @@ import logging
 import math
 from contextlib import asynccontextmanager
 
+import torch
 import torch.nn.functional as F
 
 from fastapi import FastAPI, Request
@@ -108,6 +109,15 @@ def decode_input(item: str, index: int, allow_url: bool, field: str = "input") -
     return Base64Data(item)  # decoded by a decode worker, off the event loop
 
 
+def laid_out(embeddings, deepstack: list, layout: str):
+    """An image's (tokens, deepstack list) in a consumer's layout. `vllm`: one tensor, the deepstack features after
+    the tokens on the width (`cat([tokens, ds0, ds1, ...], -1)`, in deepstack_visual_indexes order), as vLLM's and
+    SGLang's Qwen3-VL take precomputed embeddings; the same as `tokens` for towers without deepstack."""
+    if layout == "vllm" and deepstack:
+        return torch.cat([embeddings, *deepstack], dim=-1), []
+    return embeddings, deepstack
+
+
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(settings)
 
@@ -162,10 +172,12 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         request.state.images, request.state.tokens = len(result.grids), sum(math.prod(g) // unit for g in result.grids)
         request.state.queue_ms = round(result.queue_s * 1e3, 2)
         request.state.inference_ms = round(result.inference_s * 1e3, 2)
+        request.state.cache_hits = result.cache_hits
         return result
 
     def timing_headers(result: Encoded) -> dict[str, str]:
-        return {"x-queue-time": f"{result.queue_s * 1e3:.2f}", "x-inference-time": f"{result.inference_s * 1e3:.2f}"}
+        return {"x-queue-time": f"{result.queue_s * 1e3:.2f}", "x-inference-time": f"{result.inference_s * 1e3:.2f}",
+                "x-cache-hits": str(result.cache_hits)}
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in (settings.model_name, settings.model):
@@ -201,8 +213,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             await form.close()
             if not images:
                 raise ServiceError(400, "multipart body has no file parts", "no_images", "images")
-            if "dtype" in request.query_params:
-                fields.setdefault("dtype", request.query_params["dtype"])
+            for name in ("dtype", "layout"):
+                if name in request.query_params:
+                    fields.setdefault(name, request.query_params[name])
             try:
                 body = EncodeForm.model_validate(fields)
             except ValidationError as e:
@@ -213,20 +226,21 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         check_model(body.model)
         result = await encode_images(request, images, "images", max_pixels=body.max_pixels)
         tokens = request.state.tokens
+        outputs = [laid_out(embeddings, deepstack, body.layout) for embeddings, deepstack in result.outputs]
         if "application/octet-stream" in request.headers.get("accept", ""):
             metadata = {"model": settings.model_name, "grid_thw": json.dumps(result.grids), "dtype": body.dtype,
-                        "tokens": str(tokens)}
-            return Response(safetensors_body(result.outputs, body.dtype, metadata, body.deepstack),
+                        "tokens": str(tokens), "layout": body.layout}
+            return Response(safetensors_body(outputs, body.dtype, metadata, body.deepstack),
                             media_type="application/octet-stream", headers=timing_headers(result))
         data = []
-        for i, ((embeddings, deepstack), grid) in enumerate(zip(result.outputs, result.grids)):
+        for i, ((embeddings, deepstack), grid) in enumerate(zip(outputs, result.grids)):
             data.append({"index": i, "grid_thw": grid, "shape": list(embeddings.shape), "dtype": body.dtype,
                          "embeddings": b64(embeddings.to(OUT[body.dtype])),
                          "deepstack": [b64(d.to(OUT[body.dtype])) for d in deepstack]
                          if deepstack and body.deepstack else None})
-        return FastJSONResponse({"object": "list", "model": settings.model_name, "data": data,
-                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                                headers=timing_headers(result))
+        return FastJSONResponse({"object": "list", "model": settings.model_name, "layout": body.layout, "data": data,
+                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                                 "cache_hits": result.cache_hits}, headers=timing_headers(result))
 
     @app.get("/v1/models")
     async def models():
@@ -234,7 +248,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         return {"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": int(engine.started), "owned_by": "vitserve",
             "root": settings.model, "family": cfg.family if cfg else None,
-            "embedding_dim": cfg.out_hidden_size if cfg else None, "ready": engine.state is State.READY}]}
+            "embedding_dim": cfg.out_hidden_size if cfg else None, "ready": engine.state is State.READY,
+            "deepstack_layers": len(cfg.deepstack_visual_indexes) if cfg else None,
+            "max_images_per_request": settings.max_images_per_request}]}
 
     @app.get("/health")
     async def health():

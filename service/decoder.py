@@ -154,10 +154,10 @@ class Decoder:
         """A forced exit: remove the spool files without waiting for anyone (the processes are killed by then)."""
         spool.clear(self.spool_prefix)
 
-    def costs(self, images: list, field: str) -> list[int]:
+    def costs(self, images: list, field: str, names: list[int]) -> list[int]:
         """Each image's decode memory from its header; the request's errors before anything is decoded."""
         costs = []
-        for index, data in enumerate(images):
+        for index, data in zip(names, images):
             try:
                 header = header_of(data)
                 if header.width * header.height > self.settings.max_image_pixels:
@@ -173,9 +173,12 @@ class Decoder:
                                 "decode_memory", field)
         return costs
 
-    async def decode(self, images: list, cfg: PreprocessConfig, field: str = "input") -> list[Decoded]:
-        """Decode and resize concurrently; the first bad image fails the request (only it), named `field[i]`."""
-        costs, owner = self.costs(images, field), object()  # the request, for the decode pool's fair queue
+    async def decode(self, images: list, cfg: PreprocessConfig, field: str = "input",
+                     names: list[int] | None = None) -> list[Decoded]:
+        """Decode and resize concurrently; the first bad image fails the request (only it), named `field[i]` with
+        i its index in `names` (default: its position)."""
+        names = list(range(len(images))) if names is None else names
+        costs, owner = self.costs(images, field, names), object()  # the request, for the decode pool's fair queue
         jobs = [asyncio.ensure_future(self._decode(data, cfg, cost, owner)) for data, cost in zip(images, costs)]
         try:
             await asyncio.wait(jobs)
@@ -189,7 +192,7 @@ class Decoder:
             for job, error in zip(jobs, errors):
                 if error is None:
                     spool.discard(job.result()[0])
-            index, error = next((i, e) for i, e in enumerate(errors) if e is not None)
+            index, error = next((i, e) for i, e in zip(names, errors) if e is not None)
             raise self._error(f"{field}[{index}]", error) from None
         out, p = [], cfg.patch_size
         for job in jobs:

@@ -1,7 +1,7 @@
 """The serving engine: one `encode` call for the app, behind it the decoder, the image queue and a worker per device.
 
-    request -> admit -> fetch URLs (when enabled) -> Decoder.decode (worker processes; pixels in spool files)
-            -> one WorkItem per image on the ImageQueue -> a DeviceWorker takes batches from concurrent requests
+    request -> admit (the gate) -> fetch URLs (when enabled) -> the embedding cache (a hit is answered here)
+            -> Decoder.decode (worker processes; pixels in spool files) -> one WorkItem per image on the ImageQueue -> a DeviceWorker takes batches from concurrent requests
             -> its device (this process, or a process of its own) runs them -> each image's future is resolved
             on the event loop
 
@@ -31,6 +31,7 @@ from ..encoder.preprocess import PreprocessConfig, normalize_lut
 from ..encoder.vision_encoder import load_configs
 
 from . import fetch
+from .cache import EmbeddingCache
 from .decoder import Decoder
 from .device_process import ProcessDevice
 from .errors import ClientDisconnected, EngineError, InputRejected, NotReady, QueueFull
@@ -71,6 +72,7 @@ class Encoded:
     grids: list[list[int]]
     queue_s: float
     inference_s: float
+    cache_hits: int = 0
 
 
 class Engine:
@@ -92,6 +94,7 @@ class Engine:
         self.decoder = Decoder(settings, self.metrics, on_broken=self.fail)
         self.queue = ImageQueue(self.metrics)
         self.fetch_budget = fetch.FetchBudget(settings.url_fetch_memory)
+        self.cache = EmbeddingCache(settings.cache_bytes, settings.model_name or "", self.metrics)
         self.in_flight = 0
         self.batch_sizes: dict[int, int] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
@@ -259,7 +262,40 @@ class Engine:
             cfg = dataclasses.replace(cfg, max_pixels=min(max_pixels, cfg.max_pixels))
         if self.settings.allow_url_fetch:
             images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
-        decoded = await self.decoder.decode(images, cfg, field)
+        outputs: list = [None] * len(images)
+        keys = [self.cache.key(data, cfg, mean_pooling) for data in images] if self.cache.enabled else []
+        todo, waits, hits = list(range(len(images))), [], 0
+        if keys:
+            todo = []
+            for i, key in enumerate(keys):
+                if (cached := self.cache.get(key)) is not None:
+                    outputs[i], hits = cached, hits + 1
+                elif (other := self.cache.claim(key)) is not None:  # the same image is being encoded already
+                    waits.append((i, other))
+                else:
+                    todo.append(i)
+            self.metrics.cache_hits.inc(hits)
+            self.metrics.cache_misses.inc(len(todo))
+        queue_s = inference_s = 0.0
+        try:
+            if todo:
+                queue_s, inference_s = await self._compute(images, todo, outputs, cfg, field, mean_pooling,
+                                                           disconnected)
+        finally:
+            for i in todo if keys else ():
+                self.cache.settle(keys[i], outputs[i])
+        for i, other in waits:
+            outputs[i] = await other
+            if outputs[i] is None:  # the other request failed: this one encodes it itself
+                queue_s, inference_s = await self._compute(images, [i], outputs, cfg, field, mean_pooling,
+                                                           disconnected)
+        return Encoded([o[0] for o in outputs], [list(o[1]) for o in outputs], queue_s, inference_s, hits)
+
+    async def _compute(self, images: list, todo: list[int], outputs: list, cfg, field: str, mean_pooling: bool,
+                       disconnected: asyncio.Future | None) -> tuple[float, float]:
+        """Decode and run the images at `todo` (indices of `images`), filling `outputs`; the longest queue and
+        inference seconds among them."""
+        decoded = await self.decoder.decode([images[i] for i in todo], cfg, field, todo)
         loop = asyncio.get_running_loop()
         items = [WorkItem(image, grid, loop.create_future(), mean_pooling) for image, grid in decoded]
         self.queue.put(items)
@@ -272,8 +308,9 @@ class Engine:
             results.cancel()
             results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
             raise ClientDisconnected("the client went away")
-        return Encoded(results.result(), [list(i.grid) for i in items], max(i.queue_s for i in items),
-                       max(i.inference_s for i in items))
+        for i, item, output in zip(todo, items, results.result()):
+            outputs[i] = (output, item.grid)
+        return max(i.queue_s for i in items), max(i.inference_s for i in items)
 
     def _done(self, worker: DeviceWorker, batch: list[WorkItem], outputs, error: EngineError | None,
               seconds: float) -> None:
@@ -317,5 +354,5 @@ class Engine:
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "spool": self.decoder.spool_prefix and os.path.dirname(self.decoder.spool_prefix),
                 "device_processes": any(isinstance(w.device, ProcessDevice) for w in self.workers),
-                "decode_workers_replaced": self.decoder.workers_replaced,
+                "decode_workers_replaced": self.decoder.workers_replaced, "cache": self.cache.stats(),
                 "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners)}

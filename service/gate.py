@@ -139,7 +139,7 @@ class Gate:
         fields = {"method": scope.get("method"), "path": path, "status": status, "ms": round(seconds * 1e3, 2),
                   "images": state.get("images"), "tokens": state.get("tokens"),
                   "queue_ms": state.get("queue_ms"), "inference_ms": state.get("inference_ms"),
-                  "request_id": state["request_id"]}
+                  "cache_hits": state.get("cache_hits"), "request_id": state["request_id"]}
         text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("method", "path",
                                                                                            "status"))
         access.log(level, "%s %s %s %s", fields["method"], path, status, text, extra={"fields": fields})

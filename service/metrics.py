@@ -54,6 +54,11 @@ class Metrics:
                                       registry=r)
         self.dropped = Counter("vitserve_dropped_images", "Queued images dropped because their client went away",
                                registry=r)
+        self.cache_hits = Counter("vitserve_cache_hits", "Images answered from the embedding cache", registry=r)
+        self.cache_misses = Counter("vitserve_cache_misses", "Images encoded while the cache is on", registry=r)
+        self.cache_evictions = Counter("vitserve_cache_evictions", "Cache entries dropped for room", registry=r)
+        self.cache_bytes = Gauge("vitserve_cache_bytes", "Bytes held by the embedding cache", registry=r)
+        self.cache_entries = Gauge("vitserve_cache_entries", "Images held by the embedding cache", registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the model is loaded, graphs captured and not draining", registry=r)
         self._runners = None
         self._recent = {phase: collections.deque(maxlen=RECENT) for phase in PHASES}

@@ -42,6 +42,7 @@ class EncodeRequest(BaseModel):
     images: list[str] = Field(min_length=1)
     dtype: Literal[tuple(OUTPUT_DTYPES)] = "float32"
     deepstack: bool = True
+    layout: Literal["tokens", "vllm"] = "tokens"  # vllm: one tensor per image, deepstack concatenated on the width
     max_pixels: int | None = MAX_PIXELS
 
 
@@ -52,4 +53,5 @@ class EncodeForm(BaseModel):
     model: str | None = None
     dtype: Literal[tuple(OUTPUT_DTYPES)] = "float32"
     deepstack: bool = True
+    layout: Literal["tokens", "vllm"] = "tokens"
     max_pixels: int | None = MAX_PIXELS

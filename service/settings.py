@@ -61,6 +61,8 @@ class Settings:
     allow_url_fetch: bool = _setting(False, "accept http(s) image URLs (off: SSRF risk)")
     url_fetch_timeout: float = _setting(10.0, "seconds per URL fetch")
     log_format: str = _setting("text", "text or json", encode=True)
+    cache_bytes: int = _setting(512 * 2**20, "host memory for the embedding cache: an image sent again is answered "
+                                             "from it, without decoding or the device (0: off)")
     max_header_bytes: int = _setting(64 * 2**10, "bytes of a request's line and headers (beyond, a 400 and the "
                                                  "connection closed)")
     header_timeout: float = _setting(10.0, "seconds to receive a request's headers, from its first byte (beyond, "
@@ -105,6 +107,7 @@ class Settings:
                   (self.header_timeout > 0 and self.body_timeout > 0,
                    "--header-timeout and --body-timeout must be positive"),
                   (self.decode_workers >= 0, "--decode-workers must be >= 0"),
+                  (self.cache_bytes >= 0, "--cache-bytes must be >= 0"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "--payload-limit, --max-image-pixels and --max-images-per-request must be positive"),
                   (all(p is None or p > 0 for p in (self.min_pixels, self.max_pixels)),

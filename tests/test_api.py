@@ -270,7 +270,8 @@ def test_request_ids_and_access_lines(client, caplog):
     """Every response carries x-request-id (the client's, or a new one); every request, a 4xx too, logs one access
     line with it."""
     with caplog.at_level(logging.INFO, logger="vitserve.access"):
-        ok = client.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, headers={"x-request-id": "abc-123"})
+        fresh = {"input": [data_uri(png(70, 50, 77))]}  # not in the cache: it is encoded
+        ok = client.post("/v1/embeddings", json=fresh, headers={"x-request-id": "abc-123"})
         bad = client.post("/v1/embeddings", json={"input": ["%%%"]})
         odd = client.get("/v1/models", headers={"x-request-id": "not ok\x01"})
     assert ok.headers["x-request-id"] == "abc-123"
@@ -328,3 +329,30 @@ def test_openapi_documents_the_multipart_form(client):
     assert form["properties"]["images"]["items"]["format"] == "binary" and {"dtype", "deepstack"} <= set(
         form["properties"])
     assert "application/json" in body
+
+
+def test_the_vllm_layout_puts_deepstack_on_the_width(client, encoders):
+    """layout=vllm: one tensor per image, cat([tokens, ds0, ds1], -1) in deepstack order (Qwen3), in JSON and in
+    safetensors, as a field, form field or query parameter; for a tower without deepstack it is the tokens."""
+    images = [png(120, 90, 41), png(64, 200, 42)]
+    direct = encoders["tiny-qwen3-vl"].encode(images)
+    body = {"images": [data_uri(x) for x in images], "layout": "vllm"}
+    js = client.post("/v1/encode", json=body).json()
+    files = [("images", (f"{i}.png", x, "image/png")) for i, x in enumerate(images)]
+    form = client.post("/v1/encode", files=files, data={"layout": "vllm"}).json()
+    query = client.post("/v1/encode?layout=vllm", files=files, headers={"accept": "application/octet-stream"})
+    tensors = safetensors_load(query.content)
+    assert js["layout"] == "vllm" and not any(".deepstack." in k for k in tensors)
+    for i, r in enumerate(direct):
+        want = torch.cat([r.embeddings, *r.deepstack], -1)
+        assert want.shape[1] == 3 * 32
+        for reply in (js, form):
+            item = reply["data"][i]
+            assert item["deepstack"] is None and item["shape"] == list(want.shape)
+            assert rel_err(b64_tensor(item["embeddings"], item["shape"]), want) <= 1e-6
+        assert rel_err(tensors[f"images.{i}.embeddings"], want) <= 1e-6
+    with client_for(encoders["tiny-qwen2.5-vl"]) as other:
+        plain = other.post("/v1/encode", json={"images": [data_uri(images[0])]}).json()["data"][0]
+        vllm = other.post("/v1/encode", json={"images": [data_uri(images[0])], "layout": "vllm"}).json()["data"][0]
+        assert vllm["embeddings"] == plain["embeddings"] and vllm["shape"] == plain["shape"]
+    assert client.post("/v1/encode", json={"images": ["x"], "layout": "sglang"}).status_code == 422

@@ -29,7 +29,7 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
     spool_dir.mkdir()
     settings = Settings(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True,
                         spool_dir=str(spool_dir), max_batch_wait_ms=1, max_batch_tokens=256, decode_workers=2,
-                        budgets="256,1024", attention_backend="sdpa")
+                        budgets="256,1024", attention_backend="sdpa", cache_bytes=0)
     direct = enc.encode(IMAGES)
     with TestClient(create_app(settings)) as c:
         wait_until(lambda: c.get("/ready").status_code == 200, 120, "the device processes ready")

@@ -108,7 +108,7 @@ def test_several_devices_share_the_load(encoders):
     did what, and every answer is right."""
     enc = encoders["tiny-qwen2.5-vl"]
     twin = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy")
-    settings = Settings(model=enc.name, load_format="dummy", max_batch_wait_ms=1, max_batch_tokens=256)
+    settings = Settings(model=enc.name, load_format="dummy", max_batch_wait_ms=1, max_batch_tokens=256, cache_bytes=0)
     direct = [r.embeddings.mean(0) for r in enc.encode(IMAGES)]
     with TestClient(create_app(settings, Engine(settings, encoders=[enc, twin]))) as c:
         with ThreadPoolExecutor(12) as pool:

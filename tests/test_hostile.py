@@ -76,8 +76,8 @@ def test_sixteen_bombs_in_one_request_and_the_request_decode_limit(server):
     r = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(webp)] * 16}, timeout=30)
     assert r.status_code == 413 and time.monotonic() - start < 2
     # under the pixel limit each, but 8 x 3000² transparent images take over the 256 MiB of one request's decoding
-    medium = encoded(Image.new("RGBA", (3000, 3000)), "PNG")
-    r = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(medium)] * 8}, timeout=30)
+    medium = [data_uri(encoded(Image.new("RGBA", (3000 + i, 3000)), "PNG")) for i in range(8)]
+    r = httpx.post(url + "/v1/embeddings", json={"input": medium}, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "decode_memory", r.text
     normal_ok(url)
 

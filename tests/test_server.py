@@ -46,7 +46,7 @@ IMAGES = [png(w, h, seed) for seed, (w, h) in enumerate([(64, 64), (300, 200), (
 
 def test_concurrent_mixed_sizes_then_sigterm_with_requests_in_flight(direct):
     expected = [r.embeddings.mean(0) for r in direct.encode(IMAGES)]
-    proc, url = start_server("--max-batch-wait-ms", "400")
+    proc, url = start_server("--max-batch-wait-ms", "400", "--cache-bytes", "0")  # repeated images: encoded anew
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
             assert client.get("/health").json() == {"status": "ok"}
@@ -209,7 +209,8 @@ def test_second_sigterm_exits_promptly():
 def test_device_process_death_exits_nonzero():
     """--device-processes: when a device process dies, its batch gets a 503 (device_lost) and the server exits
     non-zero, for its supervisor to restart it."""
-    proc, url = start_server("--devices", "cpu,cpu", "--device-processes", "--max-batch-wait-ms", "1")
+    proc, url = start_server("--devices", "cpu,cpu", "--device-processes", "--max-batch-wait-ms", "1",
+                             "--cache-bytes", "0")
     try:
         assert httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30).status_code == 200
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()

@@ -1,0 +1,89 @@
+"""The embedding cache: an image that comes again (every turn of a multi-turn chat) is answered from host memory,
+without decoding it or touching the device.
+
+The key is a BLAKE2b digest of the image's encoded bytes (as sent: the base64 text, or the bytes of a file part or
+a fetched URL) and of everything that changes the engine's output for it: the model, the resize bounds, and whether
+the tokens or their mean are wanted. The output dtype and layout are applied to the cached float32 tensors after the
+cache, so they need no key: a cached answer is bit-identical to a computed one. An LRU bounded in bytes
+(`--cache-bytes`, 0: off); only successful encodings are stored. Identical images in flight at once are computed
+once: the later ones wait for the first (`claim`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+
+import torch
+
+from ..encoder.preprocess import Base64Data, PreprocessConfig
+from .metrics import Metrics
+
+Output = tuple[tuple[torch.Tensor, list[torch.Tensor]], tuple[int, int, int]]  # (tokens or mean, deepstack), grid
+
+
+def nbytes(output: Output) -> int:
+    (first, deepstack), _ = output
+    return sum(t.numel() * t.element_size() for t in (first, *deepstack))
+
+
+class EmbeddingCache:
+    def __init__(self, limit: int, model: str, metrics: Metrics):
+        self.limit, self.model, self.metrics = limit, model, metrics
+        self.bytes = 0
+        self._entries: collections.OrderedDict[bytes, Output] = collections.OrderedDict()
+        self._pending: dict[bytes, asyncio.Future] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit > 0
+
+    def key(self, data, cfg: PreprocessConfig, mean_pooling: bool) -> bytes:
+        digest = hashlib.blake2b(digest_size=32)
+        digest.update(data.encode("ascii", "replace") if isinstance(data, Base64Data) else bytes(data))
+        digest.update(f"\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}".encode())
+        return digest.digest()
+
+    def get(self, key: bytes) -> Output | None:
+        output = self._entries.get(key)
+        if output is None:
+            return None
+        self._entries.move_to_end(key)
+        return output
+
+    def claim(self, key: bytes) -> asyncio.Future | None:
+        """None: the caller computes this image (and must `settle` it); else a future the caller awaits for another
+        request's result (None when that one failed: then the caller computes it)."""
+        if key in self._pending:
+            return self._pending[key]
+        self._pending[key] = asyncio.get_running_loop().create_future()
+        return None
+
+    def settle(self, key: bytes, output: Output | None) -> None:
+        """The claimed image's result (None: it failed, and is not stored)."""
+        if output is not None:
+            self.put(key, output)
+        future = self._pending.pop(key, None)
+        if future is not None and not future.done():
+            future.set_result(output)
+
+    def put(self, key: bytes, output: Output) -> None:
+        size = nbytes(output)
+        if size > self.limit or key in self._entries:
+            return
+        while self.bytes + size > self.limit:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= nbytes(evicted)
+            self.metrics.cache_evictions.inc()
+        self._entries[key] = output
+        self.bytes += size
+        self.metrics.cache_bytes.set(self.bytes)
+        self.metrics.cache_entries.set(len(self._entries))
+
+    def stats(self) -> dict:
+        registry = self.metrics.registry
+        return {"enabled": self.enabled, "limit_bytes": self.limit, "bytes": self.bytes, "entries": len(self._entries),
+                "hits": registry.get_sample_value("vitserve_cache_hits_total"),
+                "misses": registry.get_sample_value("vitserve_cache_misses_total"),
+                "evictions": registry.get_sample_value("vitserve_cache_evictions_total")}

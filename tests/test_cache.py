@@ -1,0 +1,131 @@
+"""The embedding cache: a hit skips decoding and the device and is bit-identical to a computed answer; different
+preprocessing never shares an entry; the bound in bytes holds; failures are never stored; identical images in
+flight are computed once."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import b64_tensor, client_for, data_uri, png
+
+from vitserve.encoder.preprocess import Base64Data, PreprocessConfig
+from vitserve.service.cache import EmbeddingCache
+from vitserve.service.metrics import Metrics
+
+
+def sample(client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.fixture
+def client(encoders):
+    with client_for(encoders["tiny-qwen3-vl"], cache_bytes=64 * 2**20) as c:
+        yield c
+
+
+def test_a_hit_skips_decoding_and_the_device_and_is_bit_identical(client):
+    image = data_uri(png(200, 150, 31))
+    first = client.post("/v1/encode", json={"images": [image]})
+    decoded, ran = sample(client, "vitserve_decode_seconds_count"), sample(client, "vitserve_images_total")
+    second = client.post("/v1/encode", json={"images": [image]})
+    assert first.headers["x-cache-hits"] == "0" and second.headers["x-cache-hits"] == "1"
+    assert second.json()["cache_hits"] == 1 and second.json()["data"] == first.json()["data"]  # every byte
+    assert sample(client, "vitserve_decode_seconds_count") == decoded and sample(client, "vitserve_images_total") == ran
+    assert sample(client, "vitserve_cache_hits_total") == 1 and sample(client, "vitserve_cache_misses_total") == 1
+    # the dtype and the layout are applied after the cache: a hit gives exactly what a computation gives
+    for fields in ({"dtype": "bfloat16"}, {"layout": "vllm"}, {"dtype": "float16", "deepstack": False}):
+        hit = client.post("/v1/encode", json={"images": [image], **fields})
+        with client_for(client.app.state.engine.workers[0].device.encoder, cache_bytes=0) as fresh:
+            computed = fresh.post("/v1/encode", json={"images": [image], **fields})
+        assert hit.headers["x-cache-hits"] == "1" and hit.json()["data"] == computed.json()["data"], fields
+    stats = client.get("/stats").json()["cache"]
+    assert stats["entries"] == 1 and stats["hits"] == 4 and 0 < stats["bytes"] <= stats["limit_bytes"]
+
+
+def test_different_preprocessing_never_shares_an_entry(client):
+    image = data_uri(png(640, 480, 32))
+    tokens = client.post("/v1/encode", json={"images": [image]}).json()["data"][0]
+    capped = client.post("/v1/encode", json={"images": [image], "max_pixels": 70_000})
+    assert capped.headers["x-cache-hits"] == "0" and capped.json()["data"][0]["grid_thw"] != tokens["grid_thw"]
+    mean = client.post("/v1/embeddings", json={"input": [image]})  # the mean, taken on the device: another entry
+    assert mean.headers["x-cache-hits"] == "0"
+    assert client.post("/v1/embeddings", json={"input": [image]}).headers["x-cache-hits"] == "1"
+    cfg, other = PreprocessConfig(), PreprocessConfig(max_pixels=100_000)
+    cache_a, cache_b = EmbeddingCache(1, "model-a", Metrics()), EmbeddingCache(1, "model-b", Metrics())
+    data = Base64Data("aGVsbG8=")
+    keys = {cache_a.key(data, cfg, False), cache_a.key(data, other, False), cache_a.key(data, cfg, True),
+            cache_b.key(data, cfg, False), cache_a.key(Base64Data("aGVsbG9=="), cfg, False)}
+    assert len(keys) == 5 and cache_a.key(data, cfg, False) == cache_a.key(Base64Data("aGVsbG8="), cfg, False)
+
+
+def test_eviction_keeps_the_bound_least_recently_used_first():
+    metrics = Metrics()
+    cache = EmbeddingCache(3 * 400, "m", metrics)  # room for three 100-float entries
+    entry = lambda: ((torch.zeros(100), []), (1, 2, 2))  # noqa: E731  (400 bytes)
+    for key in (b"a", b"b", b"c"):
+        cache.put(key, entry())
+    assert cache.get(b"a") is not None  # a is now the most recently used
+    cache.put(b"d", entry())
+    assert cache.get(b"b") is None and all(cache.get(k) is not None for k in (b"a", b"c", b"d"))
+    assert cache.bytes == 1200 <= cache.limit and metrics.registry.get_sample_value("vitserve_cache_evictions_total") == 1
+    cache.put(b"huge", ((torch.zeros(1000), []), (1, 2, 2)))  # larger than the whole cache: not stored
+    assert cache.get(b"huge") is None and cache.bytes == 1200
+
+
+def test_a_failed_encode_is_never_cached(client, monkeypatch):
+    runner = client.app.state.engine.workers[0].device.encoder.runner
+    real, calls = runner.launch_images, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "launch_images", fails_once)
+    image = data_uri(png(90, 90, 33))
+    assert client.post("/v1/encode", json={"images": [image]}).status_code == 500
+    again = client.post("/v1/encode", json={"images": [image]})
+    assert again.status_code == 200 and again.headers["x-cache-hits"] == "0" and len(calls) == 2
+
+
+def test_identical_images_in_flight_are_computed_once(encoders):
+    with client_for(encoders["tiny-qwen3-vl"], cache_bytes=64 * 2**20, max_batch_wait_ms=200) as c:
+        image = data_uri(png(120, 100, 34))
+        ran = sample(c, "vitserve_images_total")
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: c.post("/v1/encode", json={"images": [image, image]}), range(4)))
+        assert all(r.status_code == 200 for r in replies)
+        assert sample(c, "vitserve_images_total") == ran + 1  # 8 copies of one image: one encoding
+        first = b64_tensor(replies[0].json()["data"][0]["embeddings"], replies[0].json()["data"][0]["shape"])
+        for r in replies:
+            for item in r.json()["data"]:
+                assert torch.equal(b64_tensor(item["embeddings"], item["shape"]), first)
+
+
+def test_the_cache_can_be_off(encoders):
+    with client_for(encoders["tiny-qwen3-vl"], cache_bytes=0) as c:
+        image = data_uri(png(80, 60, 35))
+        for _ in range(2):
+            assert c.post("/v1/encode", json={"images": [image]}).headers["x-cache-hits"] == "0"
+        assert c.get("/stats").json()["cache"]["enabled"] is False
+
+
+def test_waiters_compute_themselves_when_the_first_request_fails():
+    async def scenario():
+        cache = EmbeddingCache(10**6, "m", Metrics())
+        assert cache.claim(b"k") is None  # the first request encodes it
+        waiting = cache.claim(b"k")  # a second one waits for it
+        cache.settle(b"k", None)  # the first failed
+        assert await waiting is None and cache.claim(b"k") is None  # the second now encodes it itself
+        output = ((torch.ones(4), []), (1, 2, 2))
+        cache.settle(b"k", output)
+        return cache.get(b"k")
+
+    assert asyncio.run(scenario()) is not None
