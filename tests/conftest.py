@@ -23,6 +23,8 @@ VISION = {
                      num_position_embeddings=64, deepstack_visual_indexes=[0, 2], patch_size=16),
 }
 FAMILIES = list(VISION)
+# the special tokens inside the tiny vocabulary (the published ids are 151652-151656)
+TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
 
 
 def hf_model(family: str, seed: int = 0):
@@ -34,11 +36,11 @@ def hf_model(family: str, seed: int = 0):
         "qwen2_5_vl": (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration),
         "qwen3_vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration),
     }[family]
-    text = dict(TEXT)
-    if family == "qwen3_vl":
-        text |= dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    # a 16-wide head: its 8 rotary frequencies split over (time, height, width) as 2 + 3 + 3
+    text = dict(TEXT, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [2, 3, 3]})
     torch.manual_seed(seed)
-    model = model_cls(config_cls(text_config=text, vision_config=VISION[family])).eval()
+    model = model_cls(config_cls(text_config=text, vision_config=VISION[family], **TOKENS)).eval()
     with torch.no_grad():  # randomise norms and biases too, so a swapped or dropped one cannot go unnoticed
         for name, p in model.model.visual.named_parameters():
             if p.dim() == 1:

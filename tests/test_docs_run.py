@@ -5,6 +5,8 @@ marker, and is checked as its kind says:
   without an error answer;
 - `install` (installs, Docker) and `serve` (starts a server for good): shell syntax checked, and every `vitserve`
   command line in it parses;
+- `external`: needs what CI has not (vLLM, SGLang, a real checkpoint, a GPU): bash syntax-checked, python
+  compiled;
 - `ci`: the test command, which CI itself runs.
 And the error table of docs/api.md names every error code the code can answer."""
 
@@ -27,7 +29,7 @@ from vitserve.service.launch import start_server
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- run: (\w+) -->\n)?(?:<!-- [^\n]* -->\n)*```(bash|python)\n(.*?)```", re.S)
-KINDS = {"local", "server", "install", "serve", "ci"}
+KINDS = {"local", "server", "install", "serve", "external", "ci"}
 
 
 def blocks(kind: str | None = None) -> list[tuple[str, str, str]]:
@@ -65,6 +67,14 @@ def test_install_and_serve_blocks_parse(where, code):
     for args in vitserve_commands(code):
         if args[:1] != ["--help"]:
             build_parser().parse_args(args)  # exits (SystemExit) on a flag that does not exist
+
+
+@pytest.mark.parametrize("where, language, code", [(w, lang, c) for w, lang, c, _ in blocks("external")])
+def test_external_blocks_are_well_formed(where, language, code):
+    if language == "bash":
+        assert subprocess.run(["bash", "-n", "-c", code]).returncode == 0, where
+    else:
+        compile(code, where, "exec")
 
 
 def scratch(tmp_path: Path) -> dict:
