@@ -4,10 +4,13 @@
 2. Engine-only throughput: preprocessed images through the runner in server-sized batches, pipelined like the
    server's worker (launch the next batch before collecting the last).
 3. `vitserve serve` as a subprocess, driven by concurrent asyncio clients: throughput and p50/p99 latency at low load
-   (one client) and at saturating load.
+   (one client) and at saturating load, and the low-load latency by phase, from the answers' headers (decode, queue,
+   inference, serialize; the rest is HTTP and the client).
 Images: the photos shipped by scikit-image (`skimage.data`) when importable, else examples/ resized.
 
     PYTHONPATH=$PWD python3 bench/bench_http.py --out bench_http.json
+    # the server from another checkout of the project (A/B against an older commit; the clients stay these):
+    PYTHONPATH=$PWD python3 bench/bench_http.py --server-tree ../old --no-engine --out old.json
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from vitserve.encoder.preprocess import load_image, normalize_lut, preprocess_im
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vitserve.service.launch import start_server  # noqa: E402
+from vitserve.service.outputs import embedding_payload, render_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("decode", "queue", "inference", "serialize")  # the answers' x-<phase>-time headers, ms
 
 
 def image_files() -> list[tuple[str, bytes]]:
@@ -59,7 +64,8 @@ def image_files() -> list[tuple[str, bytes]]:
 
 def cpu_costs(enc: VisionEncoder, files) -> dict:
     """Host CPU per image: decode and resize (in the server's worker processes), normalize + patchify (host-side
-    equivalent; the server does it on the device), and response serialization (pooled vector, token matrix)."""
+    equivalent; the server does it on the device), and response serialization as the server does it (pooled vector,
+    token matrix: float32 base64 JSON)."""
     cfg, rows = enc.preprocess_config, []
     for _, data in files:
         t0 = time.perf_counter()
@@ -69,11 +75,11 @@ def cpu_costs(enc: VisionEncoder, files) -> dict:
         t2 = time.perf_counter()
         pixels, grid = preprocess_image(img, cfg)
         t3 = time.perf_counter()
-        tokens = torch.randn(grid[1] * grid[2] // enc.config.merge_unit, enc.config.out_hidden_size)
-        t4 = time.perf_counter()
-        json.dumps({"data": [{"embedding": base64.b64encode(tokens.mean(0).numpy().tobytes()).decode()}]})
+        tokens = torch.randn(grid[1] * grid[2] // enc.config.merge_unit, enc.config.out_hidden_size).bfloat16()
+        t4 = time.perf_counter()  # as the server renders an answer (service.outputs)
+        b"".join(render_json({"data": [{"embedding": embedding_payload(tokens.float().mean(0), "base64")}]}))
         t5 = time.perf_counter()
-        json.dumps({"data": [{"embedding": base64.b64encode(tokens.numpy().tobytes()).decode()}]})
+        b"".join(render_json({"data": [{"embedding": embedding_payload(tokens, "base64")}]}))
         t6 = time.perf_counter()
         rows.append(dict(decode=t1 - t0, resize=t2 - t1, normalize_patchify_on_host=(t3 - t2) - (t2 - t1),
                          serialize_pooled=t5 - t4, serialize_tokens=t6 - t5))
@@ -129,7 +135,8 @@ async def _drive(url: str, uris: list[str], model: str, indices: list[int], conc
                 t = time.perf_counter()
                 r = await client.post("/v1/embeddings", json={"model": model, "input": [uris[i % len(uris)]],
                                                               "encoding_format": "base64", **extra})
-                latencies.append((i % len(uris), time.perf_counter() - t, time.time()))
+                phases = {p: float(r.headers[f"x-{p}-time"]) for p in PHASES if f"x-{p}-time" in r.headers}
+                latencies.append((i % len(uris), time.perf_counter() - t, time.time(), phases))
                 failures += r.status_code != 200
 
         await asyncio.gather(*(one(i) for i in indices))
@@ -159,10 +166,16 @@ def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int
             results = pool.map(_client_process, jobs)
     wall = time.perf_counter() - start
     by_image: dict[int, list[float]] = {}
+    phases: dict[str, list[float]] = {}
+    phases_by_image: dict[int, dict[str, list[float]]] = {}
     for r in results:
-        for image, seconds, _ in r[0]:
+        for image, seconds, _, times in r[0]:
             by_image.setdefault(image, []).append(seconds * 1e3)
-    done = np.sort([end for r in results for _, _, end in r[0]])
+            for phase, ms in (times | {"total": seconds * 1e3, "http_and_rest": seconds * 1e3 - sum(times.values())}
+                              ).items():
+                phases.setdefault(phase, []).append(ms)
+                phases_by_image.setdefault(image, {}).setdefault(phase, []).append(ms)
+    done = np.sort([end for r in results for _, _, end, _ in r[0]])
     middle = done[len(done) // 10:len(done) - len(done) // 10]
     lat = np.array([x for v in by_image.values() for x in v])
     return dict(requests=requests, concurrency=concurrency, client_processes=processes,
@@ -170,12 +183,17 @@ def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int
                 steady_images_per_s=float((len(middle) - 1) / (middle[-1] - middle[0])) if len(middle) > 1 else None,
                 p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
                 client_cpu_busiest=max(r[2] for r in results) / wall,
-                p50_ms_by_image={k: float(np.percentile(v, 50)) for k, v in sorted(by_image.items())})
+                phases_ms={k: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)),
+                               "mean": float(np.mean(v))} for k, v in phases.items()},
+                p50_ms_by_image={k: float(np.percentile(v, 50)) for k, v in sorted(by_image.items())},
+                p50_phases_ms_by_image={k: {p: round(float(np.median(v)), 2) for p, v in d.items()}
+                                        for k, d in sorted(phases_by_image.items())})
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Qwen/Qwen2.5-VL-7B-Instruct")
+    ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--requests", type=int, default=1536)
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
@@ -185,22 +203,33 @@ def main():
     ap.add_argument("--decode-workers", type=int, default=None, help="the server's decode pool (default: cores)")
     ap.add_argument("--profile", default=None, help="py-spy raw profile of the server under saturating load")
     ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags")
+    ap.add_argument("--server-tree", default=None, help="serve from this checkout of the project instead")
+    ap.add_argument("--no-engine", action="store_true", help="skip the CPU costs and the engine-only throughput")
     ap.add_argument("--out", default="bench_http.json")
     args = ap.parse_args()
     files = image_files()
-    enc = VisionEncoder.from_pretrained(args.model, device="cuda", dtype="bfloat16", load_format="dummy")
-    costs = cpu_costs(enc, files)
-    engine = engine_throughput(enc, files, args.requests, args.max_batch_tokens)
-    grids = [preprocess_image(load_image(d), enc.preprocess_config)[1] for _, d in files]
-    del enc
-    torch.cuda.empty_cache()
-    print(f"{len(files)} images ({', '.join(n for n, _ in files)}); grids {grids}")
-    print("CPU ms per image: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
-    print(f"engine only: {engine:.1f} images/s")
+    costs, engine, grids = {}, None, []
+    if not args.no_engine:
+        enc = VisionEncoder.from_pretrained(args.model, device=args.device, dtype="bfloat16", load_format="dummy")
+        costs = cpu_costs(enc, files)
+        engine = engine_throughput(enc, files, args.requests, args.max_batch_tokens)
+        grids = [preprocess_image(load_image(d), enc.preprocess_config)[1] for _, d in files]
+        del enc
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        print(f"{len(files)} images ({', '.join(n for n, _ in files)}); grids {grids}")
+        print("CPU ms per image: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
+        print(f"engine only: {engine:.1f} images/s")
+    if args.server_tree:  # the server subprocess imports the project from there
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(args.server_tree).resolve()),
+                                                    *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                      if p and Path(p).resolve() != ROOT]])
     extra = ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
-    server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", "cuda:0",
-                               "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "warning", *extra,
-                               *args.server_flags.split(), port=args.port)
+    # the embedding cache off: the mix repeats, and every image would be a hit after the warm-up
+    server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", args.device,
+                               "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "warning",
+                               "--cache-bytes", "0", *extra, *args.server_flags.split(), port=args.port,
+                               cwd=Path(args.server_tree).resolve() if args.server_tree else None)
     try:
         uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
         drive(url, uris, args.model, 32, 8)  # warm-up
@@ -222,10 +251,14 @@ def main():
     for name, r in (("low load (1 client)", low), (f"saturating ({args.concurrency} clients)", high)):
         print(f"{name:24s} {r['images_per_s']:7.1f} images/s ({r['steady_images_per_s'] or 0:.1f} steady)  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  "
               f"failures {r['failures']}")
-    print(f"HTTP / engine-only throughput: {high['images_per_s'] / engine:.1%}")
-    json.dump(dict(model=args.model, device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
+    print("low load by phase, ms (p50 / p99):  " + "  ".join(
+        f"{k} {v['p50']:.1f} / {v['p99']:.1f}" for k, v in low["phases_ms"].items()))
+    if engine:
+        print(f"HTTP / engine-only throughput: {high['images_per_s'] / engine:.1%}")
+    json.dump(dict(model=args.model, device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device, date=time.strftime("%Y-%m-%d"),
                    images=[n for n, _ in files], grids=grids, cpu_ms_per_image=costs, engine_images_per_s=engine,
-                   low_load=low, saturating=high, http_over_engine=high["images_per_s"] / engine,
+                   low_load=low, saturating=high, http_over_engine=engine and high["images_per_s"] / engine,
+                   server_tree=args.server_tree,
                    batch_size_histogram=stats["batch_size_histogram"], server_flags=args.server_flags,
                    device_processes=stats["device_processes"]), open(args.out, "w"), indent=1)
 

@@ -75,6 +75,10 @@ __all__ = [
 ]
 
 MAX_ASPECT_RATIO = 200
+EXIF_ORIENTATION = 0x0112
+# exact: transformers' PIL processor, bit for bit, on the host (this module); fast: its torchvision processor, on the
+# model's device (preprocess_fast)
+PREPROCESS_MODES = ("exact", "fast")
 # transformers' default ``rescale_factor``; Qwen-VL configs store 0.00392156862745098 == 1/255.
 _RESCALE_FACTOR = 1 / 255
 _DEFAULT_MAX_IMAGE_PIXELS = 50_000_000  # above any camera's default output; bounds a decode's memory (decode_bytes)
@@ -496,6 +500,52 @@ def _open_and_decode(fp: Any, max_image_pixels: int, what: str,
 
 
 # --------------------------------------------------------------------------- preprocessing
+
+
+@dataclass
+class EncodedJpeg:
+    """A JPEG left for the device to decode: its bytes, its EXIF orientation, and its size once oriented."""
+
+    data: bytes
+    height: int
+    width: int
+    orientation: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.height, self.width, 3
+
+
+def jpeg_for_device(data: bytes, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS) -> EncodedJpeg | None:
+    """From its header alone: an RGB or grayscale JPEG as an EncodedJpeg (its size checked as `load_image` checks
+    it), None for anything else (PIL decodes that). A file that does not end at its end-of-image marker is left to
+    PIL too: nvJPEG decodes a truncated file (its missing rows black), where PIL refuses it. Raises the ImageError
+    `load_image` would for a bad header."""
+    with _open(io.BytesIO(data), f"{len(data)} bytes of data", ALLOWED_FORMATS) as img:
+        if img.format != "JPEG" or img.mode not in ("RGB", "L") or data[-2:] != b"\xff\xd9":
+            return None
+        _check_declared_size(img, max_image_pixels)
+        _check_aspect_ratio(img.height, img.width)
+        try:
+            orientation = int(img.getexif().get(EXIF_ORIENTATION, 1))
+        except Exception:  # broken EXIF: the image as stored, as load_image keeps it
+            orientation = 1
+        orientation = orientation if 1 <= orientation <= 8 else 1
+        width, height = (img.height, img.width) if orientation >= 5 else img.size
+    return EncodedJpeg(bytes(data), height, width, orientation)
+
+
+def load_for_device(source: Any, jpeg_on_device: bool,
+                    max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray | EncodedJpeg:
+    """An image for the fast preprocessing (preprocess_fast.to_device), which resizes on the device: a JPEG's bytes
+    left encoded when `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the
+    uint8 [H, W, 3] array of its RGB pixels (load_image)."""
+    if jpeg_on_device and isinstance(source, (bytes, bytearray, memoryview)) and len(source):
+        if (jpeg := jpeg_for_device(bytes(source), max_image_pixels)) is not None:
+            return jpeg
+    image = source if isinstance(source, Image.Image) and source.mode == "RGB" and \
+        source.info.get("transparency") is None else load_image(source, max_image_pixels=max_image_pixels)
+    return np.asarray(image)
 
 
 @functools.lru_cache(maxsize=32)

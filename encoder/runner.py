@@ -160,16 +160,18 @@ class GraphRunner:
 
     @torch.inference_mode()
     def launch_images(self, images: list, pixel_lut, mean_pooling: list[bool] | None = None) -> Launch:
-        """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size, from
-        preprocess.resize_rgb): 8x fewer bytes to copy, and normalize + patchify run on the device through
-        `pixel_lut` ([3, 256] float32, preprocess.normalize_lut), giving exactly preprocess()'s values.
+        """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size; host arrays from
+        preprocess.resize_rgb, or tensors on this device from preprocess_fast.to_device): 8x fewer bytes to copy than
+        float rows, and normalize + patchify run on the device through `pixel_lut` ([3, 256] float32,
+        preprocess.normalize_lut or preprocess_fast.fast_lut), giving exactly that preprocessing's values.
 
         Images flagged in `mean_pooling` come back as (mean of their tokens [D] in float32, []): the mean is taken on
         the device, and a replay whose images are all pooled copies only the means back."""
-        arrays = [a.numpy() if torch.is_tensor(a) else np.asarray(a) for a in images]
+        arrays = [a if torch.is_tensor(a) and a.device.type != "cpu" else a.numpy() if torch.is_tensor(a)
+                  else np.asarray(a) for a in images]  # on this device already (fast preprocessing), else host
         p = self.cfg.patch_size
-        bad = [tuple(a.shape) for a in arrays if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3
-               or a.shape[0] % p or a.shape[1] % p]
+        bad = [tuple(a.shape) for a in arrays if a.dtype not in (np.uint8, torch.uint8) or a.ndim != 3
+               or a.shape[2] != 3 or a.shape[0] % p or a.shape[1] % p]
         if bad:
             raise ValueError(f"images must be uint8 [H, W, 3] with sides multiples of {p}; got {bad[:3]}")
         grids = check_grids([(1, a.shape[0] // p, a.shape[1] // p) for a in arrays], self.cfg)
@@ -231,8 +233,14 @@ class GraphRunner:
         gathers its p x p x 3 pixels (merge-block order, like the processor), maps them through the normalization
         table and repeats the frame over the temporal patch."""
         p, m, t = self.cfg.patch_size, self.cfg.spatial_merge_size, self.cfg.temporal_patch_size
-        raw = torch.empty(sum(a.size for a in arrays), dtype=torch.uint8, pin_memory=self._pin)
-        np.concatenate([a.reshape(-1) for a in arrays], out=raw.numpy())
+        if all(torch.is_tensor(a) for a in arrays):
+            raw_d = torch.cat([a.reshape(-1) for a in arrays])
+        elif any(torch.is_tensor(a) for a in arrays):
+            raise ValueError("a batch's images are either all on the device or all on the host")
+        else:
+            raw = torch.empty(sum(a.size for a in arrays), dtype=torch.uint8, pin_memory=self._pin)
+            np.concatenate([a.reshape(-1) for a in arrays], out=raw.numpy())
+            raw_d = raw.to(self.device, non_blocking=True)
         base, stride, offset = np.empty(n, np.int32), np.empty(n, np.int32), 0
         row = 0
         for a in arrays:
@@ -240,9 +248,8 @@ class GraphRunner:
             rows, cols = block_order(h, w, m)
             base[row:row + h * w] = offset + (rows * p * a.shape[1] + cols * p) * 3
             stride[row:row + h * w] = a.shape[1] * 3
-            offset, row = offset + a.size, row + h * w
-        raw_d, base_d, stride_d = (x.to(self.device, non_blocking=True) for x in (
-            raw, *(torch.from_numpy(v).pin_memory() if self._pin else torch.from_numpy(v) for v in (base, stride))))
+            offset, row = offset + a.shape[0] * a.shape[1] * 3, row + h * w
+        base_d, stride_d = (self._upload(torch.from_numpy(v)) for v in (base, stride))
         k = torch.arange(p, device=self.device, dtype=torch.int32)
         c = torch.arange(3, device=self.device, dtype=torch.int32)[None, :, None, None]
         index = base_d[:, None, None, None] + stride_d[:, None, None, None] * k[:, None] + (k * 3)[None, :] + c

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from . import checkpoint
+from . import checkpoint, preprocess_fast
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
-from .preprocess import PreprocessConfig, load_image, normalize_lut, preprocess, resize_rgb
+from .preprocess import PREPROCESS_MODES, ImageError, PreprocessConfig, load_for_device, load_image, normalize_lut, preprocess, resize_rgb
 from .runner import DEFAULT_BUDGETS, GraphRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -26,6 +26,15 @@ class EncodedImage:
     @property
     def num_tokens(self) -> int:
         return self.embeddings.shape[0]
+
+
+@dataclass
+class Launched:
+    """Images on their way through the device (`launch`): the runner's launch, and the images left out of it."""
+
+    launch: object | None  # runner.Launch, None when every image failed
+    failed: dict  # index -> ImageError
+    count: int
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -81,10 +90,20 @@ class VisionEncoder:
     """
 
     def __init__(self, tower, config: VisionConfig, preprocess_config: PreprocessConfig, device: torch.device,
-                 dtype: torch.dtype, name: str, budgets=DEFAULT_BUDGETS):
+                 dtype: torch.dtype, name: str, budgets=DEFAULT_BUDGETS, preprocess: str = "exact"):
         self.tower, self.config, self.preprocess_config = tower, config, preprocess_config
         self.device, self.dtype, self.name = device, dtype, name
+        if preprocess not in PREPROCESS_MODES:
+            raise ValueError(f"unknown preprocess {preprocess!r}; use {' or '.join(PREPROCESS_MODES)}")
+        self.preprocess_mode = preprocess
         self.runner = GraphRunner(tower, config, device, dtype, budgets)
+
+    @property
+    def pixel_lut(self):
+        """The (3, 256) normalization table of this encoder's preprocessing, for runner.launch_images."""
+        cfg = self.preprocess_config
+        table = preprocess_fast.fast_lut if self.preprocess_mode == "fast" else normalize_lut
+        return table(cfg.image_mean, cfg.image_std)
 
     @property
     def attention_backend(self) -> str:
@@ -100,12 +119,13 @@ class VisionEncoder:
                         load_format: str = "auto", revision: str | None = None, allow_download: bool | None = None,
                         min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
                         cache_dir: str | None = None, budgets=DEFAULT_BUDGETS, capture: bool = True,
-                        attention_backend: str = "auto") -> VisionEncoder:
+                        attention_backend: str = "auto", preprocess: str = "exact") -> VisionEncoder:
         """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
         `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
         `attention_backend`: one of encoder.attention.BACKENDS; `auto` takes the fastest that runs on this device and
-        dtype (exact SDPA on the CPU and in float32). On CUDA in half precision the graphs of every patch budget are
-        captured before this returns."""
+        dtype (exact SDPA on the CPU and in float32). `preprocess`: "exact" (bit-identical to transformers' PIL
+        image processor, on the host) or "fast" (transformers' torchvision processor, on the device: preprocess_fast).
+        On CUDA in half precision the graphs of every patch budget are captured before this returns."""
         device, dtype = parse_device(device), parse_dtype(dtype)
         cfg, pcfg, ckpt = load_configs(model, load_format, revision, allow_download, min_pixels, max_pixels, cache_dir)
         if ckpt is None:
@@ -113,7 +133,7 @@ class VisionEncoder:
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
-        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets)
+        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess)
         if capture:
             encoder.capture()
         return encoder
@@ -121,15 +141,51 @@ class VisionEncoder:
     def preprocess(self, images) -> tuple[torch.Tensor, torch.Tensor]:
         """PIL images, encoded bytes or paths -> (pixel_values [rows, patch_dim] float32, grid_thw [n, 3] int64),
         the layout of transformers' Qwen2-VL image processor: decode where needed, then normalize + patchify on the
-        host (preprocess.preprocess)."""
+        host (preprocess.preprocess), or with "fast" preprocessing all of it on the device (preprocess_fast)."""
+        if self.preprocess_mode == "fast":
+            return preprocess_fast.preprocess(list(images), self.preprocess_config, self.device)
         return preprocess(list(images), self.preprocess_config)
 
     def encode(self, images) -> list[EncodedImage]:
-        """PIL images, encoded bytes or paths -> one result per image, in order. Only the decode step (load_image,
-        resize_rgb) runs on the host; normalize + patchify run where the model does (the server's path too)."""
-        arrays = [resize_rgb(load_image(x) if not isinstance(x, Image.Image) else x, self.preprocess_config)
-                  for x in images]
-        return self.collect(self.runner.launch_images(arrays, normalize_lut(self.preprocess_config.image_mean, self.preprocess_config.image_std)))
+        """PIL images, encoded bytes or paths -> one result per image, in order. Exact preprocessing decodes and
+        resizes on the host (load_image, resize_rgb); fast preprocessing decodes JPEGs and resizes on the device
+        (preprocess_fast). Normalize + patchify run where the model does (the server's path too). The first image
+        that cannot be decoded raises its ImageError."""
+        cfg = self.preprocess_config
+        if self.preprocess_mode == "fast":
+            jpeg_on_device = self.device.type == "cuda" and preprocess_fast.nvjpeg_available()
+            decoded = [load_for_device(x, jpeg_on_device) for x in images]
+        else:
+            decoded = [resize_rgb(load_image(x) if not isinstance(x, Image.Image) else x, cfg) for x in images]
+        launched = self.launch(decoded)
+        if launched.failed:
+            if launched.launch is not None:
+                self.runner.collect(launched.launch)  # let the rest land before raising
+            raise next(iter(launched.failed.values()))
+        return self.collect(launched.launch)
+
+    def launch(self, images: list, sizes: list[tuple[int, int]] | None = None,
+               mean_pooling: list[bool] | None = None) -> Launched:
+        """Start encoding images as the decode step leaves them, without waiting: exact preprocessing takes the
+        resized host arrays (preprocess.resize_rgb); fast preprocessing full-size arrays or EncodedJpeg
+        (preprocess.load_for_device), resized on the device to `sizes` (default: smart_resize's). Images that
+        cannot be decoded there are left out, with their errors (`Launched.failed`); `outputs` gives the rest."""
+        failed: dict[int, ImageError] = {}
+        if self.preprocess_mode == "fast":
+            sizes = sizes or [preprocess_fast.target_size(x, self.preprocess_config) for x in images]
+            prepared = preprocess_fast.to_device(images, sizes, self.device)
+            failed = {i: x for i, x in enumerate(prepared) if isinstance(x, ImageError)}
+            images = [x for x in prepared if not isinstance(x, ImageError)]
+            if mean_pooling is not None:
+                mean_pooling = [m for i, m in enumerate(mean_pooling) if i not in failed]
+        launch = self.runner.launch_images(images, self.pixel_lut, mean_pooling) if images else None
+        return Launched(launch, failed, len(images) + len(failed))
+
+    def outputs(self, launched: Launched) -> list:
+        """A launch's (tokens, deepstack list) per image, in order, once it lands; an image that failed has its
+        ImageError in its place."""
+        done = iter(self.runner.collect(launched.launch) if launched.launch is not None else [])
+        return [launched.failed[i] if i in launched.failed else next(done) for i in range(launched.count)]
 
     def collect(self, launch) -> list[EncodedImage]:
         return [EncodedImage(tokens, grid, deepstack or None) for grid, (tokens, deepstack)

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from ..encoder.preprocess import (Base64Data, ImageError, ImageHeader, ImageTooLarge, PreprocessConfig,
-                                  UndecodableImage, decode_base64, probe)
+                                  UndecodableImage, decode_base64, probe, smart_resize)
 
 from . import spool
 from .decode import decode_and_resize
@@ -119,6 +119,8 @@ class Decoder:
 
     def __init__(self, settings: Settings, metrics: Metrics, on_broken: Callable[[str], None]):
         self.settings, self.metrics = settings, metrics
+        self.fast = settings.preprocess == "fast"  # the device resizes: images stay full size here
+        self.jpeg_on_device = False  # fast, and nvJPEG on the devices: JPEGs stay encoded (set by the engine)
         workers = settings.decode_workers or os.cpu_count() or 4
         self.pool: DecodePool | None = None
         self.threads: ThreadPoolExecutor | None = None
@@ -164,7 +166,7 @@ class Decoder:
                     raise ImageTooLarge(f"image is {header.width}x{header.height} = {header.width * header.height} "
                                         f"pixels, more than the limit of {self.settings.max_image_pixels}")
             except Exception as e:
-                raise self._error(f"{field}[{index}]", e) from None
+                raise self.rejection(f"{field}[{index}]", e) from None
             costs.append(header.decode_bytes)
         limit = self.settings.decode_memory_per_request
         if sum(costs) > limit:
@@ -193,17 +195,21 @@ class Decoder:
                 if error is None:
                     spool.discard(job.result()[0])
             index, error = next((i, e) for i, e in zip(names, errors) if e is not None)
-            raise self._error(f"{field}[{index}]", error) from None
+            raise self.rejection(f"{field}[{index}]", error) from None
         out, p = [], cfg.patch_size
         for job in jobs:
             image, seconds = job.result()
             self.metrics.preprocess_seconds.observe(seconds)
             self.metrics.record("decode", seconds)
-            out.append((image, (1, image.shape[0] // p, image.shape[1] // p)))
+            h, w = image.shape[:2]
+            if self.fast:  # the size the device resizes it to
+                h, w = smart_resize(h, w, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+            out.append((image, (1, h // p, w // p)))
         return out
 
     @staticmethod
-    def _error(param: str, e: BaseException) -> Exception:
+    def rejection(param: str, e: BaseException) -> Exception:
+        """The domain error a request gets for its image `param` that could not be decoded (`e`)."""
         if isinstance(e, ImageError):
             if str(e) != e.public:
                 log.info("%s: %s", param, e)  # the decoder's own words: for the log, not the client
@@ -237,10 +243,12 @@ class Decoder:
         start = time.perf_counter()
         if self.pool is None:
             result = await asyncio.get_running_loop().run_in_executor(self.threads, decode_and_resize, data,
-                                                                      is_base64, limit, cfg)
+                                                                      is_base64, limit, cfg, None, self.fast,
+                                                                      self.jpeg_on_device)
         else:
             path = self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-            job = self.pool.submit(decode_and_resize, data, is_base64, limit, cfg, path, owner=owner)
+            job = self.pool.submit(decode_and_resize, data, is_base64, limit, cfg, path, self.fast,
+                                   self.jpeg_on_device, owner=owner)
             try:
                 result = await job
             except WorkerDied:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..encoder import VisionEncoder
-from ..encoder.preprocess import normalize_lut
+from ..encoder.preprocess import ImageError
 from ..encoder.vision_encoder import parse_device
 
 from . import spool
@@ -45,10 +45,12 @@ class LoadFailed:
 
 @dataclass
 class Job:
-    """Server -> device process: a batch to run (spooled images by name, others as arrays)."""
+    """Server -> device process: a batch to run (spooled images by name, others as arrays or EncodedJpeg), each
+    image's (height, width) to run at, and which are mean-pooled."""
 
     job: int
     images: list
+    sizes: list[tuple[int, int]]
     mean_pooling: list[bool]
 
 
@@ -59,7 +61,8 @@ class Answer:
     job: int
     stats: dict
     path: str | None = None
-    layout: list | None = None  # per image, per tensor: (dtype name, shape, bytes)
+    layout: list | None = None  # per image, per tensor: (dtype name, shape, bytes); ("error", code, message) for
+    # an image the device could not decode
     data: bytes | None = None
     error: tuple[str, str] | None = None  # exception type name, message
 
@@ -67,7 +70,11 @@ class Answer:
 def _pack_outputs(outputs) -> tuple[list, list[np.ndarray]]:
     """Every image's tensors (tokens or mean, then deepstack) as raw bytes to lay back to back, and their layout."""
     arrays, layout = [], []
-    for first, deepstack in outputs:
+    for output in outputs:
+        if isinstance(output, ImageError):
+            layout.append(("error", output.code, output.public))
+            continue
+        first, deepstack = output
         entry = []
         for t in (first, *deepstack):
             t = t.contiguous()
@@ -77,9 +84,14 @@ def _pack_outputs(outputs) -> tuple[list, list[np.ndarray]]:
     return layout, arrays
 
 
-def _unpack_outputs(raw: np.ndarray, layout: list) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+def _unpack_outputs(raw: np.ndarray, layout: list) -> list:
     raw, outputs, offset = torch.from_numpy(raw), [], 0
     for entry in layout:
+        if entry[0] == "error":
+            error = ImageError(entry[2])
+            error.code = entry[1]
+            outputs.append(error)
+            continue
         tensors = []
         for dtype, shape, n in entry:
             tensors.append(raw[offset:offset + n].view(getattr(torch, dtype)).view(shape))
@@ -103,8 +115,6 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
         return
     runner, names = encoder.runner, itertools.count()
     conn.send(Ready(runner.stats.as_dict()))
-    cfg = encoder.preprocess_config
-    lut = normalize_lut(cfg.image_mean, cfg.image_std)
 
     def take(block: bool):
         if not block and not conn.poll():
@@ -114,14 +124,14 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
 
     def launch(job: Job):
         try:
-            return runner.launch_images(spool.pixels(job.images), lut, job.mean_pooling)
+            return encoder.launch(spool.pixels(job.images), job.sizes, job.mean_pooling)
         except Exception as e:
             conn.send(Answer(job.job, runner.stats.as_dict(), error=(type(e).__name__, str(e))))
             return None
 
     def answer(job: Job, launched) -> None:
         try:
-            layout, arrays = _pack_outputs(runner.collect(launched))
+            layout, arrays = _pack_outputs(encoder.outputs(launched))
             path = f"{prefix}out-{next(names)}"
             # a full or missing spool: the bytes go through the pipe (as bytes: a pickled tensor would go through
             # shared memory, /dev/shm again), slower, never wrong
@@ -146,8 +156,8 @@ class ProcessDevice:
 
     depth = BATCHES_IN_FLIGHT + 1  # the device process runs two; one more waits in its pipe
 
-    def __init__(self, settings: Settings, device: str, dtype: str, prefix: str):
-        self.name, self.prefix = device, prefix
+    def __init__(self, settings: Settings, device: str, dtype: str, prefix: str, patch_size: int):
+        self.name, self.prefix, self.patch_size = device, prefix, patch_size
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process's state
         self.conn, child = context.Pipe()
         self.process = context.Process(target=serve_device, args=(child, settings, device, dtype, prefix),
@@ -184,7 +194,8 @@ class ProcessDevice:
         job = next(self._jobs)
         images = [item.image for item in batch]
         try:
-            self.conn.send(Job(job, images, [item.mean_pooling for item in batch]))
+            self.conn.send(Job(job, images, [item.size(self.patch_size) for item in batch],
+                               [item.mean_pooling for item in batch]))
         except OSError:  # BrokenPipeError: the process is gone
             for image in images:
                 spool.discard(image)
@@ -203,7 +214,7 @@ class ProcessDevice:
         if answer.error is not None:
             kind, message = answer.error
             raise ERRORS.get(kind, RuntimeError)(f"{kind}: {message}" if kind not in ERRORS else message)
-        size = sum(n for entry in answer.layout for _, _, n in entry)
+        size = sum(n for entry in answer.layout if entry[0] != "error" for _, _, n in entry)
         raw = np.frombuffer(answer.data, np.uint8).copy() if answer.data is not None else spool.read(answer.path, size)
         return _unpack_outputs(raw, answer.layout)
 

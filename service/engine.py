@@ -27,7 +27,7 @@ import torch
 
 from ..encoder import VisionEncoder
 from ..encoder.config import VisionConfig
-from ..encoder.preprocess import PreprocessConfig, normalize_lut
+from ..encoder.preprocess import ImageError, PreprocessConfig
 from ..encoder.vision_encoder import load_configs
 
 from . import fetch
@@ -66,10 +66,11 @@ class ModelInfo:
 @dataclass
 class Encoded:
     """A request's answer: per image (tokens, deepstack list), or (mean vector, []) with mean pooling; its grids;
-    and the longest queue and inference times among its images."""
+    how long decoding its images took, and the longest queue and inference times among them."""
 
     outputs: list
     grids: list[list[int]]
+    decode_s: float
     queue_s: float
     inference_s: float
     cache_hits: int = 0
@@ -92,6 +93,10 @@ class Engine:
         self.state, self.error = State.LOADING, None
         self.started, self.load_seconds = time.time(), 0.0
         self.decoder = Decoder(settings, self.metrics, on_broken=self.fail)
+        if settings.preprocess == "fast" and any(d.startswith("cuda") for d in self.devices):
+            from ..encoder.preprocess_fast import nvjpeg_available
+
+            self.decoder.jpeg_on_device = nvjpeg_available()  # else the decode workers decode JPEGs too
         self.queue = ImageQueue(self.metrics)
         self.fetch_budget = fetch.FetchBudget(settings.url_fetch_memory)
         self.cache = EmbeddingCache(settings.cache_bytes, settings.model_name or "", self.metrics)
@@ -113,9 +118,7 @@ class Engine:
             self._tasks.append(asyncio.create_task(self._load(), name="vitserve-loader"))
 
     def _local(self, encoders: list[VisionEncoder]) -> list[LocalDevice]:
-        cfg = encoders[0].preprocess_config
-        lut = normalize_lut(cfg.image_mean, cfg.image_std)
-        return [LocalDevice(e, lut) for e in encoders]
+        return [LocalDevice(e) for e in encoders]
 
     def _serve(self, model: ModelInfo, devices: list) -> None:
         """Loading is done: serve `devices`, each with a worker taking from the queue."""
@@ -183,7 +186,8 @@ class Engine:
         processes = []
         try:
             for i, device in enumerate(self.devices):
-                processes.append(ProcessDevice(s, device, self.dtype, f"{self.decoder.spool_prefix}dev{i}-"))
+                processes.append(ProcessDevice(s, device, self.dtype, f"{self.decoder.spool_prefix}dev{i}-",
+                                               config.patch_size))
             if self.state is State.LOADING:
                 self.state = State.CAPTURING
             await asyncio.gather(*(loop.run_in_executor(None, p.wait_ready) for p in processes))
@@ -276,28 +280,29 @@ class Engine:
                     todo.append(i)
             self.metrics.cache_hits.inc(hits)
             self.metrics.cache_misses.inc(len(todo))
-        queue_s = inference_s = 0.0
+        times = (0.0, 0.0, 0.0)
         try:
             if todo:
-                queue_s, inference_s = await self._compute(images, todo, outputs, cfg, field, mean_pooling,
-                                                           disconnected)
+                times = await self._compute(images, todo, outputs, cfg, field, mean_pooling, disconnected)
         finally:
             for i in todo if keys else ():
                 self.cache.settle(keys[i], outputs[i])
         for i, other in waits:
             outputs[i] = await other
             if outputs[i] is None:  # the other request failed: this one encodes it itself
-                queue_s, inference_s = await self._compute(images, [i], outputs, cfg, field, mean_pooling,
-                                                           disconnected)
-        return Encoded([o[0] for o in outputs], [list(o[1]) for o in outputs], queue_s, inference_s, hits)
+                times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected)
+        return Encoded([o[0] for o in outputs], [list(o[1]) for o in outputs], *times, hits)
 
     async def _compute(self, images: list, todo: list[int], outputs: list, cfg, field: str, mean_pooling: bool,
-                       disconnected: asyncio.Future | None) -> tuple[float, float]:
-        """Decode and run the images at `todo` (indices of `images`), filling `outputs`; the longest queue and
-        inference seconds among them."""
+                       disconnected: asyncio.Future | None) -> tuple[float, float, float]:
+        """Decode and run the images at `todo` (indices of `images`), filling `outputs`; the seconds their decoding
+        took, and the longest queue and inference seconds among them."""
+        start = time.perf_counter()
         decoded = await self.decoder.decode([images[i] for i in todo], cfg, field, todo)
+        decode_s = time.perf_counter() - start
         loop = asyncio.get_running_loop()
-        items = [WorkItem(image, grid, loop.create_future(), mean_pooling) for image, grid in decoded]
+        items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]")
+                 for i, (image, grid) in zip(todo, decoded)]
         self.queue.put(items)
         results = asyncio.gather(*(item.future for item in items))
         await asyncio.wait({results} if disconnected is None else {results, disconnected},
@@ -310,7 +315,7 @@ class Engine:
             raise ClientDisconnected("the client went away")
         for i, item, output in zip(todo, items, results.result()):
             outputs[i] = (output, item.grid)
-        return max(i.queue_s for i in items), max(i.inference_s for i in items)
+        return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
 
     def _done(self, worker: DeviceWorker, batch: list[WorkItem], outputs, error: EngineError | None,
               seconds: float) -> None:
@@ -337,7 +342,11 @@ class Engine:
             m.queue_seconds.observe(item.queue_s)
             m.record("queue", item.queue_s)
             item.inference_s = seconds
-            if not item.future.done():
+            if item.future.done():
+                continue
+            if isinstance(output, ImageError):  # the device could not decode it (fast preprocessing)
+                item.future.set_exception(Decoder.rejection(item.param, output))
+            else:
                 item.future.set_result(output)
 
     def stats(self) -> dict:

@@ -138,7 +138,8 @@ class Gate:
             return
         fields = {"method": scope.get("method"), "path": path, "status": status, "ms": round(seconds * 1e3, 2),
                   "images": state.get("images"), "tokens": state.get("tokens"),
-                  "queue_ms": state.get("queue_ms"), "inference_ms": state.get("inference_ms"),
+                  "decode_ms": state.get("decode_ms"), "queue_ms": state.get("queue_ms"),
+                  "inference_ms": state.get("inference_ms"), "serialize_ms": state.get("serialize_ms"),
                   "cache_hits": state.get("cache_hits"), "request_id": state["request_id"]}
         text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("method", "path",
                                                                                            "status"))

@@ -15,7 +15,7 @@ disable_created_metrics()  # no *_created series beside every counter and histog
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)
-PHASES = ("decode", "queue", "inference", "request")  # what /stats reports percentiles of
+PHASES = ("decode", "queue", "inference", "serialize", "request")  # what /stats reports percentiles of
 RECENT = 2048  # latencies kept per phase for those percentiles
 
 
@@ -42,6 +42,9 @@ class Metrics:
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.inference_seconds = Histogram("vitserve_inference_seconds", "Device time per batch (incl. copies)",
                                            ["device"], buckets=LATENCY_BUCKETS, registry=r)
+        self.serialize_seconds = Histogram("vitserve_serialize_seconds", "Building a response body from its "
+                                           "embeddings (conversion, base64, JSON or safetensors)",
+                                           buckets=LATENCY_BUCKETS, registry=r)
         self.request_seconds = Histogram("vitserve_request_seconds", "End-to-end request time, by endpoint and "
                                          "outcome (ok, client_error, server_error)", ["endpoint", "outcome"],
                                          buckets=LATENCY_BUCKETS, registry=r)

@@ -1,8 +1,10 @@
 """Work items and the image queue that every device worker takes its batches from.
 
 One item per image of a request, in arrival order; a device worker takes a batch of items from concurrent
-requests up to `max_patches`, waiting up to `wait_s` after the first for more to arrive. A request's future per
-image is resolved on the event loop, so every request gets exactly its own images back.
+requests up to `max_patches`. A device with nothing in flight launches as soon as its first image is there; a busy
+one waits up to `wait_s` (the batch window) after the first for more, and leaves the images to an idle device when
+there is one (continuous batching: images pile up while the devices run, and the next batch takes them all). A
+request's future per image is resolved on the event loop, so every request gets exactly its own images back.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..encoder.preprocess import EncodedJpeg
+
 from . import spool
 from .metrics import Metrics
 
@@ -23,10 +27,12 @@ from .metrics import Metrics
 class WorkItem:
     """One image waiting for (or in) a batch."""
 
-    image: np.ndarray | spool.Spooled  # resized uint8 [H, W, 3], maybe still in its spool file
+    image: np.ndarray | spool.Spooled | EncodedJpeg  # uint8 [H, W, 3] (resized, or full size for the fast
+    # preprocessing, which resizes on the device), maybe still in its spool file; or a JPEG nvJPEG decodes there
     grid: tuple[int, int, int]  # (t, h, w) in patches
     future: asyncio.Future  # resolved on the event loop with (tokens, deepstack) or (mean vector, [])
     mean_pooling: bool = False  # answer with the mean of the tokens (taken on the device) instead of the tokens
+    param: str = "input[0]"  # the image as its request names it, in errors
     enqueued: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0
     inference_s: float = 0.0
@@ -36,6 +42,10 @@ class WorkItem:
     def patches(self) -> int:
         return self.grid[0] * self.grid[1] * self.grid[2]
 
+    def size(self, patch_size: int) -> tuple[int, int]:
+        """The (height, width) in pixels it runs at."""
+        return self.grid[1] * patch_size, self.grid[2] * patch_size
+
 
 class ImageQueue:
     """Images waiting for a batch, in arrival order, shared by the device worker threads (thread-safe)."""
@@ -44,6 +54,7 @@ class ImageQueue:
         self.metrics = metrics
         self._items: collections.deque[WorkItem] = collections.deque()
         self._ready = threading.Condition()
+        self._idle = 0  # takers waiting with nothing in flight on their device
         self.closed = False
 
     def __len__(self) -> int:
@@ -63,13 +74,23 @@ class ImageQueue:
 
     def take(self, max_patches: int, wait_s: float, block: bool) -> list[WorkItem] | None:
         """A batch: images in arrival order up to `max_patches` (the first one whatever its size; one that does not
-        fit stays first in line), waiting up to `wait_s` after the first for more. Waits for the first only when
-        `block`. [] when there was nothing to take, None once closed. Images whose client left are dropped."""
+        fit stays first in line). `block`: the taker's device has nothing in flight, so it waits for the first image
+        and takes what is there at once. Otherwise [] while another device is idle (the images are its to take),
+        else it waits up to `wait_s` after the first image for more. [] when there was nothing to take, None once
+        closed. Images whose client left are dropped."""
         with self._ready:
-            while block and not self._items and not self.closed:
-                self._ready.wait()
+            if block:
+                self._idle += 1
+                try:
+                    while not self._items and not self.closed:
+                        self._ready.wait()
+                finally:
+                    self._idle -= 1
+                wait_s = 0.0
             if self.closed:
                 return None
+            if not block and self._idle:
+                return []
             batch, patches, deadline = [], 0, time.monotonic() + wait_s
             while True:
                 while self._items and (not batch or patches + self._items[0].patches <= max_patches):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..encoder.config import ATTENTION_BACKENDS, LOAD_FORMATS, builtin_config
+from ..encoder.preprocess import PREPROCESS_MODES
 
 ENV_PREFIX = "VITSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -33,13 +34,16 @@ class Settings:
                                   "fp16, bf16, half)", encode=True)
     attention_backend: str = _setting("auto", f"attention kernel: {', '.join(ATTENTION_BACKENDS)} (auto: the fastest "
                                               "installed for the device; cudnn needs vitserve[cudnn])", encode=True)
+    preprocess: str = _setting("exact", "exact: bit-identical to transformers' PIL image processor, on the host; "
+                                        "fast: its torchvision processor on the device (JPEGs by nvJPEG where "
+                                        "torchvision is installed, resize on the GPU)", encode=True)
     gpu_memory_fraction: float = _setting(0.0, "cap each GPU's memory to this fraction (0: no cap)")
     host: str = _setting("0.0.0.0", "bind address")
     port: int = _setting(8000, "bind port")
     served_model_name: str | None = _setting(None, "model id in the API (default: --model)")
     api_key: str | None = _setting(None, "require 'Authorization: Bearer KEY' (not on /health, /ready, /metrics)")
     max_batch_tokens: int = _setting(4096, "vision tokens (4 patches each) per GPU batch")
-    max_batch_wait_ms: float = _setting(5.0, "how long a batch waits for more images")
+    max_batch_wait_ms: float = _setting(5.0, "while every device is busy, how long a batch waits for more images")
     budgets: str | None = _setting(None, "comma-separated CUDA graph budgets in patches (default: built-in)",
                                    encode=True)
     max_concurrent_requests: int = _setting(512, "requests in flight before 429")
@@ -91,6 +95,8 @@ class Settings:
                    f"--devices must be all or a comma-separated list of cpu, cuda or cuda:N, got {self.devices!r}"),
                   (self.attention_backend in ATTENTION_BACKENDS,
                    f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
+                  (self.preprocess in PREPROCESS_MODES,
+                   f"--preprocess must be {' or '.join(PREPROCESS_MODES)}, got {self.preprocess!r}"),
                   (self.log_format in ("text", "json"), f"--log-format must be text or json, got {self.log_format!r}"),
                   (self.log_level in LOG_LEVELS, f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
                                                  f"got {self.log_level!r}"),
@@ -129,7 +135,7 @@ class Settings:
         wherever a device loads (a thread of the server, a device process, or `vitserve encode`)."""
         budgets = self.budget_list()
         return dict(load_format=self.load_format, revision=self.revision, min_pixels=self.min_pixels,
-                    max_pixels=self.max_pixels, attention_backend=self.attention_backend,
+                    max_pixels=self.max_pixels, attention_backend=self.attention_backend, preprocess=self.preprocess,
                     **({} if budgets is None else {"budgets": budgets}))
 
     def budget_list(self) -> tuple[int, ...] | None:

@@ -6,7 +6,8 @@ the oldest, which waits for it to land. Host work overlaps device work, and the 
 nor the event loop. With nothing queued it waits for the batches in flight, answers them, and waits for images.
 Two batches in flight per device: while both run, images pile up and the next batch is bigger.
 
-A device is anything with `launch(batch) -> handle`, `collect(handle) -> outputs`, `runner_stats()`, `depth`,
+A device is anything with `launch(batch) -> handle`, `collect(handle) -> outputs` (an image the device could not
+decode has its ImageError in its place: only its request fails), `runner_stats()`, `depth`,
 `name`, `bind_thread()` and `close()`: `LocalDevice` here (an encoder in this process) or
 `device_process.ProcessDevice` (a process of its own). The worker reports every batch's outcome to its `on_done`
 callback; it knows nothing of the engine.
@@ -63,19 +64,20 @@ class LocalDevice:
 
     depth = BATCHES_IN_FLIGHT
 
-    def __init__(self, encoder, pixel_lut):
-        self.encoder, self.pixel_lut, self.name = encoder, pixel_lut, str(encoder.device)
+    def __init__(self, encoder):
+        self.encoder, self.name = encoder, str(encoder.device)
 
     def bind_thread(self) -> None:
         if self.encoder.device.type == "cuda":
             torch.cuda.set_device(self.encoder.device)
 
     def launch(self, batch: list[WorkItem]):
-        return self.encoder.runner.launch_images(spool.pixels([i.image for i in batch]), self.pixel_lut,
-                                                 [i.mean_pooling for i in batch])
+        p = self.encoder.config.patch_size
+        return self.encoder.launch(spool.pixels([i.image for i in batch]), [i.size(p) for i in batch],
+                                   [i.mean_pooling for i in batch])
 
     def collect(self, launch) -> list:
-        return self.encoder.runner.collect(launch)
+        return self.encoder.outputs(launch)
 
     def runner_stats(self) -> dict:
         return self.encoder.runner.stats.as_dict()

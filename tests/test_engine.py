@@ -4,6 +4,8 @@ the images of clients that left, several devices on one queue, and which devices
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,10 +28,20 @@ def b64(data: bytes) -> Base64Data:
     return Base64Data(base64.b64encode(data).decode())
 
 
-def test_bad_request_does_not_fail_its_batch_neighbours(encoders):
-    """Requests sent in one batching window: the bad ones fail alone, the good ones get the right numbers."""
+def test_bad_request_does_not_fail_its_batch_neighbours(encoders, monkeypatch):
+    """Requests sent while the device is busy (its first launch takes 0.3 s), so that the good ones queue for one
+    batch: the bad ones fail alone, the good ones get the right numbers."""
     enc = encoders["tiny-qwen2.5-vl"]
     direct = enc.encode(IMAGES)
+    real_launch, calls = enc.runner.launch_images, []
+
+    def slow_first(images, lut, mean_pooling=None):
+        calls.append(len(images))
+        if len(calls) == 1:
+            time.sleep(0.3)
+        return real_launch(images, lut, mean_pooling)
+
+    monkeypatch.setattr(enc.runner, "launch_images", slow_first)
     with client_for(enc, max_batch_wait_ms=300) as c:
         bodies = [{"input": [data_uri(x)]} for x in IMAGES] + [{"input": ["%%%"]},
                                                                {"input": [data_uri(b"GIF89a broken")]}]
@@ -84,22 +96,36 @@ def test_disconnected_client_is_dropped_from_the_queue(encoders):
     enc = encoders["tiny-qwen2.5-vl"]
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, max_batch_wait_ms=200), encoders=enc)
+        engine = Engine(Settings(model=enc.name, cache_bytes=0), encoders=enc)
         await engine.start()
+        device, release, held = engine.workers[0].device, threading.Event(), threading.Event()
+        launch = device.launch
+
+        def held_launch(batch):  # the device stays busy with the first batch until released
+            held.set()
+            release.wait(10)
+            return launch(batch)
+
+        device.launch = held_launch
+        first = asyncio.ensure_future(engine.encode([b64(IMAGES[2])]))
+        await until(held.is_set, what="the first batch launching")
         gone = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(engine.encode([b64(IMAGES[0])], disconnected=gone))
         decoded = "vitserve_preprocess_seconds_count"  # observed just before the image is queued, in the same step
-        await until(lambda: engine.metrics.registry.get_sample_value(decoded) == 1, what="the image queued")
-        gone.set_result(None)  # the client went away while its image waited for the batch
+        await until(lambda: engine.metrics.registry.get_sample_value(decoded) == 2, what="the image queued")
+        gone.set_result(None)  # the client went away while its image waited behind the busy device
         with pytest.raises(ClientDisconnected):
             await task
+        device.launch = launch
+        release.set()
+        await first
         kept = await engine.encode([b64(IMAGES[1])])
         await engine.stop()
         return engine, kept
 
     engine, kept = asyncio.run(scenario())
     dropped = engine.metrics.registry.get_sample_value("vitserve_dropped_images_total")
-    assert dropped == 1 and engine.metrics.registry.get_sample_value("vitserve_images_total", {"device": "cpu"}) == 1
+    assert dropped == 1 and engine.metrics.registry.get_sample_value("vitserve_images_total", {"device": "cpu"}) == 2
     assert kept.outputs[0][0].shape[0] == enc.encode([IMAGES[1]])[0].num_tokens
 
 

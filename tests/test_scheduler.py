@@ -28,7 +28,7 @@ def test_image_queue_batches_in_arrival_order_up_to_the_budget():
     threading.Timer(0.05, q.put, ([f],)).start()
     start = time.monotonic()
     q.put([e])
-    assert q.take(100, 2.0, block=True) == [e, f]  # waited for f within the batch wait...
+    assert q.take(100, 2.0, block=False) == [e, f]  # a busy device waited for f within the batch window...
     assert time.monotonic() - start < 1.5  # ...and no longer: with f the batch is full
     g, h = items(10, 10)
     h.cancelled = True  # its client went away
@@ -37,6 +37,36 @@ def test_image_queue_batches_in_arrival_order_up_to_the_budget():
     assert q.metrics.registry.get_sample_value("vitserve_dropped_images_total") == 1
     threading.Timer(0.05, q.close).start()
     assert q.take(100, 0.0, block=True) is None  # a taker blocked on an empty queue wakes at close
+
+
+def test_an_idle_device_launches_at_once_and_a_busy_one_batches():
+    """Nothing in flight (block): the first image goes at once, whatever the window. Busy (not block): the window
+    applies, unless another device is idle, which then gets the images."""
+    q = ImageQueue(Metrics())
+    a, b, e = items(10, 10, 10)
+    threading.Timer(0.05, q.put, ([a],)).start()
+    threading.Timer(0.4, q.put, ([e],)).start()
+    start = time.monotonic()
+    assert q.take(100, 5.0, block=True) == [a]  # idle: launched as soon as it arrived, not after the 5 s window
+    assert time.monotonic() - start < 0.3
+    q.put([b])
+    assert q.take(20, 5.0, block=False) == [b, e]  # busy: b waited within the window for e (then full)
+    c, d = items(10, 10)
+    q.put([c])
+    start = time.monotonic()
+    assert q.take(100, 0.3, block=False) == [c]  # busy, no idle device, nothing more came: the whole window
+    assert time.monotonic() - start >= 0.25
+    idle: list = []
+    taker = threading.Thread(target=lambda: idle.append(q.take(100, 5.0, block=True)))
+    taker.start()
+    while not q._idle:  # the other device is waiting with nothing in flight
+        time.sleep(0.005)
+    with q._ready:  # d arrives; the busy device looks first
+        q._items.append(d)
+        assert q.take(100, 5.0, block=False) == []  # it leaves d to the idle device...
+        q._ready.notify_all()
+    taker.join(2)
+    assert idle == [[d]]  # ...which takes it at once
 
 
 def test_pipeline_keeps_depth_batches_in_flight_and_finishes_in_order():

@@ -3,6 +3,7 @@ official OpenAI SDK, concurrent requests of mixed sizes, and SIGTERM with reques
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from helpers import data_uri, png, rel_err, wait_until
 
 from vitserve.encoder import VisionEncoder
@@ -134,24 +136,38 @@ def metric(url: str, name: str) -> float:
 
 
 def test_clients_that_disconnect_are_dropped_without_leaking():
-    """30 clients send a request and hang up while their images wait for a batch: none is run, nothing is left in
-    flight or queued, and the server carries on."""
+    """30 clients send a request and hang up while their images wait behind a busy device (a 16384-patch image,
+    seconds on the CPU): none of theirs is run, nothing is left in flight or queued, and the server carries on."""
     proc, url = start_server("--max-batch-wait-ms", "500")
     try:
         port = int(url.rsplit(":", 1)[1])
-        body = ('{"input": ["%s"]}' % data_uri(IMAGES[0])).encode()
-        request = (b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+        def raw(image: bytes) -> bytes:
+            body = ('{"input": ["%s"]}' % data_uri(image)).encode()
+            return (b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+        busy = socket.create_connection(("127.0.0.1", port))
+        gradient = np.broadcast_to(np.arange(1792, dtype=np.uint8)[:, None, None], (1792, 1792, 3))
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(gradient)).save(buf, "PNG")
+        busy.sendall(raw(buf.getvalue()))
+        wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == 1, 20, "the large image decoded")
+        time.sleep(0.2)  # and on the device (a CPU device runs a batch as it launches it)
+        request = raw(IMAGES[0])
         sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
         for sock in sockets:
             sock.sendall(request)
-        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] >= 30, 10, "30 requests admitted")
+        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] >= 31, 10, "30 requests admitted")
         for sock in sockets:
             sock.close()
         wait_until(lambda: metric(url, "vitserve_dropped_images_total") >= 30, 10, "30 images dropped")
         assert metric(url, "vitserve_dropped_images_total") == 30.0
         stats = httpx.get(url + "/stats").json()
-        assert stats["requests_in_flight"] == 0 and stats["queue_depth"] == 0 and stats["batch_size_histogram"] == {}
+        busy.close()
+        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 0, 20, "the large image done")
+        stats = httpx.get(url + "/stats").json()
+        assert stats["queue_depth"] == 0 and stats["batch_size_histogram"] == {"1": 1}  # only the large one ran
         r = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30)
         assert r.status_code == 200  # and the server carries on
         # several bad images in one request: one 400, and every decode failure is retrieved (no log noise)
