@@ -535,9 +535,14 @@ def jpeg_for_device(data: bytes, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXE
     return EncodedJpeg(bytes(data), height, width, orientation)
 
 
+def target_size(image, cfg: PreprocessConfig) -> tuple[int, int]:
+    """smart_resize's (height, width) for a full-size image (a [H, W, 3] array or an EncodedJpeg)."""
+    return smart_resize(image.shape[0], image.shape[1], cfg.factor, cfg.min_pixels, cfg.max_pixels)
+
+
 def load_for_device(source: Any, jpeg_on_device: bool,
                     max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray | EncodedJpeg:
-    """An image for the fast preprocessing (preprocess_fast.to_device), which resizes on the device: a JPEG's bytes
+    """An image for the fast preprocessing (preprocess_fast.resize_on_device), which resizes on the device: a JPEG's bytes
     left encoded when `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the
     uint8 [H, W, 3] array of its RGB pixels (load_image)."""
     if jpeg_on_device and isinstance(source, (bytes, bytearray, memoryview)) and len(source):

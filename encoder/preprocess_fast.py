@@ -10,10 +10,11 @@ torchvision-backed "fast" one (`Qwen2VLImageProcessor`), does to an image, run o
 * normalize: the processor's fused float32 arithmetic, `(x - 255 * mean) / (255 * std)`, as a (3, 256) table
   (`fast_lut`) the runner gathers from, like the exact path's.
 
-The trade-off: it is not bit-identical to the PIL processor (the default, `preprocess.py`). nvJPEG's IDCT and chroma
-upsampling differ from libjpeg-turbo's by a level here and there, and the float resize from PIL's fixed-point one;
-transformers accepts both processors for these models within its own tolerance (pixel values within 0.1, mean
-difference under 0.005), and so do our tests. What it buys: no decode of a JPEG and no resize on the host.
+The trade-off: it is not bit-identical to the PIL processor (the default, `preprocess.py`).
+nvJPEG's IDCT and chroma upsampling differ from libjpeg-turbo's by a few levels on average, more at sharp chroma
+edges, and the float resize rounds a level apart from PIL's fixed-point one here and there (a mean difference under
+0.005 in normalized units, the tolerance transformers holds its two processors to). What it buys: no decode of a
+JPEG and no resize on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .preprocess import EncodedJpeg, ImageError, PreprocessConfig, load_for_device, load_image, smart_resize
+from .preprocess import EncodedJpeg, ImageError, PreprocessConfig, load_for_device, load_image, target_size
+
 
 @functools.cache
 def nvjpeg_available() -> bool:
@@ -69,12 +71,15 @@ def resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return out.clamp_(0, 255).round_().to(torch.uint8)[0]
 
 
-def fast_lut(mean, std) -> np.ndarray:
+@functools.lru_cache(maxsize=32)
+def fast_lut(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     """(3, 256) float32: uint8 value v of channel c as the fast processor normalizes it, in float32
     `(v - float32(mean[c]) * 255) / (float32(std[c]) * 255)` (rescale fused into normalize)."""
     m = np.asarray(mean, np.float32)[:, None] * np.float32(255.0)
     s = np.asarray(std, np.float32)[:, None] * np.float32(255.0)
-    return ((np.arange(256, dtype=np.float32)[None, :] - m) / s).astype(np.float32)
+    lut = ((np.arange(256, dtype=np.float32)[None, :] - m) / s).astype(np.float32)
+    lut.setflags(write=False)
+    return lut
 
 
 def _nvjpeg(jpegs: list[EncodedJpeg], device: torch.device) -> list[torch.Tensor | None]:
@@ -105,13 +110,15 @@ def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return (t.to(device, non_blocking=True) if pinned else t).permute(2, 0, 1)
 
 
-def target_size(image, cfg: PreprocessConfig) -> tuple[int, int]:
-    """smart_resize's (height, width) for a full-size image (a [H, W, 3] array or an EncodedJpeg)."""
-    return smart_resize(image.shape[0], image.shape[1], cfg.factor, cfg.min_pixels, cfg.max_pixels)
+def load(images: list, device: torch.device) -> list[np.ndarray | EncodedJpeg]:
+    """PIL images, encoded bytes or paths as resize_on_device takes them for `device`: JPEGs left encoded where
+    nvJPEG decodes them there, the rest decoded by PIL, full size."""
+    jpeg_on_device = torch.device(device).type == "cuda" and nvjpeg_available()
+    return [load_for_device(x, jpeg_on_device) for x in images]
 
 
-def to_device(images: list, sizes: list[tuple[int, int]], device: torch.device,
-              max_image_pixels: int | None = None) -> list[torch.Tensor | ImageError]:
+def resize_on_device(images: list, sizes: list[tuple[int, int]], device: torch.device) -> list[torch.Tensor |
+                                                                                               ImageError]:
     """Decoded (uint8 [H, W, 3] host arrays, full size) or still encoded (EncodedJpeg) images -> each resized on
     `device` to its (height, width) in `sizes`, uint8 [h, w, 3]; an ImageError in place of an image that cannot be
     decoded (a JPEG neither nvJPEG nor PIL reads), so that only it fails."""
@@ -125,9 +132,10 @@ def to_device(images: list, sizes: list[tuple[int, int]], device: torch.device,
             if decoded is not None and tuple(decoded.shape[-2:]) == stored:
                 chw[i] = orient(decoded, jpeg.orientation)
                 continue
-            try:  # PIL's turn: it decodes more (CMYK inside, arithmetic coding) and names what is wrong
-                kwargs = {"max_image_pixels": max_image_pixels} if max_image_pixels else {}
-                chw[i] = _upload(np.asarray(load_image(jpeg.data, **kwargs)), device)
+            try:  # PIL's turn: it decodes more (CMYK inside, arithmetic coding) and names what is wrong; the size
+                # its header declares passed the server's limit already
+                chw[i] = _upload(np.asarray(load_image(jpeg.data, max_image_pixels=jpeg.height * jpeg.width)),
+                                 device)
             except ImageError as e:
                 chw[i] = e
     out: list = []
@@ -140,14 +148,14 @@ def to_device(images: list, sizes: list[tuple[int, int]], device: torch.device,
 def preprocess(images: list, cfg: PreprocessConfig, device: str | torch.device = "cpu") -> tuple[torch.Tensor,
                                                                                                  torch.Tensor]:
     """The fast processor's output for PIL images, encoded bytes or paths: (pixel_values [rows, patch_dim] float32,
-    grid_thw [n, 3] int64) on the CPU, in its layout. Decoding as `to_device` does; ImageError for a bad image."""
+    grid_thw [n, 3] int64) on the CPU, in its layout. Decoding as `load` does; ImageError for a bad image."""
     device = torch.device(device)
-    loaded = [load_for_device(x, device.type == "cuda" and nvjpeg_available()) for x in images]
-    resized = to_device(loaded, [target_size(x, cfg) for x in loaded], device)
+    loaded = load(images, device)
+    resized = resize_on_device(loaded, [target_size(x, cfg) for x in loaded], device)
     for x in resized:
         if isinstance(x, ImageError):
             raise x
-    lut = torch.from_numpy(fast_lut(cfg.image_mean, cfg.image_std)).to(device)
+    lut = torch.tensor(fast_lut(cfg.image_mean, cfg.image_std), device=device)
     rows, grids, p, m, t = [], [], cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     for x in resized:
         h, w = x.shape[0] // p, x.shape[1] // p

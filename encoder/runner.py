@@ -161,8 +161,8 @@ class GraphRunner:
     @torch.inference_mode()
     def launch_images(self, images: list, pixel_lut, mean_pooling: list[bool] | None = None) -> Launch:
         """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size; host arrays from
-        preprocess.resize_rgb, or tensors on this device from preprocess_fast.to_device): 8x fewer bytes to copy than
-        float rows, and normalize + patchify run on the device through `pixel_lut` ([3, 256] float32,
+        preprocess.resize_rgb, or tensors on this device from preprocess_fast.resize_on_device): 8x fewer bytes to
+        copy than float rows, and normalize + patchify run on the device through `pixel_lut` ([3, 256] float32,
         preprocess.normalize_lut or preprocess_fast.fast_lut), giving exactly that preprocessing's values.
 
         Images flagged in `mean_pooling` come back as (mean of their tokens [D] in float32, []): the mean is taken on

@@ -10,7 +10,8 @@ from PIL import Image
 
 from . import checkpoint, preprocess_fast
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
-from .preprocess import PREPROCESS_MODES, ImageError, PreprocessConfig, load_for_device, load_image, normalize_lut, preprocess, resize_rgb
+from .preprocess import (PREPROCESS_MODES, ImageError, PreprocessConfig, load_image, normalize_lut, preprocess,
+                         resize_rgb, target_size)
 from .runner import DEFAULT_BUDGETS, GraphRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -153,8 +154,7 @@ class VisionEncoder:
         that cannot be decoded raises its ImageError."""
         cfg = self.preprocess_config
         if self.preprocess_mode == "fast":
-            jpeg_on_device = self.device.type == "cuda" and preprocess_fast.nvjpeg_available()
-            decoded = [load_for_device(x, jpeg_on_device) for x in images]
+            decoded = preprocess_fast.load(images, self.device)
         else:
             decoded = [resize_rgb(load_image(x) if not isinstance(x, Image.Image) else x, cfg) for x in images]
         launched = self.launch(decoded)
@@ -172,8 +172,8 @@ class VisionEncoder:
         cannot be decoded there are left out, with their errors (`Launched.failed`); `outputs` gives the rest."""
         failed: dict[int, ImageError] = {}
         if self.preprocess_mode == "fast":
-            sizes = sizes or [preprocess_fast.target_size(x, self.preprocess_config) for x in images]
-            prepared = preprocess_fast.to_device(images, sizes, self.device)
+            sizes = sizes or [target_size(x, self.preprocess_config) for x in images]
+            prepared = preprocess_fast.resize_on_device(images, sizes, self.device)
             failed = {i: x for i, x in enumerate(prepared) if isinstance(x, ImageError)}
             images = [x for x in prepared if not isinstance(x, ImageError)]
             if mean_pooling is not None:

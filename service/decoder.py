@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from ..encoder.preprocess import (Base64Data, ImageError, ImageHeader, ImageTooLarge, PreprocessConfig,
-                                  UndecodableImage, decode_base64, probe, smart_resize)
+                                  UndecodableImage, decode_base64, probe, target_size)
 
 from . import spool
 from .decode import decode_and_resize
@@ -201,9 +201,7 @@ class Decoder:
             image, seconds = job.result()
             self.metrics.preprocess_seconds.observe(seconds)
             self.metrics.record("decode", seconds)
-            h, w = image.shape[:2]
-            if self.fast:  # the size the device resizes it to
-                h, w = smart_resize(h, w, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+            h, w = target_size(image, cfg) if self.fast else image.shape[:2]  # fast: the size the device resizes to
             out.append((image, (1, h // p, w // p)))
         return out
 

@@ -104,7 +104,7 @@ def test_fast_lut_is_the_fused_float32_normalize():
     values = torch.arange(256, dtype=torch.float32)
     mean = torch.tensor(CFG.image_mean) * 255.0  # transformers: mean * (1 / rescale_factor), in float32
     std = torch.tensor(CFG.image_std) * 255.0
-    assert torch.equal(torch.from_numpy(lut), (values[None] - mean[:, None]) / std[:, None])
+    assert torch.equal(torch.tensor(lut), (values[None] - mean[:, None]) / std[:, None])
 
 
 def test_fast_encode_runs_the_processor_layout():

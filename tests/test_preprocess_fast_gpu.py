@@ -14,7 +14,8 @@ from PIL import Image
 from test_preprocess_fast import CFG, IMAGES, broken_scan, encoded, photo
 
 from vitserve.encoder import VisionEncoder, preprocess_fast
-from vitserve.encoder.preprocess import EncodedJpeg, ImageError, UndecodableImage, load_for_device, load_image
+from vitserve.encoder.preprocess import (EncodedJpeg, ImageError, UndecodableImage, load_for_device, load_image,
+                                         target_size)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not preprocess_fast.nvjpeg_available(),
                                                   reason="needs CUDA and torchvision")]
@@ -78,8 +79,8 @@ def test_a_jpeg_nvjpeg_refuses_fails_alone_or_falls_back_to_pil():
     assert all(isinstance(x, EncodedJpeg) for x in (good, broken, rotated))
     with pytest.raises(UndecodableImage):  # no end marker: PIL's to decode, and it refuses a truncated file
         load_for_device(IMAGES[3][: len(IMAGES[3]) // 3], jpeg_on_device=True)
-    sizes = [preprocess_fast.target_size(x, CFG) for x in (good, broken, rotated)]
-    out = preprocess_fast.to_device([good, broken, rotated], sizes, torch.device("cuda"))
+    sizes = [target_size(x, CFG) for x in (good, broken, rotated)]
+    out = preprocess_fast.resize_on_device([good, broken, rotated], sizes, torch.device("cuda"))
     assert out[0].is_cuda and tuple(out[0].shape) == (*sizes[0], 3)
     assert isinstance(out[1], ImageError)  # neither nvJPEG nor PIL reads it: only it fails
     assert tuple(out[2].shape) == (*sizes[2], 3) and sizes[2][0] > sizes[2][1]  # turned upright (orientation 6)
