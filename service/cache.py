@@ -41,7 +41,7 @@ class EmbeddingCache:
 
     def key(self, data, cfg: PreprocessConfig, mean_pooling: bool) -> bytes:
         digest = hashlib.blake2b(digest_size=32)
-        digest.update(data.encode("ascii", "replace") if isinstance(data, Base64Data) else bytes(data))
+        digest.update(data.ascii() if isinstance(data, Base64Data) else data)
         digest.update(f"\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}".encode())
         return digest.digest()
 

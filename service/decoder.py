@@ -48,7 +48,7 @@ def head(data) -> bytes:
     """The first PROBE_BYTES of an image's bytes (of its base64 text: decoded from a 4-aligned prefix)."""
     if not isinstance(data, Base64Data):
         return bytes(data[:PROBE_BYTES])
-    chunk = data[:PROBE_BYTES * 4 // 3 + 256]
+    chunk = data.prefix(PROBE_BYTES * 4 // 3 + 256)
     text = "".join(chunk.split())  # base64 may hold line breaks
     if len(chunk) < len(data):
         text = text[:len(text) // 4 * 4]
@@ -61,7 +61,7 @@ def header_of(data) -> ImageHeader:
     try:
         return probe(first)
     except UndecodableImage:
-        whole = decode_base64(data) if isinstance(data, Base64Data) else bytes(data)
+        whole = data.decode() if isinstance(data, Base64Data) else bytes(data)
         if len(whole) <= len(first):
             raise
         return probe(whole)
@@ -237,7 +237,7 @@ class Decoder:
     async def _decode_once(self, data, cfg: PreprocessConfig, owner):
         limit = self.settings.max_image_pixels
         if is_base64 := isinstance(data, Base64Data):  # as bytes: a str pickles at twice the server's CPU
-            data = data.encode("ascii", "replace")  # a non-ASCII character is still invalid base64 there
+            data = data.ascii()
         start = time.perf_counter()
         if self.pool is None:
             result = await asyncio.get_running_loop().run_in_executor(self.threads, decode_and_resize, data,

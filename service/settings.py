@@ -14,6 +14,7 @@ from ..encoder.preprocess import PREPROCESS_MODES
 
 ENV_PREFIX = "VITSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CACHE_SCOPES = ("server", "api-key")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -53,6 +54,11 @@ class Settings:
                                                           "estimated from their headers (413 beyond)")
     decode_memory: int = _setting(4 * 2**30, "bytes that the images being decoded may take on the whole server, "
                                              "estimated from their headers: images beyond it wait their turn")
+    body_memory: int = _setting(512 * 2**20, "bytes that request bodies in flight may take on the whole server, "
+                                             "twice each body's size counted (the body and its parsed images): "
+                                             "beyond it, a request waits for room before its body is read")
+    decode_timeout: float = _setting(10.0, "seconds a decode worker may spend on one image (beyond, the worker is "
+                                           "replaced and the image refused: 413 decode_timeout)")
     max_images_per_request: int = _setting(64, "images per request (413)")
     min_pixels: int | None = _setting(None, "override the resize minimum (pixels)", encode=True)
     max_pixels: int | None = _setting(None, "override the resize maximum (pixels)", encode=True)
@@ -67,6 +73,8 @@ class Settings:
     log_format: str = _setting("text", "text or json", encode=True)
     cache_bytes: int = _setting(512 * 2**20, "host memory for the embedding cache: an image sent again is answered "
                                              "from it, without decoding or the device (0: off)")
+    cache_scope: str = _setting("server", "who shares the embedding cache: server (every client) or api-key (each "
+                                          "--api-key its own: a client never learns what another key sent)")
     max_header_bytes: int = _setting(64 * 2**10, "bytes of a request's line and headers (beyond, a 400 and the "
                                                  "connection closed)")
     header_timeout: float = _setting(10.0, "seconds to receive a request's headers, from its first byte (beyond, "
@@ -98,6 +106,8 @@ class Settings:
                   (self.preprocess in PREPROCESS_MODES,
                    f"--preprocess must be {' or '.join(PREPROCESS_MODES)}, got {self.preprocess!r}"),
                   (self.log_format in ("text", "json"), f"--log-format must be text or json, got {self.log_format!r}"),
+                  (self.cache_scope in CACHE_SCOPES, f"--cache-scope must be {' or '.join(CACHE_SCOPES)}, "
+                                                     f"got {self.cache_scope!r}"),
                   (self.log_level in LOG_LEVELS, f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
                                                  f"got {self.log_level!r}"),
                   (self.max_batch_tokens > 0, "--max-batch-tokens must be positive"),
@@ -107,11 +117,11 @@ class Settings:
                   (self.timeout_keep_alive > 0, "--timeout-keep-alive must be positive"),
                   (self.url_fetch_timeout > 0, "--url-fetch-timeout must be positive"),
                   (min(self.decode_memory_per_request, self.decode_memory, self.max_header_bytes,
-                       self.max_connections, self.url_fetch_memory) > 0,
-                   "--decode-memory-per-request, --decode-memory, --max-header-bytes, --max-connections and "
-                   "--url-fetch-memory must be positive"),
-                  (self.header_timeout > 0 and self.body_timeout > 0,
-                   "--header-timeout and --body-timeout must be positive"),
+                       self.max_connections, self.url_fetch_memory, self.body_memory) > 0,
+                   "--decode-memory-per-request, --decode-memory, --max-header-bytes, --max-connections, "
+                   "--url-fetch-memory and --body-memory must be positive"),
+                  (self.header_timeout > 0 and self.body_timeout > 0 and self.decode_timeout > 0,
+                   "--header-timeout, --body-timeout and --decode-timeout must be positive"),
                   (self.decode_workers >= 0, "--decode-workers must be >= 0"),
                   (self.cache_bytes >= 0, "--cache-bytes must be >= 0"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
