@@ -66,17 +66,25 @@ class Launch:
 
 @dataclass
 class RunnerStats:
+    """`mode`: how batches run: "graphs" (a CUDA graph replayed per budget), "padded" (eagerly, padded to their
+    budget as a graph would be: tests on the CPU) or "eager" (eagerly at their own size: CPU, float32). Per budget,
+    its graph's replays and their real and padding patches; `eager_runs` and `eager_patches`: batches run eagerly
+    and their patches, `eager_fallbacks` the images among them too large for any budget."""
+
+    mode: str = "eager"
     budgets: dict[int, BudgetStats] = field(default_factory=dict)
-    eager_fallbacks: int = 0
+    eager_runs: int = 0
     eager_patches: int = 0
+    eager_fallbacks: int = 0
     pool_bytes: int = 0
     capture_seconds: float = 0.0
     attention: dict[str, str] = field(default_factory=dict)  # layer kind (full, window) -> attention backend
 
     def as_dict(self) -> dict:
-        return {"budgets": {str(b): vars(s).copy() for b, s in self.budgets.items()}, "attention": dict(self.attention),
-                "eager_fallbacks": self.eager_fallbacks, "eager_patches": self.eager_patches,
-                "pool_bytes": self.pool_bytes, "capture_seconds": round(self.capture_seconds, 3)}
+        return {"mode": self.mode, "budgets": {str(b): vars(s).copy() for b, s in self.budgets.items()},
+                "attention": dict(self.attention), "eager_runs": self.eager_runs, "eager_patches": self.eager_patches,
+                "eager_fallbacks": self.eager_fallbacks, "pool_bytes": self.pool_bytes,
+                "capture_seconds": round(self.capture_seconds, 3)}
 
 
 class GraphRunner:
@@ -85,12 +93,14 @@ class GraphRunner:
     Thread-safety: one runner per device, used from one worker thread. Its static buffers and graphs are shared
     state, so a call that overlaps another (from a second thread) raises RuntimeError instead of corrupting it.
 
-    Without CUDA graphs (CPU, or float32 on CUDA, where flash attention is unavailable) it plans, packs and pads
-    exactly the same way and runs each padded batch eagerly over the same static buffers.
+    Without CUDA graphs (CPU, or float32 on CUDA, where flash attention is unavailable) it plans and packs the same
+    way and runs each batch eagerly at its own size: padding is compute thrown away where no graph needs a fixed
+    shape. `pad=True` pads such batches too, over the same static buffers a graph reads, so the CPU tests exercise
+    exactly what a GPU replays.
     """
 
     def __init__(self, tower, cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
-                 budgets=DEFAULT_BUDGETS):
+                 budgets=DEFAULT_BUDGETS, pad: bool | None = None):
         self.tower, self.cfg, self.device, self.dtype = tower, cfg, device, dtype
         self.packer = Packer(cfg, budgets, tower.attention.max_segments, tower.window_attention.max_segments)
         self.budgets = self.packer.budgets
@@ -100,28 +110,45 @@ class GraphRunner:
         self.stats = RunnerStats(budgets={b: BudgetStats() for b in self.budgets},
                                  attention={"full": tower.attention.name,
                                             **({"window": tower.window_attention.name} if cfg.window_size else {})})
+        self.pad = pad
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self._luts: dict[bytes, torch.Tensor] = {}
+        self._static: TowerInputs | None = None
 
-        largest = self.budgets[-1]
-        cap_full = max(self.packer.frame_capacity(b) for b in self.budgets)
-        cap_window = max(self.packer.window_capacity(b) for b in self.budgets)
-        windowed, interp = bool(cfg.window_size), bool(cfg.num_position_embeddings)
+    @property
+    def pad(self) -> bool:
+        """Whether batches are padded to their budget: always with CUDA graphs, else when asked."""
+        return self._pad
 
-        def buf(*shape, dtype=torch.int32, on=True):
-            return torch.zeros(*shape, dtype=dtype, device=device) if on else None
+    @pad.setter
+    def pad(self, value: bool | None) -> None:
+        self._pad = self.use_graphs or bool(value)
+        self.stats.mode = "graphs" if self.use_graphs else "padded" if self._pad else "eager"
 
-        # Allocated once at the largest size; graphs read views; only ever written in place.
-        self.static = TowerInputs(
-            pixel_values=buf(largest, cfg.patch_dim, dtype=dtype), positions=buf(largest, 2),
-            cu_seqlens=buf(cap_full + 1), max_seqlen=largest, seqlens=None,
-            cu_window_seqlens=buf(cap_window + 1, on=windowed), max_window_seqlen=self.window_seqlen,
-            patch_order=buf(largest, dtype=torch.int64, on=windowed),
-            token_order=buf(largest // cfg.merge_unit, dtype=torch.int64, on=windowed),
-            interp_indices=buf(largest, 4, dtype=torch.int64, on=interp),
-            interp_weights=buf(largest, 4, dtype=torch.float32, on=interp))
+    @property
+    def static(self) -> TowerInputs:
+        """The buffers a padded batch is written into, allocated at the largest budget on first use (only a padded
+        runner has them); graphs read views of them; only ever written in place."""
+        if self._static is None:
+            cfg, device, largest = self.cfg, self.device, self.budgets[-1]
+            cap_full = max(self.packer.frame_capacity(b) for b in self.budgets)
+            cap_window = max(self.packer.window_capacity(b) for b in self.budgets)
+            windowed, interp = bool(cfg.window_size), bool(cfg.num_position_embeddings)
+
+            def buf(*shape, dtype=torch.int32, on=True):
+                return torch.zeros(*shape, dtype=dtype, device=device) if on else None
+
+            self._static = TowerInputs(
+                pixel_values=buf(largest, cfg.patch_dim, dtype=self.dtype), positions=buf(largest, 2),
+                cu_seqlens=buf(cap_full + 1), max_seqlen=largest, seqlens=None,
+                cu_window_seqlens=buf(cap_window + 1, on=windowed), max_window_seqlen=self.window_seqlen,
+                patch_order=buf(largest, dtype=torch.int64, on=windowed),
+                token_order=buf(largest // cfg.merge_unit, dtype=torch.int64, on=windowed),
+                interp_indices=buf(largest, 4, dtype=torch.int64, on=interp),
+                interp_weights=buf(largest, 4, dtype=torch.float32, on=interp))
+        return self._static
 
     def pack(self, grids) -> list[Batch]:
         """The replays (and eager batches) a call with these grids runs: packing.Packer.pack."""
@@ -287,11 +314,12 @@ class GraphRunner:
         return host
 
     def _run_batch(self, grids, pixel_values: torch.Tensor, budget: int | None):
-        if budget is None:
+        if budget is None or not self.pad:  # too large for any budget, or no graph to fit: eagerly, as it is
             plan = make_plan(grids, self.cfg)
             merged, deepstack = self.tower(to_device(plan, pixel_values, self.device, self.dtype))
-            self.stats.eager_fallbacks += 1
+            self.stats.eager_runs += 1
             self.stats.eager_patches += plan.num_patches
+            self.stats.eager_fallbacks += len(grids) if budget is None else 0
             return plan, merged, deepstack
         plan = make_plan(grids, self.cfg, pad_to=budget)
         inputs = self._load(plan, pixel_values, budget)

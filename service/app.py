@@ -26,7 +26,7 @@ from ..encoder.preprocess import Base64Data
 from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, ServiceError, error_response
 from .gate import Gate
-from .outputs import OUTPUT_DTYPES as OUT, b64, embedding_payload, json_response, safetensors_body
+from .outputs import OUTPUT_DTYPES as OUT, PartsResponse, b64, embedding_payload, json_response, safetensors_parts
 from .schemas import EmbeddingRequest, EncodeForm, EncodeRequest
 from .settings import Settings
 
@@ -38,12 +38,32 @@ def clip(value: str) -> str:
     return value if len(value) <= CLIP else value[:CLIP] + "..."
 
 
+def commas_outside_strings(body: bytes) -> int:
+    """The commas of a JSON text that are not inside its strings: one per array item or object member but the
+    first. A Python step per quote (an escaped quote is one after an odd run of backslashes); the rest is C."""
+    count, start, quote = 0, 0, body.find(b'"')
+    while quote >= 0:
+        count += body.count(b",", start, quote)
+        end = quote
+        while (end := body.find(b'"', (previous := end) + 1)) >= 0:
+            run = body[previous + 1:end]  # a run of backslashes before this quote starts after the previous one
+            if (len(run) - len(run.rstrip(b"\\"))) % 2 == 0:  # not escaped: the string ends here
+                break
+        if end < 0:  # an unterminated string: the parser will refuse it
+            return count
+        start, quote = end + 1, body.find(b'"', end + 1)
+    return count + body.count(b",", start)
+
+
 def parse_body(model: type[BaseModel], body: bytes, max_images: int) -> BaseModel:
     """A JSON body read and validated in one pass by pydantic. Not JSON (or nested too deeply) is a 400, invalid
-    fields a 422. A body with more strings than `max_images` and a few fields could hold is a 413 before it is
-    parsed: counting its quotes takes milliseconds, building millions of objects seconds of the event loop."""
-    if body.count(b'"') > 2 * (max_images + 32):
-        raise ServiceError(413, f"more than {max_images} images in one request", "too_many_images")
+    fields a 422. A body with more values than `max_images` and a few fields could hold is a 413 before it is
+    parsed, whatever the values are (strings, numbers, nulls, objects, lists): counting its quotes and commas takes
+    milliseconds, building millions of objects (and an error for each) seconds of the event loop. A data URI holds a
+    comma of its own, so the commas inside strings are told apart only when the plain count is over."""
+    bound = 2 * (max_images + 32)
+    if body.count(b'"') > bound or body.count(b",") > bound and commas_outside_strings(body) > bound:
+        raise ServiceError(413, f"more than {max_images} images (or values) in one request", "too_many_images")
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
@@ -147,9 +167,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        field = where(tuple(first.get("loc", ())))
-        return error_response(422, f"{field or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request",
-                              field or None)
+        field = clip(where(tuple(first.get("loc", ()))))  # a field name is the client's value too (an unknown key)
+        return error_response(422, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
+                              "invalid_request", field or None)
 
     async def encode_images(request: Request, images: list, field: str, mean_pooling: bool = False,
                             max_pixels: int | None = None) -> Encoded:
@@ -158,7 +178,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                                     f"{settings.max_images_per_request}", "too_many_images", field)
         disconnected = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            result = await engine.encode(images, mean_pooling, disconnected, field, max_pixels)
+            result = await engine.encode(images, mean_pooling, disconnected, field, max_pixels,
+                                         request.scope["state"].get("client"))
         finally:
             disconnected.cancel()
         unit = engine.model.config.merge_unit
@@ -239,8 +260,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             if "application/octet-stream" in request.headers.get("accept", ""):
                 metadata = {"model": settings.model_name, "grid_thw": json.dumps(result.grids), "dtype": body.dtype,
                             "tokens": str(tokens), "layout": body.layout}
-                return Response(safetensors_body(outputs, body.dtype, metadata, body.deepstack),
-                                media_type="application/octet-stream")
+                return PartsResponse(safetensors_parts(outputs, body.dtype, metadata, body.deepstack),
+                                     media_type="application/octet-stream")
             data = []
             for i, ((embeddings, deepstack), grid) in enumerate(zip(outputs, result.grids)):
                 data.append({"index": i, "grid_thw": grid, "shape": list(embeddings.shape), "dtype": body.dtype,

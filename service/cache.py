@@ -1,12 +1,16 @@
 """The embedding cache: an image that comes again (every turn of a multi-turn chat) is answered from host memory,
 without decoding it or touching the device.
 
-The key is a BLAKE2b digest of the image's encoded bytes (as sent: the base64 text, or the bytes of a file part or
-a fetched URL) and of everything that changes the engine's output for it: the model, the resize bounds, and whether
-the tokens or their mean are wanted. The output dtype and layout are applied to the cached float32 tensors after the
-cache, so they need no key: a cached answer is bit-identical to a computed one. An LRU bounded in bytes
-(`--cache-bytes`, 0: off); only successful encodings are stored. Identical images in flight at once are computed
-once: the later ones wait for the first (`claim`).
+The key is a BLAKE2b digest of the image as sent (the base64 text, or the bytes of a file part or a fetched URL),
+told apart by how it was sent (base64 text sent as a file is not an image, whatever the same text sent as base64
+is), and of everything that changes the engine's output for it: the model, the resize bounds, and whether the tokens
+or their mean are wanted. The output dtype and layout are applied to the cached float32 tensors after the cache, so
+they need no key: a cached answer is bit-identical to a computed one. An LRU bounded in bytes (`--cache-bytes`, 0:
+off); only successful encodings are stored. Identical images in flight at once are computed once: the later ones
+wait for the first (`claim`).
+
+A hit answers at once, which tells a client that an image was sent before. `--cache-scope api-key` keys every entry
+by the client's API key too: a client learns only of its own images.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ def nbytes(output: Output) -> int:
 
 
 class EmbeddingCache:
-    def __init__(self, limit: int, model: str, metrics: Metrics):
-        self.limit, self.model, self.metrics = limit, model, metrics
+    def __init__(self, limit: int, model: str, metrics: Metrics, per_client: bool = False):
+        self.limit, self.model, self.metrics, self.per_client = limit, model, metrics, per_client
         self.bytes = 0
         self._entries: collections.OrderedDict[bytes, Output] = collections.OrderedDict()
         self._pending: dict[bytes, asyncio.Future] = {}
@@ -39,10 +43,13 @@ class EmbeddingCache:
     def enabled(self) -> bool:
         return self.limit > 0
 
-    def key(self, data, cfg: PreprocessConfig, mean_pooling: bool) -> bytes:
+    def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
+        """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
         digest = hashlib.blake2b(digest_size=32)
-        digest.update(data.ascii() if isinstance(data, Base64Data) else data)
-        digest.update(f"\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}".encode())
+        base64 = isinstance(data, Base64Data)
+        digest.update(data.ascii() if base64 else data)
+        digest.update(f"\0{'base64' if base64 else 'bytes'}\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0"
+                      f"{int(mean_pooling)}\0{client if self.per_client else ''}".encode())
         return digest.digest()
 
     def get(self, key: bytes) -> Output | None:
@@ -82,8 +89,7 @@ class EmbeddingCache:
         self.metrics.cache_entries.set(len(self._entries))
 
     def stats(self) -> dict:
-        registry = self.metrics.registry
+        count = lambda name: int(self.metrics.registry.get_sample_value(name) or 0)  # noqa: E731 (counters: whole)
         return {"enabled": self.enabled, "limit_bytes": self.limit, "bytes": self.bytes, "entries": len(self._entries),
-                "hits": registry.get_sample_value("vitserve_cache_hits_total"),
-                "misses": registry.get_sample_value("vitserve_cache_misses_total"),
-                "evictions": registry.get_sample_value("vitserve_cache_evictions_total")}
+                "hits": count("vitserve_cache_hits_total"), "misses": count("vitserve_cache_misses_total"),
+                "evictions": count("vitserve_cache_evictions_total")}

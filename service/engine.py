@@ -99,7 +99,8 @@ class Engine:
             self.decoder.jpeg_on_device = nvjpeg_available()  # else the decode workers decode JPEGs too
         self.queue = ImageQueue(self.metrics)
         self.fetch_budget = fetch.FetchBudget(settings.url_fetch_memory)
-        self.cache = EmbeddingCache(settings.cache_bytes, settings.model_name or "", self.metrics)
+        self.cache = EmbeddingCache(settings.cache_bytes, settings.model_name or "", self.metrics,
+                                    per_client=settings.cache_scope == "api-key")
         self.in_flight = 0
         self.batch_sizes: dict[int, int] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
@@ -251,11 +252,12 @@ class Engine:
 
     # ---- work ----------------------------------------------------------------------------------------------------
     async def encode(self, images: list, mean_pooling: bool = False, disconnected: asyncio.Future | None = None,
-                     field: str = "input", max_pixels: int | None = None) -> Encoded:
+                     field: str = "input", max_pixels: int | None = None, client: int | None = None) -> Encoded:
         """Encode a request's images (Base64Data, bytes, or URLs when fetching is on): decoding, then batching.
         If `disconnected` resolves first, its images are dropped from the queue (ClientDisconnected). `field`
-        names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's. Admission
-        (`admitted`) is the caller's: the gate admits a request from its first byte."""
+        names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's; `client`
+        is the API key the request came with (the cache's scope). Admission (`admitted`) is the caller's: the gate
+        admits a request from its first byte."""
         if self.model is None:
             raise NotReady(f"model is not ready yet ({self.state.value})")
         cfg = self.model.preprocess_config
@@ -267,7 +269,7 @@ class Engine:
         if self.settings.allow_url_fetch:
             images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
         outputs: list = [None] * len(images)
-        keys = [self.cache.key(data, cfg, mean_pooling) for data in images] if self.cache.enabled else []
+        keys = [self.cache.key(data, cfg, mean_pooling, client) for data in images] if self.cache.enabled else []
         todo, waits, hits = list(range(len(images))), [], 0
         if keys:
             todo = []
@@ -350,12 +352,18 @@ class Engine:
                 item.future.set_result(output)
 
     def stats(self) -> dict:
-        runners = [w.device.runner_stats() for w in self.workers]
+        from .. import __version__
+
+        s, runners = self.settings, [w.device.runner_stats() for w in self.workers]
         devices = {}
-        for worker, runner in zip(self.workers, runners):  # the budgets captured or used: not all 28 on a CPU
+        for worker, runner in zip(self.workers, runners):  # the budgets captured or used: none on a CPU
             budgets = {b: s for b, s in runner.get("budgets", {}).items() if s["captured"] or s["replays"]}
             devices[worker.name] = worker.stats() | {"runner": runner | {"budgets": budgets}}
-        return {"model": self.settings.model_name, "state": self.state.value, "error": self.error,
+        batching = {"max_batch_tokens": s.max_batch_tokens, "max_batch_wait_ms": s.max_batch_wait_ms,
+                    "max_concurrent_requests": s.max_concurrent_requests,
+                    "max_images_per_request": s.max_images_per_request, "preprocess": s.preprocess,
+                    "decode_workers": self.decoder.workers, "decode_processes": s.decode_processes}
+        return {"version": __version__, "model": s.model_name, "state": self.state.value, "error": self.error,
                 "device": self.devices[0], "devices": devices, "latency": self.metrics.percentiles(),
                 "dtype": self.dtype, "family": self.model.config.family if self.model else None,
                 "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
@@ -364,4 +372,5 @@ class Engine:
                 "spool": self.decoder.spool_prefix and os.path.dirname(self.decoder.spool_prefix),
                 "device_processes": any(isinstance(w.device, ProcessDevice) for w in self.workers),
                 "decode_workers_replaced": self.decoder.workers_replaced, "cache": self.cache.stats(),
+                "batching": batching, "eager_runs": sum(r.get("eager_runs", 0) for r in runners),
                 "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners)}

@@ -46,6 +46,7 @@ def endpoint_label(path: str) -> str:
 class Gate:
     def __init__(self, app, settings: Settings, metrics: Metrics, engine=None):
         self.app, self.settings, self.metrics, self.engine = app, settings, metrics, engine
+        self.keys = [key.encode() for key in settings.api_keys()]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -72,13 +73,14 @@ class Gate:
             self._account(scope, status[0] or (500 if failed else 499), time.perf_counter() - start)
 
     async def _gated(self, scope, receive, send, headers, path, limit):
-        key = self.settings.api_key
-        if key and path not in OPEN_PATHS:
-            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        if self.keys and path not in OPEN_PATHS:
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            matches = [hmac.compare_digest(token, key) for key in self.keys]  # all compared: the time names none
+            if scheme.lower() != b"bearer" or not any(matches):
                 return await error_response(401, "missing or invalid API key (Authorization: Bearer <key>)",
                                             "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(
                     scope, receive, send)
+            scope["state"]["client"] = matches.index(True)  # which key: the cache's scope (--cache-scope api-key)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             return await error_response(413, f"request body over the {limit}-byte limit", "payload_too_large")(

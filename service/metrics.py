@@ -102,14 +102,18 @@ class _RunnerCollector:
 
     def collect(self):
         by_device = self.stats_fn()
-        replays = CounterMetricFamily("vitserve_graph_replays", "CUDA graph replays (or padded eager runs on CPU)",
-                                      labels=["device", "budget"])
+        replays = CounterMetricFamily("vitserve_graph_replays", "CUDA graph replays", labels=["device", "budget"])
         padded = CounterMetricFamily("vitserve_graph_padded_patches", "Padding patches run",
                                      labels=["device", "budget"])
         real = CounterMetricFamily("vitserve_graph_real_patches", "Real patches run in budgets",
                                    labels=["device", "budget"])
-        eager = CounterMetricFamily("vitserve_eager_fallbacks", "Images run eagerly (larger than the largest budget)",
-                                    labels=["device"])
+        eager = CounterMetricFamily("vitserve_eager_fallbacks", "Images run eagerly on a device with graphs, being "
+                                    "larger than the largest budget", labels=["device"])
+        eager_runs = CounterMetricFamily("vitserve_eager_runs", "Batches run eagerly (every batch where no graph "
+                                         "runs: CPU, float32; else the images larger than the largest budget)",
+                                         labels=["device"])
+        eager_patches = CounterMetricFamily("vitserve_eager_patches", "Patches of the batches run eagerly",
+                                            labels=["device"])
         pool = GaugeMetricFamily("vitserve_graph_pool_bytes", "CUDA graph memory pool", labels=["device"])
         capture = GaugeMetricFamily("vitserve_graph_capture_seconds", "Time to capture all budgets",
                                     labels=["device"])
@@ -119,6 +123,8 @@ class _RunnerCollector:
                 padded.add_metric([device, budget], s["padded_patches"])
                 real.add_metric([device, budget], s["real_patches"])
             eager.add_metric([device], stats["eager_fallbacks"])
+            eager_runs.add_metric([device], stats["eager_runs"])
+            eager_patches.add_metric([device], stats["eager_patches"])
             pool.add_metric([device], stats["pool_bytes"])
             capture.add_metric([device], stats["capture_seconds"])
-        yield from (replays, padded, real, eager, pool, capture)
+        yield from (replays, padded, real, eager, eager_runs, eager_patches, pool, capture)

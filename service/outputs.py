@@ -1,6 +1,10 @@
 """What a response carries: embeddings as float lists, base64 of their raw little-endian bytes, or one safetensors
 body (tensors `images.{i}.embeddings` and `images.{i}.deepstack.{j}`), the format `vitserve encode` writes too.
 
+Every format copies each tensor out on its own, so items that share one output (the same image twice in a request,
+both answered by one cache entry) come out whole and equal: the safetensors body is written here, not by
+`safetensors.torch.save`, which refuses tensors that share memory.
+
 Responses are built on the event loop that every request shares, and a token matrix in float32 base64 is megabytes
 (a 1400x1400 image on a 3584-wide tower: 48 MB of text). So base64 is SIMD (pybase64), straight from the tensor's
 memory, and JSON bodies are rendered around it: `render_json` serializes the small structure and splices each
@@ -9,13 +13,14 @@ memory, and JSON bodies are rendered around it: `render_json` serializes the sma
 
 from __future__ import annotations
 
+import json
 import secrets
+import struct
 
 import numpy as np
 import pybase64
 import torch
 from pydantic_core import to_json
-from safetensors.torch import save as safetensors_save
 from starlette.responses import Response
 
 from ..encoder.vision_encoder import DTYPES
@@ -49,8 +54,9 @@ def b64(t: torch.Tensor) -> Base64:
 
 
 def embedding_payload(t: torch.Tensor, encoding: str):
-    """OpenAI's `embedding`: a float list, or base64 of the raw little-endian float32 bytes."""
-    return t.float().tolist() if encoding == "float" else Base64(t.float())
+    """OpenAI's `embedding`, always flat (OpenAI's type is `list[float]`; a token matrix goes row by row, its shape
+    said beside it): a float list, or base64 of the raw little-endian float32 bytes."""
+    return t.float().reshape(-1).tolist() if encoding == "float" else Base64(t.float())
 
 
 _MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder no other value of a response can hold
@@ -99,11 +105,30 @@ def json_response(content, status_code: int = 200, headers=None) -> PartsRespons
     return PartsResponse(render_json(content), status_code, headers)
 
 
-def safetensors_body(outputs: list, dtype: str, metadata: dict[str, str], deepstack: bool = True) -> bytes:
-    """Every image's (tokens, deepstack list) in `dtype` as one safetensors file, with string `metadata`."""
-    out_dtype, tensors = OUTPUT_DTYPES[dtype], {}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def safetensors_parts(outputs: list, dtype: str, metadata: dict[str, str], deepstack: bool = True) -> list[bytes]:
+    """Every image's (tokens, deepstack list) in `dtype` as one safetensors file, with string `metadata`, in pieces:
+    the header, then each tensor's raw little-endian bytes (its own copy, shared memory or not), in header order."""
+    out_dtype = OUTPUT_DTYPES[dtype]
+    header: dict = {"__metadata__": metadata}
+    parts, offset = [b""], 0
     for i, (embeddings, features) in enumerate(outputs):
-        tensors[f"images.{i}.embeddings"] = embeddings.to(out_dtype).contiguous()
-        for j, d in enumerate(features if deepstack else []):
-            tensors[f"images.{i}.deepstack.{j}"] = d.to(out_dtype).contiguous()
-    return safetensors_save(tensors, metadata=metadata)
+        named = [(f"images.{i}.embeddings", embeddings)]
+        named += [(f"images.{i}.deepstack.{j}", d) for j, d in enumerate(features if deepstack else [])]
+        for name, t in named:
+            data = raw_view(t.to(out_dtype)).tobytes()
+            header[name] = {"dtype": SAFETENSORS_DTYPES[out_dtype], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + len(data)]}
+            parts.append(data)
+            offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as safetensors pads it
+    parts[0] = struct.pack("<Q", len(text)) + text
+    return parts
+
+
+def safetensors_body(outputs: list, dtype: str, metadata: dict[str, str], deepstack: bool = True) -> bytes:
+    """`safetensors_parts` as one bytes object (a file's content)."""
+    return b"".join(safetensors_parts(outputs, dtype, metadata, deepstack))

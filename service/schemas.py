@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from ..encoder.vision_encoder import DTYPES
 from .outputs import OUTPUT_DTYPES
+
+
+def canonical_dtype(value):
+    """A dtype as a request may write it, the CLI's aliases included (fp32, fp16, bf16, half), as its canonical name;
+    anything else is left for the Literal to refuse."""
+    return str(DTYPES[value]).removeprefix("torch.") if isinstance(value, str) and value in DTYPES else value
+
+
+DType = Annotated[Literal[tuple(OUTPUT_DTYPES)], BeforeValidator(canonical_dtype),
+                  Field(description="float32, float16 or bfloat16 (or fp32, fp16, bf16, half)")]
 
 MAX_PIXELS = Field(default=None, gt=0, description="cap on the resized image's pixels for this request (at most the "
                                                    "server's own, which also applies when this is larger)")
@@ -40,7 +51,7 @@ class EncodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     images: list[str] = Field(min_length=1)
-    dtype: Literal[tuple(OUTPUT_DTYPES)] = "float32"
+    dtype: DType = "float32"
     deepstack: bool = True
     layout: Literal["tokens", "vllm"] = "tokens"  # vllm: one tensor per image, deepstack concatenated on the width
     max_pixels: int | None = MAX_PIXELS
@@ -51,7 +62,7 @@ class EncodeForm(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    dtype: Literal[tuple(OUTPUT_DTYPES)] = "float32"
+    dtype: DType = "float32"
     deepstack: bool = True
     layout: Literal["tokens", "vllm"] = "tokens"
     max_pixels: int | None = MAX_PIXELS

@@ -42,7 +42,8 @@ class Settings:
     host: str = _setting("0.0.0.0", "bind address")
     port: int = _setting(8000, "bind port")
     served_model_name: str | None = _setting(None, "model id in the API (default: --model)")
-    api_key: str | None = _setting(None, "require 'Authorization: Bearer KEY' (not on /health, /ready, /metrics)")
+    api_key: str | None = _setting(None, "require 'Authorization: Bearer KEY' (not on /health, /ready, /metrics); "
+                                         "several keys comma-separated, one per client (see --cache-scope)")
     max_batch_tokens: int = _setting(4096, "vision tokens (4 patches each) per GPU batch")
     max_batch_wait_ms: float = _setting(5.0, "while every device is busy, how long a batch waits for more images")
     budgets: str | None = _setting(None, "comma-separated CUDA graph budgets in patches (default: built-in)",
@@ -130,11 +131,18 @@ class Settings:
                    "--min-pixels and --max-pixels must be positive"),
                   (None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels,
                    "--min-pixels must not exceed --max-pixels"),
-                  (0 < self.port < 65536, "--port must be 1-65535")]
+                  (0 < self.port < 65536, "--port must be 1-65535"),
+                  (self.api_key is None or self.api_keys(), "--api-key must name at least one key"),
+                  (self.cache_scope != "api-key" or self.api_key,
+                   "--cache-scope api-key needs --api-key (the keys are the scopes)")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         self.budget_list()
+
+    def api_keys(self) -> list[str]:
+        """The keys `--api-key` names (comma-separated); none: no key is asked for."""
+        return [key.strip() for key in (self.api_key or "").split(",") if key.strip()]
 
     @property
     def model_name(self) -> str:

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+import vitserve
 from fastapi.testclient import TestClient
 from helpers import IMAGES, b64_floats, b64_tensor, client_for, data_uri, png, rel_err
 from PIL import Image
@@ -17,6 +18,7 @@ from safetensors.torch import load as safetensors_load
 
 from vitserve.service.app import create_app
 from vitserve.service.engine import Engine
+from vitserve.service.outputs import OUTPUT_DTYPES
 from vitserve.service.settings import Settings
 
 
@@ -91,16 +93,23 @@ def test_info_endpoints(client):
     stats = client.get("/stats").json()
     assert stats["state"] == "ready" and stats["family"] == "qwen3_vl" and stats["device"] == "cpu"
     assert sum(stats["batch_size_histogram"].values()) >= 1 and "runner" not in stats  # one copy: per device
-    budgets = stats["devices"]["cpu"]["runner"]["budgets"]  # only those used (no graphs are captured on a CPU)
-    assert budgets and all(b["replays"] > 0 and not b["captured"] for b in budgets.values())
+    runner = stats["devices"]["cpu"]["runner"]  # a CPU runs its batches eagerly, unpadded: no budget is replayed
+    assert runner["mode"] == "eager" and runner["budgets"] == {} and runner["eager_runs"] >= 1
+    assert runner["eager_patches"] >= 1 and stats["eager_runs"] >= 1 and stats["eager_fallbacks"] == 0
+    assert stats["version"] == vitserve.__version__ and stats["batching"]["max_batch_tokens"] == 4096
+    assert stats["batching"]["max_batch_wait_ms"] == 5.0 and stats["batching"]["decode_workers"] >= 1
+    assert all(type(stats["cache"][k]) is int for k in ("hits", "misses", "evictions", "bytes", "entries"))
     for phase in ("decode", "queue", "inference", "request"):
         latency = stats["latency"][phase]
         assert latency["count"] >= 1 and 0 <= latency["p50_ms"] <= latency["p99_ms"], (phase, latency)
     metrics = client.get("/metrics").text
     for name in ("vitserve_requests_total", "vitserve_queue_seconds_bucket", "vitserve_preprocess_seconds_bucket",
                  "vitserve_inference_seconds_bucket", "vitserve_queue_depth", "vitserve_batch_tokens_bucket",
-                 "vitserve_graph_replays_total", "vitserve_graph_padded_patches_total", "vitserve_eager_fallbacks_total"):
+                 "vitserve_graph_replays_total", "vitserve_graph_padded_patches_total", "vitserve_eager_fallbacks_total",
+                 "vitserve_eager_runs_total", "vitserve_eager_patches_total"):
         assert name in metrics, name
+    assert not any(line.startswith("vitserve_graph_replays_total{") and float(line.split()[-1]) > 0
+                   for line in metrics.splitlines())  # nothing is replayed where nothing is captured
     for name in ("vitserve_decode_seconds_count", 'vitserve_request_seconds_count{endpoint="/v1/embeddings",outcome="ok"}',
                  "vitserve_queue_seconds_count"):
         assert float(next(line for line in metrics.splitlines() if line.startswith(name)).split()[-1]) >= 1, name
@@ -293,7 +302,8 @@ def test_normalize_and_per_request_max_pixels(client, encoders):
         torch.tensor(plain), dim=0)) < 1e-6
     tokens = client.post("/v1/embeddings", json={"input": [data_uri(big)], "pooling": "none", "normalize": True})
     item = tokens.json()["data"][0]
-    assert torch.allclose(torch.tensor(item["embedding"]).norm(dim=-1), torch.ones(item["shape"][0]), atol=1e-5)
+    rows = torch.tensor(item["embedding"]).reshape(item["shape"])
+    assert torch.allclose(rows.norm(dim=-1), torch.ones(item["shape"][0]), atol=1e-5)
     capped = client.post("/v1/encode", json={"images": [data_uri(big)], "max_pixels": 100_000}).json()["data"][0]
     full = client.post("/v1/encode", json={"images": [data_uri(big)]}).json()["data"][0]
     patch = encoders["tiny-qwen3-vl"].preprocess_config.patch_size
@@ -356,3 +366,65 @@ def test_the_vllm_layout_puts_deepstack_on_the_width(client, encoders):
         vllm = other.post("/v1/encode", json={"images": [data_uri(images[0])], "layout": "vllm"}).json()["data"][0]
         assert vllm["embeddings"] == plain["embeddings"] and vllm["shape"] == plain["shape"]
     assert client.post("/v1/encode", json={"images": ["x"], "layout": "sglang"}).status_code == 422
+
+
+SHARED = [png(96, 64, 51), png(64, 96, 52)]  # sent as A, A, B, A: the repeats share one output (the cache's)
+
+
+def _items(reply, accept: str) -> list:
+    """A /v1/encode or /v1/embeddings answer as one comparable value per image (raw bytes, base64 text, floats)."""
+    assert reply.status_code == 200, reply.text
+    if accept:
+        tensors = safetensors_load(reply.content)
+        return [{k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"images.{i}.")}
+                for i in range(len({k.split(".")[1] for k in tensors}))]
+    return [{k: v for k, v in item.items() if k != "index"} for item in reply.json()["data"]]
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3-vl", "tiny-qwen2.5-vl"])
+def test_the_same_image_twice_in_a_request_is_answered_whole_every_way(encoders, family):
+    """Items that share one output (repeats in a request, and repeats of a cached image) come out whole and equal to
+    the image sent alone, in every output path: safetensors and JSON base64 in every dtype, layout and deepstack
+    choice, and /v1/embeddings floats and base64, pooled or not, normalized or not."""
+    a, b = (data_uri(x) for x in SHARED)
+    with client_for(encoders[family]) as client:
+        cases = [("/v1/encode", {"dtype": d, "layout": lay, "deepstack": ds}, accept)
+                 for d in ("float32", "float16", "bfloat16") for lay in ("tokens", "vllm") for ds in (True, False)
+                 for accept in ("", "application/octet-stream")]
+        cases += [("/v1/embeddings", {"pooling": p, "encoding_format": e, "normalize": n}, "")
+                  for p in ("mean", "none") for e in ("float", "base64") for n in (False, True)]
+        for path, fields, accept in cases:
+            key = "images" if path == "/v1/encode" else "input"
+            headers = {"accept": accept} if accept else {}
+            alone = [_items(client.post(path, json={key: [x], **fields}, headers=headers), accept)[0] for x in (a, b)]
+            for _ in range(2):  # the second time every item is a cache hit
+                both = _items(client.post(path, json={key: [a, a, b, a], **fields}, headers=headers), accept)
+                for got, want in zip(both, [alone[0], alone[0], alone[1], alone[0]]):
+                    assert got.keys() == want.keys()
+                    for k in got:
+                        equal = torch.equal(got[k], want[k]) if accept else got[k] == want[k]
+                        assert equal, (path, fields, accept, k)
+        files = [("images", ("a.png", SHARED[0], "image/png"))] * 2
+        reply = client.post("/v1/encode", files=files, headers={"accept": "application/octet-stream"})
+        tensors = _items(reply, "application/octet-stream")
+        assert len(tensors) == 2 and all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
+
+
+def test_float_token_matrices_are_flat_with_their_shape_and_dtype_aliases_are_taken(client, encoders):
+    """OpenAI's `embedding` is a flat list[float]: a token matrix (pooling none) goes row by row in floats as in
+    base64, its `shape` beside it; a request's dtype takes the CLI's aliases (bf16, fp16, fp32, half)."""
+    image = data_uri(IMAGES[1])
+    direct = encoders["tiny-qwen3-vl"].encode([IMAGES[1]])[0].embeddings
+    floats = client.post("/v1/embeddings", json={"input": [image], "pooling": "none"}).json()["data"][0]
+    b64 = client.post("/v1/embeddings", json={"input": [image], "pooling": "none",
+                                              "encoding_format": "base64"}).json()["data"][0]
+    assert all(isinstance(v, float) for v in floats["embedding"]) and floats["shape"] == list(direct.shape)
+    assert torch.equal(torch.tensor(floats["embedding"]), torch.from_numpy(b64_floats(b64["embedding"]).copy()))
+    assert rel_err(torch.tensor(floats["embedding"]).reshape(floats["shape"]), direct) <= 1e-6
+    for alias, name in (("bf16", "bfloat16"), ("fp16", "float16"), ("half", "float16"), ("fp32", "float32")):
+        reply = client.post("/v1/encode", json={"images": [image], "dtype": alias})
+        assert reply.status_code == 200 and reply.json()["data"][0]["dtype"] == name, reply.text
+        files = [("images", ("a.png", IMAGES[1], "image/png"))]
+        form = client.post("/v1/encode", files=files, data={"dtype": alias}, headers={"accept": "application/octet-stream"})
+        assert safetensors_load(form.content)["images.0.embeddings"].dtype == OUTPUT_DTYPES[name]
+    assert client.post("/v1/encode", json={"images": [image], "dtype": "int8"}).status_code == 422

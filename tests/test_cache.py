@@ -5,6 +5,7 @@ flight are computed once."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -129,3 +130,31 @@ def test_waiters_compute_themselves_when_the_first_request_fails():
         return cache.get(b"k")
 
     assert asyncio.run(scenario()) is not None
+
+
+def test_how_an_image_was_sent_is_part_of_its_key(client):
+    """Base64 text sent as a file is not an image: a 400 on a fresh server, and still a 400 once the same text was
+    sent as base64 in JSON (a cache keyed on the text alone answered it 200)."""
+    text = base64.b64encode(png(90, 70, 36))
+    files = [("images", ("a.png", text, "image/png"))]
+    assert client.post("/v1/encode", files=files).status_code == 400
+    assert client.post("/v1/encode", json={"images": [text.decode()]}).status_code == 200
+    again = client.post("/v1/encode", files=files)
+    assert again.status_code == 400 and again.json()["error"]["code"] == "undecodable_image", again.text
+    raw = client.post("/v1/encode", files=[("images", ("a.png", png(90, 70, 36), "image/png"))])
+    assert raw.status_code == 200 and raw.headers["x-cache-hits"] == "0"  # the bytes themselves: another entry
+
+
+@pytest.mark.parametrize("scope, hit", [("server", "1"), ("api-key", "0")])
+def test_the_cache_scope_keeps_clients_apart(encoders, scope, hit):
+    """With --cache-scope api-key a client never learns (from x-cache-hits, cache_hits or the phases) that another
+    key sent an image; its own repeats still hit. The server scope shares every entry."""
+    image = data_uri(png(80, 64, 37))
+    with client_for(encoders["tiny-qwen3-vl"], api_key="alice,bob", cache_scope=scope) as c:
+        alice, bob = ({"authorization": f"Bearer {key}"} for key in ("alice", "bob"))
+        assert c.post("/v1/encode", json={"images": [image]}, headers=alice).headers["x-cache-hits"] == "0"
+        theirs = c.post("/v1/encode", json={"images": [image]}, headers=bob)
+        assert theirs.status_code == 200 and theirs.headers["x-cache-hits"] == hit
+        assert theirs.json()["cache_hits"] == int(hit)
+        assert c.post("/v1/encode", json={"images": [image]}, headers=alice).headers["x-cache-hits"] == "1"
+        assert c.post("/v1/encode", json={"images": [image]}).status_code == 401

@@ -52,11 +52,12 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
         stats = c.get("/stats").json()
         assert set(stats["devices"]) == {"cpu#0", "cpu#1"} and stats["family"] == "qwen3_vl"
         for d in stats["devices"].values():
-            assert d["batches"] > 0 and set(d["runner"]["budgets"]) <= {"256", "1024"}, stats["devices"]  # used
-            assert d["runner"]["attention"] == {"full": "sdpa"}
-        metrics = c.get("/metrics").text  # every configured budget, used or not
+            assert d["batches"] > 0 and d["runner"]["eager_runs"] > 0 and d["runner"]["budgets"] == {}, d
+            assert d["runner"]["attention"] == {"full": "sdpa"} and d["runner"]["mode"] == "eager"
+        metrics = c.get("/metrics").text  # every configured budget, used or not; and each device's eager runs
         assert 'vitserve_graph_replays_total{budget="256",device="cpu#1"}' in metrics
         assert 'vitserve_graph_replays_total{budget="1024",device="cpu#0"}' in metrics
+        assert 'vitserve_eager_runs_total{device="cpu#1"}' in metrics
         assert images_in(spool_dir) == []
         for lock in spool_dir.iterdir():  # the server's lock file
             lock.unlink()

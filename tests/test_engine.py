@@ -150,6 +150,7 @@ def test_several_devices_share_the_load(encoders):
         metrics = c.get("/metrics").text
         assert 'vitserve_images_total{device="cpu#1"}' in metrics
         assert 'vitserve_graph_replays_total{budget="256",device="cpu#0"}' in metrics
+        assert 'vitserve_eager_runs_total{device="cpu#1"}' in metrics
 
 
 @pytest.mark.parametrize("devices, flag, expected", [

@@ -1,5 +1,6 @@
 """The graph-cached runner's planning, padding and packing, exercised on the CPU exactly as on the GPU (where the
-padded batch is replayed from a CUDA graph instead of run eagerly)."""
+padded batch is replayed from a CUDA graph instead of run eagerly): these runners pad (`pad=True`) as a graph runner
+does; a serving CPU runner runs its batches at their own size."""
 
 from __future__ import annotations
 
@@ -18,9 +19,14 @@ from vitserve.encoder.runner import GraphRunner
 CPU = torch.device("cpu")
 
 
+def padded(encoder: VisionEncoder) -> VisionEncoder:
+    encoder.runner.pad = True
+    return encoder
+
+
 @pytest.fixture(scope="module")
 def encoders(checkpoints):
-    return {f: VisionEncoder.from_pretrained(checkpoints[f][0], budgets=(256, 1024)) for f in FAMILIES}
+    return {f: padded(VisionEncoder.from_pretrained(checkpoints[f][0], budgets=(256, 1024))) for f in FAMILIES}
 
 
 def pixels(grids, dim, seed=0):
@@ -103,7 +109,7 @@ def test_oversize_image_runs_eagerly_and_buffers_never_move(encoders):
 
 
 def test_packing_order_and_capacities(checkpoints):
-    enc = VisionEncoder.from_pretrained(checkpoints["qwen2_5_vl"][0], budgets=(256, 512, 1024))
+    enc = padded(VisionEncoder.from_pretrained(checkpoints["qwen2_5_vl"][0], budgets=(256, 512, 1024)))
     runner = enc.runner
     grids = [(1, 16, 16), (1, 4, 4), (1, 20, 28), (1, 8, 8), (1, 36, 36), (1, 16, 16), (1, 2, 2)]
     batches = runner.pack(grids)
@@ -145,7 +151,9 @@ def test_overlapping_use_is_refused(encoders):
 
 def test_stats_dict(encoders):
     stats = encoders["qwen3_vl"].runner.stats.as_dict()
-    assert set(stats) == {"budgets", "eager_fallbacks", "eager_patches", "pool_bytes", "capture_seconds", "attention"}
+    assert set(stats) == {"mode", "budgets", "eager_runs", "eager_patches", "eager_fallbacks", "pool_bytes",
+                          "capture_seconds", "attention"}
+    assert stats["mode"] == "padded"
     assert stats["attention"] == {"full": "sdpa"}  # auto on the CPU; no window layers in Qwen3
     assert encoders["qwen2_5_vl"].runner.stats.as_dict()["attention"] == {"full": "sdpa", "window": "sdpa"}
     assert set(stats["budgets"]) == {"256", "1024"}
@@ -213,3 +221,21 @@ def test_frame_capacity_follows_full_attention_layers():
     assert [frame_capacity(b, qwen2) for b in (256, 2048, 8192, 16384)] == [16, 16, 16, 16]
     assert [frame_capacity(b, qwen3) for b in (256, 2048, 8192, 16384)] == [16, 16, 16, 16]
     assert [frame_capacity(b, qwen25) for b in (256, 1024, 2048, 8192, 16384)] == [16, 64, 128, 32, 16]
+
+
+def test_a_cpu_runner_runs_batches_at_their_own_size(checkpoints):
+    """Without graphs, a runner does not pad unless asked: a batch runs eagerly at its real size, counted as an eager
+    run (not as a replay of a budget), with the same results as a padded runner; no padded buffers are allocated."""
+    enc = VisionEncoder.from_pretrained(checkpoints["qwen2_5_vl"][0], budgets=(256, 1024))
+    runner = enc.runner
+    assert not runner.pad and runner.stats.mode == "eager"
+    grids = [(1, 8, 12), (1, 4, 6), (1, 40, 28)]  # two share a 256 budget; the third is over the largest
+    results = check(enc, grids)
+    stats = runner.stats.as_dict()
+    assert stats["eager_runs"] == 2 and stats["eager_patches"] == 8 * 12 + 4 * 6 + 40 * 28
+    assert stats["eager_fallbacks"] == 1  # the one larger than any budget
+    assert all(b["replays"] == 0 and b["padded_patches"] == 0 for b in stats["budgets"].values())
+    assert runner._static is None
+    again = padded(VisionEncoder.from_pretrained(checkpoints["qwen2_5_vl"][0], budgets=(256, 1024)))
+    for a, b in zip(results, again.encode_pixels(pixels(grids, enc.config.patch_dim), grids)):
+        assert rel_err(a.embeddings, b.embeddings) <= 1e-5
