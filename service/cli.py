@@ -48,7 +48,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .engine import State
-    from .http import guarded_h11
+    from .http import connection_limit, guarded_h11
 
     app = create_app(settings)
     engine = app.state.engine
@@ -68,9 +68,9 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             log_level=settings.log_level, access_log=False,
-                            timeout_keep_alive=settings.timeout_keep_alive, http=guarded_h11(settings.header_timeout),
-                            h11_max_incomplete_event_size=settings.max_header_bytes,
-                            limit_concurrency=settings.max_connections)
+                            timeout_keep_alive=settings.timeout_keep_alive,
+                            http=guarded_h11(settings.header_timeout, connection_limit(settings.max_connections)),
+                            h11_max_incomplete_event_size=settings.max_header_bytes)
     server = Server(config)
     server.run()
     if server.force_exit:  # "exit now": no interpreter teardown (seconds, with torch and a process pool loaded)

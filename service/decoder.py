@@ -3,7 +3,7 @@
 Before any pixel is decoded, each image's header is read on the event loop from its first bytes (`probe`): its
 format must be allowed, its pixels under `--max-image-pixels`, and the memory its decode takes (estimated from the
 size and mode, alpha and palette expansion included) counts against the request's limit
-(`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, `DecodeBudget`: an image waits
+(`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, a `MemoryBudget`: an image waits
 until its share fits, so large images queue instead of overcommitting the host). The decode pool hands waiting
 images to the workers round-robin by request, so one large request cannot stall a small one behind it.
 
@@ -16,7 +16,6 @@ service's own words: the decoder's text goes to the log only.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import os
@@ -30,6 +29,7 @@ from ..encoder.preprocess import (Base64Data, ImageError, ImageHeader, ImageTooL
                                   UndecodableImage, decode_base64, probe, target_size)
 
 from . import spool
+from .budget import MemoryBudget
 from .decode import decode_and_resize
 from .decode_pool import DecodePool, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
@@ -67,46 +67,6 @@ def header_of(data) -> ImageHeader:
         return probe(whole)
 
 
-class DecodeBudget:
-    """Estimated decode memory in flight on the whole server. An image takes its share before it is decoded and
-    gives it back after; one that does not fit waits, while smaller ones that fit go ahead of it, unless it has
-    waited over `patience` seconds (then it goes next). An image larger than the whole budget takes all of it."""
-
-    def __init__(self, limit: int, patience: float = 1.0):
-        self.limit, self.patience, self.used = limit, patience, 0
-        self._waiters: collections.deque[tuple[int, float, asyncio.Future]] = collections.deque()
-
-    async def acquire(self, cost: int) -> int:
-        cost = min(cost, self.limit)
-        now = time.monotonic()
-        if self.used + cost <= self.limit and not any(now - since > self.patience for _, since, _ in self._waiters):
-            self.used += cost
-            return cost
-        waiter = (cost, time.monotonic(), asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
-        try:
-            await waiter[2]
-        except asyncio.CancelledError:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-            elif not waiter[2].cancelled():  # granted as it was cancelled
-                self.release(cost)
-            raise
-        return cost
-
-    def release(self, cost: int) -> None:
-        self.used -= cost
-        now = time.monotonic()
-        for waiter in list(self._waiters):
-            cost, since, future = waiter
-            if self.used + cost <= self.limit:
-                self._waiters.remove(waiter)
-                self.used += cost
-                future.set_result(None)
-            elif now - since > self.patience:
-                break  # it has waited long enough: nobody goes ahead of it any more
-
-
 def _discard_result(job: asyncio.Future) -> None:
     """For an image's decode whose request is gone: a spooled image it made has nobody to read it."""
     if job.done() and not job.cancelled() and job.exception() is None:
@@ -135,7 +95,7 @@ class Decoder:
                 log.warning("no usable spool directory (%s): decoded images cross through a pipe, which costs the "
                             "server about 2 ms of CPU per megabyte", settings.spool_dir or "/dev/shm")
         self._names = itertools.count()
-        self.budget = DecodeBudget(settings.decode_memory)
+        self.budget = MemoryBudget(settings.decode_memory)
 
     @property
     def workers_replaced(self) -> int:

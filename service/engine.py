@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
+import math
 import multiprocessing
 import os
 import time
@@ -31,6 +32,7 @@ from ..encoder.preprocess import ImageError, PreprocessConfig
 from ..encoder.vision_encoder import load_configs
 
 from . import fetch
+from .budget import MemoryBudget
 from .cache import EmbeddingCache
 from .decoder import Decoder
 from .device_process import ProcessDevice
@@ -99,6 +101,9 @@ class Engine:
             self.decoder.jpeg_on_device = nvjpeg_available()  # else the decode workers decode JPEGs too
         self.queue = ImageQueue(self.metrics)
         self.fetch_budget = fetch.FetchBudget(settings.url_fetch_memory)
+        self.bodies = MemoryBudget(settings.body_memory, patience=math.inf)  # the gate's: small bodies never wait
+        self.metrics.memory_held.labels("bodies").set_function(lambda: self.bodies.used)  # on a large one
+        self.metrics.memory_held.labels("decode").set_function(lambda: self.decoder.budget.used)
         self.cache = EmbeddingCache(settings.cache_bytes, settings.model_name or "", self.metrics,
                                     per_client=settings.cache_scope == "api-key")
         self.in_flight = 0
@@ -310,8 +315,7 @@ class Engine:
         await asyncio.wait({results} if disconnected is None else {results, disconnected},
                            return_when=asyncio.FIRST_COMPLETED)
         if not results.done():
-            for item in items:
-                item.cancelled = True
+            self.queue.drop(items)
             results.cancel()
             results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
             raise ClientDisconnected("the client went away")
@@ -373,4 +377,6 @@ class Engine:
                 "device_processes": any(isinstance(w.device, ProcessDevice) for w in self.workers),
                 "decode_workers_replaced": self.decoder.workers_replaced, "cache": self.cache.stats(),
                 "batching": batching, "eager_runs": sum(r.get("eager_runs", 0) for r in runners),
+                "memory": {"bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
+                           "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used}},
                 "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners)}

@@ -1,11 +1,16 @@
-"""The ASGI gate in front of the app: request id, API key, admission, body size limit and deadline, and per request
-one access log line and its metrics.
+"""The ASGI gate in front of the app: request id, API key, admission, body size limit, memory and deadline, and per
+request one access log line and its metrics.
 
 Pure ASGI (not BaseHTTPMiddleware, which breaks disconnect detection and streaming limits). An encoding request is
 admitted (503 while not ready, 429 over `--max-concurrent-requests`) as soon as its headers are in, before its body
 is read: a slow or unfinished body counts. The body limit is enforced at once from Content-Length, else while the
-body streams in (a body is never read whole first), and the body must arrive within `--body-timeout` (408). Routes
-leave what the access line reports (images, tokens, queue and inference time) in the request's state.
+body streams in (a body is never read whole first), and the body must arrive within `--body-timeout` (408).
+
+Bodies held count against `--body-memory` (a `MemoryBudget`), twice each: the body as received and the images
+parsed from it live as long as the request. A body of known length takes its share before any of it is read, a
+chunked one as it arrives; one that does not fit waits, unread (the client's sends stall), and is answered 429 if no
+room comes within the body deadline. The share is given back when the request is answered. Routes leave what the
+access line reports (images, tokens, queue and inference time) in the request's state.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import re
 import time
 import uuid
 
+from .budget import MemoryBudget
 from .errors import EngineError, ServiceError, error_response
 from .metrics import Metrics, outcome
 from .settings import Settings
@@ -38,6 +45,14 @@ class BodyTimeout(Exception):
     pass
 
 
+class NoBodyMemory(Exception):
+    pass
+
+
+HELD_PER_BODY_BYTE = 2  # the body as received, and the images parsed from it
+CHARGE_STEP = 2**20  # a chunked body's share grows in steps of this many bytes of body
+
+
 def endpoint_label(path: str) -> str:
     """The metrics label of a /v1/ path: its route, or "other" (a label per unknown path would grow without end)."""
     return path if path in API_PATHS else "other"
@@ -47,6 +62,7 @@ class Gate:
     def __init__(self, app, settings: Settings, metrics: Metrics, engine=None):
         self.app, self.settings, self.metrics, self.engine = app, settings, metrics, engine
         self.keys = [key.encode() for key in settings.api_keys()]
+        self.bodies = engine.bodies if engine is not None else MemoryBudget(settings.body_memory, patience=math.inf)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -85,13 +101,26 @@ class Gate:
         if length is not None and (not length.isdigit() or int(length) > limit):
             return await error_response(413, f"request body over the {limit}-byte limit", "payload_too_large")(
                 scope, receive, send)
-        seen, started, body_done = 0, [False], [False]
+        seen, charged, started, body_done = 0, 0, [False], [False]
         deadline = time.monotonic() + self.settings.body_timeout
+
+        async def charge(body_bytes: int) -> None:
+            """Hold the body memory of `body_bytes` of body (beyond what is held already), waiting for room."""
+            nonlocal charged
+            want = HELD_PER_BODY_BYTE * body_bytes - charged
+            if want <= 0:
+                return
+            try:
+                charged += await asyncio.wait_for(self.bodies.acquire(want), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise NoBodyMemory() from None
 
         async def limited_receive():
             nonlocal seen
             if body_done[0]:  # waiting for a disconnect while the images run: no deadline
                 return await receive()
+            if seen == 0 and length is not None and int(length):
+                await charge(int(length))  # before any of it is read
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
@@ -99,6 +128,8 @@ class Gate:
             seen += len(message.get("body", b""))
             if seen > limit:
                 raise PayloadTooLarge()
+            if length is None:  # chunked: its share grows as it comes
+                await charge(min(limit, -(-seen // CHARGE_STEP) * CHARGE_STEP))
             body_done[0] = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
@@ -112,8 +143,14 @@ class Gate:
                     admitted.enter_context(self.engine.admitted())
                 except EngineError as e:
                     return await ServiceError.of(e).response()(scope, receive, send)
+            admitted.callback(lambda: self.bodies.release(charged))
             try:
                 await self.app(scope, limited_receive, started_send)
+            except NoBodyMemory:
+                if started[0]:
+                    raise
+                await error_response(429, "the server holds too many request bodies; retry shortly", "queue_full",
+                                     headers={"Retry-After": "1", "Connection": "close"})(scope, receive, send)
             except PayloadTooLarge:
                 if started[0]:
                     raise

@@ -62,6 +62,8 @@ class Metrics:
         self.cache_evictions = Counter("vitserve_cache_evictions", "Cache entries dropped for room", registry=r)
         self.cache_bytes = Gauge("vitserve_cache_bytes", "Bytes held by the embedding cache", registry=r)
         self.cache_entries = Gauge("vitserve_cache_entries", "Images held by the embedding cache", registry=r)
+        self.memory_held = Gauge("vitserve_memory_held_bytes", "Host memory counted against a budget: request bodies "
+                                 "(--body-memory) and images being decoded (--decode-memory)", ["use"], registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the model is loaded, graphs captured and not draining", registry=r)
         self._runners = None
         self._recent = {phase: collections.deque(maxlen=RECENT) for phase in PHASES}

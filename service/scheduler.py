@@ -36,7 +36,7 @@ class WorkItem:
     enqueued: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0
     inference_s: float = 0.0
-    cancelled: bool = False  # its client went away: dropped when a batch would take it
+    cancelled: bool = False  # its client went away (`ImageQueue.drop`): a batch taking it drops it
 
     @property
     def patches(self) -> int:
@@ -65,6 +65,21 @@ class ImageQueue:
             self._items.extend(items)
             self.metrics.queue_depth.set(len(self._items))
             self._ready.notify_all()
+
+    def drop(self, items: list[WorkItem]) -> None:
+        """Take a gone client's images out of the queue (those a batch has taken already run, unanswered): they are
+        counted as dropped and their pixels freed now, not when a batch would have reached them."""
+        for item in items:
+            item.cancelled = True  # for one a batch is taking right now: dropped there
+        gone = {id(item) for item in items}
+        with self._ready:
+            kept = collections.deque(item for item in self._items if id(item) not in gone)
+            dropped = [item for item in self._items if id(item) in gone]
+            self._items = kept
+            self.metrics.queue_depth.set(len(self._items))
+        self.metrics.dropped.inc(len(dropped))
+        for item in dropped:
+            spool.discard(item.image)
 
     def close(self) -> None:
         """Wake every taker with None: the engine is stopping (images still queued are left)."""

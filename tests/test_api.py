@@ -428,3 +428,26 @@ def test_float_token_matrices_are_flat_with_their_shape_and_dtype_aliases_are_ta
         form = client.post("/v1/encode", files=files, data={"dtype": alias}, headers={"accept": "application/octet-stream"})
         assert safetensors_load(form.content)["images.0.embeddings"].dtype == OUTPUT_DTYPES[name]
     assert client.post("/v1/encode", json={"images": [image], "dtype": "int8"}).status_code == 422
+
+
+def test_a_body_that_finds_no_room_in_time_is_429():
+    """With --body-memory full, a request's body is not read; if no room comes within the body deadline the answer is
+    a 429 (the server's load, not the client's slowness), and the small requests that fit are served meanwhile."""
+    from vitserve.service.gate import Gate
+    from vitserve.service.metrics import Metrics
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    settings = Settings(model="tiny-qwen3-vl", body_memory=1000, body_timeout=0.3)
+    gate = Gate(app, settings, Metrics())
+    client = TestClient(gate)  # no lifespan: the gate and a bare app
+    gate.bodies.used = 900  # another request's share
+    big = client.post("/v1/encode", content=b"x" * 400)
+    assert big.status_code == 429 and big.json()["error"]["code"] == "queue_full"
+    assert big.headers["retry-after"] == "1"
+    assert client.post("/v1/encode", content=b"x" * 40).status_code == 200  # 80 bytes fit
+    assert gate.bodies.used == 900  # each share given back

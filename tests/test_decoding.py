@@ -310,10 +310,10 @@ def test_the_decode_queue_is_round_robin_by_request():
 
 
 def test_the_decode_budget_queues_what_does_not_fit_and_lets_small_images_pass():
-    from vitserve.service.decoder import DecodeBudget
+    from vitserve.service.budget import MemoryBudget
 
     async def scenario():
-        budget = DecodeBudget(100, patience=0.2)
+        budget = MemoryBudget(100, patience=0.2)
         order = []
 
         async def take(name, cost, hold):

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from helpers import IMAGES, client_for, data_uri, rel_err, until
+from helpers import IMAGES, client_for, data_uri, rel_err, until, wait_until
 
 from vitserve.encoder import VisionEncoder
 from vitserve.encoder.preprocess import Base64Data
@@ -29,16 +29,16 @@ def b64(data: bytes) -> Base64Data:
 
 
 def test_bad_request_does_not_fail_its_batch_neighbours(encoders, monkeypatch):
-    """Requests sent while the device is busy (its first launch takes 0.3 s), so that the good ones queue for one
-    batch: the bad ones fail alone, the good ones get the right numbers."""
+    """Requests sent while the device is busy (its first launch holds until the other good images are queued), so
+    that those queue for one batch: the bad ones fail alone, the good ones get the right numbers."""
     enc = encoders["tiny-qwen2.5-vl"]
     direct = enc.encode(IMAGES)
     real_launch, calls = enc.runner.launch_images, []
 
     def slow_first(images, lut, mean_pooling=None):
         calls.append(len(images))
-        if len(calls) == 1:
-            time.sleep(0.3)
+        if len(calls) == 1:  # the device is busy until the other two good images wait for it, however slow the box
+            wait_until(lambda: len(c.app.state.engine.queue) >= len(IMAGES) - 1, 30, "the other images queued")
         return real_launch(images, lut, mean_pooling)
 
     monkeypatch.setattr(enc.runner, "launch_images", slow_first)

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -46,7 +46,26 @@ IMAGES = [png(w, h, seed) for seed, (w, h) in enumerate([(64, 64), (300, 200), (
                                                            (640, 480), (128, 1024), (200, 200)])]
 
 
+LARGE = png(1344, 1344, 99)  # 9216 patches: seconds of a CPU device (the tiny tower), whatever the machine
+
+
+def hold_device(url: str) -> Future:
+    """Keep the device busy with one large image, so that the requests sent next wait behind it: a CPU device runs a
+    batch as it launches it, and the large image fills a batch alone. Returns the future of its reply."""
+    decoded = metric(url, "vitserve_preprocess_seconds_count")
+    pool = ThreadPoolExecutor(1)
+    reply = pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(LARGE)]}, timeout=120)
+    pool.shutdown(wait=False)
+    wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 1, 30, "the large image decoded")
+    # queued as it was decoded (no await between the two), then taken by the device
+    wait_until(lambda: metric(url, "vitserve_queue_depth") == 0, 30, "the large image on the device")
+    return reply
+
+
 def test_concurrent_mixed_sizes_then_sigterm_with_requests_in_flight(direct):
+    """Requests of mixed sizes share batches and each gets its own answer; SIGTERM with requests waiting answers them
+    all, refuses new ones and exits 0. Both steps hold the device busy first, so that the requests are really in
+    flight together on a machine of any speed (an idle device launches at once)."""
     expected = [r.embeddings.mean(0) for r in direct.encode(IMAGES)]
     proc, url = start_server("--max-batch-wait-ms", "400", "--cache-bytes", "0")  # repeated images: encoded anew
     try:
@@ -56,18 +75,22 @@ def test_concurrent_mixed_sizes_then_sigterm_with_requests_in_flight(direct):
             def post(i):
                 return i, client.post("/v1/embeddings", json={"model": MODEL, "input": [data_uri(IMAGES[i])]})
 
+            held = hold_device(url)
             with ThreadPoolExecutor(16) as pool:
-                replies = list(pool.map(post, [i % len(IMAGES) for i in range(32)]))
+                futures = [pool.submit(post, i % len(IMAGES)) for i in range(32)]
+                replies = [f.result() for f in futures]
             for i, r in replies:
                 assert r.status_code == 200, r.text
                 assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), expected[i]) <= 1e-5
+            assert held.result().status_code == 200
             hist = client.get("/stats").json()["batch_size_histogram"]
             assert max(int(k) for k in hist) >= 2  # concurrent requests really shared batches
 
             # SIGTERM while requests wait in the batcher: every one is answered, new ones get 503, exit code 0
+            held = hold_device(url)
             with ThreadPoolExecutor(12) as pool:
                 futures = [pool.submit(post, i % len(IMAGES)) for i in range(12)]
-                wait_until(lambda: client.get("/stats").json()["requests_in_flight"] >= 12, 10, "12 requests admitted")
+                wait_until(lambda: metric(url, "vitserve_queue_depth") == 12, 30, "12 images queued")
                 proc.send_signal(signal.SIGTERM)
                 wait_until(lambda: refuses(url), 10, "the drain to begin")
                 try:  # a new request is refused: 503 on a kept-alive connection, or no connection at all (refused,
@@ -80,6 +103,7 @@ def test_concurrent_mixed_sizes_then_sigterm_with_requests_in_flight(direct):
             for i, r in results:
                 assert r.status_code == 200, r.text
                 assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), expected[i]) <= 1e-5
+            assert held.result().status_code == 200
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
@@ -138,7 +162,7 @@ def metric(url: str, name: str) -> float:
 def test_clients_that_disconnect_are_dropped_without_leaking():
     """30 clients send a request and hang up while their images wait behind a busy device (a 16384-patch image,
     seconds on the CPU): none of theirs is run, nothing is left in flight or queued, and the server carries on."""
-    proc, url = start_server("--max-batch-wait-ms", "500")
+    proc, url = start_server("--max-batch-wait-ms", "500", "--cache-bytes", "0")  # 30 copies: 30 images queued
     try:
         port = int(url.rsplit(":", 1)[1])
 
@@ -153,19 +177,21 @@ def test_clients_that_disconnect_are_dropped_without_leaking():
         Image.fromarray(np.ascontiguousarray(gradient)).save(buf, "PNG")
         busy.sendall(raw(buf.getvalue()))
         wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == 1, 20, "the large image decoded")
-        time.sleep(0.2)  # and on the device (a CPU device runs a batch as it launches it)
+        # and taken by the device (alone: it fills a batch), which runs it for seconds as it launches it
+        wait_until(lambda: metric(url, "vitserve_queue_depth") == 0, 20, "the large image on the device")
         request = raw(IMAGES[0])
         sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
         for sock in sockets:
             sock.sendall(request)
-        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] >= 31, 10, "30 requests admitted")
+        wait_until(lambda: metric(url, "vitserve_queue_depth") == 30, 10, "30 images queued behind it")
         for sock in sockets:
             sock.close()
         wait_until(lambda: metric(url, "vitserve_dropped_images_total") >= 30, 10, "30 images dropped")
-        assert metric(url, "vitserve_dropped_images_total") == 30.0
-        stats = httpx.get(url + "/stats").json()
-        busy.close()
-        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 0, 20, "the large image done")
+        assert metric(url, "vitserve_dropped_images_total") == 30.0 and metric(url, "vitserve_queue_depth") == 0
+        assert httpx.get(url + "/stats").json()["requests_in_flight"] == 1  # the large one, still on the device
+        busy.close()  # its batch runs to its end, unanswered
+        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 0, 20, "the large request gone")
+        wait_until(lambda: httpx.get(url + "/stats").json()["batch_size_histogram"], 30, "the large image's batch done")
         stats = httpx.get(url + "/stats").json()
         assert stats["queue_depth"] == 0 and stats["batch_size_histogram"] == {"1": 1}  # only the large one ran
         r = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30)
@@ -204,11 +230,12 @@ def test_burst_far_above_capacity_gets_answers_or_429s(direct):
 
 
 def test_second_sigterm_exits_promptly():
-    proc, url = start_server("--max-batch-wait-ms", "8000")  # an admitted request would keep a drain waiting 8 s
+    proc, url = start_server()
     with ThreadPoolExecutor(1) as pool:
+        held = hold_device(url)  # seconds on the device: a drain waits for it
         pending = pool.submit(lambda: httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]},
                                                  timeout=30))
-        wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] >= 1, 10, "the request admitted")
+        wait_until(lambda: metric(url, "vitserve_queue_depth") == 1, 10, "the request queued behind it")
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: refuses(url), 10, "the drain to begin")
         assert proc.poll() is None  # draining: still waiting for the admitted request
@@ -216,10 +243,11 @@ def test_second_sigterm_exits_promptly():
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=10)
         assert time.time() - start < 3 and code != 0  # forced: not everything was answered
-        try:
-            pending.result()
-        except httpx.HTTPError:
-            pass
+        for reply in (pending, held):
+            try:
+                reply.result()
+            except httpx.HTTPError:
+                pass
 
 
 def test_device_process_death_exits_nonzero():
