@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
