@@ -110,12 +110,13 @@ class InvalidBase64(ImageError):
 class Base64Data:
     """Base64 text of an encoded image, decoded where the image is (a server's decode worker, not its event loop).
 
-    It holds the text as the request's JSON gave it and where the base64 starts in it (after a data URI's header),
-    so the payload is never copied to be told apart: a 30 MB image stays one string until its bytes are sent."""
+    It holds the text as the request gave it, a string or a view of the request body's bytes, and where the base64
+    starts in it (after a data URI's header), so the payload is never copied to be told apart: a 30 MB image stays
+    where it arrived until its bytes are sent."""
 
     __slots__ = ("text", "start")
 
-    def __init__(self, text: str, start: int = 0):
+    def __init__(self, text: str | memoryview, start: int = 0):
         self.text, self.start = text, start
 
     def __len__(self) -> int:
@@ -126,11 +127,14 @@ class Base64Data:
 
     def prefix(self, n: int) -> str:
         """The first `n` characters of the base64."""
-        return self.text[self.start:self.start + n]
+        part = self.text[self.start:self.start + n]
+        return part if isinstance(part, str) else bytes(part).decode("latin-1")
 
     def ascii(self) -> memoryview:
-        """The base64 as ASCII bytes (a non-ASCII character becomes '?', which no base64 decoder accepts)."""
-        return memoryview(self.text.encode("ascii", "replace"))[self.start:]
+        """The base64 as ASCII bytes (a non-ASCII character becomes something no base64 decoder accepts)."""
+        if isinstance(self.text, str):
+            return memoryview(self.text.encode("ascii", "replace"))[self.start:]
+        return self.text[self.start:]
 
     def decode(self) -> bytes:
         return decode_base64(self.ascii())

@@ -26,6 +26,7 @@ from ..encoder.preprocess import Base64Data
 from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, ServiceError, error_response
 from .gate import Gate
+from .json_body import Text, read_json
 from .outputs import OUTPUT_DTYPES as OUT, PartsResponse, b64, embedding_payload, json_response, safetensors_parts
 from .schemas import EmbeddingRequest, EncodeForm, EncodeRequest
 from .settings import Settings
@@ -38,47 +39,12 @@ def clip(value: str) -> str:
     return value if len(value) <= CLIP else value[:CLIP] + "..."
 
 
-def commas_outside_strings(body: bytes) -> int:
-    """The commas of a JSON text that are not inside its strings: one per array item or object member but the
-    first. A Python step per quote (an escaped quote is one after an odd run of backslashes); the rest is C."""
-    count, start, quote = 0, 0, body.find(b'"')
-    while quote >= 0:
-        count += body.count(b",", start, quote)
-        end = quote
-        while (end := body.find(b'"', (previous := end) + 1)) >= 0:
-            run = body[previous + 1:end]  # a run of backslashes before this quote starts after the previous one
-            if (len(run) - len(run.rstrip(b"\\"))) % 2 == 0:  # not escaped: the string ends here
-                break
-        if end < 0:  # an unterminated string: the parser will refuse it
-            return count
-        start, quote = end + 1, body.find(b'"', end + 1)
-    return count + body.count(b",", start)
-
-
-def parse_body(model: type[BaseModel], body: bytes, max_images: int) -> BaseModel:
-    """A JSON body read and validated in one pass by pydantic. Not JSON (or nested too deeply) is a 400, invalid
-    fields a 422. A body with more values than `max_images` and a few fields could hold is a 413 before it is
-    parsed, whatever the values are (strings, numbers, nulls, objects, lists): counting its quotes and commas takes
-    milliseconds, building millions of objects (and an error for each) seconds of the event loop. A data URI holds a
-    comma of its own, so the commas inside strings are told apart only when the plain count is over."""
-    bound = 2 * (max_images + 32)
-    if body.count(b'"') > bound or body.count(b",") > bound and commas_outside_strings(body) > bound:
-        raise ServiceError(413, f"more than {max_images} images (or values) in one request", "too_many_images")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        errors = e.errors(include_url=False, include_input=False)
-        if errors and errors[0]["type"] == "json_invalid":
-            raise ServiceError(400, f"body must be JSON ({errors[0]['msg']})", "invalid_json") from None
-        raise RequestValidationError(errors) from None
-
-
 log = logging.getLogger("vitserve.app")
 TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
 
 
 def request_body(model: type[BaseModel], form: type[BaseModel] | None = None) -> dict:
-    """The OpenAPI entry of a body parsed by `parse_body` (FastAPI documents only the ones it parses), and of a
+    """The OpenAPI entry of a body parsed by `read_json` (FastAPI documents only the ones it parses), and of a
     multipart form: image files plus `form`'s fields."""
     content = {"application/json": {"schema": model.model_json_schema()}}
     if form is not None:
@@ -101,25 +67,27 @@ def where(loc: tuple) -> str:
     return out
 
 
-def decode_input(item: str, index: int, allow_url: bool, field: str = "input") -> Base64Data | str:
-    """A data URI, bare base64, or (when enabled) an http(s) URL left for the fetcher."""
+def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "input") -> Base64Data | str:
+    """A data URI, bare base64, or (when enabled) an http(s) URL left for the fetcher. Only the item's head is read
+    here: its payload is not copied (a `Text` stays a view of the request's body)."""
     param = f"{field}[{index}]"
-    if item.startswith(("http://", "https://")):
+    head = item[:5120] if isinstance(item, str) else item.head(5120)
+    if head.startswith(("http://", "https://")):
         if not allow_url:
             raise ServiceError(400, f"{param}: image URLs are disabled on this server; send a data URI or base64",
                                "url_fetch_disabled", param)
-        return item
+        return str(item)
     start = 0
-    if item.startswith("data:"):
-        comma = item.find(",", 0, 1024)  # a data URI's header is short; its payload is not copied
-        media = item[5:comma if comma >= 0 else 1024].split(";")
+    if head.startswith("data:"):
+        comma = head.find(",", 0, 1024)  # a data URI's header is short
+        media = head[5:comma if comma >= 0 else 1024].split(";")
         if comma < 0 or not media[0].startswith("image/") or "base64" not in media[1:]:
             raise ServiceError(400, f"{param}: expected data:image/<type>;base64,<data>, got media type "
                                     f"{clip(';'.join(media))!r}", "invalid_media_type", param)
         start = comma + 1
-    if not item[start:start + 4096].strip():  # (a payload that opens with 4 KB of whitespace is no image either)
+    if not head[start:start + 4096].strip():  # (a payload that opens with 4 KB of whitespace is no image either)
         raise ServiceError(400, f"{param}: empty image", "invalid_image", param)
-    return Base64Data(item, start)  # decoded by a decode worker, off the event loop
+    return Base64Data(item if isinstance(item, str) else item.view, start)  # decoded by a decode worker
 
 
 def laid_out(embeddings, deepstack: list, layout: str):
@@ -211,9 +179,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest))
     async def embeddings(request: Request):
-        body = parse_body(EmbeddingRequest, await request.body(), settings.max_images_per_request)
+        body = await read_json(request, EmbeddingRequest, settings.max_images_per_request, ("input",))
         check_model(body.model)
-        inputs = [body.input] if isinstance(body.input, str) else body.input
+        inputs = body.input if isinstance(body.input, list) else [body.input]
         images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(inputs)]
         mean = body.pooling == "mean"  # taken on the device: only the vectors come back
         result = await encode_images(request, images, "input", mean, body.max_pixels)
@@ -249,7 +217,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             except ValidationError as e:
                 raise RequestValidationError(e.errors()) from None
         else:
-            body = parse_body(EncodeRequest, await request.body(), settings.max_images_per_request)
+            body = await read_json(request, EncodeRequest, settings.max_images_per_request, ("images",))
             images = [decode_input(item, i, settings.allow_url_fetch, "images") for i, item in enumerate(body.images)]
         check_model(body.model)
         result = await encode_images(request, images, "images", max_pixels=body.max_pixels)

@@ -274,7 +274,7 @@ class Engine:
         if self.settings.allow_url_fetch:
             images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
         outputs: list = [None] * len(images)
-        keys = [self.cache.key(data, cfg, mean_pooling, client) for data in images] if self.cache.enabled else []
+        keys = await self.cache.keys(images, cfg, mean_pooling, client) if self.cache.enabled else []
         todo, waits, hits = list(range(len(images))), [], 0
         if keys:
             todo = []

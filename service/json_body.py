@@ -1,0 +1,163 @@
+"""JSON request bodies, read so that their size costs the event loop little more than a scan for quotes.
+
+A request's images are long strings (base64, often megabytes each). Handing the whole body to pydantic would build a
+Python string of each (one more copy, at about the speed of a copy), and the service would then encode each back to
+bytes to hash it and send it to a decode worker (two more). Here the body is first scanned for its strings (`find`
+is memchr: gigabytes a second), and every string longer than `LONG` bytes is cut out of it: pydantic validates the
+short skeleton that is left, where each long string is a placeholder, and the long strings come back as `Text`, a
+view of the body's own bytes. An image is then never copied on the event loop; only a long string with backslash
+escapes is decoded as JSON (a `str`), as a short one is.
+
+The scan also bounds the work before any is paid: a body with more strings, or more values of any type (numbers,
+nulls, objects, lists), than `max_images` images and a few fields could hold is a 413 before it is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from .errors import ServiceError
+
+LONG = 4096  # bytes of a string beyond which it stays in the body, unparsed
+_MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder's prefix: no client can write one
+_MARK_JSON = _MARK.replace("\x00", "\\u0000").encode()
+
+
+class Text:
+    """A JSON string of a request body, unparsed: a view of the body's bytes between its quotes (no escapes in it).
+    What it holds is ASCII when it is base64; anything else is left for the decoder to refuse."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview):
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def head(self, n: int) -> str:
+        """Its first `n` bytes as text (latin-1: a byte a character, whatever they are)."""
+        return bytes(self.view[:n]).decode("latin-1")
+
+    def __str__(self) -> str:
+        return bytes(self.view).decode("latin-1")
+
+
+def _escaped(body: bytes, start: int, end: int) -> bool:
+    """Whether the quote at `end` is escaped: after an odd run of backslashes (within the string, from `start`).
+    Looks back through windows that double while they hold only backslashes: a C-speed step per window."""
+    window = 64
+    while True:
+        low = max(start, end - window)
+        segment = body[low:end]
+        run = len(segment) - len(segment.rstrip(b"\\"))
+        if run < len(segment) or low == start:
+            return run % 2 == 1
+        window *= 2
+
+
+class Scan:
+    """The strings of a JSON text (where each opens and closes) and the commas outside them (one per array item or
+    object member but the first), found as the text arrives: each `feed` goes on where the last stopped. A Python
+    step per quote, C for the bytes between (memchr). Over once more than `limit` quotes, or commas, are seen: the
+    text is refused then, before the rest of it is read."""
+
+    def __init__(self, limit: int):
+        self.limit, self.quotes, self.commas = limit, 0, 0
+        self.spans: list[tuple[int, int]] = []
+        self._next, self._open = 0, None  # the next byte to look at; where the string being read opened
+
+    @property
+    def over(self) -> bool:
+        return self.quotes > self.limit or self.commas > self.limit
+
+    def feed(self, text: bytes | bytearray, end: int) -> bool:
+        """Scan `text` up to `end` (it holds everything fed before, unchanged); False once over."""
+        at = self._next
+        while at < end and not self.over:
+            quote = text.find(b'"', at, end)
+            if self._open is None:
+                self.commas += text.count(b",", at, end if quote < 0 else quote)
+                if quote < 0:
+                    break
+                self.quotes, self._open = self.quotes + 1, quote
+            elif quote < 0:
+                break
+            else:
+                self.quotes += 1
+                if text[quote - 1] != 0x5C or not _escaped(text, self._open + 1, quote):  # else an escaped one
+                    self.spans.append((self._open, quote))
+                    self._open = None
+            at = quote + 1
+        self._next = end if not self.over else at
+        return not self.over
+
+
+def too_many(max_images: int) -> ServiceError:
+    return ServiceError(413, f"more than {max_images} images (or values) in one request", "too_many_images",
+                        headers={"Connection": "close"})  # the rest of the body is not read
+
+
+async def read_json(request, model: type[BaseModel], max_images: int, raw_fields: tuple[str, ...] = ()) -> BaseModel:
+    """A request's JSON body as `model` (`parse_body`), scanned as it arrives: a body with more values than
+    `max_images` images and a few fields could hold is refused at the chunk that shows it. The body goes into one
+    buffer of its declared length (no joining of its pieces afterwards)."""
+    length = request.headers.get("content-length")
+    body = bytearray(int(length)) if length and length.isdigit() else bytearray()
+    scan, size = Scan(2 * (max_images + 32)), 0
+    async for chunk in request.stream():
+        body[size:size + len(chunk)] = chunk
+        size += len(chunk)
+        if not scan.feed(body, size):
+            raise too_many(max_images)
+    del body[size:]
+    return parse_body(model, body, max_images, raw_fields, scan)
+
+
+def parse_body(model: type[BaseModel], body: bytes | bytearray, max_images: int, raw_fields: tuple[str, ...] = (),
+               scan: Scan | None = None) -> BaseModel:
+    """`body` validated as `model`: not JSON (or nested too deeply) is a 400, invalid fields a 422, more values than
+    `max_images` images and a few fields could hold a 413. The long strings of `raw_fields` (a string or a list of
+    strings each) come back as `Text` where they hold no escapes; every other value is what pydantic makes of it.
+    `scan`: the body's, made as it arrived (`read_json`), else made here."""
+    if scan is None:
+        scan = Scan(2 * (max_images + 32))
+        scan.feed(body, len(body))
+    if scan.over:
+        raise too_many(max_images)
+    long = [(s, e) for s, e in scan.spans if e - s > LONG and body[e + 1:e + 64].lstrip()[:1] != b":"]  # values
+    pieces, previous = [], 0
+    for i, (start, end) in enumerate(long):
+        pieces += [body[previous:start + 1], _MARK_JSON + str(i).encode()]
+        previous = end
+    skeleton = b"".join([*pieces, body[previous:]]) if long else body
+    try:
+        parsed = model.model_validate_json(skeleton)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_input=False)
+        if errors and errors[0]["type"] == "json_invalid":
+            raise ServiceError(400, f"body must be JSON ({errors[0]['msg']})", "invalid_json") from None
+        raise RequestValidationError(errors) from None
+    if not long:
+        return parsed
+    view = memoryview(body)
+
+    def restore(value, raw: bool):
+        if isinstance(value, list):
+            return [restore(v, raw) for v in value]
+        if not isinstance(value, str) or not value.startswith(_MARK):
+            return value
+        start, end = long[int(value[len(_MARK):])]
+        if raw and body.find(b"\\", start, end) < 0:
+            return Text(view[start + 1:end])
+        return json.loads(body[start:end + 1])  # escapes (or not an image field): decoded as JSON does
+
+    for name in type(parsed).model_fields:
+        value = getattr(parsed, name)
+        if isinstance(value, (str, list)):
+            setattr(parsed, name, restore(value, name in raw_fields))
+    return parsed

@@ -1,0 +1,112 @@
+"""JSON bodies read by a scan for their strings: the strings found are the parser's, long image strings come back as
+views of the body equal to what the parser would give, and the bound on values holds whatever their type."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+
+from vitserve.service.errors import ServiceError
+from vitserve.service.json_body import LONG, Scan, Text, parse_body
+from vitserve.service.schemas import EmbeddingRequest, EncodeRequest
+
+
+def reference_spans(text: bytes) -> list[tuple[int, int]]:
+    """A byte-by-byte JSON string scanner: where each string opens and closes."""
+    spans, inside, escape, start = [], False, False, 0
+    for i, c in enumerate(text):
+        if inside:
+            if escape:
+                escape = False
+            elif c == 0x5C:
+                escape = True
+            elif c == 0x22:
+                inside = False
+                spans.append((start, i))
+        elif c == 0x22:
+            inside, start = True, i
+    return spans
+
+
+def scanned(text: bytes, limit: int = 10**6, pieces: int = 1, rng=random) -> Scan | None:
+    """`text` scanned as it would arrive in `pieces` chunks cut at random; None when over the limit."""
+    scan, cuts = Scan(limit), sorted(rng.sample(range(len(text) + 1), min(pieces - 1, len(text) + 1)))
+    for end in [*cuts, len(text)]:
+        if not scan.feed(text, end):
+            return None
+    return scan
+
+
+def reference_commas(text: bytes) -> int:
+    spans, inside = reference_spans(text), bytearray(len(text))
+    for start, end in spans:
+        inside[start:end + 1] = b"\x01" * (end + 1 - start)
+    return sum(1 for c, i in zip(text, inside) if c == 0x2C and not i)
+
+
+def test_the_scan_matches_a_byte_by_byte_scanner_however_the_text_arrives():
+    rng = random.Random(1)
+    for _ in range(20000):
+        text = bytes(rng.choice(b'"\\,ab') for _ in range(rng.randint(0, 40)))
+        scan = scanned(text, pieces=rng.randint(1, 6), rng=rng)
+        assert scan.spans == reference_spans(text), text
+        if scan._open is None:  # (an unterminated string holds the commas after its quote)
+            assert scan.commas == reference_commas(text), text
+    for value in ["plain", 'quote " inside', "back\\slash", "\\\\\\\"", "", "x" * 5000 + '\\"' + "y"]:
+        text = json.dumps({"a": value, "b": [1, value]}).encode()
+        scan = scanned(text, 100, pieces=3, rng=rng)
+        assert scan.spans == reference_spans(text) and scan.commas == 2
+    assert scanned(b'"a" "b" "c"', 5) is None  # more quotes than the limit
+    assert scanned(b"[" + b"0," * 6 + b"0]", 5) is None  # more commas than the limit
+    assert scanned(b"[" + b"0," * 5 + b"0]", 5).commas == 5
+
+
+def test_a_long_run_of_backslashes_costs_little():
+    text = b'{"user": "' + b"\\\\" * 5_000_000 + b'", "input": ["a"]}'
+    start = time.perf_counter()
+    assert len(scanned(text, 100, pieces=50).spans) == 4
+    assert time.perf_counter() - start < 1
+
+
+@pytest.mark.parametrize("field, model", [("input", EmbeddingRequest), ("images", EncodeRequest)])
+def test_long_image_strings_are_views_of_the_body_and_equal_the_parsed_ones(field, model):
+    plain = "data:image/png;base64," + "QUJD" * 4000
+    escaped = "QUJD" * 2000 + "\\/" + "QUJD" * 2000  # a JSON encoder that escapes slashes (PHP's)
+    short = "QUJD"
+    body = json.dumps({field: [plain, short, escaped], "model": "m" * (LONG + 10)}).encode()
+    parsed = parse_body(model, body, 64, (field,))
+    items = getattr(parsed, field)
+    expected = json.loads(body)[field]
+    assert isinstance(items[0], Text) and str(items[0]) == expected[0]
+    assert items[0].view.obj is body  # the body's own bytes, not a copy
+    assert items[1] == expected[1] and items[2] == expected[2] and isinstance(items[2], str)
+    assert parsed.model == "m" * (LONG + 10)  # a long string elsewhere is decoded as the parser does
+    single = parse_body(EmbeddingRequest, json.dumps({"input": plain}).encode(), 64, ("input",))
+    assert isinstance(single.input, Text) and str(single.input) == plain
+
+
+@pytest.mark.parametrize("item", [b"0", b"null", b"{}", b"[]", b"true", b'"a"'])
+def test_more_values_than_images_and_fields_is_413_whatever_their_type(item):
+    body = b'{"images": [' + b",".join([item] * 200) + b"]}"
+    with pytest.raises(ServiceError) as e:
+        parse_body(EncodeRequest, body, 64, ("images",))
+    assert e.value.status == 413 and e.value.code == "too_many_images"
+    ok = b'{"images": [' + b",".join([b'"QUJD"'] * 64) + b'], "dtype": "float16"}'
+    assert len(parse_body(EncodeRequest, ok, 64, ("images",)).images) == 64
+
+
+def test_errors_stay_the_parsers_and_name_no_placeholder():
+    long = "QUJD" * 2000
+    with pytest.raises(ServiceError) as e:
+        parse_body(EncodeRequest, b'{"images": ["' + long.encode() + b'"', 64, ("images",))
+    assert e.value.status == 400 and e.value.code == "invalid_json"
+    with pytest.raises(RequestValidationError) as e:  # a long string where an integer goes
+        parse_body(EncodeRequest, json.dumps({"images": ["QUJD"], "max_pixels": long}).encode(), 64, ("images",))
+    assert e.value.errors()[0]["loc"] == ("max_pixels",)
+    with pytest.raises(RequestValidationError) as e:  # a long unknown key stays a key
+        parse_body(EncodeRequest, json.dumps({"images": ["QUJD"], long: 1}).encode(), 64, ("images",))
+    assert e.value.errors()[0]["loc"] == (long,)
