@@ -81,7 +81,8 @@ class Settings:
     header_timeout: float = _setting(10.0, "seconds to receive a request's headers, from its first byte (beyond, "
                                            "the connection is closed)")
     body_timeout: float = _setting(60.0, "seconds to receive a request's body (408 beyond)")
-    max_connections: int = _setting(1024, "open connections (beyond, 503: uvicorn's limit-concurrency)")
+    max_connections: int = _setting(1024, "open connections; beyond, the longest-idle close to make room (needs as "
+                                          "many file descriptors: the soft limit is raised to fit)")
     url_fetch_memory: int = _setting(256 * 2**20, "bytes fetched from image URLs in flight on the whole server "
                                                   "(429 beyond; one request's fetches are bounded by --payload-limit)")
     timeout_keep_alive: int = _setting(75, "seconds an idle connection stays open; longer than clients' and proxies' "
