@@ -15,15 +15,18 @@ FROM ${BASE}
 COPY --from=build /wheels /wheels
 RUN python -m pip install --no-cache-dir "$(echo /wheels/vitserve-*.whl)[gpu]" && rm -rf /wheels \
     && useradd --create-home --uid 1000 --shell /usr/sbin/nologin vitserve \
-    && mkdir -p /data && chown vitserve /data
+    && mkdir -p /data && chown 1000:1000 /data
 ENV HF_HOME=/data \
     VITSERVE_HOST=0.0.0.0 \
     VITSERVE_PORT=8000 \
     PYTHONUNBUFFERED=1
+# a host directory mounted at /data must be writable by uid 1000 (chown 1000:1000 DIR, or docker run --user)
 VOLUME ["/data"]
 USER 1000:1000
 EXPOSE 8000
-HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('VITSERVE_PORT', '8000')}/health\", timeout=4)"]
+# healthy once /ready answers 200 on the port the server bound, whatever flags or variables set it (the check reads
+# the server's command line and environment); the start period covers the weight load and graph capture
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "-m", "vitserve.service.healthcheck"]
 ENTRYPOINT ["vitserve", "serve"]
 CMD ["--model", "Qwen/Qwen2.5-VL-7B-Instruct"]

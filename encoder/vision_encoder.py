@@ -3,7 +3,8 @@ tower runs in, config.LOAD_FORMATS where its weights come from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
@@ -16,17 +17,32 @@ from .runner import DEFAULT_BUDGETS, GraphRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+IMAGE_TYPES = (str, os.PathLike, bytes, bytearray, memoryview, Image.Image)  # one image: a path, its bytes, PIL
 
 
 @dataclass
 class EncodedImage:
-    embeddings: torch.Tensor              # [tokens, out_hidden], raster order, on the CPU
-    grid_thw: tuple[int, int, int]        # in patches; tokens = t * h * w / merge_unit
-    deepstack: list[torch.Tensor] | None  # Qwen3: one [tokens, out_hidden] per deepstack layer; else None
+    """One image's features (the library's and vitserve.client's results). `embeddings` [tokens, width], raster
+    order, on the CPU: width is out_hidden, or with the client's layout="vllm" out_hidden x (1 + deepstack layers);
+    `grid_thw` in patches, before the 2x2 merge (tokens = t * h * w / merge_unit); `deepstack` always a list: one
+    [tokens, out_hidden] per deepstack layer for Qwen3-VL, empty for towers without deepstack (and when the
+    features were not asked for, or are on the width)."""
+
+    embeddings: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    deepstack: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.embeddings.shape[0]
+
+
+def as_list(images) -> tuple[list, bool]:
+    """`images` as a list, and whether it was one image (a path, encoded bytes or a PIL image) rather than a
+    sequence of them: the callers give one result for one image, a list for a list."""
+    if isinstance(images, IMAGE_TYPES):
+        return [images], True
+    return list(images), False
 
 
 @dataclass
@@ -87,7 +103,8 @@ class VisionEncoder:
     """A Qwen-VL vision tower on one device, with its preprocessing.
 
     >>> enc = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy")
-    >>> [r.embeddings.shape for r in enc.encode([image])]
+    >>> enc.encode("examples/sample.jpg").embeddings.shape  # one image in, one result out
+    >>> [r.grid_thw for r in enc.encode(["examples/sample.jpg", "examples/portrait.png"])]  # a list: a list
     """
 
     def __init__(self, tower, config: VisionConfig, preprocess_config: PreprocessConfig, device: torch.device,
@@ -140,18 +157,21 @@ class VisionEncoder:
         return encoder
 
     def preprocess(self, images) -> tuple[torch.Tensor, torch.Tensor]:
-        """PIL images, encoded bytes or paths -> (pixel_values [rows, patch_dim] float32, grid_thw [n, 3] int64),
-        the layout of transformers' Qwen2-VL image processor: decode where needed, then normalize + patchify on the
-        host (preprocess.preprocess), or with "fast" preprocessing all of it on the device (preprocess_fast)."""
+        """An image or a list of them (PIL images, encoded bytes or paths) -> (pixel_values [rows, patch_dim]
+        float32, grid_thw [n, 3] int64), the layout of transformers' Qwen2-VL image processor, batched for one
+        image too (n = 1), as its processor is: decode where needed, then normalize + patchify on the host
+        (preprocess.preprocess), or with "fast" preprocessing all of it on the device (preprocess_fast)."""
+        images, _ = as_list(images)
         if self.preprocess_mode == "fast":
-            return preprocess_fast.preprocess(list(images), self.preprocess_config, self.device)
-        return preprocess(list(images), self.preprocess_config)
+            return preprocess_fast.preprocess(images, self.preprocess_config, self.device)
+        return preprocess(images, self.preprocess_config)
 
-    def encode(self, images) -> list[EncodedImage]:
-        """PIL images, encoded bytes or paths -> one result per image, in order. Exact preprocessing decodes and
-        resizes on the host (load_image, resize_rgb); fast preprocessing decodes JPEGs and resizes on the device
-        (preprocess_fast). Normalize + patchify run where the model does (the server's path too). The first image
-        that cannot be decoded raises its ImageError."""
+    def encode(self, images) -> EncodedImage | list[EncodedImage]:
+        """An image (a PIL image, encoded bytes or a path) -> its EncodedImage; a list of them -> one result per
+        image, in order. Exact preprocessing decodes and resizes on the host (load_image, resize_rgb); fast
+        preprocessing decodes JPEGs and resizes on the device (preprocess_fast). Normalize + patchify run where the
+        model does (the server's path too). The first image that cannot be decoded raises its ImageError."""
+        images, single = as_list(images)
         cfg = self.preprocess_config
         if self.preprocess_mode == "fast":
             decoded = preprocess_fast.load(images, self.device)
@@ -162,7 +182,8 @@ class VisionEncoder:
             if launched.launch is not None:
                 self.runner.collect(launched.launch)  # let the rest land before raising
             raise next(iter(launched.failed.values()))
-        return self.collect(launched.launch)
+        results = self.collect(launched.launch) if launched.launch is not None else []
+        return results[0] if single else results
 
     def launch(self, images: list, sizes: list[tuple[int, int]] | None = None,
                mean_pooling: list[bool] | None = None) -> Launched:
@@ -188,11 +209,11 @@ class VisionEncoder:
         return [launched.failed[i] if i in launched.failed else next(done) for i in range(launched.count)]
 
     def collect(self, launch) -> list[EncodedImage]:
-        return [EncodedImage(tokens, grid, deepstack or None) for grid, (tokens, deepstack)
+        return [EncodedImage(tokens, grid, deepstack) for grid, (tokens, deepstack)
                 in zip(launch.grids, self.runner.collect(launch))]
 
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw) -> list[EncodedImage]:
         """Encode a packed batch (transformers' processor layout); one result per grid, in order."""
         grids = [tuple(int(x) for x in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
         outputs = self.runner.run(pixel_values, grids)
-        return [EncodedImage(tokens, grid, deepstack or None) for grid, (tokens, deepstack) in zip(grids, outputs)]
+        return [EncodedImage(tokens, grid, deepstack) for grid, (tokens, deepstack) in zip(grids, outputs)]

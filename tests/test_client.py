@@ -1,16 +1,32 @@
 """The client against a scripted server (httpx's MockTransport): retries of 429 and 503 that wait as Retry-After
-says and are bounded, typed errors with the server's code, requests split at the server's image limit."""
+says and are bounded, typed errors with the server's code, requests split at the server's image limit. Against a
+real `vitserve serve` of the tiny model: one image in gives one result out, equal to the library's. Against a closed
+port, a server that starts late, a silent one and one that hangs up: connection failures retried with the same
+backoff, then `VitserveError`s with no status; timeouts and broken connections not retried."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
+import types
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from helpers import rel_err
+from PIL import Image
 from safetensors.torch import save
 
-from vitserve.client import Client, VitserveError
+from vitserve.client import AsyncClient, Client, EncodedImage, VitserveError
+from vitserve.consumers import vllm_multi_modal_data
+from vitserve.service.launch import free_port, start_server
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SAMPLE, PORTRAIT = EXAMPLES / "sample.jpg", EXAMPLES / "portrait.png"
+TINY = ("--model", "tiny-qwen2.5-vl", "--load-format", "dummy")
 
 
 def encode_reply(n: int) -> httpx.Response:
@@ -58,3 +74,130 @@ def test_many_images_are_split_at_the_servers_limit():
     with Client("http://vitserve", transport=httpx.MockTransport(server)) as c:
         items = c.encode([b"x"] * 7)
     assert sizes == [3, 3, 1] and len(items) == 7
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server(*TINY, timeout=120, capture_log=True)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_one_image_in_one_result_out(server):
+    """A path, bytes or a PIL image gives its EncodedImage (embed: its vector), equal to the list's one item and to
+    the library's result; a list gives a list. Qwen2.5-VL has no deepstack: an empty list, in the client and in
+    the library alike."""
+    from vitserve.encoder import VisionEncoder
+
+    with Client(server) as client:
+        (listed,) = client.encode([str(SAMPLE)])
+        for image in (str(SAMPLE), SAMPLE, SAMPLE.read_bytes(), Image.open(SAMPLE)):
+            one = client.encode(image)
+            assert isinstance(one, EncodedImage) and one.grid_thw == listed.grid_thw and one.deepstack == []
+            assert torch.equal(one.embeddings, listed.embeddings)
+        both = client.encode([SAMPLE, PORTRAIT])
+        assert [i.grid_thw for i in both] == [listed.grid_thw, client.encode(PORTRAIT).grid_thw] and \
+            both[0].grid_thw != both[1].grid_thw
+        vector, (listed_vector,) = client.embed(str(SAMPLE)), client.embed([str(SAMPLE)])
+        assert vector.shape == (listed.embeddings.shape[1],) and torch.equal(vector, listed_vector)
+        assert rel_err(vector, listed.embeddings.mean(0)) <= 1e-5
+    assert torch.equal(vllm_multi_modal_data(listed)["image"]["image_embeds"],  # consumers take one image too
+                       vllm_multi_modal_data([listed])["image"]["image_embeds"])
+    library = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy").encode(str(SAMPLE))
+    assert library.deepstack == [] and library.grid_thw == listed.grid_thw
+    assert rel_err(listed.embeddings, library.embeddings) <= 1e-5
+
+    async def fetch():
+        async with AsyncClient(server) as client:
+            return await client.encode(str(SAMPLE)), await client.embed(SAMPLE.read_bytes()), \
+                await client.encode([str(SAMPLE)])
+
+    one, vector, many = asyncio.run(fetch())
+    assert isinstance(one, EncodedImage) and torch.equal(one.embeddings, listed.embeddings) and one.deepstack == []
+    assert torch.equal(vector, listed_vector) and len(many) == 1
+
+
+def no_sleep(monkeypatch, hook=None) -> list[float]:
+    """The client's waits, recorded instead of slept (`hook(seconds)` runs in their place)."""
+    waits = []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        if hook:
+            hook(seconds)
+
+    async def asleep(seconds):
+        sleep(seconds)
+
+    monkeypatch.setattr("vitserve.client.time", types.SimpleNamespace(sleep=sleep))
+    monkeypatch.setattr("vitserve.client.asyncio", types.SimpleNamespace(sleep=asleep, gather=asyncio.gather))
+    return waits
+
+
+def test_a_closed_port_is_retried_then_reported(monkeypatch):
+    waits = no_sleep(monkeypatch)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with Client(url, retries=2) as client:
+        with pytest.raises(VitserveError) as e:
+            client.encode([SAMPLE])
+    assert (e.value.status, e.value.code) == (None, "unreachable") and "3 attempts" in e.value.message
+    assert isinstance(e.value.__cause__, httpx.ConnectError) and waits == [0.5, 1.0]  # 429/503's backoff
+
+    async def fetch():
+        async with AsyncClient(url, retries=1, max_images_per_request=4) as client:
+            return await client.embed([SAMPLE])
+
+    with pytest.raises(VitserveError) as e:
+        asyncio.run(fetch())
+    assert (e.value.status, e.value.code) == (None, "unreachable") and waits == [0.5, 1.0, 0.5]
+
+
+@pytest.mark.slow
+def test_a_server_that_starts_late_answers_the_retry(monkeypatch):
+    """The first connection fails; while the client waits to retry, a real server starts on the port."""
+    port, started = free_port(), []
+
+    def start(seconds):
+        started.append(start_server(*TINY, port=port, timeout=120, capture_log=True)[0])
+
+    waits = no_sleep(monkeypatch, start)
+    try:
+        with Client(f"http://127.0.0.1:{port}") as client:
+            (item,) = client.encode([SAMPLE])
+        assert waits == [0.5] and item.num_tokens > 0
+    finally:
+        for proc in started:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_timeouts_and_broken_connections_are_reported_not_retried(monkeypatch):
+    waits = no_sleep(monkeypatch)
+    with socket.socket() as silent:  # the kernel accepts connections into its backlog; nothing answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        with Client(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=0.5, max_images_per_request=4) as client:
+            with pytest.raises(VitserveError) as e:
+                client.encode([SAMPLE])
+    assert (e.value.status, e.value.code) == (None, "timeout") and isinstance(e.value.__cause__, httpx.TimeoutException)
+
+    with socket.socket() as rude:  # accepts, reads the request, hangs up without an answer
+        rude.bind(("127.0.0.1", 0))
+        rude.listen(8)
+
+        def hang_up():
+            conn, _ = rude.accept()
+            with conn:
+                conn.recv(65536)
+
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
+        with Client(f"http://127.0.0.1:{rude.getsockname()[1]}", max_images_per_request=4) as client:
+            with pytest.raises(VitserveError) as e:
+                client.embed([SAMPLE.read_bytes()])
+        thread.join(timeout=30)
+    assert (e.value.status, e.value.code) == (None, "transport_error") and isinstance(e.value.__cause__,
+                                                                                       httpx.TransportError)
+    assert waits == []  # neither was retried: the request may have reached the server

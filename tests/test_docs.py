@@ -4,6 +4,7 @@ CI runs the README's test command, and the README's links and cited result files
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import fields
 from pathlib import Path
 
@@ -37,6 +38,30 @@ def test_ci_runs_the_readme_test_command():
     command = [line for line in block.splitlines() if line and not line.startswith("```")]
     assert len(command) == 1 and "pytest" in command[0]
     assert "<!-- test-command -->" in (ROOT / ".ci" / "run").read_text()
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def test_install_lines_take_torchs_cpu_build_in_range():
+    """Every `pip install` of torch in the README (the test command CI runs, the Quickstart's CPU install) takes the
+    CPU build from PyTorch's CPU index, at a version pyproject's range allows: PyPI's torch (a bare `torch`, or
+    `torch==2.13.0`) is the CUDA build, about 5 GB, and an unbounded one can leave the range (the project's install
+    would then replace it with PyPI's)."""
+    low, high = re.search(r'"torch>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text()).groups()
+    code = "".join(re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S))
+    commands = [part for line in code.splitlines() for part in re.split(r"&&|;", line.split("  #")[0])
+                if "pip install" in part]
+    torch_installs = [words for words in map(shlex.split, commands)
+                      if any(re.match(r"torch(?![\w-])", w) for w in words)]
+    assert len(torch_installs) >= 2  # the test command and the Quickstart
+    for words in torch_installs:
+        (spec,) = [w for w in words if re.match(r"torch(?![\w-])", w)]
+        index = words[words.index("--index-url") + 1] if "--index-url" in words else None
+        assert index == "https://download.pytorch.org/whl/cpu", words
+        pinned = re.fullmatch(r"torch==([\d.]+)\+cpu", spec)
+        assert spec == f"torch>={low},<{high}" or pinned and _version(low) <= _version(pinned[1]) < _version(high), spec
 
 
 def test_readme_stays_short():

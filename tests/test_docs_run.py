@@ -8,11 +8,14 @@ marker, and is checked as its kind says:
 - `external`: needs what CI has not (vLLM, SGLang, a real checkpoint, a GPU): bash syntax-checked, python
   compiled;
 - `ci`: the test command, which CI itself runs.
-And the error table of docs/api.md names every error code the code can answer."""
+Every file a block reads (an image it names, a file it opens or uploads) is one of the repository's, and every module
+a `local` or `server` python block imports is a runtime dependency of vitserve or installed by a `pip install` the
+same doc shows before it. And the error table of docs/api.md names every error code the code can answer."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import os
 import re
 import shlex
@@ -75,6 +78,110 @@ def test_external_blocks_are_well_formed(where, language, code):
         assert subprocess.run(["bash", "-n", "-c", code]).returncode == 0, where
     else:
         compile(code, where, "exec")
+
+
+IMAGE_PATH = re.compile(r"(?<![\w./:~-])[\w./~-]*\w\.(?:jpe?g|png|webp|gif|bmp|tiff?)\b", re.I)  # not in URLs
+
+
+def files_read(language: str, code: str) -> set[str]:
+    """The files a block reads: every image path it names, what its python opens (`open`, `Image.open`) for
+    reading, and what its curl uploads (`-F name=@path`, `-d @path`)."""
+    paths = set(IMAGE_PATH.findall(code))
+    if language == "python":
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "open" \
+                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                mode = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else "r"
+                if not set(mode) & set("wax"):
+                    paths.add(node.args[0].value)
+    else:
+        paths |= set(re.findall(r"@([\w./~-]+)", code))
+    return paths
+
+
+def test_the_files_blocks_read_are_in_the_repository():
+    """What a block reads is shipped, at the path it names from the repository's root (where the snippets run)."""
+    missing = [f"{where}: {path}" for where, language, code, _ in blocks()
+               for path in sorted(files_read(language, code)) if not (ROOT / path).is_file()]
+    assert missing == [], "blocks read files the repository does not have: " + ", ".join(missing)
+
+
+def _name(requirement: str) -> str:
+    """A requirement's distribution name, normalized (PEP 503): `Pydantic_Core>=2` -> `pydantic-core`."""
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group()).lower()
+
+
+def requirements(extras: set[str] = frozenset()) -> set[str]:
+    """The names of vitserve's runtime requirements, and of its `extras` (its own extras they name, expanded), from
+    the installed vitserve's metadata (CI installs this checkout)."""
+    names, pending, seen = set(), set(extras), set()
+    declared = importlib.metadata.requires("vitserve") or []
+    names |= {_name(r) for r in declared if "extra ==" not in r}
+    while pending - seen:
+        extra = (pending - seen).pop()
+        seen.add(extra)
+        for r in declared:
+            if re.search(rf"extra == ['\"]{re.escape(extra)}['\"]", r):
+                if _name(r) == "vitserve":
+                    pending |= set(re.search(r"\[(.*?)\]", r).group(1).split(","))
+                else:
+                    names.add(_name(r))
+    return names
+
+
+PIP_OPTIONS_WITH_VALUES = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-r", "--requirement",
+                           "-c", "--constraint", "-t", "--target", "--prefix", "--root", "--python-version"}
+
+
+def pip_installed(code: str) -> set[str]:
+    """The distributions the `pip install` commands of a shell block install (`.[extras]` as vitserve's extras)."""
+    out = set()
+    for line in code.replace("\\\n", " ").splitlines():
+        for part in re.split(r"&&|;|\|", line) if re.search(r"pip3? install", line) else []:
+            words = shlex.split(part, comments=True)
+            if "install" not in words or not any(w.endswith("pip") for w in words[:words.index("install")]):
+                continue
+            args = iter(words[words.index("install") + 1:])
+            for word in args:
+                if word in PIP_OPTIONS_WITH_VALUES:
+                    next(args, None)
+                elif word.startswith(".") or word.startswith("/"):  # this checkout, with extras
+                    extras = re.search(r"\[(.*?)\]", word)
+                    out |= requirements(set(extras.group(1).split(",")) if extras else set())
+                elif not word.startswith("-"):
+                    out.add(_name(word))
+    return out
+
+
+def imported(code: str) -> set[str]:
+    """The top-level modules a python block imports."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_modules_blocks_import_are_installed_as_the_docs_say():
+    """A `local` or `server` python block imports the standard library, vitserve and its runtime requirements, or
+    what a `pip install` of a shell block before it in the same doc installs (`external` blocks may need more)."""
+    distributions = importlib.metadata.packages_distributions()
+    missing = []
+    for doc in DOCS:
+        text, shown = doc.read_text(), set()
+        for m in BLOCK.finditer(text):
+            kind, language, code = m.group(1), m.group(2), m.group(3)
+            if language == "bash":
+                shown |= pip_installed(code)
+            elif kind in ("local", "server"):
+                allowed = requirements() | shown
+                for module in sorted(imported(code) - set(sys.stdlib_module_names) - {"vitserve"}):
+                    if not {_name(d) for d in distributions.get(module, [])} & allowed:
+                        missing.append(f"{doc.name}:{text[:m.start()].count(chr(10)) + 1}: {module}")
+    assert missing == [], "blocks import modules neither vitserve requires nor the doc installs first: " + \
+        ", ".join(missing)
 
 
 def scratch(tmp_path: Path) -> dict:

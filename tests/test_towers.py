@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import FAMILIES
 from helpers import rel_err
+from PIL import Image
 
-from vitserve.encoder import VisionEncoder, builtin_config
+from vitserve.encoder import EncodedImage, VisionEncoder, builtin_config
 from vitserve.encoder.layers import MLP_ALIGN
 
 TOL = 1e-5
+SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sample.jpg"
 # Mixed batch: a grid not divisible by Qwen2.5's 4x4-token window (20x28 -> 10x14 tokens), a tall narrow one,
 # a 2-frame clip, and a single merge block.
 GRIDS = [(1, 20, 28), (1, 12, 6), (2, 8, 8), (1, 2, 2)]
@@ -45,7 +49,26 @@ def test_matches_transformers(checkpoints, family, variant):
         for j, ref_j in enumerate(ref_deepstack):
             assert rel_err(torch.cat([r.deepstack[j] for r in results]), ref_j) <= TOL
     else:
-        assert all(r.deepstack is None for r in results)
+        assert all(r.deepstack == [] for r in results)  # a list always: empty without deepstack
+
+
+@pytest.mark.parametrize("name, layers", [("tiny-qwen2.5-vl", 0), ("tiny-qwen3-vl", 2)])
+def test_one_image_in_one_result_out(name, layers):
+    """encode and preprocess take one image (a path, its bytes, a PIL image) where they take a list: encode gives
+    its result, not a list of one (and not one result per character of a path, or per byte); preprocess keeps
+    transformers' batched layout."""
+    enc = VisionEncoder.from_pretrained(name, load_format="dummy")
+    (listed,) = enc.encode([str(SAMPLE)])
+    for image in (str(SAMPLE), SAMPLE, SAMPLE.read_bytes(), bytearray(SAMPLE.read_bytes()), Image.open(SAMPLE)):
+        one = enc.encode(image)
+        assert isinstance(one, EncodedImage) and one.grid_thw == listed.grid_thw
+        assert torch.equal(one.embeddings, listed.embeddings) and len(one.deepstack) == layers
+        assert all(torch.equal(a, b) for a, b in zip(one.deepstack, listed.deepstack))
+    pixels, grid = enc.preprocess(str(SAMPLE))
+    listed_pixels, listed_grid = enc.preprocess([SAMPLE.read_bytes()])
+    assert grid.shape == (1, 3) and torch.equal(grid, listed_grid) and torch.equal(pixels, listed_pixels)
+    assert [r.grid_thw for r in enc.encode(iter([SAMPLE, SAMPLE]))] == [listed.grid_thw] * 2  # any iterable: a list
+    assert enc.encode([]) == []
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -2,12 +2,14 @@
 
     from vitserve.client import Client
     with Client("http://localhost:8000") as client:
-        images = client.encode(["cat.jpg", "dog.png"])   # per image: embeddings, grid_thw, deepstack (tensors)
-        vectors = client.embed(["cat.jpg"])               # one pooled vector per image
+        item = client.encode("examples/sample.jpg")             # one image in: one EncodedImage out
+        items = client.encode(["examples/sample.jpg", "examples/portrait.png"])  # a list in: a list out
+        vectors = client.embed(["examples/sample.jpg"])         # one pooled vector per image
 
-Token embeddings travel as one safetensors body (no base64). Images are paths, bytes or PIL images. A request of
-more images than the server takes at once is split. 429 and 503 answers are retried (a bounded number of times,
-waiting as their Retry-After says); other errors raise `VitserveError` with the server's status and code.
+Token embeddings travel as one safetensors body (no base64). Images are paths, bytes or PIL images: one of them
+gives one result, a list (any iterable) a list of results. A request of more images than the server takes at once
+is split. Connection failures and 429 and 503 answers are retried (a bounded number of times, waiting as the
+answer's Retry-After says, else 0.5, 1, 2 s ...); every failure left raises `VitserveError`.
 """
 
 from __future__ import annotations
@@ -18,36 +20,27 @@ import io
 import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import httpx
 import torch
 
+from .encoder.vision_encoder import EncodedImage, as_list
+
 RETRIED = (429, 503)
+CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # nothing was sent: safe to send again
+__all__ = ["Client", "AsyncClient", "EncodedImage", "VitserveError"]
 
 
 class VitserveError(Exception):
-    """An error answer: HTTP `status`, the server's `code` and `param` (the bad input), and its message."""
+    """A request that failed. `status`: the HTTP status of the error answer, or None when no answer came; `code`:
+    the server's error code (docs/api.md), or for no answer `unreachable` (no connection, after the retries),
+    `timeout` (no answer within the client's timeout) or `transport_error` (the connection broke); `param`: the
+    bad input the server named (`images[0]`), if any; `message`: what went wrong."""
 
-    def __init__(self, status: int, code: str | None, message: str, param: str | None = None):
-        super().__init__(f"{status} {code}: {message}")
+    def __init__(self, status: int | None, code: str | None, message: str, param: str | None = None):
+        super().__init__(f"{status} {code}: {message}" if status is not None else f"{code}: {message}")
         self.status, self.code, self.message, self.param = status, code, message, param
-
-
-@dataclass
-class EncodedImage:
-    """One image's features: `embeddings` [tokens, width] (with layout="vllm" the deepstack features are on the
-    width and `deepstack` is empty), `grid_thw` in patches (before the 2x2 merge), `deepstack` (Qwen3) one
-    [tokens, out_hidden] per deepstack layer."""
-
-    embeddings: torch.Tensor
-    grid_thw: tuple[int, int, int]
-    deepstack: list[torch.Tensor]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.embeddings.shape[0]
 
 
 def image_bytes(image: Any) -> bytes:
@@ -64,6 +57,12 @@ def image_bytes(image: Any) -> bytes:
     raise TypeError(f"an image is a path, bytes or a PIL image, not {type(image).__name__}")
 
 
+def _images(images) -> tuple[list[bytes], bool]:
+    """An image or an iterable of them as encoded bytes each, and whether it was one image."""
+    items, single = as_list(images)
+    return [image_bytes(x) for x in items], single
+
+
 def _error(response: httpx.Response) -> VitserveError:
     try:
         err = response.json()["error"]
@@ -72,11 +71,21 @@ def _error(response: httpx.Response) -> VitserveError:
         return VitserveError(response.status_code, None, response.text[:500])
 
 
-def _wait(response: httpx.Response, attempt: int) -> float:
+def _no_answer(error: httpx.TransportError, url: str, attempts: int) -> VitserveError:
+    """A request that got no HTTP answer (status None)."""
+    if isinstance(error, CONNECT_ERRORS):
+        tries = f"{attempts} attempt{'s' * (attempts > 1)}"
+        return VitserveError(None, "unreachable", f"cannot connect to {url} ({tries}): {error!r}")
+    if isinstance(error, httpx.TimeoutException):
+        return VitserveError(None, "timeout", f"no answer from {url} within the timeout: {error!r}")
+    return VitserveError(None, "transport_error", f"the connection to {url} broke: {error!r}")
+
+
+def _wait(outcome: httpx.Response | httpx.TransportError, attempt: int) -> float:
     """Seconds before retrying: the answer's Retry-After, else a backoff (0.5, 1, 2 s ...), at most 30."""
     try:
-        return min(30.0, float(response.headers["retry-after"]))
-    except (KeyError, ValueError):
+        return min(30.0, float(outcome.headers["retry-after"]))
+    except (AttributeError, KeyError, ValueError):
         return min(30.0, 0.5 * 2**attempt)
 
 
@@ -137,15 +146,24 @@ class _Base:
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
 
-    def _check(self, response: httpx.Response) -> httpx.Response:
-        if response.status_code >= 400:
-            raise _error(response)
-        return response
+    def _retry_in(self, outcome: httpx.Response | httpx.TransportError, attempt: int) -> float | None:
+        """Seconds to wait before sending again after `outcome` (the answer, or the error of a request that got
+        none), or None when it is final: connection failures, 429 and 503 are retried, `retries` times at most."""
+        retried = isinstance(outcome, CONNECT_ERRORS) or getattr(outcome, "status_code", None) in RETRIED
+        return _wait(outcome, attempt) if retried and attempt < self.retries else None
+
+    def _final(self, outcome: httpx.Response | httpx.TransportError, path: str, attempts: int) -> httpx.Response:
+        """The answer; VitserveError for an error answer, or for none."""
+        if isinstance(outcome, httpx.TransportError):
+            raise _no_answer(outcome, self.base_url + path, attempts) from outcome
+        if outcome.status_code >= 400:
+            raise _error(outcome)
+        return outcome
 
 
 class Client(_Base):
-    """`base_url` of the server; `api_key` if it has one; `timeout` seconds per request; `retries` of a 429 or 503;
-    `max_images_per_request`: the split (default: what the server reports)."""
+    """`base_url` of the server; `api_key` if it has one; `timeout` seconds per request; `retries` of a failed
+    connection, a 429 or a 503; `max_images_per_request`: the split (default: what the server reports)."""
 
     def __init__(self, base_url: str = "http://localhost:8000", api_key: str | None = None, timeout: float = 120.0,
                  retries: int = 3, max_images_per_request: int | None = None,
@@ -162,38 +180,48 @@ class Client(_Base):
     def close(self) -> None:
         self.http.close()
 
-    def _post(self, path: str, request: dict) -> httpx.Response:
-        for attempt in range(self.retries + 1):
-            response = self.http.post(path, **request)
-            if response.status_code not in RETRIED or attempt == self.retries:
-                return self._check(response)
-            time.sleep(_wait(response, attempt))
-        raise AssertionError("unreachable")
+    def _send(self, method: str, path: str, **request) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                outcome = self.http.request(method, path, **request)
+            except httpx.TransportError as e:
+                outcome = e
+            wait = self._retry_in(outcome, attempt)
+            if wait is None:
+                return self._final(outcome, path, attempt + 1)
+            time.sleep(wait)
+            attempt += 1
 
     def model(self) -> dict:
         """The served model: id, family, embedding_dim, deepstack_layers, max_images_per_request, ready."""
-        return self._check(self.http.get("/v1/models")).json()["data"][0]
+        return self._send("GET", "/v1/models").json()["data"][0]
 
     def _size(self) -> int:
         if self.batch is None:
             self.batch = self.model().get("max_images_per_request") or 64
         return self.batch
 
-    def encode(self, images: list, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
-               max_pixels: int | None = None) -> list[EncodedImage]:
-        """Token embeddings (+ Qwen3 deepstack) of each image, in order."""
-        data, out = [image_bytes(x) for x in images], []
+    def encode(self, images, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
+               max_pixels: int | None = None) -> EncodedImage | list[EncodedImage]:
+        """Token embeddings (+ Qwen3 deepstack) of one image (a path, bytes or a PIL image) as an EncodedImage, or
+        of a list of them as a list, in order."""
+        data, single = _images(images)
+        out = []
         for chunk in _chunks(data, self._size()):
-            out += _encoded(self._post("/v1/encode", _encode_request(chunk, dtype, deepstack, layout, max_pixels)))
-        return out
+            out += _encoded(self._send("POST", "/v1/encode", **_encode_request(chunk, dtype, deepstack, layout,
+                                                                               max_pixels)))
+        return out[0] if single else out
 
-    def embed(self, images: list, pooling: str = "mean", normalize: bool = False,
-              max_pixels: int | None = None) -> list[torch.Tensor]:
-        """One vector per image (`pooling="none"`: the token matrix), float32."""
-        data, out = [image_bytes(x) for x in images], []
+    def embed(self, images, pooling: str = "mean", normalize: bool = False,
+              max_pixels: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """The vector (`pooling="none"`: the token matrix), float32, of one image, or a list of them for a list."""
+        data, single = _images(images)
+        out = []
         for chunk in _chunks(data, self._size()):
-            out += _embedded(self._post("/v1/embeddings", _embed_request(chunk, pooling, normalize, max_pixels)))
-        return out
+            out += _embedded(self._send("POST", "/v1/embeddings", **_embed_request(chunk, pooling, normalize,
+                                                                                   max_pixels)))
+        return out[0] if single else out
 
 
 class AsyncClient(_Base):
@@ -215,34 +243,41 @@ class AsyncClient(_Base):
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def _post(self, path: str, request: dict) -> httpx.Response:
-        for attempt in range(self.retries + 1):
-            response = await self.http.post(path, **request)
-            if response.status_code not in RETRIED or attempt == self.retries:
-                return self._check(response)
-            await asyncio.sleep(_wait(response, attempt))
-        raise AssertionError("unreachable")
+    async def _send(self, method: str, path: str, **request) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                outcome = await self.http.request(method, path, **request)
+            except httpx.TransportError as e:
+                outcome = e
+            wait = self._retry_in(outcome, attempt)
+            if wait is None:
+                return self._final(outcome, path, attempt + 1)
+            await asyncio.sleep(wait)
+            attempt += 1
 
     async def model(self) -> dict:
-        return self._check(await self.http.get("/v1/models")).json()["data"][0]
+        return (await self._send("GET", "/v1/models")).json()["data"][0]
 
     async def _size(self) -> int:
         if self.batch is None:
             self.batch = (await self.model()).get("max_images_per_request") or 64
         return self.batch
 
-    async def encode(self, images: list, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
-                     max_pixels: int | None = None) -> list[EncodedImage]:
-        data, size = [image_bytes(x) for x in images], await self._size()
-        replies = await asyncio.gather(*(self._post("/v1/encode", _encode_request(c, dtype, deepstack, layout,
-                                                                                    max_pixels))
+    async def encode(self, images, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
+                     max_pixels: int | None = None) -> EncodedImage | list[EncodedImage]:
+        (data, single), size = _images(images), await self._size()
+        replies = await asyncio.gather(*(self._send("POST", "/v1/encode", **_encode_request(c, dtype, deepstack,
+                                                                                            layout, max_pixels))
                                          for c in _chunks(data, size)))
-        return [item for reply in replies for item in _encoded(reply)]
+        out = [item for reply in replies for item in _encoded(reply)]
+        return out[0] if single else out
 
-    async def embed(self, images: list, pooling: str = "mean", normalize: bool = False,
-                    max_pixels: int | None = None) -> list[torch.Tensor]:
-        data, size = [image_bytes(x) for x in images], await self._size()
-        replies = await asyncio.gather(*(self._post("/v1/embeddings", _embed_request(c, pooling, normalize,
-                                                                                       max_pixels))
+    async def embed(self, images, pooling: str = "mean", normalize: bool = False,
+                    max_pixels: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+        (data, single), size = _images(images), await self._size()
+        replies = await asyncio.gather(*(self._send("POST", "/v1/embeddings", **_embed_request(c, pooling, normalize,
+                                                                                               max_pixels))
                                          for c in _chunks(data, size)))
-        return [item for reply in replies for item in _embedded(reply)]
+        out = [item for reply in replies for item in _embedded(reply)]
+        return out[0] if single else out

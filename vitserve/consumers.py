@@ -1,6 +1,7 @@
 """Hand vitserve's features to the LLM server that skips its own vision tower (encoder disaggregation).
 
-Each helper takes `Client.encode` results (`EncodedImage`, either layout) and builds what its consumer takes:
+Each helper takes `EncodedImage` results (`Client.encode`'s in either layout, or `VisionEncoder.encode`'s): a list,
+or one image's, and builds what its consumer takes:
 - vLLM offline (`LLM(..., enable_mm_embeds=True)`): `vllm_multi_modal_data`, the `multi_modal_data` dict. vLLM's
   Qwen-VL models (vllm/model_executor/models/qwen2_vl.py, `_parse_and_validate_image_input`) take
   `image_embeds` as every image's tokens concatenated, [Σ tokens, H], and split it per image by
@@ -29,17 +30,22 @@ import torch
 from .client import EncodedImage
 
 
+def _listed(items: EncodedImage | list[EncodedImage]) -> list[EncodedImage]:
+    return [items] if isinstance(items, EncodedImage) else list(items)
+
+
 def vllm_features(item: EncodedImage) -> torch.Tensor:
     """One image's features as vLLM and SGLang take them: [tokens, out_hidden x (1 + deepstack layers)]."""
     return torch.cat([item.embeddings, *item.deepstack], dim=-1) if item.deepstack else item.embeddings
 
 
-def grid_tensor(items: list[EncodedImage]) -> torch.Tensor:
-    return torch.tensor([list(item.grid_thw) for item in items], dtype=torch.int64)
+def grid_tensor(items: EncodedImage | list[EncodedImage]) -> torch.Tensor:
+    return torch.tensor([list(item.grid_thw) for item in _listed(items)], dtype=torch.int64)
 
 
-def vllm_multi_modal_data(items: list[EncodedImage]) -> dict:
+def vllm_multi_modal_data(items: EncodedImage | list[EncodedImage]) -> dict:
     """vLLM's offline `multi_modal_data` for the images of one prompt, in prompt order."""
+    items = _listed(items)
     return {"image": {"image_embeds": torch.cat([vllm_features(i) for i in items]),
                       "image_grid_thw": grid_tensor(items)}}
 
@@ -56,16 +62,18 @@ def vllm_image_embeds_part(item: EncodedImage) -> dict:
                                                      "image_grid_thw": _saved(grid_tensor([item])[0])}}
 
 
-def sglang_image_data(items: list[EncodedImage]) -> list[dict]:
+def sglang_image_data(items: EncodedImage | list[EncodedImage]) -> list[dict]:
     """SGLang's `image_data` for the images of one prompt: their features concatenated, with their grids."""
+    items = _listed(items)
     return [{"format": "precomputed_embedding", "feature": torch.cat([vllm_features(i) for i in items]),
              "image_grid_thw": grid_tensor(items), "modality": "IMAGE"}]
 
 
-def transformers_inputs(text_ids: list[int], items: list[EncodedImage], config) -> dict:
+def transformers_inputs(text_ids: list[int], items: EncodedImage | list[EncodedImage], config) -> dict:
     """`generate`/`forward` keyword arguments for a prompt whose `text_ids` hold one `config.image_token_id` per
     image (as a chat template writes them): each expanded to the image's token count, with `mm_token_type_ids`,
     the grids, and a placeholder `pixel_values` (what makes the model ask for image features)."""
+    items = _listed(items)
     ids, kinds, images = [], [], iter(items)
     for token in text_ids:
         if token == config.image_token_id:
@@ -82,10 +90,11 @@ def transformers_inputs(text_ids: list[int], items: list[EncodedImage], config) 
 
 
 @contextlib.contextmanager
-def transformers_features(model, items: list[EncodedImage]):
+def transformers_features(model, items: EncodedImage | list[EncodedImage]):
     """Within it, the transformers Qwen-VL `model` (…ForConditionalGeneration) takes `items` as its image features
     instead of running its tower on `pixel_values` (its `get_image_features`, overridden on the instance). The
     features must be in the tokens layout (deepstack apart)."""
+    items = _listed(items)
     inner = getattr(model, "model", model)
     dtype, device = model.dtype, model.device
     embeds = tuple(i.embeddings.to(device, dtype) for i in items)
