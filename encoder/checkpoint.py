@@ -9,6 +9,7 @@ start with `visual.`/`model.visual.`); here a name or shape that does not match 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from safetensors import safe_open
 
 from .config import VisionConfig, from_hf_config
 from .models import FAMILY_MODULES
+from .progress import Progress
+
+log = logging.getLogger("vitserve.checkpoint")
 
 VISION_PREFIXES = ("model.visual.", "visual.")
 INDEX_FILE = "model.safetensors.index.json"
@@ -59,11 +63,12 @@ def resolve_checkpoint(model: str, revision: str | None = None, allow_download: 
     config = fetch("config.json")
     fetch("preprocessor_config.json")
     index = fetch(INDEX_FILE)
-    if index is None:
-        fetch(SINGLE_FILE)
-    else:
-        for shard in sorted(set(_vision_weight_map(json.loads(index.read_text())["weight_map"]).values())):
-            fetch(shard)
+    shards = [SINGLE_FILE] if index is None else \
+        sorted(set(_vision_weight_map(json.loads(index.read_text())["weight_map"]).values()))
+    progress = Progress(log, f"checkpoint shards of {model} in the cache", len(shards), "shards")
+    for shard in shards:
+        fetch(shard)
+        progress.advance(1, shard)
     return config.parent
 
 
@@ -101,7 +106,7 @@ def read_vision_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     by_shard: dict[str, list[str]] = {}
     for key, shard in weight_map.items():
         by_shard.setdefault(shard, []).append(key)
-    tensors = {}
+    tensors, progress = {}, Progress(log, f"checkpoint read ({len(by_shard)} shard(s))", len(weight_map), "tensors")
     for shard, keys in sorted(by_shard.items()):
         if not (ckpt / shard).is_file():
             raise CheckpointError(f"shard {shard} (holding e.g. {keys[0]}) is missing from {ckpt}")
@@ -111,8 +116,17 @@ def read_vision_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
                 if key not in present:
                     raise CheckpointError(f"{key} is listed in {INDEX_FILE} under {shard} but that shard lacks it")
                 name = key.removeprefix(VISION_PREFIXES[0]).removeprefix(VISION_PREFIXES[1])
-                tensors[name] = f.get_tensor(key)
+                tensors[name] = _read(f.get_tensor(key))
+                progress.advance(1, shard)
     return tensors
+
+
+def _read(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor safetensors maps from its file, read now (one byte per page touched): the disk is read in this step,
+    with its progress, not later, unannounced, by whatever first uses the weights."""
+    if tensor.numel():
+        tensor.reshape(-1).view(torch.uint8)[::4096].max()
+    return tensor
 
 
 def check_layout(tensors: dict[str, torch.Tensor], cfg: VisionConfig) -> None:
@@ -132,11 +146,13 @@ def dummy_tensors(cfg: VisionConfig, seed: int = 0, device: str | torch.device =
     """Seeded random weights in the published layout (norm weights near 1, others ~N(0, 0.02)): deterministic for a
     given seed and device, realistic enough in scale that a 32-block tower stays finite in bf16."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for name, shape in FAMILY_MODULES[cfg.family].hf_layout(cfg).items():
+    out, layout = {}, FAMILY_MODULES[cfg.family].hf_layout(cfg)
+    progress = Progress(log, "dummy weights drawn", len(layout), "tensors")
+    for name, shape in layout.items():
         t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02
         is_norm_weight = name.endswith(".weight") and len(shape) == 1
         out[name] = (t + 1.0 if is_norm_weight else t).to(dtype)
+        progress.advance()
     return out
 
 
@@ -146,9 +162,16 @@ def build_tower(cfg: VisionConfig, tensors: dict[str, torch.Tensor], device: str
     attention backend called `attention` (encoder.attention.BACKENDS)."""
     check_layout(tensors, cfg)
     family = FAMILY_MODULES[cfg.family]
-    state = {k: v.to(device=device, dtype=dtype) for k, v in family.convert(tensors, cfg).items()}
+    log.info("building the %s tower, its weights fused and padded to its layout", cfg.family)
+    converted = family.convert(tensors, cfg)
     with torch.device("meta"):
         tower = family.build(cfg)
+    progress = Progress(log, f"weights to {device} as {str(dtype).removeprefix('torch.')}",
+                        sum(t.numel() for t in converted.values()) * dtype.itemsize, "MiB")
+    state = {}
+    for name, t in converted.items():
+        state[name] = t.to(device=device, dtype=dtype)
+        progress.advance(state[name].nbytes)
     tower.load_state_dict(state, strict=True, assign=True)
     tower.reset_buffers(device)
     tower.set_attention(attention, device, dtype)

@@ -29,6 +29,7 @@ import torch
 from .config import VisionConfig
 from .packing import Batch, Packer
 from .plan import BatchPlan, TowerInputs, block_order, check_grids, grid_patches, make_plan, to_device
+from .progress import Progress
 
 log = logging.getLogger("vitserve.runner")
 
@@ -379,7 +380,7 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # capture empties the cache anyway: measure the pool from the same baseline
         reserved0, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
-        pool = None
+        pool, progress = None, Progress(log, f"CUDA graphs captured on {self.device}", len(self.budgets), "budgets")
         for budget in reversed(self.budgets):
             t0 = time.perf_counter()
             rows = 16 if budget % 32 == 0 else 2  # a valid image filling the budget, its windows within capacity
@@ -391,12 +392,11 @@ class GraphRunner:
             torch.cuda.synchronize(self.device)
             stats = self.stats.budgets[budget]
             stats.captured, stats.capture_ms = True, (time.perf_counter() - t0) * 1e3
-            log.info("captured budget %5d in %7.1f ms, pool %.1f MiB", budget, stats.capture_ms,
-                     (torch.cuda.memory_reserved(self.device) - reserved0) / 2**20)
+            pool_mib = (torch.cuda.memory_reserved(self.device) - reserved0) / 2**20
+            log.debug("captured budget %5d in %7.1f ms, pool %.1f MiB", budget, stats.capture_ms, pool_mib)
+            progress.advance(1, f"budget {budget}, pool {pool_mib:.1f} MiB")
         self.stats.capture_seconds = time.perf_counter() - start
         self.stats.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved0
-        log.info("captured %d budgets in %.2f s, pool %.1f MiB", len(self.graphs), self.stats.capture_seconds,
-                 self.stats.pool_bytes / 2**20)
 
 
 def capture_graph(forward, device=None, pool=None, stream=None):

@@ -1,4 +1,7 @@
-"""`vitserve` command line: `serve` the HTTP API, or `encode` image files into a safetensors file."""
+"""`vitserve` command line: `serve` the HTTP API, or `encode` image files into a safetensors file.
+
+Everything up to running a command (--help, --version, parsing and checking the settings and the inputs) imports no
+torch: help is instant, and a mistake is one line (exit status 2) before anything loads."""
 
 from __future__ import annotations
 
@@ -7,27 +10,96 @@ import json
 import logging
 import os
 import sys
+import textwrap
 import time
+from pathlib import Path
 
-from .settings import Parser, Settings, add_arguments, from_args
+from .settings import Parser, Settings, add_arguments, builtin_names, from_args
 
 log = logging.getLogger("vitserve.cli")
 
+HEADER_BYTES = 64 * 2**10  # of an input file, read to check that it is an image before the model loads
+
+SERVE_EXAMPLES = """\
+examples:
+  # the CPU, the tiny built-in tower with seeded random weights (no GPU, no download):
+  vitserve serve --model tiny-qwen2.5-vl --load-format dummy
+  # a GPU, real weights (from the Hugging Face cache, else downloaded: only the vision shards):
+  vitserve serve --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda:0
+  # every GPU, each served by a process of its own:
+  vitserve serve --model Qwen/Qwen2.5-VL-7B-Instruct --devices all
+"""
+ENCODE_EXAMPLES = """\
+examples:
+  # the CPU, the tiny built-in tower with seeded random weights:
+  vitserve encode --model tiny-qwen2.5-vl --load-format dummy examples/sample.jpg -o /tmp/sample.safetensors
+  # a GPU, real weights:
+  vitserve encode --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda:0 a.jpg b.png -o embeddings.safetensors
+"""
+
+
+def epilog(examples: str) -> str:
+    notes = ["sizes: bytes, or a number and a unit: 512KiB, 32MiB, 4GiB (powers of 1024), or KB, MB, GB (powers of "
+             "1000)", "every flag is also an environment variable, VITSERVE_ and the flag in upper snake case; a "
+             "flag wins over its variable", f"built-in models (--model): {builtin_names()}",
+             "more: docs/configuration.md"]
+    return examples + "\n" + "\n".join(textwrap.fill(n, 116, subsequent_indent="  ") for n in notes)
+
+
+def check_encode_paths(images: list[str], output: str) -> None:
+    """Before the model loads (ValueError naming the path): every input a readable file whose first bytes are an
+    image's header (encoder.preprocess.probe; all of it where the header lies further), and the output a file in an
+    existing, writable folder."""
+    from ..encoder.preprocess import ImageError, UndecodableImage, probe
+
+    for name in images:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"input {name}: " + ("not a file" if path.exists() else "no such file"))
+        try:
+            with open(path, "rb") as f:
+                head = f.read(HEADER_BYTES)
+                try:
+                    probe(head)
+                except UndecodableImage:
+                    if len(head) < HEADER_BYTES:
+                        raise
+                    probe(head + f.read())
+        except OSError as e:
+            raise ValueError(f"input {name}: cannot be read ({e.strerror})") from None
+        except ImageError as e:
+            raise ValueError(f"input {name}: {e}") from None
+    out = Path(output)
+    folder = out.parent
+    if out.is_dir():
+        raise ValueError(f"output {output}: is a directory, not a file")
+    if not folder.is_dir():
+        raise ValueError(f"output {output}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or out.exists() and not os.access(out, os.W_OK):
+        raise ValueError(f"output {output}: not writable")
+
 
 def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
+    log.info("loading %s (%s)", settings.model, settings.load_format)  # before the imports: torch's take seconds
+    start = time.perf_counter()
+    from .. import __version__
     from ..encoder import VisionEncoder
     from ..encoder.preprocess import ImageError, load_image
 
+    from .logs import attention_text
     from .outputs import OUTPUT_DTYPES, safetensors_body
     from .settings import resolve_devices
 
     (device,), dtype = resolve_devices(settings)
     enc = VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())
+    log.info("loaded in %.2f s: vitserve %s on %s (%s, attention %s)", time.perf_counter() - start, __version__,
+             device, dtype, attention_text(enc.runner.stats.attention))
     try:
         images = [load_image(path) for path in args.images]
     except (ImageError, OSError) as e:
         print(f"vitserve encode: {e}", file=sys.stderr)
         return 2
+    log.info("encoding %d image(s)", len(images))
     start = time.perf_counter()
     results = enc.encode(images)
     seconds = time.perf_counter() - start
@@ -44,6 +116,9 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    from .. import __version__
+
+    log.info("starting vitserve %s for %s", __version__, settings.model)
     import uvicorn
 
     from .app import create_app
@@ -83,34 +158,46 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 def build_parser() -> Parser:
     from .. import __version__
 
-    parser = Parser(prog="vitserve", description="Qwen-VL vision encoding")
+    parser = Parser(prog="vitserve", description="Qwen-VL vision towers: serve image embeddings over HTTP, or encode "
+                                                 "image files.",
+                    epilog="`vitserve serve --help` and `vitserve encode --help` list each command's flags, with "
+                           "examples.")
     parser.add_argument("--version", action="version", version=f"vitserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the HTTP service")
+    raw = argparse.RawDescriptionHelpFormatter
+    serve = sub.add_parser("serve", help="run the HTTP service", description="Run the HTTP service.",
+                           usage="%(prog)s --model MODEL [options]", epilog=epilog(SERVE_EXAMPLES),
+                           formatter_class=raw)
     add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
-    enc = sub.add_parser("encode", help="encode image files into one safetensors file")
+    enc = sub.add_parser("encode", help="encode image files into one safetensors file",
+                         description="Encode image files into one safetensors file.",
+                         usage="%(prog)s --model MODEL [options] IMAGE [IMAGE ...] -o FILE",
+                         epilog=epilog(ENCODE_EXAMPLES), formatter_class=raw)
+    files = enc.add_argument_group("files")
+    files.add_argument("images", nargs="+", metavar="IMAGE", help="image files")
+    files.add_argument("-o", "--output", required=True, metavar="FILE", help="output .safetensors path")
     add_arguments(enc, encode=True)
-    enc.add_argument("images", nargs="+", help="image files")
-    enc.add_argument("-o", "--output", required=True, help="output .safetensors path")
     enc.set_defaults(func=cmd_encode)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse and check every setting (exit 2 with one line when one is wrong), then run the command."""
-    from ..encoder.checkpoint import CheckpointError
+    """Parse and check every setting, and `encode`'s files (exit 2 with one line when one is wrong), then run the
+    command."""
     from .logs import configure_logging
 
     args = build_parser().parse_args(argv)
     try:
         settings = from_args(args)
+        if args.command == "encode":
+            check_encode_paths(args.images, args.output)
         notes = settings.prepare()
         configure_logging(settings.log_format, settings.log_level)
         for note in notes:
             log.warning(note)
         return args.func(settings, args)
-    except (CheckpointError, ValueError) as e:  # bad model, config or flag: a message, not a traceback
+    except ValueError as e:  # bad model, config, flag or file (checkpoint.CheckpointError too): one line
         print(f"vitserve {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -81,7 +80,7 @@ class Decoder:
         self.settings, self.metrics = settings, metrics
         self.fast = settings.preprocess == "fast"  # the device resizes: images stay full size here
         self.jpeg_on_device = False  # fast, and nvJPEG on the devices: JPEGs stay encoded (set by the engine)
-        self.workers = workers = settings.decode_workers or os.cpu_count() or 4
+        self.workers = workers = settings.decode_worker_count()
         self.pool: DecodePool | None = None
         self.threads: ThreadPoolExecutor | None = None
         if settings.decode_processes:

@@ -25,7 +25,7 @@ from ..encoder.vision_encoder import parse_device
 from . import spool
 from .errors import Unavailable
 from .logs import configure_logging
-from .settings import Settings
+from .settings import Settings, resolve_devices
 from .worker import BATCHES_IN_FLIGHT, STOP, pipeline
 
 
@@ -102,7 +102,9 @@ def _unpack_outputs(raw: np.ndarray, layout: list) -> list:
 
 def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str) -> None:
     """The device process: load and capture, say Ready, then run the Jobs the server sends, in order."""
-    configure_logging(settings.log_format, settings.log_level)
+    # lines named by the device; a progress bar only where this is the one device (two would draw over each other)
+    configure_logging(settings.log_format, settings.log_level, bar=None if len(resolve_devices(settings)[0]) == 1
+                      else False, source=device)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops this process
     try:
         if parse_device(device).type == "cuda":  # a clear error where CUDA is missing

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import __version__
 from ..encoder import VisionEncoder
 from ..encoder.config import VisionConfig
 from ..encoder.preprocess import ImageError, PreprocessConfig
@@ -37,9 +38,10 @@ from .cache import EmbeddingCache
 from .decoder import Decoder
 from .device_process import ProcessDevice
 from .errors import ClientDisconnected, EngineError, InputRejected, NotReady, QueueFull
+from .logs import attention_text
 from .metrics import Metrics
 from .scheduler import ImageQueue, WorkItem
-from .settings import Settings, resolve_devices
+from .settings import Settings, format_size, resolve_devices
 from .worker import DeviceWorker, LocalDevice
 
 log = logging.getLogger("vitserve.engine")
@@ -162,8 +164,14 @@ class Engine:
             return
         self.load_seconds = time.perf_counter() - start
         self._serve(model, devices)
-        log.info("ready in %.2f s on %s%s", self.load_seconds, ", ".join(self.devices),
-                 ", one process each" if self.device_processes and self.decoder.spool_prefix else "")
+        s = self.settings
+        cache = "off" if not s.cache_bytes else \
+            f"{format_size(s.cache_bytes)} per {'API key' if s.cache_scope == 'api-key' else 'server'}"
+        log.info("ready in %.2f s: vitserve %s, %s on %s%s (%s, attention %s), %d decode %s, cache %s",
+                 self.load_seconds, __version__, s.model, ", ".join(self.devices),
+                 ", one process each" if self.device_processes and self.decoder.spool_prefix else "", self.dtype,
+                 attention_text(devices[0].runner_stats().get("attention", {})), s.decode_worker_count(),
+                 "processes" if s.decode_processes else "threads", cache)
 
     async def _load_here(self) -> tuple[ModelInfo, list[LocalDevice]]:
         s, loop = self.settings, asyncio.get_running_loop()

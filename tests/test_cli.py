@@ -1,10 +1,14 @@
 """End to end on the CPU: image files -> `vitserve encode` -> safetensors, against transformers' processor + tower;
-and both commands failing fast, with one line and exit status 2, on settings that cannot work."""
+both commands failing fast, with one line and exit status 2, on settings, names and files that cannot work; help
+without torch; progress while loading, as lines or a bar, and what the startup log says."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +21,7 @@ from helpers import rel_err
 from PIL import Image
 from safetensors import safe_open
 
-from vitserve.service.launch import free_port
+from vitserve.service.launch import free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +84,7 @@ def test_encode_cli_reports_bad_input(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2 and "vitserve encode:" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "vitserve", "encode", "--model", str(tmp_path / "missing"),
-                           str(bad), "-o", "x"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           write_images(tmp_path)[0], "-o", "x"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -134,3 +138,202 @@ def test_encode_a_builtin_hub_id_not_in_the_cache_fails_at_once_with_the_fix(tmp
                                   "in the Hugging Face cache")
     assert "add --load-format dummy for seeded random weights" in proc.stdout
     assert "hf download Qwen/Qwen2.5-VL-3B-Instruct" in proc.stdout and not (tmp_path / "out").exists()
+
+
+# ---- help without torch, and typos refused at once (issue 25, items 11 and 19) -------------------------------------
+def test_help_and_version_import_no_torch():
+    """--help and --version read only the settings: no torch (seconds), no numpy, no PIL."""
+    code = ("import sys\nfrom vitserve.service.cli import main\n"
+            "for argv in (['--help'], ['--version'], ['serve', '--help'], ['encode', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
+            "print(sorted({'torch', 'numpy', 'PIL'} & set(sys.modules)), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "[]\n", proc.stderr
+    assert "devices and kernels:" in proc.stdout and "vitserve 0.2" in proc.stdout
+
+
+def one_line(proc: subprocess.CompletedProcess, prefix: str) -> str:
+    """The one line a refused command prints, after checking that it is one, and that nothing started."""
+    assert proc.returncode == 2 and proc.stdout.count("\n") == 1 and proc.stdout.startswith(prefix), proc.stdout
+    assert "Uvicorn running" not in proc.stdout and "Traceback" not in proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, message", [
+    (["--prot", "8001"], "did you mean --port?"),
+    (["--model", "tiny-qwen2.5-vl", "--mod", "x"], "did you mean --model?"),
+    (["--model", "tiny-qwen2.5vl", "--load-format", "dummy"], "with --load-format dummy: not a built-in name, and no "
+                                                              "local checkpoint directory of that name; did you mean "
+                                                              "tiny-qwen2.5-vl?"),
+    (["--model", "tiny-qwen2.5vl"], "not a local directory, a built-in name or a hub id (org/name); did you mean "
+                                    "tiny-qwen2.5-vl?"),
+    (["--model", "tiny-qwen2.5-vl", "--attention-backend", "flash", "--device", "cpu"],
+     "attention backend 'flash' needs a CUDA device and float16 or bfloat16 (here cpu, float32); use sdpa or auto")])
+def test_serve_refuses_a_typo_before_it_binds(argv, message):
+    """With downloads allowed, as for a user: a model name that cannot load was found only after the port was bound
+    and 24 s of hub retries."""
+    start = time.perf_counter()
+    proc = vitserve("serve", "--host", "127.0.0.1", "--port", str(free_port()), *argv, timeout=60, HF_HUB_OFFLINE="0")
+    assert message in one_line(proc, "vitserve serve: ")
+    assert time.perf_counter() - start < 20  # an interpreter starting (and torch, for the attention check)
+
+
+# ---- encode checks its files first (issue 25, item 12) --------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("inputs, output, message", [
+    (["missing.png"], "out.safetensors", "vitserve encode: input {tmp}/missing.png: no such file"),
+    (["folder"], "out.safetensors", "vitserve encode: input {tmp}/folder: not a file"),
+    (["text.png"], "out.safetensors", "vitserve encode: input {tmp}/text.png: not a recognized image format"),
+    (["image.ppm"], "out.safetensors", "vitserve encode: input {tmp}/image.ppm: PPM images are not accepted"),
+    (["img0.png"], "missing/out.safetensors", "vitserve encode: output {tmp}/missing/out.safetensors: folder "
+                                              "{tmp}/missing does not exist"),
+    (["img0.png"], "folder", "vitserve encode: output {tmp}/folder: is a directory, not a file")])
+def test_encode_checks_its_files_before_the_model_loads(tmp_path, inputs, output, message):
+    """A missing input was found after the model had loaded (17 s on a CPU), a missing output folder after all the
+    encoding, as a traceback: now one line, before anything loads."""
+    write_images(tmp_path)
+    (tmp_path / "text.png").write_text("not an image\n")
+    (tmp_path / "folder").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "image.ppm")
+    proc = vitserve("encode", "--model", "tiny-qwen2.5-vl", "--load-format", "dummy",
+                    *[str(tmp_path / name) for name in inputs], "-o", str(tmp_path / output), timeout=60)
+    assert one_line(proc, message.format(tmp=tmp_path))
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_an_image_whose_header_lies_past_the_first_bytes_is_accepted(tmp_path):
+    """A JPEG whose metadata segments fill the first 64 KiB: its header is read from the whole file."""
+    from vitserve.service.cli import HEADER_BYTES, check_encode_paths
+
+    path = tmp_path / "late.jpg"
+    Image.new("RGB", (16, 16)).save(path)
+    data = path.read_bytes()
+    filler = b"".join(b"\xff\xe1\xff\xff" + bytes(65533) for _ in range(2))  # two APP1 segments of 64 KiB
+    path.write_bytes(data[:2] + filler + data[2:])
+    assert path.stat().st_size > HEADER_BYTES
+    check_encode_paths([str(path)], str(tmp_path / "out.safetensors"))
+    path.write_bytes(b"\xff\xd8" + filler + b"not the rest of an image")
+    with pytest.raises(ValueError, match="late.jpg: "):
+        check_encode_paths([str(path)], str(tmp_path / "out.safetensors"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes whatever the permissions say")
+def test_encode_refuses_files_it_cannot_read_or_write(tmp_path):
+    from vitserve.service.cli import check_encode_paths
+
+    image, locked = write_images(tmp_path)[0], tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(image, 0)
+    with pytest.raises(ValueError, match="cannot be read"):
+        check_encode_paths([image], str(tmp_path / "out"))
+    os.chmod(image, 0o644)
+    os.chmod(locked, 0o500)
+    with pytest.raises(ValueError, match="not writable"):
+        check_encode_paths([image], str(locked / "out"))
+
+
+# ---- progress while loading, and what the startup log names (issue 25, item 13) ------------------------------------
+@pytest.mark.slow
+def test_encode_logs_the_load_as_it_goes(checkpoints, tmp_path):
+    """A sharded checkpoint on the CPU, as log lines (stderr is a pipe): the shards read, the weights moved, what
+    loaded; no bar."""
+    path, _ = checkpoints["qwen2_5_vl-sharded"]
+    weight_map = json.loads((Path(path) / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = len({shard for name, shard in weight_map.items() if "visual." in name})
+    assert shards > 1
+    proc = vitserve("encode", "--model", path, *write_images(tmp_path), "-o", str(tmp_path / "out.safetensors"))
+    assert proc.returncode == 0, proc.stdout
+    out = proc.stdout
+    assert "\r" not in out and "[#" not in out
+    assert re.search(rf"INFO vitserve.checkpoint: checkpoint read \({shards} shard\(s\)\): (\d+)/\1 tensors \(", out)
+    assert re.search(r"INFO vitserve.checkpoint: weights to cpu as float32: ([\d.]+)/\1 MiB in ", out)
+    assert re.search(r"INFO vitserve.cli: loaded in [\d.]+ s: vitserve 0\.2\.\d+ on cpu \(float32, attention sdpa\)",
+                     out), out
+
+
+@pytest.mark.slow
+def test_encode_draws_a_bar_on_a_terminal(tmp_path):
+    """stderr a terminal (a pty), the text format: the load's steps as a bar redrawn in place, each ending as the
+    line it is."""
+    import pty
+
+    main_fd, term = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "vitserve", "encode", "--model", "tiny-qwen3-vl", *write_images(
+        tmp_path), "-o", str(tmp_path / "out.safetensors")], cwd=ROOT, stdout=term, stderr=term)
+    os.close(term)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main_fd)
+    assert proc.wait(timeout=120) == 0
+    text = out.decode()
+    # the step's start as a bar, any redraws in place, its last record as a line (which replaces the bar)
+    assert re.search(r"\n\[\.{24}\] weights to cpu as float32: 0\.0/([\d.]+) MiB(\r\x1b\[K\[[#.]{24}\] [^\r\n]*)*"
+                     r"\r\x1b\[K[\d-]+ [\d:,]+ INFO vitserve.checkpoint: weights to cpu as float32: \1/\1 MiB in ",
+                     text), text
+
+
+def progress_record(step: int, done: int, total: int, message: str = "step") -> logging.LogRecord:
+    record = logging.LogRecord("vitserve.test", logging.INFO, __file__, 0, message, (), None)
+    record.progress = (step, done, total)
+    return record
+
+
+def test_progress_as_lines_keeps_a_steps_last_and_one_every_few_seconds(monkeypatch):
+    from vitserve.service import logs
+
+    now = [0.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    handler = logs.ProgressHandler(stream, bar=False)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for i, t in enumerate([0, 1, 2, 6, 7, 12]):  # a slow step: its start, then a line per LINE_INTERVAL
+        now[0] = t
+        handler.handle(progress_record(1, i, 10, f"slow {i}"))
+    handler.handle(progress_record(1, 10, 10, "slow done"))
+    handler.handle(progress_record(2, 0, 3, "fast 0"))  # a step that ends within LINE_INTERVAL: one line
+    handler.handle(progress_record(2, 3, 3, "fast done"))
+    assert stream.getvalue().split("\n") == ["slow 3", "slow 5", "slow done", "fast done", ""]
+
+
+def test_progress_as_a_bar_stays_on_the_last_line():
+    from vitserve.service.logs import ProgressHandler
+
+    stream = io.StringIO()
+    handler = ProgressHandler(stream, bar=True)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    handler.handle(progress_record(1, 0, 4, "step 0/4"))
+    handler.handle(progress_record(1, 2, 4, "step 2/4"))
+    handler.handle(logging.LogRecord("x", logging.WARNING, __file__, 0, "meanwhile", (), None))
+    handler.handle(progress_record(1, 3, 4, "step 3/4"))
+    handler.handle(progress_record(1, 4, 4, "step 4/4"))
+    bar = "[" + "#" * 12 + "." * 12 + "]"
+    assert stream.getvalue() == ("[" + "." * 24 + "] step 0/4" + f"\r\x1b[K{bar} step 2/4"
+                                 + "\r\x1b[KWARNING meanwhile\n"  # the bar's line taken, and drawn again below
+                                 + "[" + "#" * 18 + "." * 6 + "] step 3/4" + "\r\x1b[KINFO step 4/4\n")
+
+
+@pytest.mark.slow
+def test_the_startup_log_says_what_serves():
+    """Device processes log through the same logging, their lines named by their device; the ready line names the
+    version, devices, dtype, attention kernel, decode workers and cache (sizes as written)."""
+    proc, url = start_server("--devices", "cpu,cpu", "--device-processes", "--decode-workers", "2", "--cache-bytes",
+                             "64MiB", "--cache-scope", "api-key", "--api-key", "k", "--model", "tiny-qwen2.5-vl",
+                             timeout=120, capture_log=True)
+    try:
+        ready = next(line for line in proc.log if "ready in" in line)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert re.search(r"INFO vitserve.engine: ready in [\d.]+ s: vitserve 0\.2\.\d+, tiny-qwen2.5-vl on cpu#0, cpu#1, "
+                     r"one process each \(float32, attention sdpa\), 2 decode processes, cache 64MiB per API key$",
+                     ready.strip()), ready
+    log = "".join(proc.log)
+    assert "INFO vitserve.checkpoint[cpu]: weights to cpu as float32: " in log and "\r" not in log

@@ -1,17 +1,23 @@
 """Settings: flags and VITSERVE_* variables (old names kept as aliases), validation before anything loads (values,
-then this machine's devices and the model's whereabouts), and device resolution."""
+then this machine's devices, the model's whereabouts and the attention backend), device resolution, sizes with
+units, --help, and the CPUs the decode workers default to."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
+from dataclasses import fields
 
 import huggingface_hub.constants
 import pytest
 import torch
 
-from vitserve.service.cli import main
-from vitserve.service.settings import Parser, Settings, add_arguments, from_args, resolve_devices
+from vitserve.encoder.config import BUILTIN_CONFIGS
+from vitserve.service.cli import build_parser, main
+from vitserve.service.settings import (DTYPE_NAMES, GROUPS, PREPROCESS_MODES, Parser, Settings, add_arguments,
+                                       available_cpus, format_size, from_args, parse_size, resolve_devices)
 
 
 def parse(*argv: str) -> Settings:
@@ -182,3 +188,229 @@ def test_encode_reads_the_model_settings_only(monkeypatch):
     assert resolve_devices(s) == (["cpu"], "bf16")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["encode", "--model", "m", "--port", "1", "a.png", "-o", "out"])
+
+
+# ---- sizes, help and flags (issue 25, item 19) -------------------------------------------------------------------
+SIZES = ["payload_limit", "decode_memory_per_request", "decode_memory", "body_memory", "cache_bytes",
+         "max_header_bytes", "url_fetch_memory"]
+
+
+def test_every_byte_count_is_a_size():
+    """Every field that counts bytes reads sizes, and only those (a new one left out would take integers only)."""
+    assert sorted(f.name for f in fields(Settings) if f.metadata["size"]) == sorted(SIZES)
+
+
+@pytest.mark.parametrize("text, value", [("32MiB", 32 * 2**20), ("4GiB", 4 * 2**30), ("512KiB", 512 * 2**10),
+                                         ("1GB", 10**9), ("1.5GB", 1_500_000_000), ("2 mib", 2 * 2**20),
+                                         ("3Gi", 3 * 2**30), ("0.5KiB", 512), ("12345", 12345)])
+def test_sizes_take_units_as_flags_and_variables(monkeypatch, text, value):
+    for name in SIZES:
+        assert getattr(parse("--model", "m", f"--{name.replace('_', '-')}", text), name) == value, name
+        monkeypatch.setenv(f"VITSERVE_{name.upper()}", text)
+    s = parse("--model", "m")
+    assert all(getattr(s, name) == value for name in SIZES)
+
+
+@pytest.mark.parametrize("text", ["1G", "1M", "12XB", "-1", "1e3", "MiB", ""])
+def test_a_size_that_is_not_one_is_one_line_and_exit_2(monkeypatch, capsys, text):
+    """A bare G or M is refused: 1000 to Kubernetes, 1024 to Docker."""
+    hint = "(bytes, or with a unit: 512KiB, 32MiB, 4GiB; KB, MB, GB are powers of 1000)"
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--model", "m", "--cache-bytes", text])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == f"vitserve serve: argument --cache-bytes: not a size: {text!r} {hint}\n"
+    monkeypatch.setenv("VITSERVE_PAYLOAD_LIMIT", text)
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "m"])
+    assert capsys.readouterr().err == f"vitserve serve: VITSERVE_PAYLOAD_LIMIT: not a size: {text!r} {hint}\n"
+
+
+def test_sizes_print_as_they_are_read():
+    for value in (32 * 2**20, 2 * 2**30, 64 * 2**10, 1000, 10**9, 3 * 2**40, 1, 0):
+        assert parse_size(format_size(value)) == value
+    assert (format_size(32 * 2**20), format_size(64 * 2**10), format_size(10**9)) == ("32MiB", "64KiB", "1000000000")
+
+
+def help_text(*argv: str) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--help"])
+    return "".join(help_text.capsys.readouterr())
+
+
+@pytest.fixture
+def help_of(capsys):
+    help_text.capsys = capsys
+    return help_text
+
+
+def test_serve_help_groups_the_flags_and_shows_choices_defaults_and_examples(help_of):
+    text = help_of("serve")
+    headers = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headers[:len(GROUPS) + 1] == ["options", *GROUPS], headers
+    for shown in ("--load-format {auto,safetensors,dummy}", "--dtype {auto,float32,float16,bfloat16,fp32,fp16,bf16,"
+                  "half}", "--device {auto,cpu,cuda,cuda:N}", "--attention-backend {auto,cudnn,fa4,flash,sdpa}",
+                  "--preprocess {exact,fast}", "--log-format {text,json}", "--log-level {debug,info,warning,error}",
+                  "--cache-scope {server,api-key}", "--payload-limit SIZE"):
+        assert shown in text, shown
+    flat = " ".join(text.split())
+    assert "[env VITSERVE_MODEL; required]" in flat and "None" not in text
+    assert "[env VITSERVE_PAYLOAD_LIMIT; default 32MiB]" in flat
+    assert "[env VITSERVE_DECODE_MEMORY; default 4GiB]" in flat
+    assert "[env VITSERVE_REVISION]" in flat  # no default to show
+    assert all(name in flat for name in BUILTIN_CONFIGS if not name.endswith("-Thinking"))
+    assert "GB (powers of 1000)" in flat
+    examples = [line.strip().split()[1:] for line in text.splitlines() if line.strip().startswith("vitserve serve ")]
+    assert len(examples) == 3
+    for argv in examples:  # the examples are real command lines
+        assert build_parser().parse_args(argv).model
+
+
+def test_encode_help_has_the_model_flags_only_and_its_examples(help_of):
+    text = help_of("encode")
+    assert "model:" in text and "server:" not in text and "--port" not in text and "--payload-limit" not in text
+    examples = [line.strip().split()[1:] for line in text.splitlines() if line.strip().startswith("vitserve encode ")]
+    assert len(examples) == 2
+    for argv in examples:
+        args = build_parser().parse_args(argv)
+        assert args.images and args.output
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--prot", "8001"], "vitserve serve: unrecognized arguments: --prot 8001; did you mean --port?"),
+    (["serve", "--model", "m", "--mod", "x"], "vitserve serve: unrecognized arguments: --mod x; did you mean --model?"),
+    (["serve", "--payload=1"], "vitserve serve: unrecognized arguments: --payload=1; did you mean --payload-limit?"),
+    (["encode", "--modle", "m", "a.png", "-o", "out"],
+     "vitserve encode: unrecognized arguments: --modle; did you mean --model?"),
+    (["encode", "--model", "m", "--port", "1", "a.png", "-o", "out"],
+     "vitserve encode: unrecognized arguments: --port"),
+    (["serve", "--model", "m", "--zzzzzz"], "vitserve serve: unrecognized arguments: --zzzzzz")])
+def test_flags_are_never_abbreviated_and_an_unknown_one_gets_a_suggestion(capsys, argv, message):
+    """--mod was taken as --model (argparse abbreviates by default); now it is an error, as every unknown flag."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and capsys.readouterr().err == message + "\n"
+
+
+def test_the_checks_read_the_same_names_as_the_library():
+    """--dtype's and --preprocess's names are written out in settings (no torch, numpy or PIL to read the flags)."""
+    from vitserve.encoder.preprocess import PREPROCESS_MODES as modes
+    from vitserve.encoder.vision_encoder import DTYPES
+
+    assert DTYPE_NAMES == tuple(DTYPES) and PREPROCESS_MODES == modes
+
+
+# ---- refused before anything loads or binds (issue 25, item 11) ----------------------------------------------------
+@pytest.fixture
+def no_network(monkeypatch):
+    """Downloads allowed (as for a user), and any hub call an error: a check that passes must not have asked."""
+    import huggingface_hub
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(model="tiny-qwen2.5vl", load_format="dummy"), "--model 'tiny-qwen2.5vl' with --load-format dummy: not a "
+     "built-in name, and no local checkpoint directory of that name; did you mean tiny-qwen2.5-vl?"),
+    (dict(model="Qwen/Qwen2.5-VL-7B-Instruct-AWQ", load_format="dummy"), "with --load-format dummy: not a built-in "
+     "name, and no local checkpoint directory of that name; did you mean Qwen/Qwen2.5-VL-7B-Instruct?"),
+    (dict(model="someone/some-vl", load_format="dummy"), "dummy: not a built-in name, and no local checkpoint "
+     "directory of that name; --help lists the built-in names"),
+    (dict(model="tiny-qwen2.5vl"), "--model 'tiny-qwen2.5vl': not a local directory, a built-in name or a hub id "
+     "(org/name); did you mean tiny-qwen2.5-vl?"),
+    (dict(model="qwen2-vl-7b-instruct"), "--model 'qwen2-vl-7b-instruct': a built-in name, but not a hub id "
+     "(org/name); did you mean Qwen/Qwen2-VL-7B-Instruct?")])
+def test_a_model_name_that_cannot_load_is_refused_at_once(no_network, values, message):
+    with pytest.raises(ValueError) as error:
+        Settings(**values).prepare()
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_model_names_that_can_load_pass(no_network, tmp_path):
+    for values in (dict(model="tiny-qwen3-vl", load_format="dummy"), dict(model="qwen2.5-vl-3b", load_format="dummy"),
+                   dict(model="Qwen/Qwen3-VL-8B-Thinking", load_format="dummy"), dict(model=str(tmp_path),
+                   load_format="dummy"), dict(model="someone/some-vl"), dict(model="Qwen/Qwen2.5-VL-7B-Instruct")):
+        assert Settings(**values).prepare() == [], values
+
+
+@pytest.mark.parametrize("backend", ["flash", "fa4", "cudnn"])
+def test_an_attention_backend_that_cannot_run_here_is_refused(backend):
+    s = Settings(model="tiny-qwen2.5-vl", load_format="dummy", device="cpu", attention_backend=backend)
+    with pytest.raises(ValueError, match=rf"attention backend '{backend}' needs a CUDA device and float16 or "
+                                         r"bfloat16 \(here cpu, float32\); use sdpa or auto"):
+        s.prepare()
+    for ok in ("auto", "sdpa"):
+        Settings(model="tiny-qwen2.5-vl", load_format="dummy", device="cpu", attention_backend=ok).prepare()
+
+
+def test_an_attention_backend_not_installed_is_refused_on_cuda(monkeypatch):
+    """On CUDA in half precision, fa4 and cudnn need their packages: looked for, not imported (nothing is built in
+    this process); float32 is refused as select refuses it; torch's flash is always there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    for backend, extra in (("cudnn", "cudnn"), ("fa4", "fa4")):
+        with pytest.raises(ValueError, match=rf"attention backend '{backend}' is unavailable: .* is not installed; "
+                                             rf"pip install 'vitserve\[{extra}\]'"):
+            Settings(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0,cuda:1",
+                     attention_backend=backend).prepare()
+    with pytest.raises(ValueError, match="needs a CUDA device and float16 or bfloat16 \\(here cuda, float32\\)"):
+        Settings(model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", dtype="fp32",
+                 attention_backend="flash").prepare()
+    Settings(model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", attention_backend="flash").prepare()
+
+
+# ---- the decode workers' default (issue 25, item 20c) --------------------------------------------------------------
+def cgroup_tree(root, cgroup: str, files: dict[str, str]):
+    """A fake /proc/self/cgroup (`cgroup`'s lines) and /sys/fs/cgroup (`files`: path -> text)."""
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    for path, text in files.items():
+        (root / "sys/fs/cgroup" / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / "sys/fs/cgroup" / path).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("cgroup, files, cpus", [
+    ("0::/\n", {"cpu.max": "max 100000\n"}, 16),  # v2, no limit
+    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2),  # v2, a container's own namespace: its limit at the root
+    ("0::/\n", {"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: rounded up
+    ("0::/\n", {"cpu.max": "10000 100000\n"}, 1),  # a tenth: at least one
+    ("0::/kubepods/pod1/c1\n", {"kubepods/pod1/cpu.max": "400000 100000\n", "kubepods/pod1/c1/cpu.max":
+                                "max 100000\n"}, 4),  # v2, the pod's limit on a parent of the process's cgroup
+    ("0::/kubepods/pod1/c1\n", {"kubepods/pod1/cpu.max": "800000 100000\n", "kubepods/pod1/c1/cpu.max":
+                                "300000 100000\n"}, 3),  # the smallest along the path
+    ("4:cpu,cpuacct:/docker/abc\n1:memory:/docker/abc\n", {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n",
+                                                            "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3),  # v1
+    ("4:cpu,cpuacct:/docker/abc\n", {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n",
+                                     "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 1),
+    ("4:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 16),
+    ("", {}, 16)])  # no cgroup at all
+def test_available_cpus_reads_the_cgroup_quota(monkeypatch, tmp_path, cgroup, files, cpus):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert available_cpus(cgroup_tree(tmp_path, cgroup, files)) == cpus
+
+
+def test_available_cpus_is_bounded_by_the_affinity_mask(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 7})
+    assert available_cpus(cgroup_tree(tmp_path, "0::/\n", {"cpu.max": "800000 100000\n"})) == 3
+
+
+def test_the_decode_workers_default_to_the_cpus_available(monkeypatch):
+    """--decode-workers 0 starts one worker per CPU of the pod's quota, not per core of the node."""
+    from vitserve.service import settings
+    from vitserve.service.decoder import Decoder
+    from vitserve.service.metrics import Metrics
+
+    monkeypatch.setattr(settings, "available_cpus", lambda: 3)
+    assert Settings(model="m").decode_worker_count() == 3
+    assert Settings(model="m", decode_workers=5).decode_worker_count() == 5
+    decoder = Decoder(Settings(model="m", decode_processes=False), Metrics(), on_broken=lambda reason: None)
+    try:
+        assert decoder.threads._max_workers == 3
+    finally:
+        decoder.threads.shutdown()
