@@ -68,28 +68,20 @@ def head(data, size: int = PROBE_BYTES) -> bytes:
 
 
 def looks_like_text(data) -> bool:
-    """Whether an input that is no image reads as text (words, or a text file): its first characters, or those of
-    the bytes its base64 stands for, printable, three in four of them letters or whitespace, with a space or a
-    letter outside ASCII (base64 has neither)."""
-    samples = [data.prefix(TEXT_SAMPLE)] if isinstance(data, Base64Data) else []
-    try:
-        samples.append(head(data, TEXT_SAMPLE))
-    except InvalidBase64:
-        pass
-    for sample in samples:
-        if isinstance(sample, bytes):
-            try:
-                sample = sample.decode()
-            except UnicodeDecodeError as e:  # a character cut at the end of the sample is not binary data
-                if e.start < len(sample) - 3:
-                    continue
-                sample = sample[:e.start].decode()
-        letters = sum(map(str.isalpha, sample)) + sum(map(str.isspace, sample))
-        if sample.translate(_CONTROLS).isprintable() and 4 * letters >= 3 * len(sample) > 0 and \
-                (" " in sample or not sample.isascii()):
-            return True
-    return False
-
+    """Whether an input that is no image is text: words sent where an image goes (its string), or a text file
+    uploaded (its bytes). Its first characters printable, three in four of them letters or whitespace, with a space or
+    a letter outside ASCII (base64 has neither). Base64 stands for a file, whatever its bytes: not told as text."""
+    sample = data.prefix(TEXT_SAMPLE) if isinstance(data, Base64Data) else bytes(data[:TEXT_SAMPLE])
+    if isinstance(sample, bytes):
+        try:
+            sample = sample.decode()
+        except UnicodeDecodeError as e:  # a character cut at the end of the sample is not binary data
+            if e.start < len(sample) - 3:
+                return False
+            sample = sample[:e.start].decode()
+    letters = sum(map(str.isalpha, sample)) + sum(map(str.isspace, sample))
+    return sample.translate(_CONTROLS).isprintable() and 4 * letters >= 3 * len(sample) > 0 and \
+        (" " in sample or not sample.isascii())
 
 
 class DecodeBudget:

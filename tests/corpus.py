@@ -69,7 +69,7 @@ def sixteen_bit_png() -> bytes:
 # name -> (bytes or data-URI text, expected status, expected error code)
 INVALID_IMAGES = {
     "zero bytes": ("data:image/png;base64,", 400, "invalid_image"),
-    "text file": (uri(b"hello, this is plain text and not an image at all"), 400, "text_input"),
+    "text": (uri(b"hello, this is plain text and not an image at all"), 400, "undecodable_image"),  # a file
     "words": ("a photo of a cat", 400, "text_input"),
     "words that are not base64": ("a photo of a cat!", 400, "text_input"),
     "pdf": (uri(b"%PDF-1.7\n1 0 obj <</Type /Catalog>> endobj\ntrailer <</Root 1 0 R>>\n%%EOF\n"), 400,

@@ -136,13 +136,16 @@ def test_trailing_data_and_motion_photos(server):
         assert np.array_equal(embedding(url, jpeg + video), embedding(url, jpeg))
 
 
-@pytest.mark.parametrize("item", ["a photo of a cat", data_uri(b"notes: a photo of a cat on a mat\n", "image/png")])
-def test_text_is_told_it_is_not_an_image(server, item):
+def test_text_is_told_it_is_not_an_image(server):
+    """Issue 16: words as an input, or a text file uploaded, were "not a recognized image format (9 bytes of data)"."""
     _, url = server
-    r = post(url, item)
-    error = r.json()["error"]
-    assert r.status_code == 400 and error["code"] == "text_input" and error["param"] == "input[0]", r.text
-    assert "encodes images" in error["message"] and "not text-aligned retrieval embeddings" in error["message"]
+    words = post(url, "a photo of a cat")
+    upload = httpx.post(url + "/v1/encode", files=[("images", ("notes.txt", b"notes: a photo of a cat on a mat\n"))],
+                        timeout=60)
+    for r, param in ((words, "input[0]"), (upload, "images[0]")):
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "text_input" and error["param"] == param, r.text
+        assert "encodes images" in error["message"] and "not text-aligned retrieval embeddings" in error["message"]
 
 
 def _cpu_seconds(pid: int) -> float:
