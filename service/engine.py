@@ -303,6 +303,7 @@ class Engine:
             await asyncio.wait({decoding} if disconnected is None else {decoding, disconnected},
                                return_when=asyncio.FIRST_COMPLETED)
             if not decoding.done():
+                self.metrics.dropped.inc(len(todo))  # dropped before they were queued
                 raise ClientDisconnected("the client went away")
         except BaseException:
             decoding.cancel()
