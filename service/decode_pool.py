@@ -1,15 +1,19 @@
 """Decode worker processes driven from the event loop: jobs go out and results come back on the loop's own sockets.
 
 Each worker has a socket of its own, read and written by the event loop (uvloop does the I/O in C, without giving
-up the GIL); no thread of the server takes part, and an image's bytes are written as they are, not pickled. Each
-worker runs one job at a time, so a worker that dies (a decoder crash, the OOM killer) fails only its own job
-(`WorkerDied`), and is replaced at once.
+up the GIL); no thread of the server takes part, and an image's bytes are written as they are, not pickled (a job
+that waits holds only what its caller gave: the bytes to send are made when a worker takes it). Each worker runs one
+job at a time, so a worker that dies (a decoder crash, the OOM killer) fails only its own job (`WorkerDied`), and is
+replaced at once. A job that runs past the pool's `timeout` is killed with its worker (`JobTimedOut`), and so is one
+whose caller is gone (its future cancelled) and that still runs `grace` seconds later: no worker grinds on for
+nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import multiprocessing
 import pickle
@@ -23,6 +27,17 @@ log = logging.getLogger("vitserve.decode")
 
 class WorkerDied(Exception):
     """The worker running this job died; the others and their jobs are unaffected."""
+
+
+class JobTimedOut(Exception):
+    """The job ran past the time it may take (`seconds`): its worker was killed (and replaced)."""
+
+    def __init__(self, message: str, seconds: float):
+        super().__init__(message, seconds)
+        self.seconds = seconds
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class PoolUnavailable(Exception):
@@ -72,13 +87,15 @@ class _Link(asyncio.Protocol):
     def __init__(self, pool: DecodePool, process):
         self.pool, self.process = pool, process
         self.transport: asyncio.Transport | None = None
-        self.job: tuple[bytes, bytes, asyncio.Future] | None = None
+        self.job: _Job | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the running job's deadline (or its grace, once cancelled)
+        self.killed: str | None = None  # why the pool killed this worker
         self._buffer = bytearray()
 
     def connection_made(self, transport):
         self.transport = transport
 
-    def send(self, call: bytes, payload: bytes) -> None:
+    def send(self, call: bytes, payload) -> None:
         self.transport.writelines([struct.pack("!II", len(call), len(payload)), call, payload])
 
     def data_received(self, data: bytes) -> None:
@@ -93,6 +110,16 @@ class _Link(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.pool._lost(self)
+
+
+class _Job:
+    """A submitted call: the pickled function and arguments, the payload (or what makes it, called when a worker
+    takes the job), the caller's future, and what to do if its worker dies while it runs."""
+
+    __slots__ = ("call", "payload", "future", "on_lost")
+
+    def __init__(self, call: bytes, payload, future: asyncio.Future, on_lost: Callable[[], None] | None):
+        self.call, self.payload, self.future, self.on_lost = call, payload, future, on_lost
 
 
 class FairQueue:
@@ -128,17 +155,19 @@ class DecodePool:
     """`workers` processes forked from a clean fork server that has imported only `preload` (what they run:
     numpy and PIL, no torch): none inherits CUDA or threads. Use from one event loop: `start`, `submit`, `close`.
     `on_orphan(result)`: a result whose caller is gone (a spooled image's file to remove); `on_broken(reason)`: the
-    last worker died and none could be started in its place."""
+    last worker died and none could be started in its place. `timeout`: seconds a job may run (None: no limit);
+    `grace`: seconds a cancelled job may still run before its worker is killed."""
 
     def __init__(self, workers: int, preload: str = "vitserve.service.decode", on_orphan: Callable = lambda result: None,
-                 on_broken: Callable[[str], None] = lambda reason: None):
-        self.size = workers
+                 on_broken: Callable[[str], None] = lambda reason: None, timeout: float | None = None,
+                 grace: float = 1.0):
+        self.size, self.timeout, self.grace = workers, timeout, grace
         self.on_orphan, self.on_broken = on_orphan, on_broken
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload([preload])
         self._links: set[_Link] = set()
         self._idle: collections.deque[_Link] = collections.deque()
-        self._waiting = FairQueue()  # of (pickled call, payload, future)
+        self._waiting = FairQueue()  # of _Job
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.replaced = 0  # workers that died and were replaced
@@ -171,24 +200,27 @@ class DecodePool:
 
     def workers(self) -> list[tuple[multiprocessing.Process, int | None]]:
         """Each live worker's process and the payload size of the job it runs (None when idle)."""
-        return [(link.process, None if link.job is None else len(link.job[1])) for link in self._links]
+        return [(link.process, None if link.job is None else len(link.job.payload)) for link in self._links]
 
     @property
     def idle(self) -> int:
         """Live workers waiting for a job."""
         return len(self._idle)
 
-    def submit(self, fn, payload: bytes, *args, owner=None) -> asyncio.Future:
+    def submit(self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None) -> asyncio.Future:
         """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
-        (`WorkerDied` if the worker died on it). A cancelled future's job is skipped, or its result dropped. Waiting
-        jobs go to the workers round-robin by `owner` (FairQueue)."""
+        (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like, or a function
+        that makes them when a worker takes the job. A cancelled future's job is skipped, its result dropped, or its
+        worker killed after the grace. `on_lost()` is called when the worker dies (or is killed) while it runs the
+        job, whatever became of the future (what it was writing may be left half done). Waiting jobs go to the
+        workers round-robin by `owner` (FairQueue)."""
         future = self._loop.create_future()
         self.submitted += 1
         if self._closed or self.broken:
             future.set_exception(PoolUnavailable(self.broken or "the decode pool is closed"))
             return future
-        self._waiting.append(owner, (pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), bytes(payload),
-                                     future))
+        self._waiting.append(owner, _Job(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), payload, future,
+                                         on_lost))
         self._dispatch()
         return future
 
@@ -198,32 +230,64 @@ class DecodePool:
 
     def _dispatch(self) -> None:
         while self._idle and self._waiting:
-            call, payload, future = self._waiting.popleft()
-            if future.done():  # cancelled while it waited
+            job = self._waiting.popleft()
+            if job.future.done():  # cancelled while it waited
                 continue
             link = self._idle.popleft()
-            link.job = call, payload, future
-            link.send(call, payload)
+            if callable(job.payload):
+                job.payload = job.payload()
+            link.job = job
+            link.send(job.call, job.payload)
+            if self.timeout is not None:
+                link.timer = self._loop.call_later(self.timeout, self._kill, link, f"its job ran past "
+                                                                                  f"{self.timeout:g} s")
+            job.future.add_done_callback(functools.partial(self._cancelled, link, job))
+
+    def _cancelled(self, link: _Link, job: _Job, future: asyncio.Future) -> None:
+        """A running job's caller is gone: its worker gets `grace` seconds to finish, then is killed."""
+        if future.cancelled() and link.job is job and link.killed is None:
+            if link.timer is not None:
+                link.timer.cancel()
+            link.timer = self._loop.call_later(self.grace, self._kill, link, f"its job's caller was gone for "
+                                                                            f"{self.grace:g} s")
+
+    def _kill(self, link: _Link, reason: str) -> None:
+        """Kill a worker that holds a job too long (SIGKILL: a decoder does not stop on request); it is replaced like
+        one that died, and its job fails with JobTimedOut, never retried."""
+        if link.job is None or link.killed is not None:
+            return
+        link.killed = reason
+        if not link.job.future.done():
+            link.job.future.set_exception(JobTimedOut(f"the decode worker was killed: {reason}", self.timeout))
+        link.process.kill()
 
     def _answered(self, link: _Link, frame: bytes) -> None:
-        (_, _, future), link.job = link.job, None
+        if link.killed is not None:  # an answer sent as it was killed: not ready again
+            return
+        job, link.job = link.job, None
+        if link.timer is not None:
+            link.timer.cancel()
         ok, value = pickle.loads(frame)
-        if future.done():  # its request is gone: what was made is dropped
+        if job.future.done():  # its request is gone: what was made is dropped
             if ok:
                 self.on_orphan(value)
         elif ok:
-            future.set_result(value)
+            job.future.set_result(value)
         else:
-            future.set_exception(value)
+            job.future.set_exception(value)
         self._ready(link)
 
     def _lost(self, link: _Link) -> None:
         self._links.discard(link)
         if link in self._idle:
             self._idle.remove(link)
+        if link.timer is not None:
+            link.timer.cancel()
+        if link.job is not None and link.job.on_lost is not None:
+            link.job.on_lost()
         if self._closed:
-            if link.job is not None and not link.job[2].done():
-                link.job[2].set_exception(PoolUnavailable("the decode pool is closed"))
+            if link.job is not None and not link.job.future.done():
+                link.job.future.set_exception(PoolUnavailable("the decode pool is closed"))
         else:
             task = self._loop.create_task(self._replace(link))
             self._spawning.add(task)
@@ -234,9 +298,12 @@ class DecodePool:
         moment to report) and start another."""
         await self._loop.run_in_executor(None, link.process.join, 5)
         reason = f"the decode worker died (exit code {link.process.exitcode})"
-        if link.job is not None and not link.job[2].done():
-            link.job[2].set_exception(WorkerDied(reason))
-        log.warning("%s; starting another", reason)
+        if link.job is not None and not link.job.future.done():
+            link.job.future.set_exception(WorkerDied(reason))
+        if link.killed is not None:
+            log.info("killed a decode worker: %s; starting another", link.killed)
+        else:
+            log.warning("%s; starting another", reason)
         self.replaced += 1
         for delay in (*self.respawn_delays, None):  # a failed start (out of memory or processes) may pass
             try:
@@ -258,9 +325,9 @@ class DecodePool:
             self.on_broken(self.broken)
 
     def _fail_waiting(self, error: Exception) -> None:
-        for _, _, future in self._waiting:
-            if not future.done():
-                future.set_exception(error)
+        for job in self._waiting:
+            if not job.future.done():
+                job.future.set_exception(error)
         self._waiting.clear()
 
     async def close(self, timeout: float = 10) -> None:

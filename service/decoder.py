@@ -1,21 +1,29 @@
 """Decoding a request's images: decode + resize in worker processes (or threads), pixels back through the spool.
 
-Before any pixel is decoded, each image's header is read on the event loop from its first bytes (`probe`): its
-format must be allowed, its pixels under `--max-image-pixels`, and the memory its decode takes (estimated from the
-size and mode, alpha and palette expansion included) counts against the request's limit
-(`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, a `MemoryBudget`: an image waits
-until its share fits, so large images queue instead of overcommitting the host). The decode pool hands waiting
-images to the workers round-robin by request, so one large request cannot stall a small one behind it.
+Before any pixel is decoded, each image's header is read on the event loop from its first bytes (`probe`: a walk
+bounded in bytes and steps, microseconds whatever the bytes hold; where the header is not within them, a decode
+worker reads it from the whole image): its format must be allowed, its pixels under `--max-image-pixels`, and the
+memory its decode takes (estimated from the size and mode, alpha and palette expansion included) counts against the
+request's limit (`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, a `MemoryBudget`:
+an image waits until its share fits, so large images queue instead of overcommitting the host). Where the probe saw the
+image's end, only the bytes up to it are sent to a worker (what follows, junk or a phone's motion video, stays
+behind). The decode pool hands waiting images to the workers round-robin by request, so one large request cannot
+stall a small one behind it.
 
 The decoder owns the decode pool, this server's spool prefix and the retry: a worker that dies on an image (a
 decoder crash, the OOM killer) fails only that image, which is tried once more; only an image that kills a worker
-twice is refused. Failures become the request's domain errors (errors.py), naming the image (`input[i]`), in the
-service's own words: the decoder's text goes to the log only.
+twice is refused. An image that takes a worker longer than `--decode-timeout` is refused (413 `decode_timeout`, not
+retried) and its worker killed and replaced; so is the worker of an image whose request is gone, a second after. (In
+threads, `--decode-processes false`, nothing can be killed: the request gets its 413 at the limit, and the thread
+finishes the image for nobody.) Failures become the request's domain errors (errors.py), naming the image
+(`input[i]`), in the service's own words: the decoder's text goes to the log only. Text sent where an image goes is
+told so (`text_input`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -24,13 +32,13 @@ from typing import Callable
 
 import numpy as np
 
-from ..encoder.preprocess import (Base64Data, ImageError, ImageHeader, ImageTooLarge, PreprocessConfig,
-                                  UndecodableImage, decode_base64, probe, target_size)
+from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageHeader, ImageTooLarge, InvalidBase64,
+                                  PreprocessConfig, UndecodableImage, decode_base64, probe, target_size)
 
 from . import spool
 from .budget import MemoryBudget
-from .decode import decode_and_resize
-from .decode_pool import DecodePool, PoolUnavailable, WorkerDied
+from .decode import decode_and_resize, read_header
+from .decode_pool import DecodePool, JobTimedOut, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
 from .metrics import Metrics
 from .settings import Settings
@@ -40,30 +48,39 @@ log = logging.getLogger("vitserve.decoder")
 Decoded = tuple[np.ndarray | spool.Spooled, tuple[int, int, int]]  # pixels (maybe in a spool file) and patch grid
 
 
-PROBE_BYTES = 64 * 2**10  # of an image, where its header is read first (the whole image where that does not do)
+PROBE_BYTES = 64 * 2**10  # of an image, where its header is read first (by a worker from all of it where not there)
+TEXT_SAMPLE = 1024  # characters of an input that is no image, read to tell whether it is text
+_CONTROLS = {9: None, 10: None, 13: None}  # tab and line breaks: printable enough for text
+TEXT_INPUT = ("this is text, not an image: this server encodes images (and soon videos), not text, and its pooled "
+              "vectors are the vision tower's, not text-aligned retrieval embeddings")
 
 
-def head(data) -> bytes:
-    """The first PROBE_BYTES of an image's bytes (of its base64 text: decoded from a 4-aligned prefix)."""
+def head(data, size: int = PROBE_BYTES) -> bytes:
+    """The first `size` bytes of an image's bytes (of its base64 text: decoded from a 4-aligned prefix)."""
     if not isinstance(data, Base64Data):
-        return bytes(data[:PROBE_BYTES])
-    chunk = data.prefix(PROBE_BYTES * 4 // 3 + 256)
+        return bytes(data[:size])
+    chunk = data.prefix(size * 4 // 3 + 256)
     text = "".join(chunk.split())  # base64 may hold line breaks
     if len(chunk) < len(data):
         text = text[:len(text) // 4 * 4]
     return decode_base64(text)
 
 
-def header_of(data) -> ImageHeader:
-    """The image's header, from its first bytes, else from all of them."""
-    first = head(data)
-    try:
-        return probe(first)
-    except UndecodableImage:
-        whole = data.decode() if isinstance(data, Base64Data) else bytes(data)
-        if len(whole) <= len(first):
-            raise
-        return probe(whole)
+def looks_like_text(data) -> bool:
+    """Whether an input that is no image is text: words sent where an image goes (its string), or a text file
+    uploaded (its bytes). Its first characters printable, three in four of them letters or whitespace, with a space or
+    a letter outside ASCII (base64 has neither). Base64 stands for a file, whatever its bytes: not told as text."""
+    sample = data.prefix(TEXT_SAMPLE) if isinstance(data, Base64Data) else bytes(data[:TEXT_SAMPLE])
+    if isinstance(sample, bytes):
+        try:
+            sample = sample.decode()
+        except UnicodeDecodeError as e:  # a character cut at the end of the sample is not binary data
+            if e.start < len(sample) - 3:
+                return False
+            sample = sample[:e.start].decode()
+    letters = sum(map(str.isalpha, sample)) + sum(map(str.isspace, sample))
+    return sample.translate(_CONTROLS).isprintable() and 4 * letters >= 3 * len(sample) > 0 and \
+        (" " in sample or not sample.isascii())
 
 
 def _discard_result(job: asyncio.Future) -> None:
@@ -84,7 +101,8 @@ class Decoder:
         self.pool: DecodePool | None = None
         self.threads: ThreadPoolExecutor | None = None
         if settings.decode_processes:
-            self.pool = DecodePool(workers, on_orphan=lambda result: spool.discard(result[0]), on_broken=on_broken)
+            self.pool = DecodePool(workers, on_orphan=lambda result: spool.discard(result[0]), on_broken=on_broken,
+                                   timeout=settings.decode_timeout)
         else:
             self.threads = ThreadPoolExecutor(workers, thread_name_prefix="vitserve-decode")
         self.spool_prefix: str | None = None
@@ -115,32 +133,51 @@ class Decoder:
         """A forced exit: remove the spool files without waiting for anyone (the processes are killed by then)."""
         spool.clear(self.spool_prefix)
 
-    def costs(self, images: list, field: str, names: list[int]) -> list[int]:
-        """Each image's decode memory from its header; the request's errors before anything is decoded."""
-        costs = []
-        for index, data in zip(names, images):
+    async def headers(self, images: list, field: str, names: list[int], owner) -> list[ImageHeader]:
+        """Each image's header (its size checked against the limits), read on the event loop from its first bytes,
+        else by a decode worker from all of them; the request's first error before anything is decoded."""
+        headers: list = [None] * len(images)
+        later: dict[int, asyncio.Future] = {}  # headers not within the first bytes: read off the loop
+        try:
+            for i, data in enumerate(images):
+                try:
+                    headers[i] = probe(head(data))
+                except HeaderNotFound:
+                    later[i] = asyncio.ensure_future(self._run(read_header, data, owner))
+                except Exception as e:
+                    raise self.rejection(f"{field}[{names[i]}]", e, data) from None
+            if later:
+                await asyncio.wait(later.values())
+        except BaseException:  # a bad image, or the request cancelled: the other headers are not needed
+            for job in later.values():
+                job.cancel()
+                job.add_done_callback(lambda job: job.cancelled() or job.exception())
+            raise
+        for i, data in enumerate(images):
             try:
-                header = header_of(data)
-                if header.width * header.height > self.settings.max_image_pixels:
-                    raise ImageTooLarge(f"image is {header.width}x{header.height} = {header.width * header.height} "
-                                        f"pixels, more than the limit of {self.settings.max_image_pixels}")
+                if i in later:
+                    headers[i] = later[i].result()
+                headers[i].check(self.settings.max_image_pixels)
             except Exception as e:
-                raise self.rejection(f"{field}[{index}]", e) from None
-            costs.append(header.decode_bytes)
-        limit = self.settings.decode_memory_per_request
-        if sum(costs) > limit:
-            raise InputTooLarge(f"decoding these {len(images)} image(s) takes about {sum(costs) / 2**20:.0f} MB; a "
-                                f"request may take {limit / 2**20:.0f} MB (send fewer or smaller images)",
-                                "decode_memory", field)
-        return costs
+                for job in later.values():
+                    job.cancelled() or job.exception()  # retrieved: only the first is reported
+                raise self.rejection(f"{field}[{names[i]}]", e, data) from None
+        return headers
 
     async def decode(self, images: list, cfg: PreprocessConfig, field: str = "input",
                      names: list[int] | None = None) -> list[Decoded]:
         """Decode and resize concurrently; the first bad image fails the request (only it), named `field[i]` with
         i its index in `names` (default: its position)."""
         names = list(range(len(images))) if names is None else names
-        costs, owner = self.costs(images, field, names), object()  # the request, for the decode pool's fair queue
-        jobs = [asyncio.ensure_future(self._decode(data, cfg, cost, owner)) for data, cost in zip(images, costs)]
+        owner = object()  # the request, for the decode pool's fair queue
+        headers = await self.headers(images, field, names, owner)
+        costs, limit = [header.decode_bytes for header in headers], self.settings.decode_memory_per_request
+        if sum(costs) > limit:
+            raise InputTooLarge(f"decoding these {len(images)} image(s) takes about {sum(costs) / 2**20:.0f} MB; a "
+                                f"request may take {limit / 2**20:.0f} MB (send fewer or smaller images)",
+                                "decode_memory", field)
+        jobs = [asyncio.ensure_future(self._decode(data, header.end, cfg, cost, owner))
+                for data, header, cost in zip(images, headers, costs)]
         try:
             await asyncio.wait(jobs)
         except BaseException:  # the request was cancelled: what was decoded goes, the rest is dropped when done
@@ -165,8 +202,15 @@ class Decoder:
         return out
 
     @staticmethod
-    def rejection(param: str, e: BaseException) -> Exception:
-        """The domain error a request gets for its image `param` that could not be decoded (`e`)."""
+    def rejection(param: str, e: BaseException, data=None) -> Exception:
+        """The domain error a request gets for its image `param` that could not be decoded (`e`); `data`, where
+        given, is what the client sent, told apart as text where it is no image and reads as text."""
+        if data is not None and isinstance(e, (InvalidBase64, UndecodableImage)) and looks_like_text(data):
+            return InputRejected(f"{param}: {TEXT_INPUT}", "text_input", param)
+        if isinstance(e, JobTimedOut):
+            log.info("%s: %s", param, e)
+            return InputTooLarge(f"{param}: the image took longer than {e.seconds:g} s to decode", "decode_timeout",
+                                 param)
         if isinstance(e, ImageError):
             if str(e) != e.public:
                 log.info("%s: %s", param, e)  # the decoder's own words: for the log, not the client
@@ -180,12 +224,17 @@ class Decoder:
         log.info("%s: cannot decode: %s: %s", param, type(e).__name__, e)
         return InputRejected(f"{param}: cannot decode the image", "undecodable_image", param)
 
-    async def _decode(self, data, cfg: PreprocessConfig, cost: int, owner):
+    async def _decode(self, data, end: int | None, cfg: PreprocessConfig, cost: int, owner):
         share = await self.budget.acquire(cost)
         try:
             for attempt in (1, 2):
                 try:
-                    return await self._decode_once(data, cfg, owner)
+                    start = time.perf_counter()
+                    path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
+                    result = await self._run(decode_and_resize, data, owner, self.settings.max_image_pixels, cfg,
+                                             path or None, self.fast, self.jpeg_on_device, end=end, spooled=path)
+                    self.metrics.decode_seconds.observe(time.perf_counter() - start)
+                    return result
                 except WorkerDied:
                     if attempt == 2:
                         raise
@@ -193,27 +242,47 @@ class Decoder:
             self.budget.release(share)
         raise AssertionError("unreachable")
 
-    async def _decode_once(self, data, cfg: PreprocessConfig, owner):
-        limit = self.settings.max_image_pixels
-        if is_base64 := isinstance(data, Base64Data):  # as bytes: a str pickles at twice the server's CPU
-            data = data.ascii()
-        start = time.perf_counter()
+    async def _run(self, fn, data, owner, *args, end: int | None = None, spooled: str | None = None):
+        """fn(payload, is_base64, *args) in a decode worker (or thread), under the decode timeout. The payload is the
+        image's bytes up to `end` (its base64 as ASCII bytes: a str pickles at twice the server's CPU), made only
+        when a worker takes the job; `spooled`: the spool file the job writes, removed if its worker dies."""
+        is_base64 = isinstance(data, Base64Data)
+        payload = functools.partial(data.ascii, end) if is_base64 else data if end is None else \
+            memoryview(data)[:end]
         if self.pool is None:
-            result = await asyncio.get_running_loop().run_in_executor(self.threads, decode_and_resize, data,
-                                                                      is_base64, limit, cfg, None, self.fast,
-                                                                      self.jpeg_on_device)
-        else:
-            path = self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-            job = self.pool.submit(decode_and_resize, data, is_base64, limit, cfg, path, self.fast,
-                                   self.jpeg_on_device, owner=owner)
-            try:
-                result = await job
-            except WorkerDied:
-                if path:
-                    spool.remove(path)  # in case it wrote the image before it died
-                raise
-            except asyncio.CancelledError:  # the request is gone: the pool drops a result still to come, this one here
-                _discard_result(job)
-                raise
-        self.metrics.decode_seconds.observe(time.perf_counter() - start)
-        return result
+            return await self._in_thread(lambda: fn(payload() if is_base64 else payload, is_base64, *args))
+        job = self.pool.submit(fn, payload, is_base64, *args, owner=owner,
+                               on_lost=spooled and functools.partial(spool.remove, spooled))
+        try:
+            return await job
+        except asyncio.CancelledError:  # the request is gone: the pool drops a result still to come, this one here
+            _discard_result(job)
+            raise
+
+    async def _in_thread(self, run):
+        """run() on a decode thread; past the decode timeout (counted from when a thread takes it) JobTimedOut, while
+        the thread, which cannot be stopped, finishes it for nobody."""
+        loop, timeout = asyncio.get_running_loop(), self.settings.decode_timeout
+        expired, timer = loop.create_future(), []
+
+        def arm():
+            if not job.done():
+                timer.append(loop.call_later(timeout, lambda: expired.done() or expired.set_result(None)))
+
+        def started():
+            loop.call_soon_threadsafe(arm)
+            return run()
+
+        job = loop.run_in_executor(self.threads, started)
+        try:
+            await asyncio.wait((job, expired), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+        finally:
+            for handle in timer:
+                handle.cancel()
+        if not job.done():
+            job.add_done_callback(lambda job: job.cancelled() or job.exception())
+            raise JobTimedOut(f"the decode thread ran past {timeout:g} s (it goes on)", timeout)
+        return job.result()

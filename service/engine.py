@@ -313,7 +313,17 @@ class Engine:
         """Decode and run the images at `todo` (indices of `images`), filling `outputs`; the seconds their decoding
         took, and the longest queue and inference seconds among them."""
         start = time.perf_counter()
-        decoded = await self.decoder.decode([images[i] for i in todo], cfg, field, todo)
+        decoding = asyncio.ensure_future(self.decoder.decode([images[i] for i in todo], cfg, field, todo))
+        try:  # a client that leaves while its images are decoded frees their decode workers
+            await asyncio.wait({decoding} if disconnected is None else {decoding, disconnected},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not decoding.done():
+                self.metrics.dropped.inc(len(todo))  # dropped before they were queued
+                raise ClientDisconnected("the client went away")
+        except BaseException:
+            decoding.cancel()
+            raise
+        decoded = decoding.result()
         decode_s = time.perf_counter() - start
         loop = asyncio.get_running_loop()
         items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]")

@@ -55,7 +55,8 @@ class Metrics:
                                       registry=r)
         self.batch_images = Histogram("vitserve_batch_images", "Images per batch", buckets=(1, 2, 4, 8, 16, 32, 64),
                                       registry=r)
-        self.dropped = Counter("vitserve_dropped_images", "Queued images dropped because their client went away",
+        self.dropped = Counter("vitserve_dropped_images", "Images dropped because their client went away (being decoded "
+                               "or waiting for a batch)",
                                registry=r)
         self.cache_hits = Counter("vitserve_cache_hits", "Images answered from the embedding cache", registry=r)
         self.cache_misses = Counter("vitserve_cache_misses", "Images encoded while the cache is on", registry=r)

@@ -69,7 +69,9 @@ def sixteen_bit_png() -> bytes:
 # name -> (bytes or data-URI text, expected status, expected error code)
 INVALID_IMAGES = {
     "zero bytes": ("data:image/png;base64,", 400, "invalid_image"),
-    "text": (uri(b"hello, this is plain text and not an image at all"), 400, "undecodable_image"),
+    "text": (uri(b"hello, this is plain text and not an image at all"), 400, "undecodable_image"),  # a file
+    "words": ("a photo of a cat", 400, "text_input"),
+    "words that are not base64": ("a photo of a cat!", 400, "text_input"),
     "pdf": (uri(b"%PDF-1.7\n1 0 obj <</Type /Catalog>> endobj\ntrailer <</Root 1 0 R>>\n%%EOF\n"), 400,
             "undecodable_image"),
     "truncated jpeg": (uri(encode(photo(200, 150, 1), "JPEG")[:600], "image/jpeg"), 400, "undecodable_image"),
@@ -95,3 +97,104 @@ VALID_IMAGES = {
     "multi-page tiff": encode(photo(64, 64, 24), "TIFF", save_all=True, append_images=[photo(64, 64, 25)]),
     "exif-rotated jpeg": exif_rotated_jpeg(),
 }
+
+
+def every_format() -> dict[str, bytes]:
+    """Real files of every accepted format, in every mode and layout PIL writes them (the header readers' corpus)."""
+    rgb, exif = photo(96, 64, 30), Image.Exif()
+    exif[0x0112] = 6
+    gray_palette = Image.new("P", (40, 30))
+    gray_palette.putpalette([v for i in range(256) for v in (i, i, i)])
+    files = {
+        **{f"jpeg {mode}": encode(photo(80, 60, 31, mode), "JPEG") for mode in ("L", "RGB", "CMYK")},
+        "jpeg progressive": encode(rgb, "JPEG", progressive=True, optimize=True),
+        "jpeg 4:4:4 with exif and a comment": encode(rgb, "JPEG", subsampling=0, exif=exif.tobytes(), comment=b"hi"),
+        "jpeg restart markers": encode(rgb, "JPEG", restart_marker_rows=1),
+        "jpeg with a 200 KB ICC profile": encode(rgb, "JPEG", icc_profile=bytes(200_000)),
+        "mpo": encode(rgb, "MPO", save_all=True, append_images=[photo(96, 64, 32)]),
+        **{f"png {mode}": encode(photo(50, 40, 33, mode), "PNG") for mode in ("1", "L", "LA", "RGB", "RGBA", "P")},
+        **{f"png {bits}-bit gray": encode(photo(50, 40, 34, "L"), "PNG", bits=bits) for bits in (2, 4)},
+        "png 16-bit": sixteen_bit_png(),
+        "png palette with transparency": palette_with_transparency(),
+        "png gray with transparency": encode(photo(50, 40, 35, "L"), "PNG", transparency=7),
+        "png rgb with transparency": encode(rgb, "PNG", transparency=(1, 2, 3)),
+        "png optimized": encode(rgb, "PNG", optimize=True),
+        "png with 100 KB of text before its data": encode(rgb, "PNG", pnginfo=_text_chunk(100_000)),
+        "apng": encode(rgb, "PNG", save_all=True, append_images=[photo(96, 64, 36)]),
+        "gif": encode(photo(64, 48, 37).convert("P"), "GIF"),
+        "gif gray palette": encode(gray_palette, "GIF"),
+        "gif L": encode(photo(64, 48, 45, "L"), "GIF"),
+        "gif transparency": encode(photo(64, 48, 38).convert("P"), "GIF", transparency=0),
+        "gif animated": animated("GIF"),
+        "gif comment": encode(photo(64, 48, 39).convert("P"), "GIF", comment=b"x" * 600),
+        **{f"bmp {mode}": encode(photo(50, 40, 40, mode), "BMP") for mode in ("1", "L", "P", "RGB", "RGBA")},
+        "bmp gray palette": encode(gray_palette, "BMP"),
+        **{f"tiff {mode}": encode(photo(48, 32, 41, mode), "TIFF")
+           for mode in ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "YCbCr", "I", "F")},
+        "tiff I;16": encode(Image.fromarray(np.arange(48 * 32, dtype=np.uint16).reshape(32, 48)), "TIFF"),
+        "tiff I;16B": encode(Image.fromarray(np.arange(48 * 32, dtype=np.uint16).reshape(32, 48)).convert("I;16B"),
+                             "TIFF"),
+        **{f"tiff {c}": encode(rgb, "TIFF", compression=c) for c in ("tiff_lzw", "tiff_deflate", "packbits", "jpeg")},
+        "tiff group4": encode(photo(48, 32, 42, "1"), "TIFF", compression="group4"),
+        "tiff rotated": encode(rgb, "TIFF", exif=exif),
+        "tiff multi-page": encode(rgb, "TIFF", save_all=True, append_images=[photo(96, 64, 43)]),
+        "bigtiff": encode(rgb, "TIFF", big_tiff=True),
+        "webp lossy": encode(rgb, "WEBP", quality=80),
+        "webp lossless alpha": encode(_with_alpha(photo(50, 40, 44)), "WEBP", lossless=True),
+        "webp lossy alpha": encode(_with_alpha(photo(50, 40, 46)), "WEBP", quality=80),
+        "webp animated": animated("WEBP"),
+    }
+    return files
+
+
+def _text_chunk(size: int):
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text("comment", "x" * size)
+    return info
+
+
+def _with_alpha(image: Image.Image) -> Image.Image:
+    rgba = image.convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize(image.size))
+    return rgba
+
+
+# --------------------------------------------------------------------------- hostile structures (issue 25)
+
+
+def progressive_jpeg(side: int, scans: int, mode: str = "L") -> bytes:
+    """A flat progressive JPEG whose last scan is repeated until it has `scans` (a scan bomb: every scan is a pass
+    over every block, while a repeated refinement scan of a flat image is a few bytes)."""
+    data = encode(Image.new(mode, (side, side), 128), "JPEG", progressive=True, quality=90)
+    starts = [i for i in range(len(data) - 1) if data[i] == 0xFF and data[i + 1] == 0xDA]
+    return data[:-2] + data[starts[-1]:-2] * (scans - len(starts)) + b"\xff\xd9"
+
+
+def fill_before_jpeg(fill: int) -> bytes:
+    """SOI, `fill` bytes of 0xFF (fill bytes: what PIL's header reader steps through one at a time), then a 16x16
+    JPEG's segments."""
+    return b"\xff\xd8" + b"\xff" * fill + encode(photo(16, 16, 50), "JPEG")[2:]
+
+
+def png_chunk_flood(size: int) -> bytes:
+    """A 16x16 PNG with `size` bytes of empty private chunks (valid CRCs) before its image data."""
+    data = encode(photo(16, 16, 51), "PNG")
+    at = data.index(b"IDAT") - 4
+    return data[:at] + png_chunk(b"quIt", b"") * (size // 12) + data[at:]
+
+
+def tiff_strip_flood(strips: int) -> bytes:
+    """An uncompressed 16x16 gray TIFF whose StripOffsets array has `strips` entries (PIL makes a Python int and a
+    tile of each)."""
+    entries = [(256, 3, 1, 16), (257, 3, 1, 16), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1),
+               (273, 4, strips, None), (277, 3, 1, 1), (278, 3, 1, 1), (279, 4, 1, 256)]
+    array = 8 + 2 + 12 * len(entries) + 4  # where the StripOffsets array starts, after the IFD
+    ifd = struct.pack("<H", len(entries))
+    for tag, kind, count, value in entries:
+        ifd += struct.pack("<HHI", tag, kind, count) + (struct.pack("<I", array) if value is None else
+                                                        struct.pack("<HH", value, 0) if kind == 3 else
+                                                        struct.pack("<I", value))
+    offsets = np.full(strips, array + 4 * strips, "<u4").tobytes()  # every strip: the 256 pixels after the array
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + bytes(4) + offsets + bytes(256)

@@ -369,3 +369,140 @@ def test_decode_memory_is_estimated_from_the_header_alone():
         assert (header.width, header.height, header.mode) == (6000, 4000, mode)
     opaque, clear = probe(encoded("RGB", "PNG")), probe(encoded("RGBA", "PNG"))
     assert opaque.decode_bytes == 6000 * 4000 * 12 and clear.decode_bytes == 6000 * 4000 * 20
+
+
+def test_decode_pool_kills_what_runs_too_long_or_for_nobody_and_makes_payloads_late():
+    """Issue 25: a job past the pool's timeout fails with JobTimedOut (its worker killed and replaced, `on_lost`
+    told); a running job whose caller is gone is killed after the grace (without it, the worker would sleep on); a
+    waiting job holds no bytes: its payload is made when a worker takes it."""
+    import time
+
+    from vitserve.service.decode_pool import JobTimedOut
+
+    async def scenario():
+        pool, lost, made = DecodePool(1, timeout=0.5), [], []
+        await pool.start()
+        try:
+            slow = pool.submit(eval, b"__import__('time').sleep(30)", on_lost=lambda: lost.append("slow"))
+            queued = pool.submit(bytes.upper, lambda: made.append(1) or b"abc")
+            await until(lambda: pool.idle == 0, what="the worker busy")
+            assert made == []  # waiting: only the function that makes its bytes
+            start = time.monotonic()
+            with pytest.raises(JobTimedOut, match="ran past 0.5 s"):
+                await slow
+            assert time.monotonic() - start < 5
+            await until(lambda: lost == ["slow"], what="on_lost told")  # once its socket reads the end
+            assert await queued == b"ABC" and made == [1] and pool.replaced == 1
+        finally:
+            await pool.close()
+        pool = DecodePool(1, grace=0.2)  # no timeout: only the grace stops it
+        await pool.start()
+        try:
+            gone = pool.submit(eval, b"__import__('time').sleep(30)")
+            await until(lambda: pool.idle == 0, what="the worker busy")
+            [(process, _)] = pool.workers()
+            gone.cancel()
+            await until(lambda: not process.is_alive(), timeout=5, what="the worker killed")
+            assert await pool.submit(bytes.upper, b"x") == b"X" and pool.replaced == 1
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_only_the_image_bytes_go_to_a_worker(encoders, monkeypatch):
+    """Issue 25: a 16x16 PNG followed by a megabyte of junk (as bytes, as base64): the worker is sent the PNG (its
+    base64 up to IEND), not the junk; an image whose end is past the probe's bytes is cut by the worker's walk."""
+    from corpus import encode as encode_image
+    from corpus import photo
+
+    from vitserve.service import decode_pool
+
+    enc, sent = encoders["tiny-qwen2.5-vl"], []
+    send = decode_pool._Link.send
+    monkeypatch.setattr(decode_pool._Link, "send", lambda link, call, payload: (sent.append(len(payload)),
+                                                                               send(link, call, payload)))
+    small = encode_image(photo(16, 16, 60), "PNG")
+    icc = encode_image(photo(40, 30, 61), "JPEG", icc_profile=bytes(100_000))  # its header past the first 64 KB
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, decode_workers=1, spool_dir="none"), encoders=enc)
+        await engine.start()
+        cfg = engine.model.preprocess_config
+        try:
+            out = await engine.decoder.decode([small + bytes(2**20), b64(small + bytes(2**20)), small], cfg)
+            sent_small = list(sent)
+            [(far, _)] = await engine.decoder.decode([icc + bytes(2**20)], cfg)
+            return [image for image, _ in out], sent_small, far, engine.decoder.pool.submitted
+        finally:
+            await engine.stop()
+
+    (junked, junked64, plain), sent_small, far, submitted = asyncio.run(scenario())
+    assert sent_small == [len(small), -(-len(small) // 3) * 4, len(small)]
+    assert np.array_equal(junked, plain) and np.array_equal(junked64, plain)
+    assert submitted == 5  # 3 decodes, then a header read off the loop and its decode
+    from vitserve.encoder.preprocess import PreprocessConfig, load_image, resize_rgb
+    assert np.array_equal(far, resize_rgb(load_image(icc), PreprocessConfig()))
+
+
+def test_a_decode_thread_past_the_timeout_gives_413_at_once(encoders):
+    """Issue 25: with threads (`--decode-processes false`) nothing can be killed, but the request gets its 413
+    decode_timeout at the limit instead of waiting for the image (a 4000² JPEG of 60 scans: ~1.5 s)."""
+    import time
+
+    from corpus import progressive_jpeg
+
+    enc, bomb = encoders["tiny-qwen2.5-vl"], progressive_jpeg(4000, 60)
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, decode_processes=False, decode_timeout=0.2), encoders=enc)
+        await engine.start()
+        try:
+            start = time.monotonic()
+            with pytest.raises(Exception) as error:
+                await engine.decoder.decode([bomb], engine.model.preprocess_config)
+            return ServiceError.of(error.value), time.monotonic() - start
+        finally:
+            await engine.stop()
+
+    error, seconds = asyncio.run(scenario())
+    assert error.status == 413 and error.code == "decode_timeout" and error.message.startswith("input[0]: ")
+    assert seconds < 1.2
+
+
+@pytest.mark.parametrize("item,text", [
+    ("a photo of a cat", True), ("a photo of a cat!", True), ("一只猫的照片", True),
+    (b"Dear team,\nhere it is.", True),
+    (base64.b64encode(b"plain words in a text file, base64 as a data URI").decode(), False),  # a file
+    (base64.b64encode(np.random.default_rng(0).bytes(900)).decode(), False), ("aGVsbG8gd29ybGQ", False),
+    (IMAGES[0], False), (b"%PDF-1.7\n1 0 obj <</Type /Catalog>> endobj\n", False), ("", False)])
+def test_text_is_told_apart_from_images_and_base64(item, text):
+    from vitserve.service.decoder import looks_like_text
+
+    assert looks_like_text(Base64Data(item) if isinstance(item, str) else item) is text
+
+
+def test_text_sent_as_an_image_is_a_400_that_says_so(encoders):
+    """Issue 16: words where an image goes were "not a recognized image format (9 bytes of data)"."""
+    enc = encoders["tiny-qwen2.5-vl"]
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, decode_workers=1), encoders=enc)
+        await engine.start()
+        errors = []
+        try:
+            for item in (Base64Data("a photo of a cat"), Base64Data("a photo of a cat?"), b"some notes I wrote\n"):
+                with pytest.raises(InputRejected) as error:
+                    await engine.decoder.decode([item], engine.model.preprocess_config)
+                errors.append(error.value)
+            with pytest.raises(InputRejected) as error:  # a file sent as base64 is told as what it is
+                await engine.decoder.decode([b64(b"plain words in a file")], engine.model.preprocess_config)
+            return errors, error.value
+        finally:
+            await engine.stop()
+
+    errors, junk = asyncio.run(scenario())
+    for error in errors:
+        assert error.code == "text_input" and "encodes images" in error.message and "not text" in error.message
+        assert error.message.startswith("input[0]: ") and error.param == "input[0]"
+    assert junk.code == "undecodable_image"

@@ -550,3 +550,109 @@ def test_error_codes():
     assert BadAspectRatio.code == "bad_aspect_ratio"
     for cls in (UndecodableImage, ImageTooLarge, BadAspectRatio):
         assert issubclass(cls, ImageError) and issubclass(cls, ValueError)
+
+
+# --------------------------------------------------------------------------- header readers (issue 25)
+
+
+def _pil_header(data: bytes):
+    from vitserve.encoder.preprocess import ImageHeader
+
+    with Image.open(io.BytesIO(data)) as img:  # an MPO is the JPEG it starts with
+        return ImageHeader("JPEG" if img.format == "MPO" else img.format, img.width, img.height, img.mode,
+                           "transparency" in img.info or "A" in img.getbands())
+
+
+def test_header_readers_agree_with_pil_on_every_format_and_find_the_end():
+    """The walks read what PIL reads (format, size, mode, transparency: so the decode memory estimate is PIL's) for
+    real files of every accepted format and mode, from the first 64 KB where the header is there (else they say
+    so), and where they see the image's end, the bytes up to it decode to the same pixels, with junk after it."""
+    from corpus import every_format
+
+    from vitserve.encoder.preprocess import HeaderNotFound, probe
+
+    ends = 0
+    for name, data in every_format().items():
+        want = _pil_header(data)
+        whole = probe(data, whole=True)
+        assert whole == want, name
+        try:
+            assert probe(data[:65536]) == want, name
+        except HeaderNotFound:
+            assert len(data) > 65536, name
+        padded = probe(data + b"\x00junk" * 1000, whole=True)
+        assert padded == want and padded.end == whole.end, name
+        if whole.end is not None:
+            ends += 1
+            assert whole.end <= len(data)
+            np.testing.assert_array_equal(np.asarray(load_image(data[:whole.end])), np.asarray(load_image(data)))
+    assert ends >= 30  # JPEG, PNG, GIF, BMP and WebP files end where their walk says
+
+
+def test_png_modes_are_pils():
+    from PIL import PngImagePlugin
+
+    from vitserve.encoder.preprocess import _PNG_MODES
+
+    assert _PNG_MODES == {key: mode for key, (mode, _) in PngImagePlugin._MODES.items()}
+
+
+def test_probe_on_the_loop_is_bounded_whatever_the_bytes():
+    """Issue 25: PIL's header readers took 5-30 s on these (a byte or a chunk at a time, 3 M Python ints). The bounded
+    probe refuses them or hands them on within a millisecond or so (a generous bound here), and the whole-image walk
+    a decode worker runs refuses each by its structural limit before PIL sees it."""
+    from corpus import fill_before_jpeg, png_chunk_flood, tiff_strip_flood
+
+    from vitserve.encoder.preprocess import HeaderNotFound, probe
+
+    cases = {"fill": (fill_before_jpeg(22 << 20), "junk between JPEG markers"),
+             "chunks": (png_chunk_flood(4 << 20), "chunks before the image data"),
+             "strips": (tiff_strip_flood(3_000_000), "3000000 numbers in tag 273, for 16x16 pixels")}
+    for name, (data, why) in cases.items():
+        start = time.perf_counter()
+        with pytest.raises(UndecodableImage):  # refused, or HeaderNotFound: a worker reads it
+            probe(data[:65536])
+        assert time.perf_counter() - start < 0.05, name
+        with pytest.raises(UndecodableImage, match=why) as error:
+            probe(data, whole=True)
+        assert not isinstance(error.value, HeaderNotFound)
+    # 64 KB of tiny segments, sub-blocks or chunks: at most PROBE_STEPS of them on the loop
+    com = b"\xff\xd8" + b"\xff\xfe\x00\x02" * 16384
+    gif = b"GIF89a\x08\x00\x08\x00\x00\x00\x00" + b"!\xfe" + b"\x01x" * 32768  # a comment of 1-byte sub-blocks
+    for data in (com, gif):
+        start = time.perf_counter()
+        with pytest.raises(HeaderNotFound):
+            probe(data)
+        assert time.perf_counter() - start < 0.05
+
+
+def test_scan_bombs_are_refused_before_pil_decodes_them():
+    """A progressive JPEG with its last scan repeated: libjpeg makes a pass over every block per scan (~2 ns a
+    pixel), only warning. At most MAX_JPEG_SCANS scans, and MAX_SCAN_PIXELS scans x pixels."""
+    from corpus import progressive_jpeg
+
+    from vitserve.encoder.preprocess import MAX_JPEG_SCANS, MAX_SCAN_PIXELS, probe
+
+    assert probe(progressive_jpeg(64, MAX_JPEG_SCANS), whole=True).height == 64
+    with pytest.raises(UndecodableImage, match="more than 100 scans"):
+        probe(progressive_jpeg(64, MAX_JPEG_SCANS + 1), whole=True)
+    side = 4000
+    allowed = MAX_SCAN_PIXELS // side**2
+    assert probe(progressive_jpeg(side, allowed), whole=True).width == side
+    with pytest.raises(UndecodableImage, match=f"more than {allowed} scans of {side * side} pixels"):
+        probe(progressive_jpeg(side, allowed + 1), whole=True)
+    with pytest.raises(UndecodableImage, match="scans"):  # the issue's bomb: 340 KB, 2000 scans of 7000² pixels
+        probe(progressive_jpeg(7000, 2000), whole=True)
+
+
+def test_base64_is_sent_up_to_the_image_end():
+    import base64
+
+    from vitserve.encoder.preprocess import Base64Data
+
+    data = encode(rand_image(8, 8), "PNG")
+    text = base64.b64encode(data + bytes(30_000)).decode()
+    sent = Base64Data("data:image/png;base64," + text, 22).ascii(len(data))
+    assert len(sent) == -(-len(data) // 3) * 4 and base64.b64decode(bytes(sent))[:len(data)] == data
+    wrapped = Base64Data("\n".join(text[i:i + 76] for i in range(0, len(text), 76)))
+    assert len(wrapped.ascii(len(data))) == len(wrapped)  # whitespace before the end: all of it
