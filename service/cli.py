@@ -50,7 +50,7 @@ def check_encode_paths(images: list[str], output: str) -> None:
     """Before the model loads (ValueError naming the path): every input a readable file whose first bytes are an
     image's header (encoder.preprocess.probe; all of it where the header lies further), and the output a file in an
     existing, writable folder."""
-    from ..encoder.preprocess import ImageError, UndecodableImage, probe
+    from ..encoder.preprocess import HeaderNotFound, ImageError, probe
 
     for name in images:
         path = Path(name)
@@ -61,10 +61,8 @@ def check_encode_paths(images: list[str], output: str) -> None:
                 head = f.read(HEADER_BYTES)
                 try:
                     probe(head)
-                except UndecodableImage:
-                    if len(head) < HEADER_BYTES:
-                        raise
-                    probe(head + f.read())
+                except HeaderNotFound:  # further in, or a format read by PIL: the whole file
+                    probe(head + f.read(), whole=True)
         except OSError as e:
             raise ValueError(f"input {name}: cannot be read ({e.strerror})") from None
         except ImageError as e:
