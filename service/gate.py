@@ -7,10 +7,12 @@ is read: a slow or unfinished body counts. The body limit is enforced at once fr
 body streams in (a body is never read whole first), and the body must arrive within `--body-timeout` (408).
 
 Bodies held count against `--body-memory` (a `MemoryBudget`), twice each: the body as received and the images
-parsed from it live as long as the request. A body of known length takes its share before any of it is read, a
-chunked one as it arrives; one that does not fit waits, unread (the client's sends stall), and is answered 429 if no
-room comes within the body deadline. The share is given back when the request is answered. Routes leave what the
-access line reports (images, tokens, queue and inference time) in the request's state.
+parsed from it live as long as the request. A body takes its share as it arrives, a step (`CHARGE_STEP`) ahead of
+what is read, so a declared length reserves nothing; its first `FREE_BODY_BYTES` are not counted (every request may
+hold that much, --max-concurrent-requests bounds it), so an ordinary request never waits on large ones. A body that
+does not fit waits, unread beyond its share (the client's sends stall), and is answered 429 if no room comes within
+the body deadline. The share is given back when the request is answered. Routes leave what the access line reports
+(images, tokens, queue and inference time) in the request's state.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class NoBodyMemory(Exception):
 
 
 HELD_PER_BODY_BYTE = 2  # the body as received, and the images parsed from it
-CHARGE_STEP = 2**20  # a chunked body's share grows in steps of this many bytes of body
+CHARGE_STEP = 2**20  # a body's share grows in steps of this many bytes of body, one step ahead of what is read
+FREE_BODY_BYTES = 2**20  # of each body, not counted
 
 
 def endpoint_label(path: str) -> str:
@@ -104,10 +107,12 @@ class Gate:
         seen, charged, started, body_done = 0, 0, [False], [False]
         deadline = time.monotonic() + self.settings.body_timeout
 
+        size = int(length) if length is not None else limit  # what the body may still grow to
+
         async def charge(body_bytes: int) -> None:
             """Hold the body memory of `body_bytes` of body (beyond what is held already), waiting for room."""
             nonlocal charged
-            want = HELD_PER_BODY_BYTE * body_bytes - charged
+            want = HELD_PER_BODY_BYTE * max(0, body_bytes - FREE_BODY_BYTES) - charged
             if want <= 0:
                 return
             try:
@@ -119,8 +124,7 @@ class Gate:
             nonlocal seen
             if body_done[0]:  # waiting for a disconnect while the images run: no deadline
                 return await receive()
-            if seen == 0 and length is not None and int(length):
-                await charge(int(length))  # before any of it is read
+            await charge(min(size, (seen // CHARGE_STEP + 1) * CHARGE_STEP))  # a step ahead of what is read
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
@@ -128,8 +132,7 @@ class Gate:
             seen += len(message.get("body", b""))
             if seen > limit:
                 raise PayloadTooLarge()
-            if length is None:  # chunked: its share grows as it comes
-                await charge(min(limit, -(-seen // CHARGE_STEP) * CHARGE_STEP))
+            await charge(seen)  # a message may cross the step
             body_done[0] = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 

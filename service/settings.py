@@ -80,9 +80,9 @@ class Settings:
                                              "estimated from their headers: images beyond it wait their turn",
                                   "limits", size=True)
     body_memory: int = _setting(512 * 2**20, "what request bodies in flight may take on the whole server, twice "
-                                             "each body's size counted (the body and its parsed images): beyond "
-                                             "it, a request waits for room before its body is read", "limits",
-                                size=True)
+                                             "each body's size beyond its first MiB counted (the body and its "
+                                             "parsed images), as it arrives: beyond it, a body waits for room",
+                                "limits", size=True)
     decode_timeout: float = _setting(10.0, "seconds a decode worker may spend on one image (beyond, the worker is "
                                            "replaced and the image refused: 413 decode_timeout)", "decoding",
                                      metavar="SECONDS")

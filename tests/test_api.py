@@ -442,12 +442,15 @@ def test_a_body_that_finds_no_room_in_time_is_429():
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    settings = Settings(model="tiny-qwen3-vl", body_memory=1000, body_timeout=0.3)
+    settings = Settings(model="tiny-qwen3-vl", body_memory=4 * 2**20, body_timeout=0.3)
     gate = Gate(app, settings, Metrics())
     client = TestClient(gate)  # no lifespan: the gate and a bare app
-    gate.bodies.used = 900  # another request's share
-    big = client.post("/v1/encode", content=b"x" * 400)
+    gate.bodies.used = 3 * 2**20  # other requests' shares
+    big = client.post("/v1/encode", content=b"x" * (2 * 2**20))  # counted beyond its first MiB: 2 MiB
     assert big.status_code == 429 and big.json()["error"]["code"] == "queue_full"
     assert big.headers["retry-after"] == "1"
-    assert client.post("/v1/encode", content=b"x" * 40).status_code == 200  # 80 bytes fit
-    assert gate.bodies.used == 900  # each share given back
+    assert client.post("/v1/encode", content=b"x" * (3 * 2**19)).status_code == 200  # 1 MiB of 1.5: fits
+    assert client.post("/v1/encode", content=b"x" * 2**19).status_code == 200  # within its free MiB
+    gate.bodies.used = 4 * 2**20  # full: a body within its first MiB is still read
+    assert client.post("/v1/encode", content=b"x" * 2**20).status_code == 200
+    assert gate.bodies.used == 4 * 2**20  # each share given back

@@ -344,8 +344,8 @@ def test_idle_connections_make_room_and_probes_always_answer(server):
 @pytest.fixture
 def small_server():
     proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--max-connections", "4",
-                             "--max-concurrent-requests", "16", "--body-timeout", "3", "--body-memory",
-                             str(2 * 2**20), timeout=60, capture_log=True)
+                             "--max-concurrent-requests", "16", "--body-timeout", "3", "--body-memory", "4MiB",
+                             timeout=60, capture_log=True)
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -380,21 +380,26 @@ def test_with_every_connection_busy_the_probes_still_answer(small_server):
 
 
 def test_request_bodies_count_against_the_body_memory(small_server):
-    """Bodies held count twice against --body-memory (2 MiB here): a 700 KB body that does not fit beside another
-    waits unread while small requests still pass, takes the room once the other is gone, and gives it back when it
-    ends. (tests/test_api.py has the 429 of one that finds no room in time.)"""
+    """Bodies held count twice, beyond their first MiB, against --body-memory (4 MiB here), as they arrive: a 3 MB
+    body that does not fit beside another waits, read no further than its free MiB, while small requests pass; it
+    takes the room once the other is gone, and gives it back when it ends. (tests/test_api.py has the 429 of one
+    that finds no room in time.)"""
     url = small_server
     port = int(url.rsplit(":", 1)[1])
     held = lambda: stats(url)["memory"]["bodies"]["bytes"]  # noqa: E731
-    first = unfinished(port, 700_000)  # 1.4 MB held of 2 MiB
-    wait_until(lambda: held() == 1_400_000, 5, "the first body's share held")
-    second = unfinished(port, 700_000)  # does not fit: waits, unread
+    share = 2 * (3_000_000 - 2**20)
+    first = unfinished(port, 3_000_000)
+    assert held() == 0  # a declared length reserves nothing
+    first.sendall(b"A" * 2_500_000)
+    wait_until(lambda: held() == share, 5, "the first body's share held as it arrived")
+    second = unfinished(port, 3_000_000)
+    second.sendall(b"A" * 2_500_000)  # does not fit: waits, read little past its first MiB (the rest unread)
     time.sleep(0.3)
-    assert held() == 1_400_000
-    normal_ok(url)  # a small one fits beside them
+    assert share <= held() <= share + 2 * 2**19  # (one read past its free MiB: counted as read)
+    normal_ok(url)  # a small one never waits
     first.close()
-    wait_until(lambda: held() == 1_400_000 and stats(url)["requests_in_flight"] == 1, 5, "the second's share taken")
-    reply = reply_of(second)  # its body never comes
+    wait_until(lambda: held() == share and stats(url)["requests_in_flight"] == 1, 5, "the second's share taken")
+    reply = reply_of(second)  # its body never ends
     assert reply.startswith(b"HTTP/1.1 408"), reply[:300]
     second.close()
     wait_until(lambda: held() == 0, 5, "every share given back")
