@@ -17,6 +17,13 @@ class MemoryBudget:
         self.limit, self.patience, self.used = limit, patience, 0
         self._waiters: collections.deque[tuple[int, float, asyncio.Future]] = collections.deque()
 
+    def try_acquire(self, cost: int) -> bool:
+        """Take `cost` if it fits now, ahead of no waiter; else take nothing."""
+        if self.used + cost <= self.limit and not self._waiters:
+            self.used += cost
+            return True
+        return False
+
     async def acquire(self, cost: int) -> int:
         cost = min(cost, self.limit)
         now = time.monotonic()

@@ -7,12 +7,14 @@ is read: a slow or unfinished body counts. The body limit is enforced at once fr
 body streams in (a body is never read whole first), and the body must arrive within `--body-timeout` (408).
 
 Bodies held count against `--body-memory` (a `MemoryBudget`), twice each: the body as received and the images
-parsed from it live as long as the request. A body takes its share as it arrives, a step (`CHARGE_STEP`) ahead of
-what is read, so a declared length reserves nothing; its first `FREE_BODY_BYTES` are not counted (every request may
-hold that much, --max-concurrent-requests bounds it), so an ordinary request never waits on large ones. A body that
-does not fit waits, unread beyond its share (the client's sends stall), and is answered 429 if no room comes within
-the body deadline. The share is given back when the request is answered. Routes leave what the access line reports
-(images, tokens, queue and inference time) in the request's state.
+parsed from it live as long as the request. A body's first `FREE_BODY_BYTES` are not counted (every request may
+hold that much, --max-concurrent-requests bounds it), so an ordinary request never waits on large ones, and a body
+takes its share only once it has sent them. A body of known length then takes all of its share at once: one that
+does not fit waits holding none (bodies that each held a part and waited for the rest would wait on each other),
+read no further (the client's sends stall), and is answered 429 if no room comes within the body deadline. A chunked
+body takes its share a step (`CHARGE_STEP`) ahead of what is read, and for the same reason never waits: a step that
+does not fit is a 429 at once. The share is given back when the request is answered. Routes leave what the access
+line reports (images, tokens, queue and inference time) in the request's state.
 """
 
 from __future__ import annotations
@@ -107,24 +109,33 @@ class Gate:
         seen, charged, started, body_done = 0, 0, [False], [False]
         deadline = time.monotonic() + self.settings.body_timeout
 
-        size = int(length) if length is not None else limit  # what the body may still grow to
-
-        async def charge(body_bytes: int) -> None:
-            """Hold the body memory of `body_bytes` of body (beyond what is held already), waiting for room."""
+        async def charge(ahead: bool) -> None:
+            """Hold the body memory for what came (and, `ahead`, for the step to come), once the free part has come
+            (see the module's docstring)."""
             nonlocal charged
-            want = HELD_PER_BODY_BYTE * max(0, body_bytes - FREE_BODY_BYTES) - charged
-            if want <= 0:
+            if seen < FREE_BODY_BYTES:
                 return
-            try:
-                charged += await asyncio.wait_for(self.bodies.acquire(want), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise NoBodyMemory() from None
+            if length is not None:
+                want = HELD_PER_BODY_BYTE * (int(length) - FREE_BODY_BYTES) - charged
+                if want > 0:
+                    try:
+                        charged += await asyncio.wait_for(self.bodies.acquire(want),
+                                                          max(0.0, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        raise NoBodyMemory() from None
+                return
+            steps = -(-seen // CHARGE_STEP) + ahead
+            step = HELD_PER_BODY_BYTE * (min(limit, steps * CHARGE_STEP) - FREE_BODY_BYTES)
+            if step > charged:
+                if not self.bodies.try_acquire(step - charged):
+                    raise NoBodyMemory()
+                charged = step
 
         async def limited_receive():
             nonlocal seen
             if body_done[0]:  # waiting for a disconnect while the images run: no deadline
                 return await receive()
-            await charge(min(size, (seen // CHARGE_STEP + 1) * CHARGE_STEP))  # a step ahead of what is read
+            await charge(ahead=True)
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
@@ -132,7 +143,7 @@ class Gate:
             seen += len(message.get("body", b""))
             if seen > limit:
                 raise PayloadTooLarge()
-            await charge(seen)  # a message may cross the step
+            await charge(ahead=False)  # for what this message brought past the free part (a last one too)
             body_done[0] = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 

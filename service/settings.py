@@ -81,7 +81,7 @@ class Settings:
                                   "limits", size=True)
     body_memory: int = _setting(512 * 2**20, "what request bodies in flight may take on the whole server, twice "
                                              "each body's size beyond its first MiB counted (the body and its "
-                                             "parsed images), as it arrives: beyond it, a body waits for room",
+                                             "parsed images): beyond it, a body waits for room (a chunked one: 429)",
                                 "limits", size=True)
     decode_timeout: float = _setting(10.0, "seconds a decode worker may spend on one image (beyond, the worker is "
                                            "replaced and the image refused: 413 decode_timeout)", "decoding",

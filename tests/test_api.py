@@ -431,8 +431,9 @@ def test_float_token_matrices_are_flat_with_their_shape_and_dtype_aliases_are_ta
 
 
 def test_a_body_that_finds_no_room_in_time_is_429():
-    """With --body-memory full, a request's body is not read; if no room comes within the body deadline the answer is
-    a 429 (the server's load, not the client's slowness), and the small requests that fit are served meanwhile."""
+    """With --body-memory full, a request's body is not read past its free first MiB; if no room comes within the
+    body deadline the answer is a 429 (the server's load, not the client's slowness), and the small requests are
+    served meanwhile. A chunked body, whose length is unknown, is a 429 at once where its next MiB does not fit."""
     from vitserve.service.gate import Gate
     from vitserve.service.metrics import Metrics
 
@@ -453,4 +454,8 @@ def test_a_body_that_finds_no_room_in_time_is_429():
     assert client.post("/v1/encode", content=b"x" * 2**19).status_code == 200  # within its free MiB
     gate.bodies.used = 4 * 2**20  # full: a body within its first MiB is still read
     assert client.post("/v1/encode", content=b"x" * 2**20).status_code == 200
-    assert gate.bodies.used == 4 * 2**20  # each share given back
+    chunked = client.post("/v1/encode", content=(b"x" * 2**18 for _ in range(8)))  # no length: a share per MiB
+    assert chunked.status_code == 429  # at once: a chunked body never waits holding a share
+    gate.bodies.used = 2 * 2**20
+    assert client.post("/v1/encode", content=(b"x" * 2**18 for _ in range(8))).status_code == 200
+    assert gate.bodies.used == 2 * 2**20  # each share given back
