@@ -15,6 +15,7 @@ nulls, objects, lists), than `max_images` images and a few fields could hold is 
 from __future__ import annotations
 
 import json
+import mmap
 import secrets
 
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from .errors import ServiceError
 
 LONG = 4096  # bytes of a string beyond which it stays in the body, unparsed
+MAPPED = 2**20  # bytes of a declared body from which it is read into an anonymous mapping
 _MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder's prefix: no client can write one
 _MARK_JSON = _MARK.replace("\x00", "\\u0000").encode()
 
@@ -75,13 +77,13 @@ class Scan:
     def over(self) -> bool:
         return self.quotes > self.limit or self.commas > self.limit
 
-    def feed(self, text: bytes | bytearray, end: int) -> bool:
+    def feed(self, text: bytes | bytearray | mmap.mmap, end: int) -> bool:
         """Scan `text` up to `end` (it holds everything fed before, unchanged); False once over."""
         at = self._next
         while at < end and not self.over:
             quote = text.find(b'"', at, end)
             if self._open is None:
-                self.commas += text.count(b",", at, end if quote < 0 else quote)
+                self._count_commas(text, at, end if quote < 0 else quote)
                 if quote < 0:
                     break
                 self.quotes, self._open = self.quotes + 1, quote
@@ -96,6 +98,11 @@ class Scan:
         self._next = end if not self.over else at
         return not self.over
 
+    def _count_commas(self, text, start: int, end: int) -> None:
+        """Count the commas in text[start:end], stopping once over the limit (memchr between them)."""
+        while self.commas <= self.limit and (comma := text.find(b",", start, end)) >= 0:
+            self.commas, start = self.commas + 1, comma + 1
+
 
 def too_many(max_images: int) -> ServiceError:
     return ServiceError(413, f"more than {max_images} images (or values) in one request", "too_many_images",
@@ -104,19 +111,27 @@ def too_many(max_images: int) -> ServiceError:
 
 async def read_json(request, model: type[BaseModel], max_images: int, raw_fields: tuple[str, ...] = ()) -> BaseModel:
     """A request's JSON body as `model` (`parse_body`), scanned as it arrives: a body with more values than
-    `max_images` images and a few fields could hold is refused at the chunk that shows it. The body grows in one
-    buffer as it comes, a chunk's copy at a time (no joining of its pieces afterwards, and no allocation of its whole
-    size at once: zeroing 30 MB holds the event loop tens of milliseconds)."""
-    body, scan = bytearray(), Scan(2 * (max_images + 32))
+    `max_images` images and a few fields could hold is refused at the chunk that shows it. The body goes into one
+    buffer, a chunk's copy at a time, and is never joined from pieces afterwards. A large one of declared length goes
+    into an anonymous mapping of that size, whose pages the kernel gives as they are first written: no allocation
+    zeroed up front (30 MB: tens of milliseconds of the event loop at once), and no buffer regrown and copied again
+    as it fills (with many bodies arriving at once, each growth copied it all)."""
+    length = request.headers.get("content-length")
+    mapped = length is not None and length.isdigit() and int(length) >= MAPPED
+    body, size, scan = mmap.mmap(-1, int(length)) if mapped else bytearray(), 0, Scan(2 * (max_images + 32))
     async for chunk in request.stream():
-        body += chunk
-        if not scan.feed(body, len(body)):
+        if mapped:
+            body[size:size + len(chunk)] = chunk
+        else:
+            body += chunk
+        size += len(chunk)
+        if not scan.feed(body, size):
             raise too_many(max_images)
     return parse_body(model, body, max_images, raw_fields, scan)
 
 
-def parse_body(model: type[BaseModel], body: bytes | bytearray, max_images: int, raw_fields: tuple[str, ...] = (),
-               scan: Scan | None = None) -> BaseModel:
+def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_images: int,
+               raw_fields: tuple[str, ...] = (), scan: Scan | None = None) -> BaseModel:
     """`body` validated as `model`: not JSON (or nested too deeply) is a 400, invalid fields a 422, more values than
     `max_images` images and a few fields could hold a 413. The long strings of `raw_fields` (a string or a list of
     strings each) come back as `Text` where they hold no escapes; every other value is what pydantic makes of it.
@@ -131,7 +146,8 @@ def parse_body(model: type[BaseModel], body: bytes | bytearray, max_images: int,
     for i, (start, end) in enumerate(long):
         pieces += [body[previous:start + 1], _MARK_JSON + str(i).encode()]
         previous = end
-    skeleton = b"".join([*pieces, body[previous:]]) if long else body
+    skeleton = b"".join([*pieces, body[previous:]]) if long else body if isinstance(body, (bytes, bytearray)) else \
+        body[:]
     try:
         parsed = model.model_validate_json(skeleton)
     except ValidationError as e:

@@ -3,6 +3,7 @@ views of the body equal to what the parser would give, and the bound on values h
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -110,3 +111,34 @@ def test_errors_stay_the_parsers_and_name_no_placeholder():
     with pytest.raises(RequestValidationError) as e:  # a long unknown key stays a key
         parse_body(EncodeRequest, json.dumps({"images": ["QUJD"], long: 1}).encode(), 64, ("images",))
     assert e.value.errors()[0]["loc"] == (long,)
+
+
+class Arriving:
+    """A request whose body arrives in chunks (what read_json reads: its headers and stream)."""
+
+    def __init__(self, body: bytes, chunk: int, declared: bool = True):
+        self.headers = {"content-length": str(len(body))} if declared else {}
+        self.pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)]
+
+    async def stream(self):
+        for piece in self.pieces:
+            yield piece
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_large_body_read_as_it_arrives_gives_what_the_parser_gives(declared):
+    """A declared body of a MiB or more is read into a mapping, a chunked one into a growing buffer: either way its
+    images are views of it equal to the parsed strings, and its other values are the parser's."""
+    from vitserve.service.json_body import MAPPED, read_json
+
+    images = ["data:image/png;base64," + "QUJD" * (MAPPED // 3), "QUJD" * 3000, "QUJD"]
+    body = json.dumps({"images": images, "dtype": "bf16", "model": "m"}).encode()
+    assert len(body) > MAPPED
+    parsed = asyncio.run(read_json(Arriving(body, 65536 + 7, declared), EncodeRequest, 64, ("images",)))
+    assert [str(x) for x in parsed.images] == images and isinstance(parsed.images[0], Text)
+    assert parsed.dtype == "bfloat16" and parsed.model == "m"
+    bomb = b'{"images": [' + b",".join([b"0"] * 200_000) + b"]}"
+    request = Arriving(bomb, 65536, declared)
+    with pytest.raises(ServiceError) as e:
+        asyncio.run(read_json(request, EncodeRequest, 64, ("images",)))
+    assert e.value.status == 413  # at its first chunk: the rest is never read
