@@ -1,10 +1,10 @@
 """The embedding cache: an image that comes again (every turn of a multi-turn chat) is answered from host memory,
 without decoding it or touching the device.
 
-The key is a BLAKE2b digest of the image as sent (the base64 text, or the bytes of a file part or a fetched URL),
-told apart by how it was sent (base64 text sent as a file is not an image, whatever the same text sent as base64
-is), and of everything that changes the engine's output for it: the model, the resize bounds, and whether the tokens
-or their mean are wanted. The output dtype and layout are applied to the cached float32 tensors after the cache, so
+The key is a SHA-256 digest (server CPUs compute it in hardware) of the image as sent (the base64 text, or the bytes
+of a file part or a fetched URL), told apart by how it was sent (base64 text sent as a file is not an image, whatever
+the same text sent as base64 is), and of everything that changes the engine's output for it: the model, the resize
+bounds, and whether the tokens or their mean are wanted. The output dtype and layout are applied to the cached float32 tensors after the cache, so
 they need no key: a cached answer is bit-identical to a computed one. An LRU bounded in bytes (`--cache-bytes`, 0:
 off); only successful encodings are stored. Identical images in flight at once are computed once: the later ones
 wait for the first (`claim`).
@@ -50,7 +50,7 @@ class EmbeddingCache:
 
     async def keys(self, images: list, cfg: PreprocessConfig, mean_pooling: bool,
                    client: int | None = None) -> list[bytes]:
-        """`key` of each image; a large one is hashed in a thread (BLAKE2b lets go of the GIL while it hashes), so
+        """`key` of each image; a large one is hashed in a thread (hashlib lets go of the GIL while it hashes), so
         that megabytes of hashing never hold the event loop."""
         loop = asyncio.get_running_loop()
         return list(await asyncio.gather(*(
@@ -59,7 +59,7 @@ class EmbeddingCache:
 
     def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
         """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
-        digest = hashlib.blake2b(digest_size=32)
+        digest = hashlib.sha256()
         base64 = isinstance(data, Base64Data)
         digest.update(data.ascii() if base64 else data)
         digest.update(f"\0{'base64' if base64 else 'bytes'}\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0"
