@@ -48,9 +48,10 @@ def epilog(examples: str) -> str:
 
 def check_encode_paths(images: list[str], output: str) -> None:
     """Before the model loads (ValueError naming the path): every input a readable file whose first bytes are an
-    image's header (encoder.preprocess.probe; all of it where the header lies further), and the output a file in an
+    image's header (encoder.headers.probe; all of it where the header lies further), and the output a file in an
     existing, writable folder."""
-    from ..encoder.preprocess import HeaderNotFound, ImageError, probe
+    from ..encoder.headers import probe
+    from ..encoder.preprocess import HeaderNotFound, ImageError
 
     for name in images:
         path = Path(name)

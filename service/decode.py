@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from ..encoder.preprocess import (EncodedJpeg, ImageHeader, PreprocessConfig, decode_base64, load_for_device,
-                                  load_image, probe, resize_rgb)
+from ..encoder.headers import ImageHeader, probe
+from ..encoder.preprocess import EncodedJpeg, PreprocessConfig, decode_base64, load_for_device, load_image, resize_rgb
 
 from . import spool
 

@@ -32,8 +32,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageHeader, ImageTooLarge, InvalidBase64,
-                                  PreprocessConfig, UndecodableImage, decode_base64, probe, target_size)
+from ..encoder.headers import ImageHeader, probe
+from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageTooLarge, InvalidBase64, PreprocessConfig,
+                                  UndecodableImage, decode_base64, target_size)
 
 from . import spool
 from .budget import MemoryBudget

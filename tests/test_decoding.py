@@ -355,7 +355,7 @@ def test_decode_memory_is_estimated_from_the_header_alone():
 
     from PIL import Image
 
-    from vitserve.encoder.preprocess import probe
+    from vitserve.encoder.headers import probe
     from vitserve.service.decoder import head
 
     def encoded(mode, fmt, size=(6000, 4000), **kw):

@@ -94,17 +94,25 @@ def stats(url: str) -> dict:
     return httpx.get(url + "/stats", timeout=10).json()
 
 
+def posting(port: int, framing: bytes, start: bytes = b'{"input": ["') -> socket.socket:
+    """A connection that has sent the headers of a POST /v1/embeddings (`framing`: its Content-Length or
+    Transfer-Encoding header) and the `start` of its body."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + framing +
+                 b"\r\n\r\n" + start)
+    return sock
+
+
+def unfinished(port: int, length: int) -> socket.socket:
+    return posting(port, b"content-length: %d" % length)
+
+
 def test_unfinished_bodies_count_time_out_and_are_closed(server):
     """Bodies that never finish count against the request limit from their headers (the 5th request is a 429),
     get a 408 at the body deadline, and their connections are closed."""
     _, url = server
     port = int(url.rsplit(":", 1)[1])
-    socks = []
-    for _ in range(4):
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: 1000000\r\n\r\n{\"input\": [\"" + b"A" * 5000)
-        socks.append(sock)
+    socks = [posting(port, b"content-length: 1000000", b'{"input": ["' + b"A" * 5000) for _ in range(4)]
     wait_until(lambda: stats(url)["requests_in_flight"] == 4, 5, "4 unfinished bodies admitted")
     r = httpx.post(url + "/v1/embeddings", json=NORMAL, timeout=30)
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
@@ -283,12 +291,7 @@ def test_a_body_in_one_byte_chunks_is_refused_at_once(server):
     loop the same as a large one. A body in too many pieces for its size is a 400 within a few dozen chunks."""
     _, url = server
     port = int(url.rsplit(":", 1)[1])
-    socks = []
-    for _ in range(4):
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n")
-        socks.append(sock)
+    socks = [posting(port, b"transfer-encoding: chunked", b"") for _ in range(4)]
     start = time.monotonic()
     for sock in socks:
         try:
@@ -351,13 +354,6 @@ def small_server():
     proc.wait(timeout=30)
     proc.log_reader.join(10)
     assert "Traceback" not in "".join(proc.log)
-
-
-def unfinished(port: int, length: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n{\"input\": [\"" % length)
-    return sock
 
 
 def test_with_every_connection_busy_the_probes_still_answer(small_server):

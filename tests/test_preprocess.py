@@ -556,7 +556,7 @@ def test_error_codes():
 
 
 def _pil_header(data: bytes):
-    from vitserve.encoder.preprocess import ImageHeader
+    from vitserve.encoder.headers import ImageHeader
 
     with Image.open(io.BytesIO(data)) as img:  # an MPO is the JPEG it starts with
         return ImageHeader("JPEG" if img.format == "MPO" else img.format, img.width, img.height, img.mode,
@@ -569,7 +569,8 @@ def test_header_readers_agree_with_pil_on_every_format_and_find_the_end():
     so), and where they see the image's end, the bytes up to it decode to the same pixels, with junk after it."""
     from corpus import every_format
 
-    from vitserve.encoder.preprocess import HeaderNotFound, probe
+    from vitserve.encoder.headers import probe
+    from vitserve.encoder.preprocess import HeaderNotFound
 
     ends = 0
     for name, data in every_format().items():
@@ -592,7 +593,7 @@ def test_header_readers_agree_with_pil_on_every_format_and_find_the_end():
 def test_png_modes_are_pils():
     from PIL import PngImagePlugin
 
-    from vitserve.encoder.preprocess import _PNG_MODES
+    from vitserve.encoder.headers import _PNG_MODES
 
     assert _PNG_MODES == {key: mode for key, (mode, _) in PngImagePlugin._MODES.items()}
 
@@ -603,7 +604,8 @@ def test_probe_on_the_loop_is_bounded_whatever_the_bytes():
     a decode worker runs refuses each by its structural limit before PIL sees it."""
     from corpus import fill_before_jpeg, png_chunk_flood, tiff_strip_flood
 
-    from vitserve.encoder.preprocess import HeaderNotFound, probe
+    from vitserve.encoder.headers import probe
+    from vitserve.encoder.preprocess import HeaderNotFound
 
     cases = {"fill": (fill_before_jpeg(22 << 20), "junk between JPEG markers"),
              "chunks": (png_chunk_flood(4 << 20), "chunks before the image data"),
@@ -631,7 +633,7 @@ def test_scan_bombs_are_refused_before_pil_decodes_them():
     pixel), only warning. At most MAX_JPEG_SCANS scans, and MAX_SCAN_PIXELS scans x pixels."""
     from corpus import progressive_jpeg
 
-    from vitserve.encoder.preprocess import MAX_JPEG_SCANS, MAX_SCAN_PIXELS, probe
+    from vitserve.encoder.headers import MAX_JPEG_SCANS, MAX_SCAN_PIXELS, probe
 
     assert probe(progressive_jpeg(64, MAX_JPEG_SCANS), whole=True).height == 64
     with pytest.raises(UndecodableImage, match="more than 100 scans"):
