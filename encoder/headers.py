@@ -18,8 +18,8 @@ import struct
 import numpy as np
 from PIL import TiffImagePlugin
 
-from .preprocess import (ALLOWED_FORMATS, HeaderNotFound, UndecodableImage, UnsupportedFormat, _check_aspect_ratio,
-                         _open, check_size)
+from .preprocess import (ALLOWED_FORMATS, HeaderNotFound, UndecodableImage, UnsupportedFormat, check_aspect_ratio,
+                         check_size, open_header)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ImageHeader:
     def check(self, max_image_pixels: int) -> None:
         """What `load_image` refuses from the header alone: too many pixels (ImageTooLarge), a bad aspect ratio."""
         check_size(self.width, self.height, max_image_pixels)
-        _check_aspect_ratio(self.height, self.width)
+        check_aspect_ratio(self.height, self.width)
 
 
 # --------------------------------------------------------------------------- header readers
@@ -441,7 +441,7 @@ def probe(data: bytes, formats: tuple[str, ...] | None = ALLOWED_FORMATS, whole:
     if fmt is None:
         if not whole:
             raise HeaderNotFound("not a format the probe reads")
-        with _open(io.BytesIO(data), f"{len(data)} bytes of data", formats) as img:
+        with open_header(io.BytesIO(data), f"{len(data)} bytes of data", formats) as img:
             transparency = "transparency" in img.info or "A" in img.getbands()
             return ImageHeader(img.format, img.width, img.height, img.mode, transparency)
     if formats is not None and fmt not in formats:

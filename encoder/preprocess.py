@@ -306,7 +306,7 @@ class PreprocessConfig:
 # --------------------------------------------------------------------------- smart_resize
 
 
-def _check_aspect_ratio(height: int, width: int) -> None:
+def check_aspect_ratio(height: int, width: int) -> None:
     if height <= 0 or width <= 0:
         raise ValueError(f"image height and width must be positive, got {height}x{width}")
     ratio = max(height, width) / min(height, width)
@@ -326,7 +326,7 @@ def smart_resize(
     Raises ``BadAspectRatio`` (a ``ValueError``, like transformers) when
     ``max/min > 200``, and ``ValueError`` for non-positive sides.
     """
-    _check_aspect_ratio(height, width)
+    check_aspect_ratio(height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -381,7 +381,7 @@ def check_size(width: int, height: int, max_image_pixels: int) -> None:
 def _decode_opened(img: Image.Image, max_image_pixels: int) -> Image.Image:
     # 1. Declared size from the header, before any pixel data is decoded.
     _check_declared_size(img, max_image_pixels)
-    _check_aspect_ratio(img.height, img.width)
+    check_aspect_ratio(img.height, img.width)
     # 2. First frame of animated / multi-page images, then a full decode.  Truncated or
     #    corrupt data surfaces here (LOAD_TRUNCATED_IMAGES is deliberately left alone).
     try:
@@ -414,7 +414,7 @@ def _decode_opened(img: Image.Image, max_image_pixels: int) -> Image.Image:
         raise
     except Exception as exc:
         raise _undecodable(f"unsupported image mode {oriented.mode!r}", exc) from exc
-    _check_aspect_ratio(rgb.height, rgb.width)
+    check_aspect_ratio(rgb.height, rgb.width)
     return rgb
 
 
@@ -466,7 +466,7 @@ def load_image(source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
     )
 
 
-def _open(fp: Any, what: str, formats: tuple[str, ...] | None) -> Image.Image:
+def open_header(fp: Any, what: str, formats: tuple[str, ...] | None) -> Image.Image:
     """The image's header read (no pixel data yet), in one of `formats` (None: any PIL reads)."""
     Image.init()  # every plugin registered (formats names some that PIL loads only on demand: MPO, WEBP, TIFF)
     try:
@@ -494,7 +494,7 @@ def _open(fp: Any, what: str, formats: tuple[str, ...] | None) -> Image.Image:
 
 def _open_and_decode(fp: Any, max_image_pixels: int, what: str,
                      formats: tuple[str, ...] | None = ALLOWED_FORMATS) -> Image.Image:
-    img = _open(fp, what, formats)
+    img = open_header(fp, what, formats)
     with img:
         try:
             return _decode_opened(img, max_image_pixels)
@@ -524,11 +524,11 @@ def jpeg_for_device(data: bytes, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXE
     it), None for anything else (PIL decodes that). A file that does not end at its end-of-image marker is left to
     PIL too: nvJPEG decodes a truncated file (its missing rows black), where PIL refuses it. Raises the ImageError
     `load_image` would for a bad header."""
-    with _open(io.BytesIO(data), f"{len(data)} bytes of data", ALLOWED_FORMATS) as img:
+    with open_header(io.BytesIO(data), f"{len(data)} bytes of data", ALLOWED_FORMATS) as img:
         if img.format != "JPEG" or img.mode not in ("RGB", "L") or data[-2:] != b"\xff\xd9":
             return None
         _check_declared_size(img, max_image_pixels)
-        _check_aspect_ratio(img.height, img.width)
+        check_aspect_ratio(img.height, img.width)
         try:
             orientation = int(img.getexif().get(EXIF_ORIENTATION, 1))
         except Exception:  # broken EXIF: the image as stored, as load_image keeps it
