@@ -170,7 +170,7 @@ class Engine:
         log.info("ready in %.2f s: vitserve %s, %s on %s%s (%s, attention %s), %d decode %s, cache %s",
                  self.load_seconds, __version__, s.model, ", ".join(self.devices),
                  ", one process each" if self.device_processes and self.decoder.spool_prefix else "", self.dtype,
-                 attention_text(devices[0].runner_stats().get("attention", {})), s.decode_worker_count(),
+                 attention_text(devices[0].runner_stats().get("attention", {})), self.decoder.workers,
                  "processes" if s.decode_processes else "threads", cache)
 
     async def _load_here(self) -> tuple[ModelInfo, list[LocalDevice]]:
@@ -374,8 +374,6 @@ class Engine:
                 item.future.set_result(output)
 
     def stats(self) -> dict:
-        from .. import __version__
-
         s, runners = self.settings, [w.device.runner_stats() for w in self.workers]
         devices = {}
         for worker, runner in zip(self.workers, runners):  # the budgets captured or used: none on a CPU

@@ -54,7 +54,7 @@ class NoBodyMemory(Exception):
 
 
 HELD_PER_BODY_BYTE = 2  # the body as received, and the images parsed from it
-CHARGE_STEP = 2**20  # a body's share grows in steps of this many bytes of body, one step ahead of what is read
+CHARGE_STEP = 2**20  # a chunked body's share grows in steps of this many bytes, one step ahead of what is read
 FREE_BODY_BYTES = 2**20  # of each body, not counted
 
 
