@@ -156,6 +156,18 @@ class CuDNN:
         with torch.cuda.device(device):
             self.handle = cudnn.create_handle()
         self.graphs: dict[tuple, tuple] = {}  # shape key -> (cuDNN graph, workspace bytes)
+        self.stream: int | None = None  # the stream the handle runs on
+
+    def bind_stream(self, stream: int) -> None:
+        """Run the handle on `stream`. cudnnSetStream is never called inside a CUDA graph capture (it fails there
+        and invalidates the capture): a capture runs on the stream its warm-up set (`runner.capture_graph`)."""
+        if stream == self.stream:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cuDNN attention first runs on this stream inside a CUDA graph capture: a warm-up "
+                               "forward must run on the capture stream before capturing")
+        self.cudnn.set_stream(handle=self.handle, stream=stream)
+        self.stream = stream
 
     def check(self) -> None:
         """Build one small graph for the tower's head sizes: raises BackendUnavailable where cuDNN lacks them."""
@@ -250,8 +262,7 @@ class _CuDNNLayout:
         pack = {_Q: q, _K: k, _V: v, _O: out, _LENGTHS: self.lengths, _Q_OFFSETS: qk, _K_OFFSETS: qk,
                 _V_OFFSETS: self._offsets(v.stride(0), offset_type), _O_OFFSETS: self._offsets(out.stride(0), offset_type)}
         workspace = torch.empty(max(1, workspace_bytes), dtype=torch.uint8, device=q.device)
-        cudnn = self.backend.cudnn
-        cudnn.set_stream(handle=self.backend.handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
+        self.backend.bind_stream(torch.cuda.current_stream(q.device).cuda_stream)
         graph.execute(pack, workspace, handle=self.backend.handle)
         return out
 

@@ -400,14 +400,15 @@ class GraphRunner:
 
 
 def capture_graph(forward, device=None, pool=None, stream=None):
-    """Run `forward()` once on a side stream (the warm-up: cuBLAS workspaces, Triton autotuning, cuDNN graph builds,
-    none of which may happen during a capture), then capture it; returns the CUDA graph and what the captured call
-    returned (the tensors each replay rewrites)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    """Run `forward()` once on the capture stream (`stream`, else a new one) as the warm-up (cuBLAS workspaces,
+    Triton autotuning, cuDNN graph builds and the cuDNN handle's stream, none of which may change during a
+    capture), then capture it on that same stream; returns the CUDA graph and what the captured call returned (the
+    tensors each replay rewrites)."""
+    stream = stream or torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
         forward()
-    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = forward()
