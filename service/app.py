@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -267,11 +267,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     @app.get("/stats")
     async def stats():
-        return engine.stats()
+        return await engine.server_stats()
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.server_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(Gate, settings=settings, metrics=engine.metrics, engine=engine)
     return app

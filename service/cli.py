@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -117,20 +118,35 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from .. import __version__
 
-    log.info("starting vitserve %s for %s", __version__, settings.model)
+    fronts = settings.api_server_count()
+    log.info("starting vitserve %s for %s%s", __version__, settings.model,
+             f", {fronts} front ends" if fronts > 1 else "")
+    if fronts > 1:
+        from .core import serve
+
+        return serve(settings, fronts)
+    from .engine import Engine
+
+    return run_server(settings, Engine(settings))
+
+
+def run_server(settings: Settings, engine, sockets=None) -> int:
+    """Serve `engine`'s app with uvicorn (on `sockets`, else bound to --host and --port) until SIGTERM or a failure;
+    the exit status."""
     import uvicorn
 
     from .app import create_app
     from .engine import State
     from .http import connection_limit, guarded_h11
 
-    app = create_app(settings)
-    engine = app.state.engine
+    app = create_app(settings, engine)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             """First SIGTERM/SIGINT: not ready, stop accepting, answer everything in flight, exit 0. A second: exit
             now. (Unlike uvicorn's own handler, the signal is not re-raised after a graceful shutdown.)"""
+            if sig == signal.SIGINT and engine.core is not None:  # a front end: Ctrl-C reaches the whole group,
+                return  # and the core drains it with SIGTERM
             engine.drain()
             if self.should_exit:
                 self.force_exit = True
@@ -146,7 +162,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
                             http=guarded_h11(settings.header_timeout, connection_limit(settings.max_connections)),
                             h11_max_incomplete_event_size=settings.max_header_bytes)
     server = Server(config)
-    server.run()
+    server.run(sockets=sockets)
     if server.force_exit:  # "exit now": no interpreter teardown (seconds, with torch and a process pool loaded)
         engine.abandon()
         logging.shutdown()

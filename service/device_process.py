@@ -56,48 +56,79 @@ class Job:
 
 @dataclass
 class Answer:
-    """Device process -> server: a job's outputs (in the spool file `path`, or as `data`), or its error."""
+    """Device process -> server: a job's outputs, one per image (an `Output`, or ("error", code, message) for an
+    image the device could not decode), or the job's error."""
 
     job: int
     stats: dict
-    path: str | None = None
-    layout: list | None = None  # per image, per tensor: (dtype name, shape, bytes); ("error", code, message) for
-    # an image the device could not decode
-    data: bytes | None = None
+    outputs: list | None = None
     error: tuple[str, str] | None = None  # exception type name, message
 
 
-def _pack_outputs(outputs) -> tuple[list, list[np.ndarray]]:
-    """Every image's tensors (tokens or mean, then deepstack) as raw bytes to lay back to back, and their layout."""
-    arrays, layout = [], []
-    for output in outputs:
-        if isinstance(output, ImageError):
-            layout.append(("error", output.code, output.public))
-            continue
-        first, deepstack = output
-        entry = []
-        for t in (first, *deepstack):
-            t = t.contiguous()
-            arrays.append(t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8))
-            entry.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()))
-        layout.append(entry)
-    return layout, arrays
+@dataclass
+class Output:
+    """One image's tensors (tokens or mean, then deepstack), as (dtype name, shape, bytes) each, laid back to back in
+    the spool file `path` (or in `data`, where the spool is full or gone: slower, never wrong). The file belongs to
+    whoever holds this record: `tensors` maps it, and it is removed then unless kept (the embedding cache keeps
+    it), or by `discard`."""
 
+    entries: list
+    grid: tuple[int, int, int] | None = None  # set by the core (the cache answers with it)
+    path: str | None = None
+    data: bytes | None = None
 
-def _unpack_outputs(raw: np.ndarray, layout: list) -> list:
-    raw, outputs, offset = torch.from_numpy(raw), [], 0
-    for entry in layout:
-        if entry[0] == "error":
-            error = ImageError(entry[2])
-            error.code = entry[1]
-            outputs.append(error)
-            continue
-        tensors = []
-        for dtype, shape, n in entry:
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.entries)
+
+    def tensors(self, keep: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The tensors over the file's pages (mapped copy-on-write: no copy is made; OSError when the file is
+        gone); the file is removed unless `keep`."""
+        if self.data is not None:
+            raw = np.frombuffer(self.data, np.uint8).copy()
+        elif self.nbytes == 0:
+            raw = np.empty(0, np.uint8)
+        else:
+            try:
+                raw = np.memmap(self.path, np.uint8, mode="c", shape=(self.nbytes,))
+            finally:
+                if not keep:
+                    spool.remove(self.path)
+        raw, tensors, offset = torch.from_numpy(raw), [], 0
+        for dtype, shape, n in self.entries:
             tensors.append(raw[offset:offset + n].view(getattr(torch, dtype)).view(shape))
             offset += n
-        outputs.append((tensors[0], tensors[1:]))
-    return outputs
+        return tensors[0], tensors[1:]
+
+    def discard(self) -> None:
+        if self.path is not None:
+            spool.remove(self.path)
+
+
+def _pack(output, path: str) -> Output | tuple:
+    """An image's outputs written to the spool file `path` (or kept as bytes where it cannot be written)."""
+    if isinstance(output, ImageError):
+        return "error", output.code, output.public
+    arrays, entries = [], []
+    first, deepstack = output
+    for t in (first, *deepstack):
+        t = t.contiguous()
+        arrays.append(t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8))
+        entries.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()))
+    # a full or missing spool: the bytes go through the pipe (as bytes: a pickled tensor would go through shared
+    # memory, /dev/shm again), slower, never wrong
+    if spool.write(path, arrays):
+        return Output(entries, path=path)
+    return Output(entries, data=b"".join(a.tobytes() for a in arrays))
+
+
+def unpacked(output) -> tuple | ImageError:
+    """An Answer's output for one image as the engine takes it: (tokens, deepstack list), or the ImageError."""
+    if isinstance(output, Output):
+        return output.tensors()
+    error = ImageError(output[2])
+    error.code = output[1]
+    return error
 
 
 def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str) -> None:
@@ -132,16 +163,17 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
             return None
 
     def answer(job: Job, launched) -> None:
+        outputs = []
         try:
-            layout, arrays = _pack_outputs(encoder.outputs(launched))
-            path = f"{prefix}out-{next(names)}"
-            # a full or missing spool: the bytes go through the pipe (as bytes: a pickled tensor would go through
-            # shared memory, /dev/shm again), slower, never wrong
-            data = None if spool.write(path, arrays) else b"".join(a.tobytes() for a in arrays)
+            for output in encoder.outputs(launched):
+                outputs.append(_pack(output, f"{prefix}out-{next(names)}"))
         except Exception as e:
+            for output in outputs:
+                if isinstance(output, Output):
+                    output.discard()
             conn.send(Answer(job.job, runner.stats.as_dict(), error=(type(e).__name__, str(e))))
         else:
-            conn.send(Answer(job.job, runner.stats.as_dict(), path=path, layout=layout, data=data))
+            conn.send(Answer(job.job, runner.stats.as_dict(), outputs))
 
     try:
         pipeline(take, launch, answer, BATCHES_IN_FLIGHT)
@@ -154,12 +186,14 @@ ERRORS = {"OutOfMemoryError": torch.OutOfMemoryError, "ImageLost": spool.ImageLo
 
 class ProcessDevice:
     """The server's end of a device process (a device for `worker.DeviceWorker`): starts it, sends Jobs, receives
-    Answers. One thread uses it."""
+    Answers. One thread uses it. `collect` gives each image's tensors, or with `records` its `Output` record (the
+    core hands those on to the front ends without touching the bytes)."""
 
     depth = BATCHES_IN_FLIGHT + 1  # the device process runs two; one more waits in its pipe
 
-    def __init__(self, settings: Settings, device: str, dtype: str, prefix: str, patch_size: int):
-        self.name, self.prefix, self.patch_size = device, prefix, patch_size
+    def __init__(self, settings: Settings, device: str, dtype: str, prefix: str, patch_size: int,
+                 records: bool = False):
+        self.name, self.prefix, self.patch_size, self.records = device, prefix, patch_size, records
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process's state
         self.conn, child = context.Pipe()
         self.process = context.Process(target=serve_device, args=(child, settings, device, dtype, prefix),
@@ -204,7 +238,7 @@ class ProcessDevice:
             raise self._lost() from None
         return job
 
-    def collect(self, job: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    def collect(self, job: int) -> list:
         while job not in self._answers:
             try:
                 answer = self.conn.recv()
@@ -216,9 +250,9 @@ class ProcessDevice:
         if answer.error is not None:
             kind, message = answer.error
             raise ERRORS.get(kind, RuntimeError)(f"{kind}: {message}" if kind not in ERRORS else message)
-        size = sum(n for entry in answer.layout if entry[0] != "error" for _, _, n in entry)
-        raw = np.frombuffer(answer.data, np.uint8).copy() if answer.data is not None else spool.read(answer.path, size)
-        return _unpack_outputs(raw, answer.layout)
+        if self.records:
+            return answer.outputs
+        return [unpacked(output) for output in answer.outputs]
 
     def runner_stats(self) -> dict:
         return self.stats

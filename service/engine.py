@@ -8,6 +8,10 @@
 The engine owns the lifecycle (`State`), loading (in this process, or one process per device, both finishing in
 `_serve`), admission, and the server's failure: when a part it cannot run without is gone (a device process, the
 last decode worker), it turns FAILED, and the CLI exits for a supervisor to restart it.
+
+In a front end of a server with several (`core`: its pipe to the core, service/core.py), the queue, the devices and
+the cache's entries are the core's: the engine mirrors the core's state, looks its cache keys up there, and sends
+its decoded images there (`_lookup`, `_settle`, `_enqueue`, `_dequeue` are the seams); the rest is the same.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class Engine:
     `start`."""
 
     def __init__(self, settings: Settings, encoders: VisionEncoder | list[VisionEncoder] | None = None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, core=None):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.devices, self.dtype = resolve_devices(settings)
@@ -114,12 +118,19 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
+        self.core = None
+        if core is not None:
+            from .core import CoreLink
+
+            self.core = CoreLink(core, self)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await self.decoder.start()
-        if self._preloaded:
+        if self.core is not None:  # the core loads: its Status says when this front end is ready
+            self.core.start(self._loop)
+        elif self._preloaded:
             encoder = self._preloaded[0]
             self._serve(ModelInfo(encoder.config, encoder.preprocess_config), self._local(self._preloaded))
         else:
@@ -211,6 +222,18 @@ class Engine:
             raise
         return ModelInfo(config, preprocess_config), processes
 
+    def mirror(self, status) -> None:
+        """On the event loop, in a front end: the core's state (core.Status)."""
+        if status.model is not None:
+            self.model = status.model
+            self.devices = status.devices or self.devices
+        if status.state == State.FAILED.value:
+            self.fail(status.error)
+        elif status.state == State.DRAINING.value:
+            self.drain()
+        elif self.state not in (State.DRAINING, State.FAILED):
+            self.state = State(status.state)
+
     def fail(self, reason: str) -> None:
         """On the event loop: the server cannot serve (its model did not load, or a part it cannot run without is
         gone). /health turns failed and the CLI exits non-zero, so an orchestrator restarts it."""
@@ -286,11 +309,11 @@ class Engine:
         todo, waits, hits = list(range(len(images))), [], 0
         if keys:
             todo = []
-            for i, key in enumerate(keys):
-                if (cached := self.cache.get(key)) is not None:
-                    outputs[i], hits = cached, hits + 1
-                elif (other := self.cache.claim(key)) is not None:  # the same image is being encoded already
-                    waits.append((i, other))
+            for i, found in enumerate(await self._lookup(keys)):
+                if isinstance(found, asyncio.Future):  # the same image is being encoded already
+                    waits.append((i, found))
+                elif found is not None:
+                    outputs[i], hits = found, hits + 1
                 else:
                     todo.append(i)
             self.metrics.cache_hits.inc(hits)
@@ -298,20 +321,47 @@ class Engine:
         times = (0.0, 0.0, 0.0)
         try:
             if todo:
-                times = await self._compute(images, todo, outputs, cfg, field, mean_pooling, disconnected)
+                times = await self._compute(images, todo, outputs, cfg, field, mean_pooling, disconnected, keys)
         finally:
             for i in todo if keys else ():
-                self.cache.settle(keys[i], outputs[i])
+                self._settle(keys[i], outputs[i])
         for i, other in waits:
             outputs[i] = await other
             if outputs[i] is None:  # the other request failed: this one encodes it itself
                 times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected)
         return Encoded([o[0] for o in outputs], [list(o[1]) for o in outputs], *times, hits)
 
+    async def _lookup(self, keys: list[bytes]) -> list:
+        """Per cache key: its (output, grid) (a hit), a future of it (the same image being encoded for another
+        request; of None when that one fails), or None: a miss, claimed for the caller, who settles it."""
+        if self.core is not None:
+            return await self.core.lookup(keys)
+        return [self.cache.get(key) or self.cache.claim(key) for key in keys]
+
+    def _settle(self, key: bytes, output) -> None:
+        """A claimed image's (output, grid), or None when it was not encoded."""
+        if self.core is None:
+            self.cache.settle(key, output)
+        elif output is None:  # the core settles what its devices answer; a claim left unanswered is let go
+            self.core.release([key])
+
+    def _enqueue(self, items: list[WorkItem]) -> None:
+        if self.core is not None:
+            self.core.submit(items)
+        else:
+            self.queue.put(items)
+
+    def _dequeue(self, items: list[WorkItem]) -> None:
+        if self.core is not None:
+            self.core.drop(items)
+        else:
+            self.queue.drop(items)
+
     async def _compute(self, images: list, todo: list[int], outputs: list, cfg, field: str, mean_pooling: bool,
-                       disconnected: asyncio.Future | None) -> tuple[float, float, float]:
+                       disconnected: asyncio.Future | None, keys: list | None = None) -> tuple[float, float, float]:
         """Decode and run the images at `todo` (indices of `images`), filling `outputs`; the seconds their decoding
-        took, and the longest queue and inference seconds among them."""
+        took, and the longest queue and inference seconds among them. `keys`: the images' cache keys, where the
+        core caches their answers."""
         start = time.perf_counter()
         decoding = asyncio.ensure_future(self.decoder.decode([images[i] for i in todo], cfg, field, todo))
         try:  # a client that leaves while its images are decoded frees their decode workers
@@ -326,14 +376,14 @@ class Engine:
         decoded = decoding.result()
         decode_s = time.perf_counter() - start
         loop = asyncio.get_running_loop()
-        items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]")
+        items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
                  for i, (image, grid) in zip(todo, decoded)]
-        self.queue.put(items)
+        self._enqueue(items)
         results = asyncio.gather(*(item.future for item in items))
         await asyncio.wait({results} if disconnected is None else {results, disconnected},
                            return_when=asyncio.FIRST_COMPLETED)
         if not results.done():
-            self.queue.drop(items)
+            self._dequeue(items)
             results.cancel()
             results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
             raise ClientDisconnected("the client went away")
@@ -372,6 +422,32 @@ class Engine:
                 item.future.set_exception(Decoder.rejection(item.param, output))
             else:
                 item.future.set_result(output)
+
+    def collect(self, kind: str):
+        """From the core link's thread, in a front end: this process's part of the server's /metrics or /stats."""
+        if kind == "metrics":
+            from prometheus_client import generate_latest
+
+            return generate_latest(self.metrics.registry).decode()
+        count = lambda name: int(self.metrics.registry.get_sample_value(name) or 0)  # noqa: E731
+        return {"recent": self.metrics.recent(), "requests_in_flight": self.in_flight,
+                "decode_workers": self.decoder.workers, "decode_workers_replaced": self.decoder.workers_replaced,
+                "memory": {"bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
+                           "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used}},
+                "counters": {"hits": count("vitserve_cache_hits_total"),
+                             "misses": count("vitserve_cache_misses_total")}}
+
+    async def server_stats(self) -> dict:
+        """/stats: of the whole server (in a front end, the core gathers every process's part)."""
+        return await self.core.scrape("stats") if self.core is not None else self.stats()
+
+    async def server_metrics(self) -> bytes:
+        """/metrics' exposition text: of the whole server (in a front end, every process's series summed)."""
+        if self.core is not None:
+            return (await self.core.scrape("metrics")).encode()
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.metrics.registry)
 
     def stats(self) -> dict:
         s, runners = self.settings, [w.device.runner_stats() for w in self.workers]

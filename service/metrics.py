@@ -80,16 +80,14 @@ class Metrics:
         with self._lock:
             self._recent[phase].append(seconds)
 
+    def recent(self) -> dict[str, list[float]]:
+        """The recent latencies of each phase, in seconds."""
+        with self._lock:
+            return {phase: list(values) for phase, values in self._recent.items()}
+
     def percentiles(self) -> dict:
         """p50 and p99 in ms of the recent latencies of each phase (None before the first)."""
-        out = {}
-        with self._lock:
-            recent = {phase: sorted(values) for phase, values in self._recent.items()}
-        for phase, values in recent.items():
-            pick = (lambda q: round(values[min(len(values) - 1, int(q * len(values)))] * 1e3, 3)) if values else \
-                (lambda q: None)
-            out[phase] = {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "count": len(values)}
-        return out
+        return percentiles(self.recent())
 
     def watch_runners(self, stats_by_device) -> None:
         """Graph-cache figures read from the runners' own counters at scrape time (never out of step)."""
@@ -97,6 +95,17 @@ class Metrics:
             self.registry.unregister(self._runners)
         self._runners = _RunnerCollector(stats_by_device)
         self.registry.register(self._runners)
+
+
+def percentiles(recent: dict[str, list[float]]) -> dict:
+    """p50 and p99 in ms of each phase's latencies (None where there are none), and how many."""
+    out = {}
+    for phase, values in recent.items():
+        values = sorted(values)
+        pick = (lambda q: round(values[min(len(values) - 1, int(q * len(values)))] * 1e3, 3)) if values else \
+            (lambda q: None)
+        out[phase] = {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "count": len(values)}
+    return out
 
 
 class _RunnerCollector:

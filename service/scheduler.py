@@ -30,9 +30,13 @@ class WorkItem:
     image: np.ndarray | spool.Spooled | EncodedJpeg  # uint8 [H, W, 3] (resized, or full size for the fast
     # preprocessing, which resizes on the device), maybe still in its spool file; or a JPEG nvJPEG decodes there
     grid: tuple[int, int, int]  # (t, h, w) in patches
-    future: asyncio.Future  # resolved on the event loop with (tokens, deepstack) or (mean vector, [])
+    future: asyncio.Future | None  # resolved on the event loop with (tokens, deepstack) or (mean vector, []); in
+    # the core (several front ends), None: its answer goes back to `origin`
     mean_pooling: bool = False  # answer with the mean of the tokens (taken on the device) instead of the tokens
     param: str = "input[0]"  # the image as its request names it, in errors
+    key: bytes | None = None  # its embedding cache key, where the core caches its answer
+    origin: object = None  # in the core: (the front end's link, the item's id there, key)
+    id: int = -1  # in a front end: the item's id in its records to the core
     enqueued: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0
     inference_s: float = 0.0

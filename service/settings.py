@@ -59,6 +59,9 @@ class Settings:
                                choices=PREPROCESS_MODES)
     gpu_memory_fraction: float = _setting(0.0, "cap each GPU's memory to this fraction (0: no cap)",
                                           "devices and kernels", metavar="X")
+    api_servers: int = _setting(0, "HTTP front-end processes on the one port, feeding the same devices and cache "
+                                   "(0: one per 4 CPUs on CUDA devices, 2 to 8; 1 on the CPU); the limits are split "
+                                   "evenly among them", "server", metavar="N")
     host: str = _setting("0.0.0.0", "bind address", "server", metavar="HOST")
     port: int = _setting(8000, "bind port", "server")
     served_model_name: str | None = _setting(None, "model id in the API (default: --model)", "model", metavar="NAME")
@@ -158,6 +161,10 @@ class Settings:
                   (self.header_timeout > 0 and self.body_timeout > 0 and self.decode_timeout > 0,
                    "--header-timeout, --body-timeout and --decode-timeout must be positive"),
                   (self.decode_workers >= 0, "--decode-workers must be >= 0"),
+                  (self.api_servers >= 0, "--api-servers must be >= 0"),
+                  (self.api_servers <= 1 or self.device_processes is not False,
+                   "--api-servers above 1 serves the devices from processes of their own: drop "
+                   "--device-processes false"),
                   (self.cache_bytes >= 0, "--cache-bytes must be >= 0"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "--payload-limit, --max-image-pixels and --max-images-per-request must be positive"),
@@ -211,6 +218,15 @@ class Settings:
     def decode_worker_count(self) -> int:
         """The decode workers to run: `--decode-workers`, else one per CPU this process may use (available_cpus)."""
         return self.decode_workers or available_cpus()
+
+    def api_server_count(self) -> int:
+        """The front ends to run: `--api-servers`, else one per 4 CPUs this process may use (2 to 8) where a device
+        is a GPU (the front end is what caps a GPU), and 1 on CPU devices or with --device-processes false."""
+        if self.api_servers:
+            return self.api_servers
+        if self.device_processes is False or not any(d.startswith("cuda") for d in resolve_devices(self)[0]):
+            return 1
+        return min(8, max(2, available_cpus() // 4))
 
     def prepare(self) -> list[str]:
         """Check what depends on this machine, before anything loads or binds (ValueError when wrong): the CUDA devices

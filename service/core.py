@@ -1,0 +1,686 @@
+"""Several front ends on one port (`--api-servers N`): the core, and the front ends' link to it.
+
+    `vitserve serve` (the core)                          N front ends (processes), one listening socket
+      the device processes (one per device)      <--->     HTTP, admission, parsing, cache keys, decoding
+      the image queue and a device worker each               (their own decode workers), answers
+      the embedding cache's index
+      the whole server's /metrics and /stats
+
+The core binds the port, starts the device processes and the front ends, and then only moves small records: a
+front end sends each decoded image as the name of its spool file (the pixels never cross the core), the core puts
+it in the one image queue that every device takes its batches from (batches fill from every front end at once),
+and a device process writes each image's answer to a spool file of its own whose name the core hands back. No byte
+of a request or an answer passes through the core.
+
+The embedding cache lives in the core, so that a repeat is answered whichever front end receives it: its entries
+are the answers' spool files (kept instead of removed), its index is the core's, a hit is a file's name, and a
+front end maps the file (no copy). An image being computed is computed once: a front end that asks for it while
+another computes it waits for that answer (single flight, as in one process).
+
+Lifecycle: the core is ready when every device is; each front end mirrors the core's state on /ready. On SIGTERM
+the core tells every front end to drain (each stops accepting and answers what it admitted), waits for them to
+exit, then stops the devices. A front end or a device process that dies fails the whole server (exit 1, for a
+supervisor to restart it), as a single process would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from .errors import EngineError, InferenceFailed, InputRejected, InputTooLarge, NotReady, OutOfMemory, Unavailable
+from .settings import Settings
+
+log = logging.getLogger("vitserve.core")
+
+ERRORS = {c.__name__: c for c in (EngineError, InferenceFailed, InputRejected, InputTooLarge, NotReady, OutOfMemory,
+                                  Unavailable)}
+SCRAPE_SECONDS = 2.0  # a front end that does not answer a scrape within this is left out of it
+
+
+# ---- the records between a front end and the core ---------------------------------------------------------------
+@dataclass
+class Status:
+    """Core -> front end: the server's state (a State's value), why it failed, and once loaded the model."""
+
+    state: str
+    error: str | None = None
+    model: object = None  # engine.ModelInfo
+    devices: list | None = None
+
+
+@dataclass
+class Item:
+    """Front end -> core: one decoded image for the queue (its spool file), and its cache key (None: not cached)."""
+
+    id: int
+    image: object  # spool.Spooled, or an EncodedJpeg for the device to decode
+    grid: tuple[int, int, int]
+    mean_pooling: bool
+    param: str
+    key: bytes | None
+
+
+@dataclass
+class Done:
+    """Core -> front end: an image's answer (a device_process.Output, or the error as (type, message, code, param));
+    `keep`: the cache holds its file (the front end maps it and leaves it)."""
+
+    id: int
+    output: object = None
+    error: tuple | None = None
+    keep: bool = False
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+
+
+def error_record(e: EngineError) -> tuple:
+    return type(e).__name__, e.message, e.code, e.param
+
+
+def error_of(record: tuple) -> EngineError:
+    kind, message, code, param = record
+    return ERRORS.get(kind, EngineError)(message, code, param)
+
+
+# ---- the core ----------------------------------------------------------------------------------------------------
+class FileCache:
+    """The embedding cache's index in the core: key -> the Output record whose spool file holds the answer, an LRU
+    bounded in bytes; evicted files are removed (a front end that mapped one keeps its pages)."""
+
+    def __init__(self, limit: int, metrics):
+        self.limit, self.metrics, self.bytes = limit, metrics, 0
+        self.entries: collections.OrderedDict[bytes, object] = collections.OrderedDict()
+        self.claims: dict[bytes, list] = {}  # key being computed -> who waits for it: (link, lookup id, index)
+
+    def get(self, key: bytes):
+        output = self.entries.get(key)
+        if output is not None:
+            self.entries.move_to_end(key)
+        return output
+
+    def put(self, key: bytes, output) -> bool:
+        """Keep `output`'s file as the entry of `key` (False: too large, or held already: the caller keeps it)."""
+        size = output.nbytes
+        if output.path is None or size > self.limit or key in self.entries:
+            return False
+        while self.bytes + size > self.limit:
+            _, evicted = self.entries.popitem(last=False)
+            self.bytes -= evicted.nbytes
+            evicted.discard()
+            self.metrics.cache_evictions.inc()
+        self.entries[key] = output
+        self.bytes += size
+        self.metrics.cache_bytes.set(self.bytes)
+        self.metrics.cache_entries.set(len(self.entries))
+        return True
+
+    def clear(self) -> None:
+        for output in self.entries.values():
+            output.discard()
+        self.entries.clear()
+
+
+class Link:
+    """The core's end of one front end's pipe: sends from any thread, one reader thread."""
+
+    def __init__(self, index: int, conn, process):
+        self.index, self.conn, self.process = index, conn, process
+        self.lock = threading.Lock()
+        self.open = True
+
+    def send(self, message) -> None:
+        try:
+            with self.lock:
+                self.conn.send(message)
+        except (OSError, ValueError):  # the front end is gone: the core notices on its reader
+            self.open = False
+
+
+class Core:
+    """The queue, the devices and the cache of a server with several front ends (see the module docstring)."""
+
+    def __init__(self, settings: Settings, fronts: int):
+        from .metrics import Metrics
+        from .scheduler import ImageQueue
+        from .spool import spool_prefix
+        from .settings import resolve_devices
+
+        self.settings, self.fronts = settings, fronts
+        self.metrics = Metrics()
+        self.queue = ImageQueue(self.metrics)
+        self.cache = FileCache(settings.cache_bytes, self.metrics)
+        self.devices, self.dtype = resolve_devices(settings)
+        self.prefix = spool_prefix(settings.spool_dir)
+        self.state, self.error, self.model = "loading", None, None
+        self.workers: list = []
+        self.links: list[Link] = []
+        self.items: dict[tuple[int, int], object] = {}  # (front end, item id) -> its WorkItem, while queued or run
+        self.batch_sizes: dict[int, int] = {}
+        self.lock = threading.Lock()  # the cache, the claims and the items (the readers' and the workers' threads)
+        self.scrapes: dict[int, dict] = {}
+        self.scrape_ids = itertools.count()
+        self.scraped = threading.Condition()
+        self.started, self.load_seconds = time.time(), 0.0
+        self.failed = threading.Event()
+
+    # -- lifecycle
+    def load(self) -> None:
+        """Load the model in one process per device (side by side), then serve: the workers start and every front
+        end hears that the server is ready. A failure is the server's (`fail`)."""
+        from ..encoder.vision_encoder import load_configs
+        from .device_process import ProcessDevice
+        from .engine import ModelInfo
+        from .worker import DeviceWorker
+
+        s, start = self.settings, time.perf_counter()
+        processes = []
+        try:
+            config, preprocess_config, _ = load_configs(s.model, s.load_format, s.revision, min_pixels=s.min_pixels,
+                                                        max_pixels=s.max_pixels)
+            log.info("loading %s (%s) on %s as %s, one process per device, %d front ends", s.model, s.load_format,
+                     ", ".join(self.devices), self.dtype, self.fronts)
+            for i, device in enumerate(self.devices):
+                processes.append(ProcessDevice(s, device, self.dtype, f"{self.prefix}dev{i}-", config.patch_size,
+                                               records=True))
+            self.set_state("capturing")
+            for p in processes:
+                p.wait_ready()
+        except Exception as e:
+            for p in processes:
+                p.close(5)
+            self.fail(f"model load failed: {type(e).__name__}: {e}")
+            return
+        self.model = ModelInfo(config, preprocess_config)
+        max_patches = s.max_batch_tokens * config.merge_unit
+        self.workers = [DeviceWorker(p, self.queue, max_patches, s.max_batch_wait_ms / 1e3, self.done)
+                        for p in processes]
+        self.metrics.watch_runners(lambda: {w.name: w.device.runner_stats() for w in self.workers})
+        for worker in self.workers:
+            worker.start()
+        self.load_seconds = time.perf_counter() - start
+        if self.state == "capturing":
+            self.set_state("ready")
+            self.metrics.ready.set(1)
+            log.info("ready in %.2f s: %d front ends on port %d", self.load_seconds, self.fronts, s.port)
+
+    def set_state(self, state: str, error: str | None = None) -> None:
+        self.state, self.error = state, error
+        status = Status(state, error, self.model, [w.name for w in self.workers])
+        for link in self.links:
+            link.send(status)
+
+    def fail(self, reason: str) -> None:
+        if self.state != "failed":
+            log.error("%s", reason)
+            self.metrics.ready.set(0)
+            self.set_state("failed", reason)
+            self.failed.set()
+
+    def stop(self) -> None:
+        """After the front ends are gone: the workers finish what they hold, the devices close, the files go."""
+        from . import spool
+
+        self.queue.close()
+        for worker in self.workers:
+            worker.thread.join(60)
+            worker.device.close()
+        with self.lock:
+            self.cache.clear()
+        spool.clear(self.prefix)
+
+    # -- one front end's records, on its reader thread
+    def serve_link(self, link: Link) -> None:
+        from .scheduler import WorkItem
+
+        link.send(Status(self.state, self.error, self.model, [w.name for w in self.workers]))
+        while True:
+            try:
+                message = link.conn.recv()
+            except (EOFError, OSError):
+                link.open = False
+                return
+            kind = message[0]
+            if kind == "submit":
+                items = []
+                with self.lock:
+                    for item in message[1]:
+                        work = WorkItem(item.image, item.grid, None, item.mean_pooling, item.param,
+                                        origin=(link, item.id, item.key))
+                        self.items[link.index, item.id] = work
+                        items.append(work)
+                self.queue.put(items)
+            elif kind == "lookup":
+                _, lookup, keys = message
+                answers = []
+                with self.lock:
+                    for i, key in enumerate(keys):
+                        if (hit := self.cache.get(key)) is not None:
+                            answers.append(hit)
+                        elif key in self.cache.claims:
+                            self.cache.claims[key].append((link, lookup, i))
+                            answers.append("wait")
+                        else:
+                            self.cache.claims[key] = []
+                            answers.append(None)
+                link.send(("looked", lookup, answers))
+            elif kind == "drop":
+                with self.lock:
+                    dropped = [w for w in (self.items.pop((link.index, i), None) for i in message[1]) if w]
+                self.queue.drop(dropped)
+            elif kind == "release":
+                with self.lock:
+                    settled = [m for key in message[1] for m in self._settle(key, None)]
+                for waiter, record in settled:
+                    waiter.send(record)
+            elif kind == "scrape":
+                threading.Thread(target=self._scrape, args=(link, message[1], message[2]), daemon=True).start()
+            elif kind == "collected":
+                with self.scraped:
+                    self.scrapes.get(message[1], {})[link.index] = message[2]
+                    self.scraped.notify_all()
+
+    def _settle(self, key: bytes, output) -> list:
+        """Under the lock: the claim on `key` ends with `output` (kept by the cache) or None (waiters compute);
+        the records to send its waiters (after the lock: a send may wait for a full pipe)."""
+        return [(link, ("settled", lookup, i, output)) for link, lookup, i in self.cache.claims.pop(key, ())]
+
+    # -- a device's batch, on its worker's thread
+    def done(self, worker, batch: list, outputs, error: EngineError | None, seconds: float) -> None:
+        m = self.metrics
+        if error is not None and error.code == "device_lost":
+            self.fail(error.message)
+        if error is None:
+            m.inference_seconds.labels(worker.name).observe(seconds)
+            m.batch_tokens.observe(sum(i.patches for i in batch) // self.model.config.merge_unit)
+            m.batch_images.observe(len(batch))
+            m.images.labels(worker.name).inc(len(batch))
+            m.record("inference", seconds)
+        by_link: dict[Link, list] = collections.defaultdict(list)
+        settled = []
+        with self.lock:
+            if error is None:
+                self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+            for n, item in enumerate(batch):
+                link, id, key = item.origin
+                self.items.pop((link.index, id), None)
+                m.queue_seconds.observe(item.queue_s)
+                m.record("queue", item.queue_s)
+                output = None if error is not None else outputs[n]
+                if output is None or isinstance(output, tuple):  # the batch's error, or this image's
+                    record = error_record(error) if error is not None else \
+                        ("InputRejected", f"{item.param}: {output[2]}", output[1], item.param)
+                    if key is not None:
+                        settled += self._settle(key, None)
+                    by_link[link].append(Done(id, error=record, queue_s=item.queue_s, inference_s=seconds))
+                    continue
+                output.grid = item.grid
+                keep = key is not None and self.cache.put(key, output)
+                if key is not None:
+                    settled += self._settle(key, output if keep else None)
+                by_link[link].append(Done(id, output, keep=keep, queue_s=item.queue_s, inference_s=seconds))
+        for link, answers in by_link.items():
+            link.send(("done", answers))
+        for waiter, record in settled:
+            waiter.send(record)
+
+    # -- the whole server's /metrics and /stats
+    def _scrape(self, asker: Link, scrape: int, kind: str) -> None:
+        ident = next(self.scrape_ids)
+        with self.scraped:
+            self.scrapes[ident] = {}
+        live = [link for link in self.links if link.open]
+        for link in live:
+            link.send(("collect", ident, kind))
+        deadline = time.monotonic() + SCRAPE_SECONDS
+        with self.scraped:
+            while len(self.scrapes[ident]) < len(live) and (left := deadline - time.monotonic()) > 0:
+                self.scraped.wait(left)
+            parts = [part for _, part in sorted(self.scrapes.pop(ident).items())]
+        try:
+            answer = merged_metrics(self.metrics, parts) if kind == "metrics" else self.stats(parts)
+        except Exception as e:  # a scrape never takes the core down
+            log.exception("scrape failed")
+            answer = {"error": f"{type(e).__name__}: {e}"} if kind == "stats" else ""
+        asker.send(("scraped", scrape, answer))
+
+    def stats(self, fronts: list[dict]) -> dict:
+        """/stats of the whole server: the core's (devices, queue, batches, cache) and every front end's summed."""
+        from .. import __version__
+        from .metrics import percentiles
+
+        s, runners = self.settings, [w.device.runner_stats() for w in self.workers]
+        devices = {}
+        for worker, runner in zip(self.workers, runners):
+            budgets = {b: v for b, v in runner.get("budgets", {}).items() if v["captured"] or v["replays"]}
+            devices[worker.name] = worker.stats() | {"runner": runner | {"budgets": budgets}}
+        recent = collections.defaultdict(list)
+        for part in [{"recent": self.metrics.recent()}, *fronts]:
+            for phase, values in part["recent"].items():
+                recent[phase] += values
+        total = lambda name: sum(part[name] for part in fronts)  # noqa: E731
+        count = lambda name: sum(int(part["counters"].get(name, 0)) for part in fronts)  # noqa: E731
+        memory = {use: {"limit_bytes": sum(p["memory"][use]["limit_bytes"] for p in fronts),
+                        "bytes": sum(p["memory"][use]["bytes"] for p in fronts)} for use in ("bodies", "decode")}
+        with self.lock:
+            cache = {"enabled": self.cache.limit > 0, "limit_bytes": self.cache.limit, "bytes": self.cache.bytes,
+                     "entries": len(self.cache.entries), "hits": count("hits"), "misses": count("misses"),
+                     "evictions": int(self.metrics.registry.get_sample_value("vitserve_cache_evictions_total") or 0)}
+            histogram = {str(k): v for k, v in sorted(self.batch_sizes.items())}
+        batching = {"max_batch_tokens": s.max_batch_tokens, "max_batch_wait_ms": s.max_batch_wait_ms,
+                    "max_concurrent_requests": s.max_concurrent_requests,
+                    "max_images_per_request": s.max_images_per_request, "preprocess": s.preprocess,
+                    "decode_workers": total("decode_workers"), "decode_processes": s.decode_processes,
+                    "api_servers": self.fronts}
+        return {"version": __version__, "model": s.model_name, "state": self.state, "error": self.error,
+                "device": self.devices[0], "devices": devices, "latency": percentiles(recent),
+                "dtype": self.dtype, "family": self.model.config.family if self.model else None,
+                "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
+                "requests_in_flight": total("requests_in_flight"), "queue_depth": len(self.queue),
+                "batch_size_histogram": histogram, "spool": self.prefix and os.path.dirname(self.prefix),
+                "device_processes": True, "decode_workers_replaced": total("decode_workers_replaced"),
+                "cache": cache, "batching": batching, "api_servers": len(fronts),
+                "eager_runs": sum(r.get("eager_runs", 0) for r in runners), "memory": memory,
+                "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners)}
+
+
+def merged_metrics(core_metrics, fronts: list[str]) -> str:
+    """The exposition text of every process's registry in one: the same series summed (counters, histograms, the
+    gauges of what each holds), where one value stands for the server (its build, its readiness, the start time) the
+    core's."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, list] = {}  # name -> [type, help, {(sample name, labels): value}]
+    own = {"vitserve_build_info", "vitserve_ready", "process_start_time_seconds", "process_max_fds"}
+    for n, text in enumerate([generate_latest(core_metrics.registry).decode(), *fronts]):
+        for family in text_string_to_metric_families(text):
+            entry = families.setdefault(family.name, [family.type, family.documentation, {}])
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if sample.name in own:
+                    entry[2].setdefault(key, sample.value) if n == 0 else None
+                else:
+                    entry[2][key] = entry[2].get(key, 0.0) + sample.value
+    lines = []
+    for name, (kind, help, samples) in families.items():
+        name += "_total" if kind == "counter" else ""  # the parser names a counter without its suffix
+        lines += [f"# HELP {name} {help.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}",
+                  f"# TYPE {name} {kind}"]
+        for (sample, labels), value in samples.items():
+            text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+            lines.append(f"{sample}{{{text}}} {_number(value)}" if text else f"{sample} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    return repr(float(value)) if not math.isinf(value) else ("+Inf" if value > 0 else "-Inf")
+
+
+# ---- the front end's side ----------------------------------------------------------------------------------------
+class CoreLink:
+    """A front end's end of its pipe to the core: records out from the event loop, one reader thread in. Answers
+    are mapped from their spool files on the reader thread, and their futures resolved on the event loop."""
+
+    def __init__(self, conn, engine):
+        self.conn, self.engine = conn, engine
+        self.lock = threading.Lock()
+        self.ids = itertools.count()
+        self.items: dict[int, object] = {}  # item id -> its WorkItem, until its answer
+        self.lookups: dict[int, tuple] = {}  # lookup id -> (its future, the waits it holds by index)
+        self.scrapes: dict[int, asyncio.Future] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._read, name="vitserve-core-link", daemon=True)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.thread.start()
+
+    def send(self, message) -> None:
+        try:
+            with self.lock:
+                self.conn.send(message)
+        except (OSError, ValueError):
+            raise Unavailable("the server's core is gone; it is restarting", "core_lost") from None
+
+    # -- from the event loop
+    async def lookup(self, keys: list[bytes]) -> list:
+        """Per key: (tokens, deepstack) and grid (a hit), a future of that or of None (being computed elsewhere), or
+        None (a miss: the caller computes it and settles it)."""
+        lookup = next(self.ids)
+        answered = self.loop.create_future()
+        self.lookups[lookup] = (answered, {})
+        self.send(("lookup", lookup, keys))
+        return await answered
+
+    def submit(self, items: list) -> None:
+        records = []
+        for item in items:
+            item.id = next(self.ids)
+            self.items[item.id] = item
+            records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key))
+        self.send(("submit", records))
+
+    def drop(self, items: list) -> None:
+        for item in items:
+            self.items.pop(item.id, None)
+        self.send(("drop", [item.id for item in items]))
+
+    def release(self, keys: list[bytes]) -> None:
+        self.send(("release", keys))
+
+    async def scrape(self, kind: str):
+        scrape = next(self.ids)
+        future = self.scrapes[scrape] = self.loop.create_future()
+        self.send(("scrape", scrape, kind))
+        try:
+            return await asyncio.wait_for(future, SCRAPE_SECONDS * 2)
+        finally:
+            self.scrapes.pop(scrape, None)
+
+    # -- the reader thread
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self.loop.call_soon_threadsafe(self.engine.fail, "the server's core went away")
+                return
+            if isinstance(message, Status):
+                self.loop.call_soon_threadsafe(self.engine.mirror, message)
+                continue
+            kind = message[0]
+            if kind == "done":
+                answers = [(done, self._tensors(done.output, done.keep)) for done in message[1]
+                           if done.error is None]
+                errors = [done for done in message[1] if done.error is not None]
+                self.loop.call_soon_threadsafe(self._done, answers, errors)
+            elif kind == "looked":
+                _, lookup, answers = message
+                hits = [self._tensors(a, True) if a not in (None, "wait") else a for a in answers]
+                self.loop.call_soon_threadsafe(self._looked, lookup, hits)
+            elif kind == "settled":
+                _, lookup, i, output = message
+                self.loop.call_soon_threadsafe(self._settled, lookup, i,
+                                               None if output is None else self._tensors(output, True))
+            elif kind == "collect":  # answered from a thread of its own: this one keeps reading
+                threading.Thread(target=lambda m=message: self.send(("collected", m[1], self.engine.collect(m[2]))),
+                                 daemon=True).start()
+            elif kind == "scraped":
+                self.loop.call_soon_threadsafe(self._scraped, message[1], message[2])
+
+    @staticmethod
+    def _tensors(output, keep: bool):
+        """An Output record as ((tokens, deepstack), grid); None where its file is gone (an evicted cache entry)."""
+        try:
+            return output.tensors(keep), output.grid
+        except OSError:
+            return None
+
+    # -- on the event loop
+    def _done(self, answers: list, errors: list) -> None:
+        for done, output in answers:
+            item = self.items.pop(done.id, None)
+            if item is None or item.future.done():
+                continue
+            item.queue_s, item.inference_s = done.queue_s, done.inference_s
+            if output is None:
+                item.future.set_exception(InferenceFailed(f"{item.param}: its answer was lost", "internal_error"))
+            else:
+                item.future.set_result(output[0])
+        for done in errors:
+            item = self.items.pop(done.id, None)
+            if item is not None and not item.future.done():
+                item.queue_s, item.inference_s = done.queue_s, done.inference_s
+                item.future.set_exception(error_of(done.error))
+
+    def _looked(self, lookup: int, answers: list) -> None:
+        answered, waits = self.lookups[lookup]
+        out = []
+        for i, answer in enumerate(answers):
+            if answer == "wait":
+                waits[i] = self.loop.create_future()
+                answer = waits[i]
+            elif answer is not None and answer[0] is None:  # a hit whose file was evicted meanwhile: computed here
+                answer = self.loop.create_future()
+                answer.set_result(None)
+            out.append(answer)
+        if not waits:
+            del self.lookups[lookup]
+        if not answered.done():
+            answered.set_result(out)
+
+    def _settled(self, lookup: int, i: int, output) -> None:
+        answered, waits = self.lookups.get(lookup, (None, {}))
+        future = waits.pop(i, None)
+        if not waits:
+            self.lookups.pop(lookup, None)
+        if future is not None and not future.done():
+            future.set_result(None if output is None or output[0] is None else output)
+
+    def _scraped(self, scrape: int, answer) -> None:
+        future = self.scrapes.get(scrape)
+        if future is not None and not future.done():
+            future.set_result(answer)
+
+
+# ---- processes ---------------------------------------------------------------------------------------------------
+def front_settings(settings: Settings, fronts: int) -> Settings:
+    """One front end's share of the server's limits (connections, requests in flight, memory budgets, decode
+    workers): each is split evenly, so that the server's totals hold."""
+    share = lambda n: max(1, math.ceil(n / fronts))  # noqa: E731
+    return dataclasses.replace(
+        settings, decode_workers=max(1, settings.decode_worker_count() // fronts),
+        max_concurrent_requests=share(settings.max_concurrent_requests),
+        max_connections=share(settings.max_connections), body_memory=share(settings.body_memory),
+        decode_memory=share(settings.decode_memory), url_fetch_memory=share(settings.url_fetch_memory))
+
+
+def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> None:
+    """A front end's process: this server's app on the shared socket, with the core behind its engine."""
+    from .cli import run_server
+    from .engine import Engine
+    from .logs import configure_logging
+
+    configure_logging(settings.log_format, settings.log_level, bar=False, source=f"api{index}")
+    engine = Engine(settings, core=conn)
+    code = run_server(settings, engine, sockets=[sock])
+    os._exit(code)
+
+
+def serve(settings: Settings, fronts: int) -> int:
+    """`vitserve serve` with several front ends: bind the port, start the core and the front ends, and supervise
+    them until SIGTERM (drained: exit 0) or a failure (exit 1)."""
+    core = Core(settings, fronts)
+    if core.prefix is None:
+        raise ValueError("--api-servers above 1 needs a spool directory (/dev/shm or --spool-dir)")
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    context = multiprocessing.get_context("spawn")
+    share = front_settings(settings, fronts)
+    for i in range(fronts):
+        parent, child = context.Pipe()
+        # not a daemon: a front end has decode workers of its own; one whose core is gone exits (its link ends)
+        process = context.Process(target=serve_front, args=(i, share, sock, child), name=f"vitserve-api{i}")
+        process.start()
+        child.close()
+        core.links.append(Link(i, parent, process))
+    sock.close()  # the front ends hold it: once they have all closed it, the port is free
+    for link in core.links:
+        threading.Thread(target=core.serve_link, args=(link,), name=f"vitserve-link{link.index}", daemon=True).start()
+    threading.Thread(target=core.load, name="vitserve-load", daemon=True).start()
+
+    stopping = threading.Event()
+    signals = []
+
+    def on_signal(sig, frame):
+        signals.append(sig)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    while True:
+        if stopping.wait(0.2):
+            break
+        if core.failed.is_set():
+            code = 1
+            break
+        if dead := next((link.process for link in core.links if not link.process.is_alive()), None):
+            core.fail(f"front end {dead.name} exited (exit code {dead.exitcode}); the server is restarting")
+            code = 1
+            break
+        if dead := next((w.device.process for w in core.workers if not w.device.process.is_alive()), None):
+            core.fail(f"the process serving {dead.name} exited (exit code {dead.exitcode}); the server is restarting")
+            code = 1
+            break
+    if code == 0:  # drained: every front end answers what it admitted, then the devices stop
+        core.set_state("draining")
+        core.metrics.ready.set(0)
+        for link in core.links:
+            if link.process.is_alive():
+                os.kill(link.process.pid, signal.SIGTERM)
+        while any(link.process.is_alive() for link in core.links):
+            if len(signals) > 1:  # a second signal: now
+                return _abandon(core)
+            time.sleep(0.05)
+        if any(link.process.exitcode for link in core.links):
+            code = 1
+        core.stop()
+        return code
+    return _abandon(core)
+
+
+def _abandon(core: Core) -> int:
+    """Exit now: every child killed, the spool files removed."""
+    from . import spool
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    with core.lock:
+        core.cache.clear()
+    spool.clear(core.prefix)
+    for worker in core.workers:
+        spool.clear(worker.device.prefix)
+    logging.shutdown()
+    os._exit(1)

@@ -1,0 +1,172 @@
+"""Several front ends on one port (`--api-servers`), as a real server: one queue and one cache for all of them,
+/metrics and /stats of the whole server, drain on SIGTERM, and a front end's or a device's death failing it."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from helpers import data_uri, png, rel_err, wait_until
+
+from vitserve.encoder import VisionEncoder
+from vitserve.service.settings import Settings
+from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def direct():
+    return VisionEncoder.from_pretrained(MODEL, load_format="dummy")
+
+
+def children(pid: int) -> list[int]:
+    """A process's children, whichever of its threads started them."""
+    return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
+
+
+def front(line: str) -> str | None:
+    """Which front end logged an access line ("api0", "api1"), None for another line."""
+    return line.split("vitserve.access[")[1].split("]")[0] if "vitserve.access[" in line else None
+
+
+def posts(url: str, bodies: list[dict], connections: int = 8) -> list[httpx.Response]:
+    """Each body on a new connection (the kernel spreads connections over the front ends), `connections` at once."""
+    with ThreadPoolExecutor(connections) as pool:
+        return list(pool.map(lambda b: httpx.post(url + "/v1/embeddings", json=b, timeout=120), bodies))
+
+
+def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct):
+    expected = [r.embeddings.mean(0) for r in direct.encode(IMAGES)]
+    proc, url = start_server("--api-servers", "2", "--max-batch-wait-ms", "400")
+    try:
+        stats = httpx.get(url + "/stats").json()
+        assert stats["api_servers"] == 2 and stats["batching"]["api_servers"] == 2
+
+        # distinct images from many connections while the device is busy: every answer is its own image's, and
+        # the images of both front ends meet in batches
+        held = hold_device(url)
+        unique = [png(40 + 8 * i, 56, 100 + i) for i in range(16)]
+        want = [r.embeddings.mean(0) for r in direct.encode(unique)]
+        replies = posts(url, [{"input": [data_uri(x)]} for x in unique], connections=16)
+        for r, w in zip(replies, want):
+            assert r.status_code == 200, r.text
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), w) <= 1e-5
+        assert held.result().status_code == 200
+        stats = httpx.get(url + "/stats").json()
+        assert max(int(k) for k in stats["batch_size_histogram"]) >= 2
+        served = {front(line) for line in proc.log if "/v1/embeddings 200" in line}
+        assert served == {"api0", "api1"}, served  # both front ends took requests
+
+        # one image sent again and again on new connections: encoded once, every other answer from the core's
+        # cache (or from the one computation, for those that came while it ran), whichever front end takes it
+        before = [metric(url, name) for name in ("vitserve_cache_misses_total", 'vitserve_images_total{device="cpu"}')]
+        replies = posts(url, [{"input": [data_uri(IMAGES[3])]}] * 12, connections=4)
+        for r in replies:
+            assert r.status_code == 200, r.text
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), expected[3]) <= 1e-5
+        assert [metric(url, name) for name in ("vitserve_cache_misses_total", 'vitserve_images_total{device="cpu"}')] \
+            == [before[0] + 1, before[1] + 1]
+        computed_by = [front(line) for line in proc.log if "cache_hits=0" in line and "images=1" in line][-1]
+        for _ in range(50):  # until a front end that did not compute it answers it from the cache
+            posts(url, [{"input": [data_uri(IMAGES[3])]}] * 2, connections=2)
+            if {front(line) for line in proc.log if "cache_hits=1" in line} - {computed_by}:
+                break
+        else:
+            raise AssertionError("no other front end answered the image from the cache")
+        assert metric(url, 'vitserve_images_total{device="cpu"}') == before[1] + 1
+
+        # the same image twice in one request, and one claimed by a concurrent request: one answer each
+        twice = posts(url, [{"input": [data_uri(IMAGES[5]), data_uri(IMAGES[5])]}] * 3, connections=3)
+        for r in twice:
+            assert r.status_code == 200
+            for item in r.json()["data"]:
+                assert rel_err(torch.tensor(item["embedding"]), expected[5]) <= 1e-5
+
+        # /metrics sums every process's series: each request counted once, by whichever front end took it
+        ok = metric(url, 'vitserve_requests_total{code="200",endpoint="/v1/embeddings"}')
+        assert ok == sum("/v1/embeddings 200" in line for line in proc.log), ok
+        text = httpx.get(url + "/metrics").text
+        assert text.count("vitserve_ready 1.0") == 1 and text.count("# TYPE vitserve_requests_total counter") == 1
+        stats = httpx.get(url + "/stats").json()
+        assert stats["cache"]["hits"] == metric(url, "vitserve_cache_hits_total")
+        assert stats["latency"]["request"]["count"] >= 32 and stats["latency"]["inference"]["count"] >= 1
+
+        # a bad image fails its own request, in either front end, and never its neighbours
+        bad = posts(url, [{"input": ["%%%"]}, {"input": [data_uri(b"GIF89a broken")]}, {"input": [data_uri(IMAGES[0])]}])
+        assert [r.status_code for r in bad] == [400, 400, 200]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        output = log_of(proc)
+    assert "Traceback" not in output, output
+
+
+def test_sigterm_drains_every_front_end_then_exits_0_without_leftovers(direct):
+    expected = [r.embeddings.mean(0) for r in direct.encode(IMAGES)]
+    proc, url = start_server("--api-servers", "2", "--cache-bytes", "0", "--max-batch-wait-ms", "400")
+    try:
+        spool = glob.glob(f"/dev/shm/vitserve-{proc.pid}-*-lock")
+        held = hold_device(url)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i % 8])]},
+                                   timeout=60) for i in range(8)]
+            wait_until(lambda: metric(url, "vitserve_queue_depth") == 8, 30, "8 images queued")
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: refuses(url), 10, "the drain to begin")
+            replies = [f.result() for f in futures]
+        for i, r in enumerate(replies):
+            assert r.status_code == 200, r.text
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), expected[i % 8]) <= 1e-5
+        assert held.result().status_code == 200
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(OSError):  # the port is free: nobody listens any more
+            socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2)
+        if spool:  # the core's spool files, and each front end's, are gone
+            assert not [p for p in glob.glob("/dev/shm/vitserve-*") if any(
+                p.startswith(s.removesuffix("lock")) for s in spool)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = log_of(proc)
+    assert "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("victim", ["front end", "device"])
+def test_a_front_end_or_device_that_dies_fails_the_server(victim):
+    proc, url = start_server("--api-servers", "2", "--cache-bytes", "0")
+    try:
+        assert httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30).status_code == 200
+        kids = [p for p in children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        fronts = [p for p in kids if children(p)]  # a front end has decode workers; a device process none
+        devices = [p for p in kids if p not in fronts]
+        assert len(fronts) == 2 and len(devices) == 1, (kids, fronts)
+        os.kill((fronts if victim == "front end" else devices)[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b"Z" not in Path(f"/proc/{p}/stat").read_bytes()
+                                   .split(b")")[1][:3] for p in kids), 30, "every child gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_api_servers_default_and_checks(monkeypatch):
+    assert Settings(model=MODEL, device="cpu").api_server_count() == 1  # the CPU: one front end
+    assert Settings(model=MODEL, device="cpu", api_servers=3).api_server_count() == 3
+    with pytest.raises(ValueError, match="--device-processes"):
+        Settings(model=MODEL, api_servers=2, device_processes=False)
+    from vitserve.service import settings as settings_module
+
+    monkeypatch.setattr(settings_module, "resolve_devices", lambda s: (["cuda:0"], "bfloat16"))
+    monkeypatch.setattr(settings_module, "available_cpus", lambda: 16)
+    assert Settings(model=MODEL).api_server_count() == 4  # a GPU and 16 CPUs
+    monkeypatch.setattr(settings_module, "available_cpus", lambda: 2)
+    assert Settings(model=MODEL).api_server_count() == 2
+    assert Settings(model=MODEL, device_processes=False).api_server_count() == 1
