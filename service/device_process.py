@@ -2,8 +2,9 @@
 
 The server's thread for the device only moves batches: the device process reads the batch's images from the
 decode workers' spool files itself (the server passes their names; an image that came through a pipe, the array),
-its outputs come back as a spool file of their own, and the pipe between them carries small typed records (or,
-where the spool is full or gone, the bytes themselves: slower, never wrong). The device process keeps two batches
+each image's outputs come back as a spool file of its own (written by a thread of the device process, beside the
+next batch's launch), and the pipe between them carries small typed records (or, where the spool is full or gone,
+the bytes themselves: slower, never wrong). The device process keeps two batches
 on its GPU (`worker.pipeline`, as a device in the server's process does); the server keeps one more waiting in the
 pipe, so that the GPU never waits for the round trip.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import queue
 import signal
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,30 +158,51 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
         job = conn.recv()
         return STOP if job is None else job
 
+    # answers are written and sent by a thread of their own: writing megabytes of token features to their files
+    # overlaps the next batch's launch instead of delaying it (the GPU would wait)
+    answers: queue.Queue = queue.Queue()
+
+    def send_answers() -> None:
+        while (item := answers.get()) is not None:
+            job, outputs, error = item
+            packed = []
+            try:
+                for output in outputs or ():
+                    packed.append(_pack(output, f"{prefix}out-{next(names)}"))
+            except Exception as e:
+                error = (type(e).__name__, str(e))
+            if error is not None:
+                for output in packed:
+                    if isinstance(output, Output):
+                        output.discard()
+                packed = None
+            try:
+                conn.send(Answer(job, runner.stats.as_dict(), packed, error))
+            except (OSError, ValueError):  # the server went away
+                return
+
+    sender = threading.Thread(target=send_answers, name="vitserve-answers", daemon=True)
+    sender.start()
+
     def launch(job: Job):
         try:
             return encoder.launch(spool.pixels(job.images), job.sizes, job.mean_pooling)
         except Exception as e:
-            conn.send(Answer(job.job, runner.stats.as_dict(), error=(type(e).__name__, str(e))))
+            answers.put((job.job, None, (type(e).__name__, str(e))))
             return None
 
     def answer(job: Job, launched) -> None:
-        outputs = []
         try:
-            for output in encoder.outputs(launched):
-                outputs.append(_pack(output, f"{prefix}out-{next(names)}"))
+            answers.put((job.job, encoder.outputs(launched), None))
         except Exception as e:
-            for output in outputs:
-                if isinstance(output, Output):
-                    output.discard()
-            conn.send(Answer(job.job, runner.stats.as_dict(), error=(type(e).__name__, str(e))))
-        else:
-            conn.send(Answer(job.job, runner.stats.as_dict(), outputs))
+            answers.put((job.job, None, (type(e).__name__, str(e))))
 
     try:
         pipeline(take, launch, answer, BATCHES_IN_FLIGHT)
     except (EOFError, OSError, KeyboardInterrupt):  # the server went away: nothing to answer
         pass
+    answers.put(None)
+    sender.join()
 
 
 ERRORS = {"OutOfMemoryError": torch.OutOfMemoryError, "ImageLost": spool.ImageLost}  # re-raised as themselves
