@@ -87,7 +87,9 @@ def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "in
         start = comma + 1
     if not head[start:start + 4096].strip():  # (a payload that opens with 4 KB of whitespace is no image either)
         raise ServiceError(400, f"{param}: empty image", "invalid_image", param)
-    return Base64Data(item if isinstance(item, str) else item.view, start)  # decoded by a decode worker
+    if isinstance(item, str):
+        return Base64Data(item, start)  # decoded by a decode worker
+    return Base64Data(item.view, start, item.shared)  # (read by it in place, where the body is shared)
 
 
 def laid_out(embeddings, deepstack: list, layout: str):
@@ -179,7 +181,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest))
     async def embeddings(request: Request):
-        body = await read_json(request, EmbeddingRequest, settings.max_images_per_request, ("input",))
+        body = await read_json(request, EmbeddingRequest, settings.max_images_per_request, ("input",),
+                               engine.decoder.bodies)
         check_model(body.model)
         inputs = body.input if isinstance(body.input, list) else [body.input]
         images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(inputs)]
@@ -217,7 +220,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             except ValidationError as e:
                 raise RequestValidationError(e.errors()) from None
         else:
-            body = await read_json(request, EncodeRequest, settings.max_images_per_request, ("images",))
+            body = await read_json(request, EncodeRequest, settings.max_images_per_request, ("images",),
+                                   engine.decoder.bodies)
             images = [decode_input(item, i, settings.allow_url_fetch, "images") for i, item in enumerate(body.images)]
         check_model(body.model)
         result = await encode_images(request, images, "images", max_pixels=body.max_pixels)

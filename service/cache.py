@@ -25,12 +25,6 @@ from ..encoder.preprocess import Base64Data, PreprocessConfig
 from .metrics import Metrics
 
 Output = tuple[tuple[torch.Tensor, list[torch.Tensor]], tuple[int, int, int]]  # (tokens or mean, deepstack), grid
-HASHED_HERE = 256 * 2**10  # bytes of an image hashed on the event loop (~0.5 ms); larger ones in a thread
-
-
-async def _done(value):
-    return value
-
 
 def nbytes(output: Output) -> int:
     (first, deepstack), _ = output
@@ -50,12 +44,10 @@ class EmbeddingCache:
 
     async def keys(self, images: list, cfg: PreprocessConfig, mean_pooling: bool,
                    client: int | None = None) -> list[bytes]:
-        """`key` of each image; a large one is hashed in a thread (hashlib lets go of the GIL while it hashes), so
-        that megabytes of hashing never hold the event loop."""
-        loop = asyncio.get_running_loop()
-        return list(await asyncio.gather(*(
-            loop.run_in_executor(None, self.key, data, cfg, mean_pooling, client) if len(data) > HASHED_HERE else
-            _done(self.key(data, cfg, mean_pooling, client)) for data in images)))
+        """`key` of each image, all of them in one go in a thread (hashlib lets go of the GIL while it hashes): no
+        byte of an image is hashed on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [self.key(data, cfg, mean_pooling, client) for data in images])
 
     def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
         """`client`: the API key the request came with (its index), which scopes the entry when per_client."""

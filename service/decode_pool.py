@@ -2,7 +2,8 @@
 
 Each worker has a socket of its own, read and written by the event loop (uvloop does the I/O in C, without giving
 up the GIL); no thread of the server takes part, and an image's bytes are written as they are, not pickled (a job
-that waits holds only what its caller gave: the bytes to send are made when a worker takes it). Each worker runs one
+that waits holds only what its caller gave: the bytes to send are made when a worker takes it), or not sent at all
+where the worker can map them itself (a body in shared memory: only where it lies is sent). Each worker runs one
 job at a time, so a worker that dies (a decoder crash, the OOM killer) fails only its own job (`WorkerDied`), and is
 replaced at once. A job that runs past the pool's `timeout` is killed with its worker (`JobTimedOut`), and so is one
 whose caller is gone (its future cancelled) and that still runs `grace` seconds later: no worker grinds on for
@@ -23,6 +24,7 @@ import struct
 from typing import Callable
 
 log = logging.getLogger("vitserve.decode")
+_BYTES = (bytes, bytearray, memoryview)  # payloads sent as they are
 
 
 class WorkerDied(Exception):
@@ -62,12 +64,12 @@ def _serve(sock: socket.socket) -> None:
     while True:
         try:
             call_size, payload_size = struct.unpack("!II", _read(sock, 8))
-            fn, args = pickle.loads(_read(sock, call_size))
+            fn, args, *inline = pickle.loads(_read(sock, call_size))
             payload = _read(sock, payload_size)
         except (EOFError, OSError):
             return
         try:
-            answer = (True, fn(payload, *args))
+            answer = (True, fn(*inline, *args) if inline else fn(payload, *args))
         except Exception as e:
             answer = (False, e)
         try:
@@ -209,17 +211,19 @@ class DecodePool:
 
     def submit(self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None) -> asyncio.Future:
         """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
-        (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like, or a function
-        that makes them when a worker takes the job. A cancelled future's job is skipped, its result dropped, or its
-        worker killed after the grace. `on_lost()` is called when the worker dies (or is killed) while it runs the
-        job, whatever became of the future (what it was writing may be left half done). Waiting jobs go to the
-        workers round-robin by `owner` (FairQueue)."""
+        (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like (sent as they
+        are), a function that makes them when a worker takes the job, or any other object, pickled with the call (a
+        description of where the worker finds the bytes itself, `len()` its size). A cancelled future's job is
+        skipped, its result dropped, or its worker killed after the grace. `on_lost()` is called when the worker dies
+        (or is killed) while it runs the job, whatever became of the future (what it was writing may be left half
+        done). Waiting jobs go to the workers round-robin by `owner` (FairQueue)."""
         future = self._loop.create_future()
         self.submitted += 1
         if self._closed or self.broken:
             future.set_exception(PoolUnavailable(self.broken or "the decode pool is closed"))
             return future
-        self._waiting.append(owner, _Job(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), payload, future,
+        call = (fn, args) if callable(payload) or isinstance(payload, _BYTES) else (fn, args, payload)
+        self._waiting.append(owner, _Job(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL), payload, future,
                                          on_lost))
         self._dispatch()
         return future
@@ -237,7 +241,7 @@ class DecodePool:
             if callable(job.payload):
                 job.payload = job.payload()
             link.job = job
-            link.send(job.call, job.payload)
+            link.send(job.call, job.payload if isinstance(job.payload, _BYTES) else b"")
             if self.timeout is not None:
                 link.timer = self._loop.call_later(self.timeout, self._kill, link, f"its job ran past "
                                                                                   f"{self.timeout:g} s")

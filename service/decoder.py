@@ -1,14 +1,15 @@
 """Decoding a request's images: decode + resize in worker processes (or threads), pixels back through the spool.
 
-Before any pixel is decoded, each image's header is read on the event loop from its first bytes (`probe`: a walk
+Before any pixel is decoded, each image's header is read in a thread from its first bytes (`first_headers`: a walk
 bounded in bytes and steps, microseconds whatever the bytes hold; where the header is not within them, a decode
 worker reads it from the whole image): its format must be allowed, its pixels under `--max-image-pixels`, and the
 memory its decode takes (estimated from the size and mode, alpha and palette expansion included) counts against the
 request's limit (`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, a `MemoryBudget`:
-an image waits until its share fits, so large images queue instead of overcommitting the host). Where the probe saw the
-image's end, only the bytes up to it are sent to a worker (what follows, junk or a phone's motion video, stays
-behind). The decode pool hands waiting images to the workers round-robin by request, so one large request cannot
-stall a small one behind it.
+an image waits until its share fits, so large images queue instead of overcommitting the host). Where the probe saw
+the image's end, only the bytes up to it are decoded (what follows, junk or a phone's motion video, stays behind).
+An image of a request body in a body file (bodies.py) goes to its worker as where it lies there (`SharedText`): no
+byte of it crosses the worker's socket. No byte of an image is touched on the event loop. The decode pool hands
+waiting images to the workers round-robin by request, so one large request cannot stall a small one behind it.
 
 The decoder owns the decode pool, this server's spool prefix and the retry: a worker that dies on an image (a
 decoder crash, the OOM killer) fails only that image, which is tried once more; only an image that kills a worker
@@ -23,6 +24,7 @@ told so (`text_input`).
 from __future__ import annotations
 
 import asyncio
+import binascii
 import functools
 import itertools
 import logging
@@ -31,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
+import pybase64
 
 from ..encoder.headers import ImageHeader, probe
 from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageTooLarge, InvalidBase64, PreprocessConfig,
@@ -38,7 +41,8 @@ from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageT
 
 from . import spool
 from .budget import MemoryBudget
-from .decode import decode_and_resize, read_header
+from .bodies import SharedBodies
+from .decode import SharedText, decode_and_resize, read_header
 from .decode_pool import DecodePool, JobTimedOut, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
 from .metrics import Metrics
@@ -57,14 +61,35 @@ TEXT_INPUT = ("this is text, not an image: this server encodes images (and soon 
 
 
 def head(data, size: int = PROBE_BYTES) -> bytes:
-    """The first `size` bytes of an image's bytes (of its base64 text: decoded from a 4-aligned prefix)."""
+    """The first `size` bytes of an image's bytes (of its base64 text: decoded from a 4-aligned prefix, whitespace
+    left out). Reads a bounded prefix only; run off the event loop (`first_headers`)."""
     if not isinstance(data, Base64Data):
         return bytes(data[:size])
-    chunk = data.prefix(size * 4 // 3 + 256)
-    text = "".join(chunk.split())  # base64 may hold line breaks
-    if len(chunk) < len(data):
-        text = text[:len(text) // 4 * 4]
-    return decode_base64(text)
+    chunk = data.text[data.start:data.start + size * 4 // 3 + 256]
+    if not isinstance(chunk, str):
+        chunk = bytes(chunk)
+    if len(chunk) == len(data):
+        return decode_base64(chunk)
+    try:  # no whitespace in the whole quads: they are the prefix (whitespace in the 3 characters after changes nothing)
+        return pybase64.b64decode(memoryview(chunk.encode("latin-1") if isinstance(chunk, str) else chunk)
+                                  [:len(chunk) // 4 * 4], validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    text = type(chunk)().join(chunk.split())  # base64 may hold line breaks
+    return decode_base64(text[:len(text) // 4 * 4])
+
+
+def first_headers(images: list) -> list:
+    """Each image's header from its first bytes (`probe(head(data))`), or the exception that raised (HeaderNotFound:
+    not within them). Bounded work per image (a 64 KB prefix decoded, a walk of at most 256 steps): the request's
+    images in one go in a thread, where base64 decodes without the GIL."""
+    out = []
+    for data in images:
+        try:
+            out.append(probe(head(data)))
+        except Exception as e:
+            out.append(e)
+    return out
 
 
 def looks_like_text(data) -> bool:
@@ -112,6 +137,11 @@ class Decoder:
             if self.spool_prefix is None:
                 log.warning("no usable spool directory (%s): decoded images cross through a pipe, which costs the "
                             "server about 2 ms of CPU per megabyte", settings.spool_dir or "/dev/shm")
+        if "C extension active" not in pybase64.get_version():  # its pure-Python fallback is the standard library's
+            log.warning("pybase64 runs without its C extension (%s): base64 decodes at a quarter of the speed",
+                        pybase64.get_version())
+        # large request bodies in files of the spool, which the workers read in place (bodies.py)
+        self.bodies = SharedBodies(self.spool_prefix) if self.spool_prefix else None
         self._names = itertools.count()
         self.budget = MemoryBudget(settings.decode_memory)
 
@@ -128,6 +158,8 @@ class Decoder:
             await self.pool.close()
         else:
             self.threads.shutdown(wait=False, cancel_futures=True)
+        if self.bodies:
+            self.bodies.clear()
         spool.clear(self.spool_prefix)
 
     def abandon(self) -> None:
@@ -135,18 +167,19 @@ class Decoder:
         spool.clear(self.spool_prefix)
 
     async def headers(self, images: list, field: str, names: list[int], owner) -> list[ImageHeader]:
-        """Each image's header (its size checked against the limits), read on the event loop from its first bytes,
-        else by a decode worker from all of them; the request's first error before anything is decoded."""
+        """Each image's header (its size checked against the limits), read in a thread from its first bytes, else by
+        a decode worker from all of them; the request's first error before anything is decoded."""
+        first = await asyncio.get_running_loop().run_in_executor(None, first_headers, images)
         headers: list = [None] * len(images)
-        later: dict[int, asyncio.Future] = {}  # headers not within the first bytes: read off the loop
+        later: dict[int, asyncio.Future] = {}  # headers not within the first bytes: read by a decode worker
         try:
             for i, data in enumerate(images):
-                try:
-                    headers[i] = probe(head(data))
-                except HeaderNotFound:
+                if isinstance(first[i], HeaderNotFound):
                     later[i] = asyncio.ensure_future(self._run(read_header, data, owner))
-                except Exception as e:
-                    raise self.rejection(f"{field}[{names[i]}]", e, data) from None
+                elif isinstance(first[i], Exception):
+                    raise self.rejection(f"{field}[{names[i]}]", first[i], data) from None
+                else:
+                    headers[i] = first[i]
             if later:
                 await asyncio.wait(later.values())
         except BaseException:  # a bad image, or the request cancelled: the other headers are not needed
@@ -244,12 +277,18 @@ class Decoder:
         raise AssertionError("unreachable")
 
     async def _run(self, fn, data, owner, *args, end: int | None = None, spooled: str | None = None):
-        """fn(payload, is_base64, *args) in a decode worker (or thread), under the decode timeout. The payload is the
-        image's bytes up to `end` (its base64 as ASCII bytes: a str pickles at twice the server's CPU), made only
-        when a worker takes the job; `spooled`: the spool file the job writes, removed if its worker dies."""
+        """fn(payload, is_base64, *args) in a decode worker (or thread), under the decode timeout. The payload is
+        where the image's base64 lies in its request's body file (SharedText: the worker reads it there, nothing is
+        sent), else the image's bytes up to `end` (its base64 as ASCII bytes: a str pickles at twice the server's
+        CPU), made only when a worker takes the job; `spooled`: the spool file the job writes, removed if its worker
+        dies."""
         is_base64 = isinstance(data, Base64Data)
-        payload = functools.partial(data.ascii, end) if is_base64 else data if end is None else \
-            memoryview(data)[:end]
+        if is_base64 and data.shared is not None and self.pool is not None:
+            path, offset = data.shared
+            payload = SharedText(path, offset + data.start, len(data), end)
+        else:
+            payload = functools.partial(data.ascii, end) if is_base64 else data if end is None else \
+                memoryview(data)[:end]
         if self.pool is None:
             return await self._in_thread(lambda: fn(payload() if is_base64 else payload, is_base64, *args))
         job = self.pool.submit(fn, payload, is_base64, *args, owner=owner,

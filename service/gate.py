@@ -13,8 +13,10 @@ takes its share only once it has sent them. A body of known length then takes al
 does not fit waits holding none (bodies that each held a part and waited for the rest would wait on each other),
 read no further (the client's sends stall), and is answered 429 if no room comes within the body deadline. A chunked
 body takes its share a step (`CHARGE_STEP`) ahead of what is read, and for the same reason never waits: a step that
-does not fit is a 429 at once. The share is given back when the request is answered. Routes leave what the access
-line reports (images, tokens, queue and inference time) in the request's state.
+does not fit is a 429 at once. The share is given back when the request is answered, and what the route left in
+the request's state under `on_end` (a shared body file to give back, bodies.py) is called then, whatever the
+outcome. Routes leave what the access line reports (images, tokens, queue and inference time) in the request's
+state.
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ class Gate:
                 except EngineError as e:
                     return await ServiceError.of(e).response()(scope, receive, send)
             admitted.callback(lambda: self.bodies.release(charged))
+            admitted.callback(_run_on_end, scope["state"])
             try:
                 await self.app(scope, limited_receive, started_send)
             except NoBodyMemory:
@@ -197,3 +200,10 @@ class Gate:
         text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("method", "path",
                                                                                            "status"))
         access.log(level, "%s %s %s %s", fields["method"], path, status, text, extra={"fields": fields})
+
+
+def _run_on_end(state: dict) -> None:
+    """What the request left to be done when it ends (`state["on_end"]`: a body file to give back), whatever its
+    outcome."""
+    for callback in state.pop("on_end", ()):
+        callback()

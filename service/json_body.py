@@ -14,6 +14,7 @@ nulls, objects, lists), than `max_images` images and a few fields could hold is 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import mmap
 import secrets
@@ -21,22 +22,23 @@ import secrets
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from .bodies import SHARED, Body, SharedBodies, anonymous
 from .errors import ServiceError
 
 LONG = 4096  # bytes of a string beyond which it stays in the body, unparsed
-MAPPED = 2**20  # bytes of a declared body from which it is read into an anonymous mapping
 _MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder's prefix: no client can write one
 _MARK_JSON = _MARK.replace("\x00", "\\u0000").encode()
 
 
 class Text:
     """A JSON string of a request body, unparsed: a view of the body's bytes between its quotes (no escapes in it).
-    What it holds is ASCII when it is base64; anything else is left for the decoder to refuse."""
+    What it holds is ASCII when it is base64; anything else is left for the decoder to refuse. `shared`: where those
+    bytes lie in a body file the decode workers can read (its path, the offset of the first), or None."""
 
-    __slots__ = ("view",)
+    __slots__ = ("view", "shared")
 
-    def __init__(self, view: memoryview):
-        self.view = view
+    def __init__(self, view: memoryview, shared: tuple[str, int] | None = None):
+        self.view, self.shared = view, shared
 
     def __len__(self) -> int:
         return len(self.view)
@@ -109,36 +111,57 @@ def too_many(max_images: int) -> ServiceError:
                         headers={"Connection": "close"})  # the rest of the body is not read
 
 
-async def read_json(request, model: type[BaseModel], max_images: int, raw_fields: tuple[str, ...] = ()) -> BaseModel:
+async def read_json(request, model: type[BaseModel], max_images: int, raw_fields: tuple[str, ...] = (),
+                    bodies: SharedBodies | None = None) -> BaseModel:
     """A request's JSON body as `model` (`parse_body`), scanned as it arrives: a body with more values than
     `max_images` images and a few fields could hold is refused at the chunk that shows it. The body goes into one
-    buffer, a chunk's copy at a time, and is never joined from pieces afterwards. A large one of declared length goes
-    into an anonymous mapping of that size, whose pages the kernel gives as they are first written: no allocation
-    zeroed up front (30 MB: tens of milliseconds of the event loop at once), and no buffer regrown and copied again
-    as it fills (with many bodies arriving at once, each growth copied it all)."""
+    buffer, a chunk's copy at a time, and is never joined from pieces afterwards. A large one of declared length
+    (`SHARED` bytes or more) goes into a mapping of that size whose pages are allocated and mapped in a thread
+    before it arrives: a body file of `bodies` where given, which the decode workers read in place (its images'
+    `Text` say where), else an anonymous mapping. The event loop then only copies the chunks in: no page first
+    touched there, no buffer regrown and copied again as it fills. The body file is given back when the request
+    ends, whatever its outcome (the gate calls what the request's state holds under `on_end`)."""
     length = request.headers.get("content-length")
-    mapped = length is not None and length.isdigit() and int(length) >= MAPPED
-    body, size, scan = mmap.mmap(-1, int(length)) if mapped else bytearray(), 0, Scan(2 * (max_images + 32))
+    size, scan = 0, Scan(2 * (max_images + 32))
+    shared: Body | None = None
+    if length is not None and length.isdigit() and int(length) >= SHARED:
+        if bodies is not None:
+            shared = await bodies.take(int(length))
+            request.scope.setdefault("state", {}).setdefault("on_end", []).append(shared.release)
+            body = shared.buffer
+        else:
+            body = await asyncio.get_running_loop().run_in_executor(None, anonymous, int(length))
+        if len(body) < int(length):
+            raise AssertionError("a body buffer smaller than its body")
+    else:
+        body = bytearray()
+    mapped = not isinstance(body, bytearray)
     async for chunk in request.stream():
         if mapped:
+            if size + len(chunk) > int(length):  # (the HTTP layer frames by the declared length)
+                raise ServiceError(400, "the body is longer than its Content-Length", "invalid_request")
             body[size:size + len(chunk)] = chunk
         else:
             body += chunk
         size += len(chunk)
         if not scan.feed(body, size):
             raise too_many(max_images)
-    return parse_body(model, body, max_images, raw_fields, scan)
+    return parse_body(model, body, max_images, raw_fields, scan, size,
+                      shared.path if shared is not None else None)
 
 
 def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_images: int,
-               raw_fields: tuple[str, ...] = (), scan: Scan | None = None) -> BaseModel:
-    """`body` validated as `model`: not JSON (or nested too deeply) is a 400, invalid fields a 422, more values than
-    `max_images` images and a few fields could hold a 413. The long strings of `raw_fields` (a string or a list of
-    strings each) come back as `Text` where they hold no escapes; every other value is what pydantic makes of it.
-    `scan`: the body's, made as it arrived (`read_json`), else made here."""
+               raw_fields: tuple[str, ...] = (), scan: Scan | None = None, size: int | None = None,
+               path: str | None = None) -> BaseModel:
+    """`body` (its first `size` bytes; default all) validated as `model`: not JSON (or nested too deeply) is a 400,
+    invalid fields a 422, more values than `max_images` images and a few fields could hold a 413. The long strings of
+    `raw_fields` (a string or a list of strings each) come back as `Text` where they hold no escapes; every other
+    value is what pydantic makes of it. `scan`: the body's, made as it arrived (`read_json`), else made here.
+    `path`: the body file `body` maps, for the `Text` to say where they lie."""
+    size = len(body) if size is None else size
     if scan is None:
         scan = Scan(2 * (max_images + 32))
-        scan.feed(body, len(body))
+        scan.feed(body, size)
     if scan.over:
         raise too_many(max_images)
     long = [(s, e) for s, e in scan.spans if e - s > LONG and body[e + 1:e + 64].lstrip()[:1] != b":"]  # values
@@ -146,8 +169,8 @@ def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_
     for i, (start, end) in enumerate(long):
         pieces += [body[previous:start + 1], _MARK_JSON + str(i).encode()]
         previous = end
-    skeleton = b"".join([*pieces, body[previous:]]) if long else body if isinstance(body, (bytes, bytearray)) else \
-        body[:]
+    whole = isinstance(body, (bytes, bytearray)) and size == len(body)
+    skeleton = b"".join([*pieces, body[previous:size]]) if long else body if whole else body[:size]
     try:
         parsed = model.model_validate_json(skeleton)
     except ValidationError as e:
@@ -158,19 +181,22 @@ def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_
     if not long:
         return parsed
     view = memoryview(body)
-
-    def restore(value, raw: bool):
-        if isinstance(value, list):
-            return [restore(v, raw) for v in value]
-        if not isinstance(value, str) or not value.startswith(_MARK):
-            return value
-        start, end = long[int(value[len(_MARK):])]
-        if raw and body.find(b"\\", start, end) < 0:
-            return Text(view[start + 1:end])
-        return json.loads(body[start:end + 1])  # escapes (or not an image field): decoded as JSON does
-
     for name in type(parsed).model_fields:
         value = getattr(parsed, name)
         if isinstance(value, (str, list)):
-            setattr(parsed, name, restore(value, name in raw_fields))
+            setattr(parsed, name, _restore(value, name in raw_fields, body, view, long, path))
     return parsed
+
+
+def _restore(value, raw: bool, body, view: memoryview, long: list[tuple[int, int]], path: str | None):
+    """A parsed value with its placeholders replaced by the long strings they stand for (a module function, not a
+    closure: a recursive closure is a reference cycle, which would keep the body alive until the garbage collector
+    ran, past its request's end)."""
+    if isinstance(value, list):
+        return [_restore(v, raw, body, view, long, path) for v in value]
+    if not isinstance(value, str) or not value.startswith(_MARK):
+        return value
+    start, end = long[int(value[len(_MARK):])]
+    if raw and body.find(b"\\", start, end) < 0:
+        return Text(view[start + 1:end], None if path is None else (path, start + 1))
+    return json.loads(body[start:end + 1])  # escapes (or not an image field): decoded as JSON does

@@ -129,7 +129,8 @@ class Arriving:
 def test_a_large_body_read_as_it_arrives_gives_what_the_parser_gives(declared):
     """A declared body of a MiB or more is read into a mapping, a chunked one into a growing buffer: either way its
     images are views of it equal to the parsed strings, and its other values are the parser's."""
-    from vitserve.service.json_body import MAPPED, read_json
+    from vitserve.service.bodies import SHARED as MAPPED
+    from vitserve.service.json_body import read_json
 
     images = ["data:image/png;base64," + "QUJD" * (MAPPED // 3), "QUJD" * 3000, "QUJD"]
     body = json.dumps({"images": images, "dtype": "bf16", "model": "m"}).encode()
