@@ -10,7 +10,7 @@ The engine owns the lifecycle (`State`), loading (in this process, or one proces
 last decode worker), it turns FAILED, and the CLI exits for a supervisor to restart it.
 
 In a front end of a server with several (`core`: its pipe to the core, service/core.py), the queue, the devices and
-the cache's entries are the core's: the engine mirrors the core's state, looks its cache keys up there, and sends
+the cache's entries are the core's (through service/core_link.py): the engine mirrors the core's state, looks its cache keys up there, and sends
 its decoded images there (`_lookup`, `_settle`, `_enqueue`, `_dequeue` are the seams); the rest is the same.
 """
 
@@ -120,7 +120,7 @@ class Engine:
         self._preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
         self.core = None
         if core is not None:
-            from .core import CoreLink
+            from .core_link import CoreLink
 
             self.core = CoreLink(core, self)
 

@@ -1,0 +1,49 @@
+"""One HTTP server process: an engine's app under uvicorn, with the drain on SIGTERM and the exit on failure."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from .settings import Settings
+
+
+def run_server(settings: Settings, engine, sockets=None) -> int:
+    """Serve `engine`'s app with uvicorn (on `sockets`, else bound to --host and --port) until SIGTERM or a failure;
+    the exit status."""
+    import uvicorn
+
+    from .app import create_app
+    from .engine import State
+    from .http import connection_limit, guarded_h11
+
+    app = create_app(settings, engine)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """First SIGTERM/SIGINT: not ready, stop accepting, answer everything in flight, exit 0. A second: exit
+            now. (Unlike uvicorn's own handler, the signal is not re-raised after a graceful shutdown.)"""
+            if sig == signal.SIGINT and engine.core is not None:  # a front end: Ctrl-C reaches the whole group,
+                return  # and the core drains it with SIGTERM
+            engine.drain()
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            """Exit once the engine has failed (a model that did not load, a lost device): for a restart."""
+            return await super().on_tick(counter) or engine.state is State.FAILED
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
+                            log_level=settings.log_level, access_log=False,
+                            timeout_keep_alive=settings.timeout_keep_alive,
+                            http=guarded_h11(settings.header_timeout, connection_limit(settings.max_connections)),
+                            h11_max_incomplete_event_size=settings.max_header_bytes)
+    server = Server(config)
+    server.run(sockets=sockets)
+    if server.force_exit:  # "exit now": no interpreter teardown (seconds, with torch and a process pool loaded)
+        engine.abandon()
+        logging.shutdown()
+        os._exit(1)
+    return 1 if engine.state is State.FAILED else 0
