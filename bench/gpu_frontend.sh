@@ -11,9 +11,10 @@
 #   git worktree add .baseline <commit>; then on the device: bash bench/gpu_frontend.sh .baseline
 #   (carry .whl and .baseline; the wheels: ../shared/tools/gpu-wheels httptools pybase64 nvidia-cudnn-frontend)
 # THIS_FLAGS: extra `vitserve serve` flags for this tree's servers (e.g. THIS_FLAGS="--api-servers 4"); OTHER_FLAGS
-# for OTHER's (it may not know the new flags). CPU=1 runs the same logic on a CPU: the tiny models, tiny counts
-# (PYTHON names the interpreter, e.g. PYTHON=.venv/bin/python). RUN_LIMIT: seconds per run (130; 300 with CPU=1); a
-# run cut short keeps the figures it had taken.
+# for OTHER's (it may not know the new flags). RUN_LIMIT: seconds per run (130); TOTAL: seconds for the whole script
+# from its start (540), a run getting at most what is left; a run cut short keeps the figures it had taken.
+# CPU=1 runs the same logic on a CPU: the tiny models, tiny counts, RUN_LIMIT 300 and TOTAL 1500 (PYTHON names the
+# interpreter, e.g. CPU=1 PYTHON=.venv/bin/python OUT=/tmp/frontend bash bench/gpu_frontend.sh ../old).
 set -u
 other=${1:?usage: bench/gpu_frontend.sh OTHER_TREE}
 out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
@@ -22,22 +23,23 @@ export PYTHONPATH=$SITE$PWD
 py=${PYTHON:-python3}
 if [ "${CPU:-0}" = 1 ]; then
   models="tiny-qwen3-vl tiny-qwen2.5-vl"
-  limit=${RUN_LIMIT:-300}
+  limit=${RUN_LIMIT:-300} total=${TOTAL:-1500}
   common=(--device cpu --engine-images 12 --hits 3 --cache-requests 3 --low-requests 6 --ceiling-requests 96
           --ceiling-concurrency 8 --ceiling-processes 2 --http-requests 32 --http-concurrency 8 --http-processes 2
           --handoff-requests 32 --handoff-concurrency 8 --handoff-processes 2)
 else
   models="Qwen/Qwen3-VL-8B-Instruct Qwen/Qwen2.5-VL-7B-Instruct"
-  limit=${RUN_LIMIT:-130}
+  limit=${RUN_LIMIT:-130} total=${TOTAL:-540}
   common=(--device cuda:0)
 fi
-run() {  # name, then bench/frontend.py arguments
+run() {  # name, then bench/frontend.py arguments; within RUN_LIMIT, and within TOTAL seconds from the start
   local name=$1; shift
-  timeout -k 30 $limit $py bench/frontend.py "${common[@]}" --out "$out/$name.json" "$@" 2>&1 \
-    | grep -v -i warn | sed "s|^|$name: |"
+  local left=$(( total - SECONDS - 25 ))
+  [ $left -lt 30 ] && { echo "$name: skipped, $total s nearly spent"; return; }
+  timeout -k 20 $(( limit < left ? limit : left )) $py bench/frontend.py "${common[@]}" --out "$out/$name.json" "$@" \
+    2>&1 | grep -v -i warn | sed "s|^|$name: |"
 }
 {
-  start=$SECONDS
   columns=()
   first=this
   for model in $models; do
@@ -48,7 +50,7 @@ run() {  # name, then bench/frontend.py arguments
       else
         run other-$short --model "$model" --server-tree "$other" --server-flags="${OTHER_FLAGS:-}"
       fi
-      echo "$side-$short done at $((SECONDS - start)) s"
+      echo "$side-$short done at $SECONDS s"
     done
     columns+=(other-$short="$out/other-$short.json" this-$short="$out/this-$short.json")
     first=$([ $first = this ] && echo other || echo this)
