@@ -9,6 +9,9 @@ of the server per leg (every thread's samples, and with `-gil` only the thread h
 `--depth N --legs cuda:0` measures the front end's ceiling on one GPU: the model's tower cut to N blocks (dummy
 weights, same image sizes and output width) costs the GPU a fraction of the real one, while HTTP, JSON, decoding and
 batching cost the same, so the server's images/s is the most that any number of GPUs could be fed.
+Every leg serves with the embedding cache off (`--cache-bytes 0`): the mix repeats, and with the cache on every
+image after the warm-up would be a hit, answered without decoding or the device. (`bench/frontend.py` measures
+the front end's ceiling with a tower of one block and leaner clients.)
 
     PYTHONPATH=$PWD python3 bench/bench_multi_gpu.py --out multi_gpu.json
 """
@@ -135,7 +138,7 @@ def main():
     results = {}
     for port, devices in enumerate(legs, start=8781):
         proc, url = start_server("--model", model, "--load-format", "dummy", "--devices", devices,
-                                 "--log-level", "warning", *args.server_flags.split(), port=port)
+                                 "--log-level", "warning", "--cache-bytes", "0", *args.server_flags.split(), port=port)
         try:
             drive(url, uris, model, 64, 16, pooling=args.pooling)  # warm
             spy = None

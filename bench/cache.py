@@ -1,8 +1,11 @@
 """The embedding cache's worth (issue 18): the time of a request for one 448² image when it is a miss (a new image:
-decoded, encoded on the device) against a hit (the same image again: answered from host memory). Prints a table,
-writes JSON.
+decoded, encoded on the device) against a hit (the same image again: answered from host memory), as `/v1/encode`
+JSON in, float32 token features (and deepstack) as safetensors out. Prints a table, writes JSON.
+bench/frontend.py runs the same measurement (`measure`) on its server with the cache on.
 
     PYTHONPATH=$PWD python3 bench/cache.py --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda:0 --out cache.json
+    # the server from another checkout of the project (the client stays this one):
+    PYTHONPATH=$PWD python3 bench/cache.py --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda:0 --server-tree ../old
 """
 
 from __future__ import annotations
@@ -11,14 +14,18 @@ import argparse
 import base64
 import io
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 from PIL import Image
 
 from vitserve.service.launch import start_server
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def image(seed: int) -> str:
@@ -28,36 +35,58 @@ def image(seed: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def serve_from(tree: str | None) -> Path | None:
+    """Make the servers this process starts import the project from checkout `tree` (their PYTHONPATH; this
+    checkout dropped from it); its resolved path, for their working directory, or None for this checkout."""
+    if not tree:
+        return None
+    path = Path(tree).resolve()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(path), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                             if p and Path(p).resolve() != ROOT]])
+    return path
+
+
+def measure(url: str, requests: int) -> dict:
+    """`requests` new 448² images, each sent twice (a miss, then a hit): p50 and p99 of each, ms."""
+    times = {"miss": [], "hit": []}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for seed in range(5):  # warm
+            client.post("/v1/encode", json={"images": [image(10_000 + seed)]},
+                        headers={"accept": "application/octet-stream"})
+        for seed in range(requests):
+            uri = image(seed)
+            for kind in ("miss", "hit"):
+                start = time.perf_counter()
+                r = client.post("/v1/encode", json={"images": [uri]}, headers={"accept": "application/octet-stream"})
+                elapsed = time.perf_counter() - start
+                assert r.status_code == 200 and r.headers["x-cache-hits"] == ("1" if kind == "hit" else "0"), \
+                    (r.status_code, r.headers.get("x-cache-hits"), r.text[:200])
+                times[kind].append(elapsed)
+    result = {"requests": requests, **{f"{k}_{q}_ms": float(np.percentile(v, p) * 1e3) for k, v in times.items()
+                                       for q, p in (("p50", 50), ("p99", 99))}}
+    result["miss_over_hit_p50"] = result["miss_p50_ms"] / result["hit_p50_ms"]
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny-qwen2.5-vl")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags")
+    ap.add_argument("--server-tree", default=None, help="serve from this checkout of the project instead")
     ap.add_argument("--out", default="cache.json")
     args = ap.parse_args()
+    cwd = serve_from(args.server_tree)
     proc, url = start_server("--model", args.model, "--load-format", "dummy", "--device", args.device,
-                             "--max-batch-wait-ms", "0", timeout=600)
-    times = {"miss": [], "hit": []}
+                             "--max-batch-wait-ms", "0", *args.server_flags.split(), timeout=600, cwd=cwd)
     try:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            for seed in range(5):  # warm
-                client.post("/v1/encode", json={"images": [image(10_000 + seed)]},
-                            headers={"accept": "application/octet-stream"})
-            for seed in range(args.requests):
-                uri = image(seed)
-                for kind in ("miss", "hit"):
-                    start = time.perf_counter()
-                    r = client.post("/v1/encode", json={"images": [uri]}, headers={"accept": "application/octet-stream"})
-                    elapsed = time.perf_counter() - start
-                    assert r.status_code == 200 and r.headers["x-cache-hits"] == ("1" if kind == "hit" else "0")
-                    times[kind].append(elapsed)
+        result = measure(url, args.requests)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    result = {"model": args.model, "device": args.device, "requests": args.requests,
-              **{f"{k}_{q}_ms": float(np.percentile(v, p) * 1e3) for k, v in times.items()
-                 for q, p in (("p50", 50), ("p99", 99))}}
-    result["miss_over_hit_p50"] = result["miss_p50_ms"] / result["hit_p50_ms"]
+    result = {"model": args.model, "device": args.device, "server_flags": args.server_flags,
+              "server_tree": args.server_tree, **result}
     print(f"{'448² image, one per request':30s} {'p50 ms':>8s} {'p99 ms':>8s}")
     for kind in ("miss", "hit"):
         print(f"{kind:30s} {result[f'{kind}_p50_ms']:8.2f} {result[f'{kind}_p99_ms']:8.2f}")

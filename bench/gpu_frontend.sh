@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 26's front-end figures for this tree beside OTHER_TREE (an older checkout, carried along), on Qwen3-VL-8B and
+# Qwen2.5-VL-7B (dummy weights), in one device call (about 7 minutes on one H200 with 16 cores; each run is capped
+# at 130 s). For each model, each tree once, in alternated order: bench/frontend.py, every part (this tree's
+# clients; OTHER's servers through --server-tree, so OTHER needs no bench/frontend.py): bench_http.py's loads at 1
+# and 128 clients, the LLM-handoff load, the front-end ceiling (tower of one block, cache off), the JSON body costs
+# and the cached large answers on cache hits, bench/cache.py's miss and hit, the 1-client load with
+# `--preprocess fast`; the engine alone for this tree (the shares of both use it). Each run prints its table; the
+# last table puts the four side by side. Results under ${OUT:-out}/: this-MODEL.json, other-MODEL.json,
+# frontend.json (all four), log.txt.
+#   git worktree add .baseline <commit>; then on the device: bash bench/gpu_frontend.sh .baseline
+#   (carry .whl and .baseline; the wheels: ../shared/tools/gpu-wheels httptools pybase64 nvidia-cudnn-frontend)
+# THIS_FLAGS: extra `vitserve serve` flags for this tree's servers (e.g. THIS_FLAGS="--api-servers 4"); OTHER_FLAGS
+# for OTHER's (it may not know the new flags). RUN_LIMIT: seconds per run (130); TOTAL: seconds for the whole script
+# from its start (540), a run getting at most what is left; a run cut short keeps the figures it had taken.
+# CPU=1 runs the same logic on a CPU: the tiny models, tiny counts, RUN_LIMIT 300 and TOTAL 1500 (PYTHON names the
+# interpreter, e.g. CPU=1 PYTHON=.venv/bin/python OUT=/tmp/frontend bash bench/gpu_frontend.sh ../old).
+set -u
+other=${1:?usage: bench/gpu_frontend.sh OTHER_TREE}
+out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$SITE$PWD
+py=${PYTHON:-python3}
+if [ "${CPU:-0}" = 1 ]; then
+  models="tiny-qwen3-vl tiny-qwen2.5-vl"
+  limit=${RUN_LIMIT:-300} total=${TOTAL:-1500}
+  common=(--device cpu --engine-images 12 --hits 3 --cache-requests 3 --low-requests 6 --ceiling-requests 96
+          --ceiling-concurrency 8 --ceiling-processes 2 --http-requests 32 --http-concurrency 8 --http-processes 2
+          --handoff-requests 32 --handoff-concurrency 8 --handoff-processes 2)
+else
+  models="Qwen/Qwen3-VL-8B-Instruct Qwen/Qwen2.5-VL-7B-Instruct"
+  limit=${RUN_LIMIT:-130} total=${TOTAL:-540}
+  common=(--device cuda:0)
+fi
+run() {  # name, then bench/frontend.py arguments; within RUN_LIMIT, and within TOTAL seconds from the start
+  local name=$1; shift
+  local left=$(( total - SECONDS - 25 ))
+  [ $left -lt 30 ] && { echo "$name: skipped, $total s nearly spent"; return; }
+  timeout -k 20 $(( limit < left ? limit : left )) $py bench/frontend.py "${common[@]}" --out "$out/$name.json" "$@" \
+    2>&1 | grep -v -i warn | sed "s|^|$name: |"
+}
+{
+  columns=()
+  first=this
+  for model in $models; do
+    short=$(basename "$model" | sed -E 's/-Instruct$//; s/^tiny-//' | tr 'A-Z' 'a-z')
+    for side in $first $([ $first = this ] && echo other || echo this); do  # alternated: a drift favours no side
+      if [ $side = this ]; then
+        run this-$short --model "$model" --engine --server-flags="${THIS_FLAGS:-}"
+      else
+        run other-$short --model "$model" --server-tree "$other" --server-flags="${OTHER_FLAGS:-}"
+      fi
+      echo "$side-$short done at $SECONDS s"
+    done
+    columns+=(other-$short="$out/other-$short.json" this-$short="$out/this-$short.json")
+    first=$([ $first = this ] && echo other || echo this)
+  done
+  echo "this tree's servers: ${THIS_FLAGS:-(default flags)}; $other's: ${OTHER_FLAGS:-(default flags)}"
+  $py bench/frontend.py --combine "${columns[@]}" --out "$out/frontend.json"
+} 2>&1 | tee "$out/log.txt"
