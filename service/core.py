@@ -193,8 +193,6 @@ class Core:
 
     # -- one front end's records, on its reader thread
     def serve_link(self, link: Link) -> None:
-        from .scheduler import WorkItem
-
         link.send(Status(self.state, self.error, self.model, [w.name for w in self.workers]))
         while True:
             try:
@@ -202,45 +200,54 @@ class Core:
             except (EOFError, OSError):
                 link.open = False
                 return
-            kind = message[0]
-            if kind == "submit":
-                items = []
-                with self.lock:
-                    for item in message[1]:
-                        work = WorkItem(item.image, item.grid, None, item.mean_pooling, item.param,
-                                        origin=(link, item.id, item.key))
-                        self.items[link.index, item.id] = work
-                        items.append(work)
-                self.queue.put(items)
-            elif kind == "lookup":
-                _, lookup, keys = message
-                answers = []
-                with self.lock:
-                    for i, key in enumerate(keys):
-                        if (hit := self.cache.get(key)) is not None:
-                            answers.append(hit)
-                        elif key in self.cache.claims:
-                            self.cache.claims[key].append((link, lookup, i))
-                            answers.append("wait")
-                        else:
-                            self.cache.claims[key] = []
-                            answers.append(None)
-                link.send(("looked", lookup, answers))
-            elif kind == "drop":
-                with self.lock:
-                    dropped = [w for w in (self.items.pop((link.index, i), None) for i in message[1]) if w]
-                self.queue.drop(dropped)
-            elif kind == "release":
-                with self.lock:
-                    settled = [m for key in message[1] for m in self._settle(key, None)]
-                for waiter, record in settled:
-                    waiter.send(record)
-            elif kind == "scrape":
-                threading.Thread(target=self._scrape, args=(link, message[1], message[2]), daemon=True).start()
-            elif kind == "collected":
-                with self.scraped:
-                    self.scrapes.get(message[1], {})[link.index] = message[2]
-                    self.scraped.notify_all()
+            try:
+                self._handle(link, message)
+            except Exception as e:  # a fault here would leave the front end waiting: the server restarts instead
+                log.exception("a record from front end %d could not be handled", link.index)
+                self.fail(f"internal error in the core: {type(e).__name__}: {e}")
+
+    def _handle(self, link: Link, message) -> None:
+        from .scheduler import WorkItem
+
+        kind = message[0]
+        if kind == "submit":
+            items = []
+            with self.lock:
+                for item in message[1]:
+                    work = WorkItem(item.image, item.grid, None, item.mean_pooling, item.param,
+                                    origin=(link, item.id, item.key))
+                    self.items[link.index, item.id] = work
+                    items.append(work)
+            self.queue.put(items)
+        elif kind == "lookup":
+            _, lookup, keys = message
+            answers = []
+            with self.lock:
+                for i, key in enumerate(keys):
+                    if (hit := self.cache.get(key)) is not None:
+                        answers.append(hit)
+                    elif key in self.cache.claims:
+                        self.cache.claims[key].append((link, lookup, i))
+                        answers.append("wait")
+                    else:
+                        self.cache.claims[key] = []
+                        answers.append(None)
+            link.send(("looked", lookup, answers))
+        elif kind == "drop":
+            with self.lock:
+                dropped = [w for w in (self.items.pop((link.index, i), None) for i in message[1]) if w]
+            self.queue.drop(dropped)
+        elif kind == "release":
+            with self.lock:
+                settled = [m for key in message[1] for m in self._settle(key, None)]
+            for waiter, record in settled:
+                waiter.send(record)
+        elif kind == "scrape":
+            threading.Thread(target=self._scrape, args=(link, message[1], message[2]), daemon=True).start()
+        elif kind == "collected":
+            with self.scraped:
+                self.scrapes.get(message[1], {})[link.index] = message[2]
+                self.scraped.notify_all()
 
     def _settle(self, key: bytes, output) -> list:
         """Under the lock: the claim on `key` ends with `output` (kept by the cache) or None (waiters compute);
@@ -249,6 +256,13 @@ class Core:
 
     # -- a device's batch, on its worker's thread
     def done(self, worker, batch: list, outputs, error: EngineError | None, seconds: float) -> None:
+        try:
+            self._done(worker, batch, outputs, error, seconds)
+        except Exception as e:  # a fault here would leave the batch's requests waiting: the server restarts instead
+            log.exception("a batch's answers could not be handed back")
+            self.fail(f"internal error in the core: {type(e).__name__}: {e}")
+
+    def _done(self, worker, batch: list, outputs, error: EngineError | None, seconds: float) -> None:
         m = self.metrics
         if error is not None and error.code == "device_lost":
             self.fail(error.message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from .errors import EngineError, InferenceFailed, InputRejected, InputTooLarge, 
 
 ERRORS = {c.__name__: c for c in (EngineError, InferenceFailed, InputRejected, InputTooLarge, NotReady, OutOfMemory,
                                   Unavailable)}
+log = logging.getLogger("vitserve.core")
 SCRAPE_SECONDS = 2.0  # a front end that does not answer a scrape within this is left out of it
 
 
@@ -129,28 +131,36 @@ class CoreLink:
             except (EOFError, OSError):
                 self.loop.call_soon_threadsafe(self.engine.fail, "the server's core went away")
                 return
-            if isinstance(message, Status):
-                self.loop.call_soon_threadsafe(self.engine.mirror, message)
-                continue
-            kind = message[0]
-            if kind == "done":
-                answers = [(done, self._tensors(done.output, done.keep)) for done in message[1]
-                           if done.error is None]
-                errors = [done for done in message[1] if done.error is not None]
-                self.loop.call_soon_threadsafe(self._done, answers, errors)
-            elif kind == "looked":
-                _, lookup, answers = message
-                hits = [self._tensors(a, True) if a not in (None, "wait") else a for a in answers]
-                self.loop.call_soon_threadsafe(self._looked, lookup, hits)
-            elif kind == "settled":
-                _, lookup, i, output = message
-                self.loop.call_soon_threadsafe(self._settled, lookup, i,
-                                               None if output is None else self._tensors(output, True))
-            elif kind == "collect":  # answered from a thread of its own: this one keeps reading
-                threading.Thread(target=lambda m=message: self.send(("collected", m[1], self.engine.collect(m[2]))),
-                                 daemon=True).start()
-            elif kind == "scraped":
-                self.loop.call_soon_threadsafe(self._scraped, message[1], message[2])
+            try:
+                self._handle(message)
+            except Exception as e:  # a fault here would leave requests waiting: this front end fails instead
+                log.exception("a record from the core could not be handled")
+                self.loop.call_soon_threadsafe(self.engine.fail, f"internal error: {type(e).__name__}: {e}")
+                return
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Status):
+            self.loop.call_soon_threadsafe(self.engine.mirror, message)
+            return
+        kind = message[0]
+        if kind == "done":
+            answers = [(done, self._tensors(done.output, done.keep)) for done in message[1]
+                       if done.error is None]
+            errors = [done for done in message[1] if done.error is not None]
+            self.loop.call_soon_threadsafe(self._done, answers, errors)
+        elif kind == "looked":
+            _, lookup, answers = message
+            hits = [self._tensors(a, True) if a not in (None, "wait") else a for a in answers]
+            self.loop.call_soon_threadsafe(self._looked, lookup, hits)
+        elif kind == "settled":
+            _, lookup, i, output = message
+            self.loop.call_soon_threadsafe(self._settled, lookup, i,
+                                           None if output is None else self._tensors(output, True))
+        elif kind == "collect":  # answered from a thread of its own: this one keeps reading
+            threading.Thread(target=lambda m=message: self.send(("collected", m[1], self.engine.collect(m[2]))),
+                             daemon=True).start()
+        elif kind == "scraped":
+            self.loop.call_soon_threadsafe(self._scraped, message[1], message[2])
 
     @staticmethod
     def _tensors(output, keep: bool):
