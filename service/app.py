@@ -27,7 +27,8 @@ from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, ServiceError, error_response
 from .gate import Gate
 from .json_body import Text, read_json
-from .outputs import OUTPUT_DTYPES as OUT, PartsResponse, b64, embedding_payload, json_response, safetensors_parts
+from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
+                      converted, embedding_payload, json_response, safetensors_parts)
 from .schemas import EmbeddingRequest, EncodeForm, EncodeRequest
 from .settings import Settings
 
@@ -97,7 +98,7 @@ def laid_out(embeddings, deepstack: list, layout: str):
     the tokens on the width (`cat([tokens, ds0, ds1, ...], -1)`, in deepstack_visual_indexes order), as vLLM's and
     SGLang's Qwen3-VL take precomputed embeddings; the same as `tokens` for towers without deepstack."""
     if layout == "vllm" and deepstack:
-        return torch.cat([embeddings, *deepstack], dim=-1), []
+        return concatenated([embeddings, *deepstack]), []
     return embeddings, deepstack
 
 
@@ -160,10 +161,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         request.state.cache_hits = result.cache_hits
         return result
 
-    def answer(request: Request, result: Encoded, build) -> Response:
-        """The response `build()` makes, timed as the serialize phase; every phase in the headers (ms)."""
+    async def answer(request: Request, result: Encoded, build) -> Response:
+        """The response `build()` makes (in a thread for an answer of `OFF_LOOP_BYTES` or more: its conversions
+        and base64 are bytes work), timed as the serialize phase; every phase in the headers (ms)."""
         start = time.perf_counter()
-        response = build()
+        response = await asyncio.to_thread(build) if answer_bytes(result.outputs) >= OFF_LOOP_BYTES else build()
         seconds = time.perf_counter() - start
         engine.metrics.serialize_seconds.observe(seconds)
         engine.metrics.record("serialize", seconds)
@@ -193,7 +195,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             data, tokens = [], request.state.tokens
             for i, ((embeddings, _deepstack), grid) in enumerate(zip(result.outputs, result.grids)):
                 if body.normalize:
-                    embeddings = F.normalize(embeddings.float(), dim=-1)
+                    embeddings = F.normalize(converted(embeddings, torch.float32), dim=-1)
                 item = {"object": "embedding", "index": i}
                 if not mean:
                     item |= {"shape": list(embeddings.shape), "grid_thw": grid}
@@ -201,7 +203,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             return json_response({"object": "list", "data": data, "model": settings.model_name,
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-        return answer(request, result, build)
+        return await answer(request, result, build)
 
     @app.post("/v1/encode", openapi_extra=request_body(EncodeRequest, EncodeForm))
     async def encode(request: Request):
@@ -237,14 +239,14 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             data = []
             for i, ((embeddings, deepstack), grid) in enumerate(zip(outputs, result.grids)):
                 data.append({"index": i, "grid_thw": grid, "shape": list(embeddings.shape), "dtype": body.dtype,
-                             "embeddings": b64(embeddings.to(OUT[body.dtype])),
-                             "deepstack": [b64(d.to(OUT[body.dtype])) for d in deepstack]
+                             "embeddings": b64(converted(embeddings, OUT[body.dtype])),
+                             "deepstack": [b64(converted(d, OUT[body.dtype])) for d in deepstack]
                              if deepstack and body.deepstack else None})
             return json_response({"object": "list", "model": settings.model_name, "layout": body.layout,
                                   "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                                   "cache_hits": result.cache_hits})
 
-        return answer(request, result, build)
+        return await answer(request, result, build)
 
     @app.get("/v1/models")
     async def models():

@@ -10,6 +10,13 @@
   its size, so a body may come in at most `FREE_PIECES` pieces plus one per `PIECE_BYTES` of data, and its framing
   may add at most `FRAMING_BYTES` plus an eighth of the data on the wire (chunk-size lines and their extensions):
   a body sent one byte per chunk is refused after a few dozen chunks (400 `body_pieces`) and its connection closed.
+- Answers: a body of known length goes to the socket as the pieces the app sends, never copied (h11 joins what it
+  frames into new bytes: for a memoryview of a tensor, a full copy), and the whole of it may wait in the transport's
+  buffer (its pieces are in memory already, views of the answer's tensors) rather than each piece waiting for the
+  client to read the one before: the request ends (its admission and body budget are given back) once its answer is
+  handed over, not once a slow client has read it. The buffer limit comes back to the default when the response is
+  complete, so the connection's next response waits for this one to drain: a connection holds one answer at a time, as
+  before.
 - Connections: at `--max-connections` open, a new connection closes the longest-idle ones (waiting for a request, or
   still sending its headers) to make room; where every connection is busy, the new one is answered 503
   `too_many_connections` except on /health, /ready and /metrics, which always answer. (uvicorn's own limit answered
@@ -35,6 +42,7 @@ FREE_PIECES = 64  # pieces any body may come in
 PIECE_BYTES = 512  # of data per piece beyond those
 FRAMING_BYTES = 64 * 2**10  # bytes of chunk framing any body may add on the wire
 RESERVED_FILES = 64  # descriptors the server keeps for itself: listening socket, logs, workers, spool files
+HIGH_WATER = 64 * 2**10  # the transports' default write-buffer limit (asyncio's and uvloop's), in bytes
 
 
 def error_bytes(conn: h11.Connection, status: int, message: str, code: str, headers=()) -> bytes:
@@ -47,9 +55,10 @@ def error_bytes(conn: h11.Connection, status: int, message: str, code: str, head
                      conn.send(h11.EndOfMessage())])
 
 
-class _Counted:
+class CountedConnection:
     """The h11 connection as uvicorn drives it, with each request's body pieces and wire bytes counted: the
-    protocol's checks run on every event (uvicorn's handle_events loop is left as it is)."""
+    protocol's checks run on every event (uvicorn's handle_events loop is left as it is); answers' pieces pass
+    through `send` uncopied."""
 
     def __init__(self, conn: h11.Connection, protocol: GuardedH11Protocol):
         self._conn, self._protocol = conn, protocol
@@ -61,6 +70,17 @@ class _Counted:
         event = self._conn.next_event()
         return self._protocol.checked(event)
 
+    def send(self, event):
+        """h11's `send`, but a lone piece is returned as it is written (for a Content-Length body's Data: the very
+        object the app sent, bytes or memoryview), not joined into new bytes; a Response's Content-Length sets how
+        much the transport may buffer (`GuardedH11Protocol.sending`)."""
+        if type(event) is h11.Response:
+            self._protocol.sending(event)
+        pieces = self._conn.send_with_data_passthrough(event)
+        if pieces is None:  # ConnectionClosed
+            return None
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
 
 class GuardedH11Protocol(H11Protocol):
     header_timeout = 10.0
@@ -69,7 +89,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.limit_concurrency = None  # our own limit, in connection_made: idle connections go first
-        self.conn = _Counted(self.conn, self)
+        self.conn = CountedConnection(self.conn, self)
         self._header_bytes = self.config.h11_max_incomplete_event_size or 16 * 2**10
         self._pieces = self._data = self._wire = 0  # of the request being read: body pieces, data, wire bytes
 
@@ -161,7 +181,16 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
         return h11.PAUSED
 
+    # ---- answers -------------------------------------------------------------------------------------------------
+    def sending(self, response: h11.Response) -> None:
+        """A response starts: the transport may buffer all of a body of known length (see the module's docstring)."""
+        length = next((value for name, value in response.headers if name == b"content-length"), b"")
+        if length.isdigit() and int(length) > HIGH_WATER and not self.transport.is_closing():
+            self.transport.set_write_buffer_limits(high=int(length) + HIGH_WATER)
+
     def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.set_write_buffer_limits(high=HIGH_WATER)  # paused again while over it: see `sending`
         self._headers_of = self.cycle
         self._idle_since = time.monotonic()
         super().on_response_complete()

@@ -1,14 +1,22 @@
 """What a response carries: embeddings as float lists, base64 of their raw little-endian bytes, or one safetensors
 body (tensors `images.{i}.embeddings` and `images.{i}.deepstack.{j}`), the format `vitserve encode` writes too.
 
-Every format copies each tensor out on its own, so items that share one output (the same image twice in a request,
-both answered by one cache entry) come out whole and equal: the safetensors body is written here, not by
-`safetensors.torch.save`, which refuses tensors that share memory.
+A token answer is megabytes (Qwen3-VL-8B, one 448² image with its deepstack features: 12.8 MB in float32; a
+1400x1400 image on a 3584-wide tower in float32 base64: 48 MB of text), so no format copies it whole more than it
+must. A tensor already in the answer's dtype goes out as a view of its own memory (`raw_bytes`), one in another dtype
+as the view of its one converted copy; base64 is SIMD (pybase64), straight from that memory; JSON bodies are rendered
+around it (`render_json` serializes the small structure and splices each `Base64` in as it is); and `PartsResponse`
+hands the pieces to the HTTP protocol one after another, never joined into one string (service/http.py writes a
+Content-Length body's pieces to the socket as they are). The tensors answered are never written afterwards (the cache
+holds them read-only), so a view stays valid for as long as the socket needs it. Items that share one output (the
+same image twice in a request, both answered by one cache entry) each come out whole: the body holds the shared
+memory twice. The safetensors body is written here, not by `safetensors.torch.save`, which refuses tensors that share
+memory.
 
-Responses are built on the event loop that every request shares, and a token matrix in float32 base64 is megabytes
-(a 1400x1400 image on a 3584-wide tower: 48 MB of text). So base64 is SIMD (pybase64), straight from the tensor's
-memory, and JSON bodies are rendered around it: `render_json` serializes the small structure and splices each
-`Base64` in as it is, and `PartsResponse` sends the pieces one after another, never copying them into one string.
+Conversions and concatenations run on the calling thread alone (`converted`, `concatenated`): ATen splits a large
+copy over its OpenMP team, and the team's barrier waits for its slowest member, so on a busy host a conversion of
+megabytes that takes 0.2 ms alone took 4-28 ms. An answer of `OFF_LOOP_BYTES` or more is built off the event loop
+(service/app.py runs `build` in a thread): conversions and base64 release the GIL.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from starlette.responses import Response
 from ..encoder.vision_encoder import DTYPES
 
 OUTPUT_DTYPES = {name: DTYPES[name] for name in dict.fromkeys(str(t).removeprefix("torch.") for t in DTYPES.values())}
+OFF_LOOP_BYTES = 2**20  # an answer's tensors of this many bytes or more are converted and encoded in a thread
+SERIAL_ELEMENTS = 16384  # elements per torch copy in `converted`: under ATen's grain (32768), one thread runs each
 
 
 def raw_view(t: torch.Tensor) -> np.ndarray:
@@ -34,6 +44,39 @@ def raw_view(t: torch.Tensor) -> np.ndarray:
     t = t.contiguous()
     array = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bfloat16
     return array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
+
+
+def converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)`, bit for bit, copied by this thread alone in slices of `SERIAL_ELEMENTS`; `t` itself when it is
+    in `dtype` already."""
+    if t.dtype == dtype:
+        return t
+    out = torch.empty(t.shape, dtype=dtype)
+    src, dst = t.reshape(-1), out.view(-1)
+    for start in range(0, src.numel(), SERIAL_ELEMENTS):
+        dst[start:start + SERIAL_ELEMENTS].copy_(src[start:start + SERIAL_ELEMENTS])
+    return out
+
+
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def concatenated(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(tensors, -1)` of tensors of one dtype, by this thread alone: numpy joins their raw bits."""
+    bits = _BITS[tensors[0].element_size()]
+    joined = np.concatenate([t.contiguous().numpy().view(bits) if t.dtype != torch.bfloat16 else
+                             t.contiguous().view(torch.int16).numpy().view(bits) for t in tensors], axis=-1)
+    return torch.from_numpy(joined).view(tensors[0].dtype)
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """`raw_view` as a flat byte memoryview (its len is its byte count): a body piece that keeps the tensor alive."""
+    return memoryview(raw_view(t))
+
+
+def answer_bytes(outputs: list) -> int:
+    """The bytes of every (tokens, deepstack list) of an answer, as the engine returned them."""
+    return sum(t.nbytes for embeddings, deepstack in outputs for t in (embeddings, *deepstack))
 
 
 class Base64:
@@ -56,7 +99,8 @@ def b64(t: torch.Tensor) -> Base64:
 def embedding_payload(t: torch.Tensor, encoding: str):
     """OpenAI's `embedding`, always flat (OpenAI's type is `list[float]`; a token matrix goes row by row, its shape
     said beside it): a float list, or base64 of the raw little-endian float32 bytes."""
-    return t.float().reshape(-1).tolist() if encoding == "float" else Base64(t.float())
+    t = converted(t, torch.float32)
+    return t.reshape(-1).tolist() if encoding == "float" else Base64(t)
 
 
 _MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder no other value of a response can hold
@@ -86,9 +130,10 @@ def render_json(content) -> list[bytes]:
 
 
 class PartsResponse(Response):
-    """A response whose body goes out as the pieces it was built from, with one Content-Length for them all."""
+    """A response whose body goes out as the pieces it was built from (bytes, or byte memoryviews of tensors), with
+    one Content-Length for them all."""
 
-    def __init__(self, parts: list[bytes], status_code: int = 200, headers=None,
+    def __init__(self, parts: list[bytes | memoryview], status_code: int = 200, headers=None,
                  media_type: str = "application/json"):
         self.parts = parts
         super().__init__(None, status_code, headers, media_type)
@@ -108,9 +153,11 @@ def json_response(content, status_code: int = 200, headers=None) -> PartsRespons
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
-def safetensors_parts(outputs: list, dtype: str, metadata: dict[str, str], deepstack: bool = True) -> list[bytes]:
+def safetensors_parts(outputs: list, dtype: str, metadata: dict[str, str],
+                      deepstack: bool = True) -> list[bytes | memoryview]:
     """Every image's (tokens, deepstack list) in `dtype` as one safetensors file, with string `metadata`, in pieces:
-    the header, then each tensor's raw little-endian bytes (its own copy, shared memory or not), in header order."""
+    the header, then each tensor's raw little-endian bytes in header order (`raw_bytes` of the tensor, or of its
+    conversion to `dtype`: a tensor shared by several items is a piece of each)."""
     out_dtype = OUTPUT_DTYPES[dtype]
     header: dict = {"__metadata__": metadata}
     parts, offset = [b""], 0
@@ -118,7 +165,7 @@ def safetensors_parts(outputs: list, dtype: str, metadata: dict[str, str], deeps
         named = [(f"images.{i}.embeddings", embeddings)]
         named += [(f"images.{i}.deepstack.{j}", d) for j, d in enumerate(features if deepstack else [])]
         for name, t in named:
-            data = raw_view(t.to(out_dtype)).tobytes()
+            data = raw_bytes(converted(t, out_dtype))
             header[name] = {"dtype": SAFETENSORS_DTYPES[out_dtype], "shape": list(t.shape),
                             "data_offsets": [offset, offset + len(data)]}
             parts.append(data)

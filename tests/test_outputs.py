@@ -1,0 +1,137 @@
+"""The answer builders (service/outputs.py) and the protocol's send (service/http.py) on their own: bit-identical to
+torch's own conversions and h11's own framing, without the copies those make."""
+
+from __future__ import annotations
+
+import base64
+
+import h11
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+
+from vitserve.service.http import CountedConnection
+from vitserve.service.outputs import (SERIAL_ELEMENTS, OUTPUT_DTYPES, b64, concatenated, converted, raw_bytes,
+                                      render_json, safetensors_parts)
+
+DTYPES = list(OUTPUT_DTYPES.values())
+BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def awkward(dtype: torch.dtype, rows: int = 7, width: int = 5000) -> torch.Tensor:
+    """Values a tower could give, and the edges of each dtype: NaN, infinities, signed zeros, subnormals of float32
+    and float16, values that round on narrowing; over several `SERIAL_ELEMENTS` slices and a remainder."""
+    t = torch.randn(rows, width, generator=torch.Generator().manual_seed(7)) * 300
+    flat = t.view(-1)
+    flat[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 3e-6, 65520.0, 1 + 2**-9])
+    flat[-3:] = torch.tensor([float("nan"), 1e-42, -1e-5])
+    return t.to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+def one_thread_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)` by ATen on one thread. (Over several, a NaN's payload depends on where the threads' ranges
+    split: ATen's scalar and vector paths quiet a float16 NaN differently. Every other value converts the same.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return t.to(dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("source", DTYPES)
+@pytest.mark.parametrize("target", DTYPES)
+def test_converted_is_tensor_to_bit_for_bit(source, target):
+    """One thread's slices convert as ATen's whole-tensor `to` does (a dropped or doubled slice, a rounding of its
+    own, would show), and a tensor already in the dtype is answered as it is: no copy."""
+    t = awkward(source)
+    assert t.numel() > 2 * SERIAL_ELEMENTS and t.numel() % SERIAL_ELEMENTS
+    out = converted(t, target)
+    assert same_bits(out, one_thread_to(t, target))
+    numbers = ~t.isnan()
+    assert torch.equal(out.isnan(), ~numbers) and same_bits(out[numbers], t.to(target)[numbers])
+    assert (out is t) == (source == target)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_concatenated_is_torch_cat_on_the_width(dtype):
+    parts = [awkward(dtype, 5, w) for w in (64, 32, 32)]
+    assert same_bits(concatenated(parts), torch.cat(parts, dim=-1))
+
+
+def test_raw_bytes_are_a_view_of_the_tensor():
+    t = awkward(torch.bfloat16)
+    view = raw_bytes(t)
+    assert len(view) == t.nbytes and np.frombuffer(view, np.uint8).ctypes.data == t.data_ptr()
+    assert bytes(view) == t.view(torch.int16).numpy().astype("<i2").tobytes()
+
+
+@pytest.mark.parametrize("target", DTYPES)
+def test_safetensors_parts_are_views_where_no_conversion_is_needed(target):
+    """The body is a safetensors file whose tensors are `to(dtype)` bit for bit; a tensor already in the answer's
+    dtype goes out as its own memory (a `.tobytes()` copy would show as another address), and a tensor shared by
+    two items is a whole piece of each."""
+    shared = awkward(torch.bfloat16, 3, 40)
+    deep = [awkward(torch.bfloat16, 3, 40) * 2, awkward(torch.bfloat16, 3, 40) * 3]
+    other = awkward(torch.bfloat16, 5, 40)
+    outputs = [(shared, deep), (other, []), (shared, deep)]
+    name = str(target).removeprefix("torch.")
+    parts = safetensors_parts(outputs, name, {"dtype": name})
+    tensors = safetensors_load(b"".join(parts))
+    for i, (embeddings, deepstack) in enumerate(outputs):
+        assert same_bits(tensors[f"images.{i}.embeddings"], one_thread_to(embeddings, target))
+        for j, d in enumerate(deepstack):
+            assert same_bits(tensors[f"images.{i}.deepstack.{j}"], one_thread_to(d, target))
+    addresses = [np.frombuffer(p, np.uint8).ctypes.data for p in parts[1:]]
+    if target == torch.bfloat16:
+        assert addresses[:3] == [t.data_ptr() for t in (shared, *deep)] == addresses[4:]
+    else:
+        assert shared.data_ptr() not in addresses
+
+
+@pytest.mark.parametrize("target", DTYPES)
+def test_base64_is_of_the_converted_tensors_raw_bytes(target):
+    t = awkward(torch.bfloat16, 3, 100)
+    want = converted(t, target)
+    (piece,) = [p for p in render_json({"a": [b64(want)]}) if len(p) > 100]
+    assert piece == base64.b64encode(want.view(BITS[target]).numpy().tobytes())
+
+
+def _sending(conn: h11.Connection | CountedConnection, events: list) -> list:
+    return [conn.send(e) for e in events]
+
+
+class _Protocol:
+    def __init__(self):
+        self.responses = []
+
+    def sending(self, response):
+        self.responses.append(response)
+
+
+def _server(request: bytes) -> h11.Connection:
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(request)
+    conn.next_event(), conn.next_event()
+    return conn
+
+
+@pytest.mark.parametrize("length", [True, False])
+def test_the_protocols_send_frames_as_h11_and_passes_body_pieces_through(length):
+    """`CountedConnection.send` writes what h11's `send` writes (a Content-Length body, and a chunked one), and a
+    Content-Length body's piece is the very object sent (h11 itself joins it into new bytes: a copy of a memoryview)."""
+    piece = memoryview(np.arange(3000, dtype=np.uint8))
+    headers = [(b"content-length", b"6000")] if length else []
+    events = [h11.Response(status_code=200, headers=headers), h11.Data(data=piece), h11.Data(data=b"x" * 3000),
+              h11.EndOfMessage()]
+    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    protocol = _Protocol()
+    ours = _sending(CountedConnection(_server(request), protocol), events)
+    theirs = _sending(_server(request), events)
+    assert [bytes(x) for x in ours] == [bytes(x) for x in theirs]
+    assert (ours[1] is piece) == length and len(protocol.responses) == 1
