@@ -33,8 +33,9 @@ class Spooled:
     shape: tuple[int, ...]
 
     def read(self) -> np.ndarray:
-        """The pixels; the file is removed, also when the read fails (OSError)."""
-        return read(self.path, int(np.prod(self.shape))).reshape(self.shape)
+        """The pixels, mapped from the file (no copy: its pages are read where they are used, by the one copy into
+        the device's pinned buffer); the file is removed, also when that fails (OSError)."""
+        return mapped(self.path, int(np.prod(self.shape))).reshape(self.shape)
 
 
 def pixels(images: list) -> list[np.ndarray]:
@@ -149,21 +150,17 @@ def write(path: str, arrays: list) -> bool:
     return True
 
 
-def read(path: str, nbytes: int) -> np.ndarray:
-    """The `nbytes` bytes of the file at `path` (uint8), which is removed, also when the read fails (OSError)."""
+def mapped(path: str, nbytes: int) -> np.ndarray:
+    """The `nbytes` bytes of the file at `path` (uint8), mapped read-only; the file is removed (the mapping keeps its
+    pages while it lives), also when mapping fails (OSError: gone, or short)."""
     try:
-        out = np.empty(nbytes, np.uint8)
-        fd = os.open(path, os.O_RDONLY)
+        if nbytes == 0:
+            os.stat(path)
+            return np.empty(0, np.uint8)
         try:
-            view, got = memoryview(out), 0
-            while got < nbytes:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    raise OSError(f"spool file {path} is short: {got} of {nbytes} bytes")
-                got += n
-        finally:
-            os.close(fd)
-        return out
+            return np.memmap(path, np.uint8, mode="r", shape=(nbytes,))
+        except ValueError:  # np.memmap's word for a file shorter than the shape
+            raise OSError(f"spool file {path} is short: {os.path.getsize(path)} of {nbytes} bytes") from None
     finally:
         remove(path)
 
