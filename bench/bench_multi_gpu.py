@@ -3,7 +3,7 @@ saturated by multi-process clients with the same image mix; reports images/s for
 
 Beside the throughput it reports where the host time goes, to tell a host-bound run from a device-bound one: the
 server's CPU use (whole process, and its main thread, which runs the event loop and holds the GIL for it) and the
-busiest client process's, each as a fraction of the wall time; `--profile DIR` also records a py-spy profile
+busiest client process's, each as a fraction of the wall time; `--profile DIR` also records a py-spy profile (its front ends, device and decode processes included)
 of the server per leg (every thread's samples, and with `-gil` only the thread holding the GIL).
 
 `--depth N --legs cuda:0` measures the front end's ceiling on one GPU: the model's tower cut to N blocks (dummy
@@ -148,7 +148,7 @@ def main():
                 name = devices.replace(",", "_").replace(":", "")
                 spy = [subprocess.Popen([exe, "record", "--pid", str(proc.pid), "--duration", "4", "--format", "raw",
                                          "--output", f"{args.profile}/{name}{suffix}.txt", "--nonblocking",
-                                         "--threads", *flags]) for suffix, flags in (("", []), ("-gil", ["--gil"]))]
+                                         "--threads", "--subprocesses", *flags]) for suffix, flags in (("", []), ("-gil", ["--gil"]))]
             sums = histogram_sums(url)
             cpu0 = cpu_seconds(f"/proc/{proc.pid}/stat"), cpu_seconds(f"/proc/{proc.pid}/task/{proc.pid}/stat")
             t0 = time.perf_counter()

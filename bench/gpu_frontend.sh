@@ -15,11 +15,24 @@
 # from its start (540), a run getting at most what is left; a run cut short keeps the figures it had taken.
 # CPU=1 runs the same logic on a CPU: the tiny models, tiny counts, RUN_LIMIT 300 and TOTAL 1500 (PYTHON names the
 # interpreter, e.g. CPU=1 PYTHON=.venv/bin/python OUT=/tmp/frontend bash bench/gpu_frontend.sh ../old).
+#   bash bench/gpu_frontend.sh checks   the correctness side instead (about 5 minutes): the GPU tests (attention,
+#   runner, kernels), the several-front-end tests against GPU servers (the tiny tower on cuda:0 in bf16, graphs),
+#   the same-image and hostile tests, and the runner's graph-against-eager check
 set -u
-other=${1:?usage: bench/gpu_frontend.sh OTHER_TREE}
+other=${1:?usage: bench/gpu_frontend.sh OTHER_TREE | checks}
 out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$SITE$PWD
+if [ "$other" = checks ]; then
+  {
+    python3 -m pytest -q -p no:warnings tests/test_attention_gpu.py tests/test_runner_gpu.py tests/test_kernels_gpu.py \
+      2>&1 | tail -3
+    timeout 300 python3 -m pytest -q -p no:warnings tests/test_api_servers.py tests/test_hostile.py \
+      "tests/test_api.py::test_the_same_image_twice_in_a_request_is_answered_whole_every_way" 2>&1 | tail -4
+    timeout 150 python3 bench/gpu_runner_check.py --batches 25 --out "$out/runner_check.json" | grep -E "images|ALL|SOME"
+  } 2>&1 | grep -v -i warn | tee "$out/log.txt"
+  exit 0
+fi
 py=${PYTHON:-python3}
 if [ "${CPU:-0}" = 1 ]; then
   models="tiny-qwen3-vl tiny-qwen2.5-vl"

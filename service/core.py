@@ -417,7 +417,10 @@ def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> No
     from .server import run_server
     from .logs import configure_logging
 
+    import torch
+
     configure_logging(settings.log_format, settings.log_level, bar=False, source=f"api{index}")
+    torch.set_num_threads(1)  # a front end runs no tower: its torch work is small, and OpenMP's barrier waits
     engine = Engine(settings, core=conn)
     code = run_server(settings, engine, sockets=[sock])
     os._exit(code)

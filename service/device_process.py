@@ -143,6 +143,10 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
     try:
         if parse_device(device).type == "cuda":  # a clear error where CUDA is missing
             torch.cuda.set_device(device)
+            # the host side here is planning and copies of a few MB: on one thread. ATen's OpenMP team waits at its
+            # barrier for its slowest member, and on a host busy decoding that made the plan and the pinned copies
+            # of a batch take longer than the GPU's run of it
+            torch.set_num_threads(1)
             if settings.gpu_memory_fraction:
                 torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_fraction)
         encoder = VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())

@@ -90,8 +90,8 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.limit_concurrency = None  # our own limit, in connection_made: idle connections go first
         self.conn = CountedConnection(self.conn, self)
-        self._header_bytes = self.config.h11_max_incomplete_event_size or 16 * 2**10
-        self._pieces = self._data = self._wire = 0  # of the request being read: body pieces, data, wire bytes
+        self._pieces = self._data = 0  # of the request being read: its body's pieces and data bytes
+        self._received = self._start = 0  # bytes received on the connection; where the request being read began
 
     # ---- connections ---------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -140,8 +140,7 @@ class GuardedH11Protocol(H11Protocol):
         waiting = self.cycle is self._headers_of
         if waiting and self._deadline is None:  # the first byte of the next request on a kept-alive connection
             self._arm()
-            self._pieces = self._data = self._wire = 0
-        self._wire += len(data)
+        self._received += len(data)
         super().data_received(data)
         if self.cycle is not self._headers_of:  # its headers are in: the app has the request
             self._disarm()
@@ -150,6 +149,9 @@ class GuardedH11Protocol(H11Protocol):
         """Every h11 event passes here before uvicorn acts on it: a request with ambiguous framing, or a body in
         too many pieces or too much framing, is refused (PAUSED: uvicorn stops reading; the connection closes)."""
         if isinstance(event, h11.Request):
+            # the bytes h11 has parsed so far end with this request's headers; pipelined requests after it wait
+            # in its buffer and count for themselves
+            self._start, self._pieces, self._data = self._parsed(), 0, 0
             names = {name.lower() for name, _ in event.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
                 return self._refuse(400, "a request may not have both Content-Length and Transfer-Encoding",
@@ -160,10 +162,14 @@ class GuardedH11Protocol(H11Protocol):
             if self._pieces > FREE_PIECES + self._data // PIECE_BYTES:
                 return self._refuse(400, f"the request body came in {self._pieces} pieces for {self._data} bytes; "
                                          f"send it in pieces of at least {PIECE_BYTES} bytes", "body_pieces")
-            if self._wire - self._data > FRAMING_BYTES + self._data // 8 + self._header_bytes:
+            if self._parsed() - self._start - self._data > FRAMING_BYTES + self._data // 8:
                 return self._refuse(400, "the request body's framing takes more bytes than its data allows",
                                     "body_pieces")
         return event
+
+    def _parsed(self) -> int:
+        """Bytes of the connection h11 has parsed: those received but what waits in its buffer."""
+        return self._received - len(self.conn._conn._receive_buffer)
 
     def _refuse(self, status: int, message: str, code: str):
         """Answer the request being read with an error and close the connection; what the app does with it is

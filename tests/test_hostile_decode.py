@@ -20,8 +20,8 @@ from helpers import data_uri, wait_until
 from vitserve.service.launch import start_server
 
 pytestmark = pytest.mark.slow
-FLAGS = ("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--decode-workers", "2", "--decode-timeout", "0.5",
-         "--payload-limit", str(48 * 2**20))
+FLAGS = ("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--api-servers", "1", "--decode-workers", "2",
+         "--decode-timeout", "0.5", "--payload-limit", str(48 * 2**20))  # one front end: its own decode workers
 HEALTH_BOUND = 1.0  # seconds: /health answers in ~1 ms; on a loaded 2-core CI box allow a scheduling hiccup (the
 # old probe blocked it 4-36 s on these)
 
