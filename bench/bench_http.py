@@ -153,18 +153,12 @@ def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int
     `client_cpu_busiest` is the busiest client process's CPU seconds over the wall time (near 1: client-bound).
     `images_per_s` counts the whole run, client start-up and tail included; `steady_images_per_s` the middle 80%
     of the answers (by time), where every client process is sending."""
-    import multiprocessing
+    from loadgen import in_processes
 
     processes = max(1, min(processes, concurrency))
     shares = [list(range(requests))[k::processes] for k in range(processes)]
     jobs = [(url, uris, model, share, max(1, concurrency // processes), pooling) for share in shares]
-    start = time.perf_counter()
-    if processes == 1:
-        results = [_client_process(jobs[0])]
-    else:
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            results = pool.map(_client_process, jobs)
-    wall = time.perf_counter() - start
+    results, wall = in_processes(_client_process, jobs)
     by_image: dict[int, list[float]] = {}
     phases: dict[str, list[float]] = {}
     phases_by_image: dict[int, dict[str, list[float]]] = {}

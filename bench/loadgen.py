@@ -96,6 +96,17 @@ def _client_process(job):
     return asyncio.run(_clients(*job))
 
 
+def in_processes(target, jobs: list) -> tuple[list, float]:
+    """`target(job)` for each job, each in a client process of its own (forked; one job: here), and the wall time."""
+    start = time.perf_counter()
+    if len(jobs) == 1:
+        results = [target(jobs[0])]
+    else:
+        with multiprocessing.get_context("fork").Pool(len(jobs)) as pool:
+            results = pool.map(target, jobs)
+    return results, time.perf_counter() - start
+
+
 def run_load(url: str, payloads: list[bytes], requests: int, concurrency: int, processes: int) -> dict:
     """`requests` requests, the k-th sending `payloads[k % len(payloads)]`, from `processes` client processes of
     `concurrency / processes` keep-alive connections each. `images_per_s` counts the whole run (client start-up and
@@ -109,13 +120,7 @@ def run_load(url: str, payloads: list[bytes], requests: int, concurrency: int, p
     indices = [k % len(payloads) for k in range(requests)]
     shares = [indices[p::processes] for p in range(processes)]
     jobs = [(parts.hostname, parts.port, share, max(1, concurrency // processes)) for share in shares]
-    start = time.perf_counter()
-    if processes == 1:
-        results = [_client_process(jobs[0])]
-    else:
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            results = pool.map(_client_process, jobs)
-    wall = time.perf_counter() - start
+    results, wall = in_processes(_client_process, jobs)
     rows = [row for r in results for row in r[0]]
     done = np.sort([row[2] for row in rows])
     middle = done[len(done) // 10:len(done) - len(done) // 10]
