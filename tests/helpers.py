@@ -71,3 +71,17 @@ async def until(condition, timeout: float = 30.0, what: str = "the condition") -
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout} s")
         await asyncio.sleep(0.002)
+
+
+def serving(*flags: str, timeout: float = 60):
+    """A fixture's body: a `vitserve serve` subprocess (proc, url) while the tests use it; stopped after, and its log
+    free of tracebacks."""
+    from vitserve.service.launch import start_server
+
+    proc, url = start_server(*flags, timeout=timeout, capture_log=True)
+    yield proc, url
+    proc.terminate()
+    proc.wait(timeout=30)
+    proc.log_reader.join(10)
+    assert "Traceback" not in "".join(proc.log)
+

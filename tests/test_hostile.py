@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from helpers import data_uri, png, wait_until
+from helpers import data_uri, png, serving, wait_until
 from PIL import Image
 
 from vitserve.service import spool
@@ -48,12 +48,7 @@ def bombs() -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server(*FLAGS, timeout=60, capture_log=True)
-    yield proc, url
-    proc.terminate()
-    proc.wait(timeout=30)
-    proc.log_reader.join(10)
-    assert "Traceback" not in "".join(proc.log)
+    yield from serving(*FLAGS)
 
 
 def normal_ok(url: str) -> None:

@@ -16,11 +16,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import data_uri, wait_until
+from helpers import data_uri, serving, wait_until
 from PIL import Image
 from safetensors.torch import load as safetensors_load
 
-from vitserve.service.launch import start_server
 
 pytestmark = pytest.mark.slow
 SIDE, COPIES = 1448, 16  # 2025 tokens x 32 x 3 tensors in float32 each: 12.4 MB for the request (its copies share)
@@ -35,12 +34,7 @@ def smooth_png(side: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server("--model", "tiny-qwen3-vl", "--load-format", "dummy", timeout=120, capture_log=True)
-    yield proc, url
-    proc.terminate()
-    proc.wait(timeout=30)
-    proc.log_reader.join(10)
-    assert "Traceback" not in "".join(proc.log)
+    yield from serving("--model", "tiny-qwen3-vl", "--load-format", "dummy", timeout=120)
 
 
 def answered(url: str) -> int:
