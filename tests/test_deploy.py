@@ -389,4 +389,4 @@ def test_compose_file():
     assert gpus["driver"] == "nvidia" and gpus["count"] == "all" and "gpu" in gpus["capabilities"]
     assert any(v.endswith(":/data") for v in service["volumes"])
     assert service["image"] == f"vitserve:{__version__}"
-    assert service["shm_size"] == "1gb"  # the decode spool lives in /dev/shm (64 MB by default)
+    assert service["shm_size"] == "2gb"  # the decode spool, large bodies and the cache live in /dev/shm
