@@ -28,6 +28,9 @@ def request_bytes(method: str, path: str, body: bytes = b"", headers: dict[str, 
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+ANSWER_SECONDS = 120  # a request not answered by then is a failure (a hang shows in the figures, not as a stall)
+
+
 async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes) -> tuple[int, int, bool]:
     """Send one request and read its answer: (status, bytes of the answer's body, whether the server keeps the
     connection open)."""
@@ -74,13 +77,14 @@ async def _clients(host: str, port: int, indices: list[int], concurrency: int) -
                 if writer is None:
                     reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
                 start = time.perf_counter()
-                status, size, keep = await exchange(reader, writer, _PAYLOADS[i])
+                status, size, keep = await asyncio.wait_for(exchange(reader, writer, _PAYLOADS[i]), ANSWER_SECONDS)
                 rows.append((i, time.perf_counter() - start, time.time(), status, size))
                 failures += status != 200
                 if not keep:
                     writer.close()
                     writer = None
-            except (OSError, asyncio.IncompleteReadError, ConnectionError, ValueError, IndexError):
+            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError,
+                    IndexError):  # a failure, counted; a request never answered counts after ANSWER_SECONDS
                 failures += 1
                 if writer is not None:
                     writer.close()

@@ -184,6 +184,8 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
                 conn.send(Answer(job, runner.stats.as_dict(), packed, error))
             except (OSError, ValueError):  # the server went away
                 return
+            except Exception as e:  # an answer that cannot be sent still ends its job: the server never waits on it
+                conn.send(Answer(job, {}, None, (type(e).__name__, f"the answer could not be sent: {e}")))
 
     sender = threading.Thread(target=send_answers, name="vitserve-answers", daemon=True)
     sender.start()
@@ -274,7 +276,7 @@ class ProcessDevice:
                 raise self._lost() from None
             self._answers[answer.job] = answer
         answer = self._answers.pop(job)
-        self.stats = answer.stats
+        self.stats = answer.stats or self.stats
         if answer.error is not None:
             kind, message = answer.error
             raise ERRORS.get(kind, RuntimeError)(f"{kind}: {message}" if kind not in ERRORS else message)
