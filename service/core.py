@@ -324,12 +324,10 @@ class Core:
         """/stats of the whole server: the core's (devices, queue, batches, cache) and every front end's summed."""
         from .. import __version__
         from .metrics import percentiles
+        from .worker import workers_stats
 
-        s, runners = self.settings, [w.device.runner_stats() for w in self.workers]
-        devices = {}
-        for worker, runner in zip(self.workers, runners):
-            budgets = {b: v for b, v in runner.get("budgets", {}).items() if v["captured"] or v["replays"]}
-            devices[worker.name] = worker.stats() | {"runner": runner | {"budgets": budgets}}
+        s = self.settings
+        devices, runners = workers_stats(self.workers)
         recent = collections.defaultdict(list)
         for part in [{"recent": self.metrics.recent()}, *fronts]:
             for phase, values in part["recent"].items():
@@ -343,11 +341,7 @@ class Core:
                      "entries": len(self.cache.entries), "hits": count("hits"), "misses": count("misses"),
                      "evictions": int(self.metrics.registry.get_sample_value("vitserve_cache_evictions_total") or 0)}
             histogram = {str(k): v for k, v in sorted(self.batch_sizes.items())}
-        batching = {"max_batch_tokens": s.max_batch_tokens, "max_batch_wait_ms": s.max_batch_wait_ms,
-                    "max_concurrent_requests": s.max_concurrent_requests,
-                    "max_images_per_request": s.max_images_per_request, "preprocess": s.preprocess,
-                    "decode_workers": total("decode_workers"), "decode_processes": s.decode_processes,
-                    "api_servers": self.fronts}
+        batching = s.batching(total("decode_workers")) | {"api_servers": self.fronts}
         return {"version": __version__, "model": s.model_name, "state": self.state, "error": self.error,
                 "device": self.devices[0], "devices": devices, "latency": percentiles(recent),
                 "dtype": self.dtype, "family": self.model.config.family if self.model else None,

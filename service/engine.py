@@ -46,7 +46,7 @@ from .logs import attention_text
 from .metrics import Metrics
 from .scheduler import ImageQueue, WorkItem
 from .settings import Settings, format_size, resolve_devices
-from .worker import DeviceWorker, LocalDevice
+from .worker import DeviceWorker, LocalDevice, workers_stats
 
 log = logging.getLogger("vitserve.engine")
 
@@ -450,15 +450,9 @@ class Engine:
         return generate_latest(self.metrics.registry)
 
     def stats(self) -> dict:
-        s, runners = self.settings, [w.device.runner_stats() for w in self.workers]
-        devices = {}
-        for worker, runner in zip(self.workers, runners):  # the budgets captured or used: none on a CPU
-            budgets = {b: s for b, s in runner.get("budgets", {}).items() if s["captured"] or s["replays"]}
-            devices[worker.name] = worker.stats() | {"runner": runner | {"budgets": budgets}}
-        batching = {"max_batch_tokens": s.max_batch_tokens, "max_batch_wait_ms": s.max_batch_wait_ms,
-                    "max_concurrent_requests": s.max_concurrent_requests,
-                    "max_images_per_request": s.max_images_per_request, "preprocess": s.preprocess,
-                    "decode_workers": self.decoder.workers, "decode_processes": s.decode_processes}
+        s = self.settings
+        devices, runners = workers_stats(self.workers)
+        batching = s.batching(self.decoder.workers)
         return {"version": __version__, "model": s.model_name, "state": self.state.value, "error": self.error,
                 "device": self.devices[0], "devices": devices, "latency": self.metrics.percentiles(),
                 "dtype": self.dtype, "family": self.model.config.family if self.model else None,

@@ -219,6 +219,13 @@ class Settings:
         """The decode workers to run: `--decode-workers`, else one per CPU this process may use (available_cpus)."""
         return self.decode_workers or available_cpus()
 
+    def batching(self, decode_workers: int) -> dict:
+        """/stats' `batching`: the settings that shape batches, and the decode workers running."""
+        return {"max_batch_tokens": self.max_batch_tokens, "max_batch_wait_ms": self.max_batch_wait_ms,
+                "max_concurrent_requests": self.max_concurrent_requests,
+                "max_images_per_request": self.max_images_per_request, "preprocess": self.preprocess,
+                "decode_workers": decode_workers, "decode_processes": self.decode_processes}
+
     def api_server_count(self) -> int:
         """The front ends to run: `--api-servers`, else one per 4 CPUs this process may use (2 to 8) where a device
         is a GPU (the front end is what caps a GPU), and 1 on CPU devices or with --device-processes false."""

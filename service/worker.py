@@ -151,3 +151,13 @@ class DeviceWorker:
     def stats(self) -> dict:
         return {"batches": self.batches, "images": self.images, "batches_in_flight": self.in_flight,
                 "runner": self.device.runner_stats()}
+
+
+def workers_stats(workers: list[DeviceWorker]) -> tuple[dict, list[dict]]:
+    """/stats' `devices` (each worker's counts and its runner's, with only the budgets captured or used: none on a
+    CPU), and the runners' stats in worker order."""
+    runners, devices = [w.device.runner_stats() for w in workers], {}
+    for worker, runner in zip(workers, runners):
+        budgets = {b: v for b, v in runner.get("budgets", {}).items() if v["captured"] or v["replays"]}
+        devices[worker.name] = worker.stats() | {"runner": runner | {"budgets": budgets}}
+    return devices, runners
