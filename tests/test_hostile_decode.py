@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import signal
 import socket
 import threading
 import time
@@ -171,7 +173,8 @@ def _decode_workers(pid: int) -> list[int]:
 def test_a_client_that_leaves_mid_decode_frees_its_worker():
     """One decode worker, no timeout to speak of: a client sends three ~2 s images and leaves while the first is
     being decoded. Its worker is killed a second later (the rest are never started), so a normal request is answered
-    at once, not after the gone request's 6 s of decoding."""
+    at once, not after the gone request's 6 s of decoding. The test stops the worker (SIGSTOP) once it decodes, so the
+    first image outlasts the grace however fast this CPU is (a fast one finished it within the grace: no kill)."""
     proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--decode-workers", "1",
                              "--decode-timeout", "60", timeout=60, capture_log=True)
     try:
@@ -183,6 +186,7 @@ def test_a_client_that_leaves_mid_decode_frees_its_worker():
         sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n" % len(body) + body)
         wait_until(lambda: _cpu_seconds(worker) > cpu + 0.2, 30, "the worker decoding the first image")
+        os.kill(worker, signal.SIGSTOP)  # still decoding when the grace ends; SIGKILL ends a stopped process
         sock.close()
         start = time.monotonic()
         r = post(url, encode(photo(64, 48, 73), "PNG"))
