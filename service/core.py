@@ -130,27 +130,17 @@ class Core:
     def load(self) -> None:
         """Load the model in one process per device (side by side), then serve: the workers start and every front
         end hears that the server is ready. A failure is the server's (`fail`)."""
-        from ..encoder.vision_encoder import load_configs
-        from .device_process import ProcessDevice
+        from .device_process import start_devices
         from .engine import ModelInfo
         from .worker import DeviceWorker
 
         s, start = self.settings, time.perf_counter()
-        processes = []
+        log.info("loading %s (%s) on %s as %s, one process per device, %d front ends", s.model, s.load_format,
+                 ", ".join(self.devices), self.dtype, self.fronts)
         try:
-            config, preprocess_config, _ = load_configs(s.model, s.load_format, s.revision, min_pixels=s.min_pixels,
-                                                        max_pixels=s.max_pixels)
-            log.info("loading %s (%s) on %s as %s, one process per device, %d front ends", s.model, s.load_format,
-                     ", ".join(self.devices), self.dtype, self.fronts)
-            for i, device in enumerate(self.devices):
-                processes.append(ProcessDevice(s, device, self.dtype, f"{self.prefix}dev{i}-", config.patch_size,
-                                               records=True))
-            self.set_state("capturing")
-            for p in processes:
-                p.wait_ready()
+            config, preprocess_config, processes = start_devices(
+                s, self.devices, self.dtype, self.prefix, records=True, started=lambda: self.set_state("capturing"))
         except Exception as e:
-            for p in processes:
-                p.close(5)
             self.fail(f"model load failed: {type(e).__name__}: {e}")
             return
         self.model = ModelInfo(config, preprocess_config)

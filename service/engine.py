@@ -34,13 +34,12 @@ from .. import __version__
 from ..encoder import VisionEncoder
 from ..encoder.config import VisionConfig
 from ..encoder.preprocess import ImageError, PreprocessConfig
-from ..encoder.vision_encoder import load_configs
 
 from . import fetch
 from .budget import MemoryBudget
 from .cache import EmbeddingCache
 from .decoder import Decoder
-from .device_process import ProcessDevice
+from .device_process import ProcessDevice, start_devices
 from .errors import ClientDisconnected, EngineError, InputRejected, NotReady, QueueFull
 from .logs import attention_text
 from .metrics import Metrics
@@ -204,23 +203,16 @@ class Engine:
     async def _load_processes(self) -> tuple[ModelInfo, list[ProcessDevice]]:
         """One process per device, loading and capturing side by side; done when all are."""
         s, loop = self.settings, asyncio.get_running_loop()
-        config, preprocess_config, _ = await loop.run_in_executor(self._loader, lambda: load_configs(
-            s.model, s.load_format, s.revision, min_pixels=s.min_pixels, max_pixels=s.max_pixels))
         log.info("loading %s (%s) on %s as %s, one process per device", s.model, s.load_format,
                  ", ".join(self.devices), self.dtype)
-        processes = []
-        try:
-            for i, device in enumerate(self.devices):
-                processes.append(ProcessDevice(s, device, self.dtype, f"{self.decoder.spool_prefix}dev{i}-",
-                                               config.patch_size))
-            if self.state is State.LOADING:
-                self.state = State.CAPTURING
-            await asyncio.gather(*(loop.run_in_executor(None, p.wait_ready) for p in processes))
-        except BaseException:
-            for p in processes:
-                await loop.run_in_executor(None, p.close, 5)
-            raise
+        config, preprocess_config, processes = await loop.run_in_executor(self._loader, lambda: start_devices(
+            s, self.devices, self.dtype, self.decoder.spool_prefix,
+            started=lambda: loop.call_soon_threadsafe(self._capturing)))
         return ModelInfo(config, preprocess_config), processes
+
+    def _capturing(self) -> None:
+        if self.state is State.LOADING:
+            self.state = State.CAPTURING
 
     def mirror(self, status) -> None:
         """On the event loop, in a front end: the core's state (core.Status)."""

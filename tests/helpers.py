@@ -7,6 +7,7 @@ import base64
 import io
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,6 +54,11 @@ def client_for(encoder, **overrides) -> TestClient:
 def images_in(directory) -> list[str]:
     """The spool files in `directory` but servers' lock files."""
     return [name for name in os.listdir(directory) if not name.endswith("lock")]
+
+
+def children(pid: int) -> list[int]:
+    """A process's children, whichever of its threads started them."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 
 
 def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import data_uri, png, rel_err, wait_until
+from helpers import children, data_uri, png, rel_err, wait_until
 
 from vitserve.encoder import VisionEncoder
 from vitserve.service.settings import Settings
@@ -25,11 +25,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def direct():
     return VisionEncoder.from_pretrained(MODEL, load_format="dummy")
-
-
-def children(pid: int) -> list[int]:
-    """A process's children, whichever of its threads started them."""
-    return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
 
 
 def front(line: str) -> str | None:

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from corpus import encode, fill_before_jpeg, photo, png_chunk_flood, progressive_jpeg, tiff_strip_flood
-from helpers import data_uri, wait_until
+from helpers import children, data_uri, wait_until
 
 from vitserve.service.launch import start_server
 
@@ -156,17 +156,13 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
-
 def _decode_workers(pid: int) -> list[int]:
     """The server's decode workers: the children of its multiprocessing fork server."""
     out = []
-    for child in _children(pid):
+    for child in children(pid):
         with contextlib.suppress(OSError):
             if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
-                out += _children(child)
+                out += children(child)
     return out
 
 

@@ -4,7 +4,6 @@ without CUDA or torchvision)."""
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import numpy as np

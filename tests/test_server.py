@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from helpers import data_uri, png, rel_err, wait_until
+from helpers import children, data_uri, png, rel_err, wait_until
 
 from vitserve.encoder import VisionEncoder
 from vitserve.service import launch
@@ -257,10 +257,9 @@ def test_device_process_death_exits_nonzero():
                              "--cache-bytes", "0")
     try:
         assert httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30).status_code == 200
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        devices = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(devices) == 2, children
-        os.kill(int(devices[0]), signal.SIGKILL)
+        devices = [pid for pid in children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(devices) == 2, children(proc.pid)
+        os.kill(devices[0], signal.SIGKILL)
         codes = []
         for _ in range(40):  # the live device may take some: both take from one queue
             try:
