@@ -1,0 +1,373 @@
+"""Qwen-VL video preprocessing: what transformers' video processors do to a video (`Qwen2VLVideoProcessor` for
+Qwen2/2.5-VL, `Qwen3VLVideoProcessor` for Qwen3-VL), decoded by PyAV (the `video` extra, imported lazily).
+
+* decode: PyAV, frames in decode order, a frame's index being its place in that order (transformers' pyav reader).
+  Only the sampled frames are converted (rgb24) and each is resized as it comes, so a video never sits decoded in
+  memory: the resized frames are what stays.
+* sample (`sample_indices`): the family's `sample_frames` (Qwen2: `fps` frames a second between `min_frames` and
+  `max_frames`, floored to the temporal patch, `arange` steps; Qwen3: the same bounds, `linspace`).
+* resize (`frame_size`): the family's smart_resize (Qwen2: per frame, as for images; Qwen3: the pixels of every frame
+  together within `max_pixels`), with `cap_pixels_per_frame` as transformers computes it; then torchvision's
+  `resize(BICUBIC, antialias=True)` arithmetic on uint8 (`preprocess_fast.resize`: torch's native kernel on the CPU).
+* normalize: the fused float32 `(x - 255 * mean) / (255 * std)` (`preprocess_fast.fast_lut`).
+* patchify: a video of F frames is ceil(F / T) slices of T frames (the last frame repeated to fill the last slice);
+  each slice is a (1, h, w) grid whose rows, in merge-block order, are (C, T, p, p). The tower attends within a slice
+  only (cu_seqlens, windows and position tables repeat per slice), so slices pack into patch budgets like images.
+
+The timing an LLM needs to place the tokens comes with the frames (`Video`): Qwen2.5-VL's `second_per_grid_t`
+(T / the sampled rate) and Qwen3-VL's timestamp of each slice (the mean of its first and last frame's times).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VisionConfig
+from .preprocess import ImageError, _as_triple, check_aspect_ratio, smart_resize
+from .preprocess_fast import fast_lut, resize
+
+IMAGENET_STANDARD = (0.5, 0.5, 0.5)
+
+
+class VideoError(ImageError):
+    """A video that cannot be encoded (a 4xx in the server); `code` names the reason."""
+
+    code = "undecodable_video"
+
+
+class VideoTooShort(VideoError):
+    code = "video_too_short"
+
+
+class VideoUnavailable(RuntimeError):
+    """Video decoding needs PyAV: `pip install 'vitserve[video]'`."""
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """The video preprocessing of one model: transformers' video processor settings (`size` as min/max pixels)."""
+
+    family: str                 # "qwen2" (Qwen2/2.5-VL rules) or "qwen3"
+    patch_size: int
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 28 * 28 * 768
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    do_sample_frames: bool = False
+    fps: float | None = None
+    num_frames: int | None = None
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
+
+    def __post_init__(self) -> None:
+        if self.family not in ("qwen2", "qwen3"):
+            raise ValueError(f"unknown video rules {self.family!r}")
+        object.__setattr__(self, "image_mean", _as_triple(self.image_mean, "image_mean"))
+        object.__setattr__(self, "image_std", _as_triple(self.image_std, "image_std"))
+        if self.fps is not None and self.num_frames is not None:
+            raise ValueError("fps and num_frames are mutually exclusive: give one")
+        if self.fps is not None and not (self.fps > 0 and math.isfinite(self.fps)):
+            raise ValueError(f"fps must be positive, got {self.fps}")
+        for name in ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or int(value) != value or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def for_model(cls, cfg: VisionConfig, hf: Mapping[str, Any] | None = None) -> VideoConfig:
+        """The processor's class defaults for this family (sizes from the tower's config), then the checkpoint's
+        `video_preprocessor_config.json` (`hf`) where it has one."""
+        qwen3 = cfg.family == "qwen3_vl"
+        f = cfg.patch_size * cfg.spatial_merge_size
+        base = cls("qwen3" if qwen3 else "qwen2", cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size,
+                   min_pixels=128 * f * f, max_pixels=768 * f * f,
+                   image_mean=IMAGENET_STANDARD if qwen3 else OPENAI_CLIP_MEAN,
+                   image_std=IMAGENET_STANDARD if qwen3 else OPENAI_CLIP_STD,
+                   do_sample_frames=qwen3, fps=2.0 if qwen3 else None, max_video_tokens=768 if qwen3 else 128000)
+        return base.from_hf(hf) if hf else base
+
+    def from_hf(self, d: Mapping[str, Any]) -> VideoConfig:
+        """Settings from a `video_preprocessor_config.json` dict over these; the ones this module cannot reproduce
+        (resize, rescale or normalize off, another filter or rescale factor) raise ValueError."""
+        for flag in ("do_resize", "do_rescale", "do_normalize"):
+            if d.get(flag) is False:
+                raise ValueError(f"unsupported video preprocessor config: {flag}=false")
+        if d.get("rescale_factor") is not None and not math.isclose(float(d["rescale_factor"]), 1 / 255):
+            raise ValueError(f"unsupported video preprocessor config: rescale_factor={d['rescale_factor']}")
+        if d.get("resample") not in (None, 3):
+            raise ValueError(f"unsupported video preprocessor config: resample={d['resample']} (only bicubic=3)")
+        size = d.get("size") if isinstance(d.get("size"), Mapping) else {}
+        kw: dict[str, Any] = {}
+        for key in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames", "max_video_tokens"):
+            if d.get(key) is not None:
+                kw[key] = int(d[key])
+        for key, names in (("min_pixels", ("min_pixels", "shortest_edge")), ("max_pixels", ("max_pixels", "longest_edge"))):
+            value = next((v for v in (d.get(names[0]), size.get(names[1])) if v is not None), None)
+            if value is not None:
+                kw[key] = int(value)
+        for key in ("image_mean", "image_std"):
+            if d.get(key) is not None:
+                kw[key] = _as_triple(d[key], key)
+        for key in ("do_sample_frames", "cap_pixels_per_frame"):
+            if d.get(key) is not None:
+                kw[key] = bool(d[key])
+        if "fps" in d or "num_frames" in d:
+            kw["fps"] = None if d.get("fps") is None else float(d["fps"])
+            kw["num_frames"] = None if d.get("num_frames") is None else int(d["num_frames"])
+        return dataclasses.replace(self, **kw)
+
+    def with_request(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
+                     max_pixels: int | None = None) -> VideoConfig:
+        """A request's sampling and size: `fps` or `num_frames` replaces the default rule (and samples); the others
+        only tighten."""
+        kw: dict[str, Any] = {}
+        if fps is not None or num_frames is not None:
+            kw.update(fps=fps, num_frames=num_frames, do_sample_frames=True)
+        if max_frames is not None:
+            kw["max_frames"] = min(self.max_frames, max_frames)
+        if max_pixels is not None:
+            kw["max_pixels"] = max(self.min_pixels, min(self.max_pixels, max_pixels))
+        return dataclasses.replace(self, **kw) if kw else self
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What the container says of its first video stream (transformers' VideoMetadata)."""
+
+    total_frames: int
+    fps: float
+    width: int
+    height: int
+    codec: str
+
+    @property
+    def duration(self) -> float:
+        return self.total_frames / self.fps if self.fps else 0.0
+
+
+def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
+    """The indices of the frames to keep, as the family's `sample_frames` picks them (every frame when the config
+    does not sample)."""
+    total, t = info.total_frames, cfg.temporal_patch_size
+    if total <= 0:
+        raise VideoTooShort("the video has no frames")
+    if not cfg.do_sample_frames:
+        return np.arange(total)
+    num_frames, fps = cfg.num_frames, cfg.fps
+    if cfg.family == "qwen3":
+        if num_frames is None and fps is not None:
+            num_frames = int(total / (info.fps or 24) * fps)
+            num_frames = min(max(num_frames, cfg.min_frames), cfg.max_frames, total)
+        if num_frames is None:
+            num_frames = min(max(total, cfg.min_frames), cfg.max_frames)
+        return np.linspace(0, total - 1, num_frames).round().astype(int)
+    if num_frames is not None:
+        num_frames = round(num_frames / t) * t
+    elif fps is not None:
+        if not info.fps:
+            raise VideoError("the video declares no frame rate, so it cannot be sampled by fps: give num_frames")
+        max_frames = math.floor(min(cfg.max_frames, total) / t) * t
+        num_frames = total / info.fps * fps
+        num_frames = min(max(num_frames, cfg.min_frames), max_frames, total)
+        num_frames = math.floor(num_frames / t) * t
+    if num_frames is None:
+        return np.arange(total)
+    if num_frames <= 0:
+        raise VideoTooShort(f"the video has {total} frames, fewer than one temporal patch ({t})")
+    if num_frames > total:
+        raise VideoTooShort(f"{num_frames} frames asked of a video of {total}")
+    return torch.arange(0, total, total / num_frames).int().numpy()
+
+
+def frame_size(num_frames: int, height: int, width: int, cfg: VideoConfig) -> tuple[int, int]:
+    """The (height, width) every sampled frame is resized to, as the family's processor computes it for
+    `num_frames` sampled frames of height x width."""
+    f, t = cfg.factor, cfg.temporal_patch_size
+    check_aspect_ratio(height, width)
+    if cfg.family == "qwen2":
+        max_pixels = cfg.max_pixels
+        if cfg.cap_pixels_per_frame:
+            total = int(cfg.max_video_tokens * f * f * 0.9)
+            max_pixels = max(min(max_pixels, total * t // num_frames), int(cfg.min_pixels * 1.05))
+        return smart_resize(height, width, f, cfg.min_pixels, max_pixels)
+    max_pixels = cfg.max_pixels
+    if cfg.cap_pixels_per_frame:
+        per_frame = max(min(cfg.max_video_tokens * f * f, cfg.max_pixels // num_frames), int(cfg.min_pixels * 1.05))
+        max_pixels = per_frame * num_frames
+    if num_frames < t:
+        raise VideoTooShort(f"{num_frames} frame(s) sampled: Qwen3-VL needs at least {t}")
+    if height < f or width < f:
+        scale = max(f / height, f / width)
+        height, width = int(height * scale), int(width * scale)
+    h, w = round(height / f) * f, round(width / f) * f
+    frames = round(num_frames / t) * t
+    if frames * h * w > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
+    elif frames * h * w < cfg.min_pixels:
+        beta = math.sqrt(cfg.min_pixels / (num_frames * height * width))
+        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+    return h, w
+
+
+@dataclass
+class Video:
+    """A decoded video: its sampled frames resized (uint8 [F, h, w, 3]), which frames they are, and the source's
+    frame rate."""
+
+    frames: np.ndarray
+    indices: np.ndarray
+    info: VideoInfo
+    temporal_patch_size: int
+
+    def slices(self) -> list[np.ndarray]:
+        """uint8 [T, h, w, 3] per temporal patch, the last frame repeated to fill the last slice (views where the
+        frames divide evenly)."""
+        t, frames = self.temporal_patch_size, self.frames
+        if pad := -len(frames) % t:
+            frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+        return [frames[i:i + t] for i in range(0, len(frames), t)]
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames kept per second of video (transformers' VideoMetadata.sampled_fps)."""
+        if not self.info.fps:
+            return 24.0
+        return len(self.indices) / self.info.total_frames * self.info.fps
+
+    @property
+    def second_per_grid_t(self) -> float:
+        """Seconds per temporal patch: Qwen2.5-VL's `second_per_grid_ts` entry for this video."""
+        return self.temporal_patch_size / self.sampled_fps
+
+    @property
+    def timestamps(self) -> list[float]:
+        """Seconds of each temporal patch (the mean of its first and last frame's times): what Qwen3-VL's processor
+        writes before each slice's tokens (`<{t:.1f} seconds>`)."""
+        fps = self.info.fps or 24.0
+        indices = self.indices.tolist()
+        t = self.temporal_patch_size
+        indices += indices[-1:] * (-len(indices) % t)
+        times = [i / fps for i in indices]
+        return [(times[i] + times[i + t - 1]) / 2 for i in range(0, len(times), t)]
+
+
+def _av():
+    try:
+        import av
+    except ImportError:
+        raise VideoUnavailable("video decoding needs PyAV: pip install 'vitserve[video]'") from None
+    return av
+
+
+def _open(source: Any):
+    """A PyAV input container for bytes, a file object or a path."""
+    av = _av()
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(source)
+    elif isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    try:
+        return av.open(source, mode="r")
+    except (av.error.FFmpegError, ValueError, OSError) as e:
+        raise VideoError(f"not a video PyAV can open: {e}") from None
+
+
+def probe(container) -> VideoInfo:
+    """The first video stream's frame count, rate, size and codec. A container that does not record its frame
+    count (WebM, MKV) has its packets counted, without decoding (transformers' pyav reader takes 0 there and fails)."""
+    stream = _video_stream(container)
+    rate = stream.average_rate
+    frames = int(stream.frames)
+    if frames <= 0:
+        frames = sum(1 for packet in container.demux(stream) if packet.size)
+        container.seek(0)
+    return VideoInfo(frames, float(rate) if rate else 0.0, stream.width, stream.height, stream.codec_context.name)
+
+
+def _video_stream(container):
+    if not container.streams.video:
+        raise VideoError("the file has no video stream")
+    return container.streams.video[0]
+
+
+def decode_frames(container, indices: np.ndarray, size: tuple[int, int]) -> Iterator[np.ndarray]:
+    """The frames at `indices` (ascending; a repeated index gives its frame once, as transformers' reader does),
+    each converted to RGB and resized to `size` as it is decoded."""
+    av = _av()
+    wanted = set(int(i) for i in indices)
+    last = max(wanted)
+    stream = _video_stream(container)
+    stream.thread_type = "AUTO"
+    height, width = size
+    try:
+        for i, frame in enumerate(container.decode(stream)):
+            if i > last:
+                return
+            if i in wanted:
+                rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
+                yield resize(rgb, height, width).permute(1, 2, 0).numpy()
+    except av.error.FFmpegError as e:
+        raise VideoError(f"the video could not be decoded: {e}") from None
+
+
+def load_video(source: Any, cfg: VideoConfig) -> Video:
+    """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize."""
+    container = _open(source)
+    try:
+        info = probe(container)
+        indices = sample_indices(info, cfg)
+        kept = np.unique(indices)
+        height, width = frame_size(len(indices), info.height, info.width, cfg)
+        frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
+        n = 0
+        for n, frame in enumerate(decode_frames(container, kept, (height, width)), 1):
+            frames[n - 1] = frame
+        if n < len(kept):
+            raise VideoError(f"the video declares {info.total_frames} frames but holds {n} decodable ones "
+                             f"up to frame {int(kept[-1])}")
+        return Video(frames, kept, info, cfg.temporal_patch_size)
+    finally:
+        container.close()
+
+
+def patchify(video: Video, cfg: VideoConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """float32 rows [t * gh * gw, 3 * T * p * p] (transformers' `pixel_values_videos` for this video) and its
+    grid (t, gh, gw)."""
+    lut = fast_lut(cfg.image_mean, cfg.image_std)
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    slices = video.slices()
+    _, h, w, _ = video.frames.shape
+    gh, gw = h // p, w // p
+    out = np.empty((len(slices), gh // m, gw // m, m, m, 3, t, p, p), dtype=np.float32)
+    for j, frames in enumerate(slices):
+        x = lut[np.arange(3), frames]  # [T, h, w, 3] float32
+        x = x.reshape(t, gh // m, m, p, gw // m, m, p, 3)
+        out[j] = x.transpose(1, 4, 2, 5, 7, 0, 3, 6)
+    return out.reshape(len(slices) * gh * gw, -1), (len(slices), gh, gw)
+
+
+def preprocess_videos(videos: list, cfg: VideoConfig) -> tuple[torch.Tensor, torch.Tensor, list[Video]]:
+    """Videos (bytes, file objects, paths or decoded `Video`s) -> (pixel_values_videos float32, video_grid_thw
+    [n, 3] int64, the decoded videos), transformers' processor layout."""
+    decoded = [v if isinstance(v, Video) else load_video(v, cfg) for v in videos]
+    rows, grids = zip(*(patchify(v, cfg) for v in decoded)) if decoded else ((), ())
+    pixels = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, 3 * cfg.temporal_patch_size
+                                                                               * cfg.patch_size ** 2)
+    return pixels, torch.tensor(grids, dtype=torch.int64).reshape(-1, 3), decoded
