@@ -4,11 +4,11 @@ Imports are lazy so that preprocessing worker processes can load `encoder.prepro
 
 from .config import BUILTIN_CONFIGS, VisionConfig, builtin_config
 
-__all__ = ["VisionEncoder", "EncodedImage", "VisionConfig", "BUILTIN_CONFIGS", "builtin_config"]
+__all__ = ["VisionEncoder", "EncodedImage", "EncodedVideo", "VisionConfig", "BUILTIN_CONFIGS", "builtin_config"]
 
 
 def __getattr__(name: str):
-    if name in ("VisionEncoder", "EncodedImage"):
+    if name in ("VisionEncoder", "EncodedImage", "EncodedVideo"):
         from . import vision_encoder
 
         return getattr(vision_encoder, name)

@@ -91,6 +91,20 @@ def read_config(ckpt: Path) -> tuple[VisionConfig, dict]:
     return cfg, (json.loads(pre.read_text()) if pre.is_file() else {})
 
 
+def read_video_config(ckpt: Path) -> dict:
+    """The video processor's settings as transformers finds them: `processor_config.json`'s "video_processor", else
+    `video_preprocessor_config.json`, else `preprocessor_config.json` (empty when the checkpoint has none)."""
+    nested = ckpt / "processor_config.json"
+    if nested.is_file():
+        video = json.loads(nested.read_text()).get("video_processor")
+        if isinstance(video, dict):
+            return video
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if (ckpt / name).is_file():
+            return json.loads((ckpt / name).read_text())
+    return {}
+
+
 def read_vision_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """Vision tensors with their `visual.`/`model.visual.` prefix stripped, read only from the shards that hold them."""
     index = ckpt / INDEX_FILE

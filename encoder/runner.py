@@ -191,18 +191,21 @@ class GraphRunner:
         """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size; host arrays from
         preprocess.resize_rgb, or tensors on this device from preprocess_fast.resize_on_device): 8x fewer bytes to
         copy than float rows, and normalize + patchify run on the device through `pixel_lut` ([3, 256] float32,
-        preprocess.normalize_lut or preprocess_fast.fast_lut), giving exactly that preprocessing's values.
+        preprocess.normalize_lut or preprocess_fast.fast_lut), giving exactly that preprocessing's values. A video
+        slice ([T, H, W, 3]: T frames, video.Video.slices) is an image whose T frames differ; an image's one frame is
+        repeated over T.
 
         Images flagged in `mean_pooling` come back as (mean of their tokens [D] in float32, []): the mean is taken on
         the device, and a replay whose images are all pooled copies only the means back."""
         arrays = [a if torch.is_tensor(a) and a.device.type != "cpu" else a.numpy() if torch.is_tensor(a)
                   else np.asarray(a) for a in images]  # on this device already (fast preprocessing), else host
-        p = self.cfg.patch_size
-        bad = [tuple(a.shape) for a in arrays if a.dtype not in (np.uint8, torch.uint8) or a.ndim != 3
-               or a.shape[2] != 3 or a.shape[0] % p or a.shape[1] % p]
+        p, t = self.cfg.patch_size, self.cfg.temporal_patch_size
+        bad = [tuple(a.shape) for a in arrays if a.dtype not in (np.uint8, torch.uint8) or a.ndim not in (3, 4)
+               or (a.ndim == 4 and a.shape[0] != t) or a.shape[-1] != 3 or a.shape[-3] % p or a.shape[-2] % p]
         if bad:
-            raise ValueError(f"images must be uint8 [H, W, 3] with sides multiples of {p}; got {bad[:3]}")
-        grids = check_grids([(1, a.shape[0] // p, a.shape[1] // p) for a in arrays], self.cfg)
+            raise ValueError(f"images must be uint8 [H, W, 3] (or video slices [{t}, H, W, 3]) with sides multiples "
+                             f"of {p}; got {bad[:3]}")
+        grids = check_grids([(1, a.shape[-3] // p, a.shape[-2] // p) for a in arrays], self.cfg)
         lut = self._device_lut(pixel_lut)
         return self._launch(grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut),
                             mean_pooling)
@@ -256,10 +259,10 @@ class GraphRunner:
         """A host tensor on the device without making the host wait (through pinned memory on CUDA)."""
         return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
 
-    def _device_rows(self, arrays: list[np.ndarray], n: int, lut: torch.Tensor) -> torch.Tensor:
-        """Patch rows [n, patch_dim] in the model dtype, cut on the device from the images' uint8 pixels: each row
-        gathers its p x p x 3 pixels (merge-block order, like the processor), maps them through the normalization
-        table and repeats the frame over the temporal patch."""
+    def _device_rows(self, arrays: list, n: int, lut: torch.Tensor) -> torch.Tensor:
+        """Patch rows [n, patch_dim] in the model dtype, cut on the device from the items' uint8 pixels: each row
+        gathers its p x p x 3 pixels of each of the T frames (merge-block order, like the processor) and maps them
+        through the normalization table; an image's one frame stands for all T."""
         p, m, t = self.cfg.patch_size, self.cfg.spatial_merge_size, self.cfg.temporal_patch_size
         if all(torch.is_tensor(a) for a in arrays):
             raw_d = torch.cat([a.reshape(-1) for a in arrays])
@@ -269,21 +272,30 @@ class GraphRunner:
             raw = torch.empty(sum(a.size for a in arrays), dtype=torch.uint8, pin_memory=self._pin)
             np.concatenate([a.reshape(-1) for a in arrays], out=raw.numpy())
             raw_d = raw.to(self.device, non_blocking=True)
-        base, stride, offset = np.empty(n, np.int32), np.empty(n, np.int32), 0
-        row = 0
+        base, stride, step = np.empty(n, np.int32), np.empty(n, np.int32), np.zeros(n, np.int32)
+        offset = row = 0
         for a in arrays:
-            h, w = a.shape[0] // p, a.shape[1] // p
+            height, width = a.shape[-3], a.shape[-2]
+            h, w = height // p, width // p
             rows, cols = block_order(h, w, m)
-            base[row:row + h * w] = offset + (rows * p * a.shape[1] + cols * p) * 3
-            stride[row:row + h * w] = a.shape[1] * 3
-            offset, row = offset + a.shape[0] * a.shape[1] * 3, row + h * w
+            base[row:row + h * w] = offset + (rows * p * width + cols * p) * 3
+            stride[row:row + h * w] = width * 3
+            if a.ndim == 4:  # a video slice: its frames follow one another
+                step[row:row + h * w] = height * width * 3
+            offset, row = offset + int(np.prod(a.shape)), row + h * w
         base_d, stride_d = (self._upload(torch.from_numpy(v)) for v in (base, stride))
         k = torch.arange(p, device=self.device, dtype=torch.int32)
         c = torch.arange(3, device=self.device, dtype=torch.int32)[None, :, None, None]
         index = base_d[:, None, None, None] + stride_d[:, None, None, None] * k[:, None] + (k * 3)[None, :] + c
-        values = lut[c * 256 + raw_d[index].int()]  # [n, 3, p, p] float32
         out = torch.empty(n, 3, t, p, p, dtype=self.dtype, device=self.device)
-        out.copy_(values[:, :, None].expand(n, 3, t, p, p))
+        if not step.any():
+            values = lut[c * 256 + raw_d[index].int()]  # [n, 3, p, p] float32
+            out.copy_(values[:, :, None].expand(n, 3, t, p, p))
+        else:
+            frames = self._upload(torch.from_numpy(step))[:, None, None, None, None] * torch.arange(
+                t, device=self.device, dtype=torch.int32)[None, None, :, None, None]
+            values = lut[c[:, :, None] * 256 + raw_d[index[:, :, None] + frames].int()]  # [n, 3, t, p, p]
+            out.copy_(values)
         return out.view(n, -1)
 
     def collect(self, launch: Launch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:

@@ -146,6 +146,29 @@ class VideoConfig:
         return dataclasses.replace(self, **kw) if kw else self
 
 
+IMAGE_BRANDS = (b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1")
+
+
+def sniff(head: bytes) -> str | None:
+    """The video container the first bytes of a file are (mp4, webm, avi, mpegts, flv, mpeg, ogg), or None: tells a
+    video from an image by content. ISO files branded as images (AVIF, HEIF) are images."""
+    if head[4:8] == b"ftyp":
+        return None if head[8:12] in IMAGE_BRANDS else "mp4"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "webm"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    if head[:3] == b"FLV":
+        return "flv"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[:4] in (b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3"):
+        return "mpeg"
+    if len(head) >= 377 and head[0] == head[188] == head[376] == 0x47:
+        return "mpegts"
+    return None
+
+
 @dataclass(frozen=True)
 class VideoInfo:
     """What the container says of its first video stream (transformers' VideoMetadata)."""

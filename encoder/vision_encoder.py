@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
-from . import checkpoint, preprocess_fast
+from . import checkpoint, preprocess_fast, video
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
+from .preprocess_fast import fast_lut
 from .preprocess import (PREPROCESS_MODES, ImageError, PreprocessConfig, load_image, normalize_lut, preprocess,
                          resize_rgb, target_size)
 from .runner import DEFAULT_BUDGETS, GraphRunner
@@ -43,6 +44,27 @@ def as_list(images) -> tuple[list, bool]:
     if isinstance(images, IMAGE_TYPES):
         return [images], True
     return list(images), False
+
+
+@dataclass
+class EncodedVideo(EncodedImage):
+    """One video's features: `embeddings` [tokens, width] slice after slice (each slice's tokens in raster order),
+    `grid_thw` (slices, h, w) in patches; and what an LLM needs to place them: the indices of the frames sampled
+    (`frame_indices`, in the source's decode order), the source's frame rate (`fps`), each slice's time in seconds
+    (`timestamps`: Qwen3-VL writes them before the slices' tokens) and the seconds a slice spans
+    (`second_per_grid_t`: Qwen2.5-VL's `second_per_grid_ts` entry)."""
+
+    frame_indices: list[int] = field(default_factory=list)
+    fps: float = 0.0
+    timestamps: list[float] = field(default_factory=list)
+    second_per_grid_t: float = 0.0
+
+
+def videos_list(videos) -> tuple[list, bool]:
+    """`videos` as a list, and whether it was one video (a path, its bytes or a decoded video.Video)."""
+    if isinstance(videos, (str, os.PathLike, bytes, bytearray, memoryview, video.Video)):
+        return [videos], True
+    return list(videos), False
 
 
 @dataclass
@@ -108,8 +130,10 @@ class VisionEncoder:
     """
 
     def __init__(self, tower, config: VisionConfig, preprocess_config: PreprocessConfig, device: torch.device,
-                 dtype: torch.dtype, name: str, budgets=DEFAULT_BUDGETS, preprocess: str = "exact"):
+                 dtype: torch.dtype, name: str, budgets=DEFAULT_BUDGETS, preprocess: str = "exact",
+                 video_config: video.VideoConfig | None = None):
         self.tower, self.config, self.preprocess_config = tower, config, preprocess_config
+        self.video_config = video_config or video.VideoConfig.for_model(config)
         self.device, self.dtype, self.name = device, dtype, name
         if preprocess not in PREPROCESS_MODES:
             raise ValueError(f"unknown preprocess {preprocess!r}; use {' or '.join(PREPROCESS_MODES)}")
@@ -151,7 +175,8 @@ class VisionEncoder:
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
-        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess)
+        vcfg = video.VideoConfig.for_model(cfg, checkpoint.read_video_config(ckpt) if ckpt is not None else None)
+        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, vcfg)
         if capture:
             encoder.capture()
         return encoder
@@ -211,6 +236,43 @@ class VisionEncoder:
     def collect(self, launch) -> list[EncodedImage]:
         return [EncodedImage(tokens, grid, deepstack) for grid, (tokens, deepstack)
                 in zip(launch.grids, self.runner.collect(launch))]
+
+    def preprocess_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
+                          max_frames: int | None = None, max_pixels: int | None = None) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+        """A video or a list of them (paths, bytes or file objects) -> (pixel_values_videos [rows, patch_dim]
+        float32, video_grid_thw [n, 3] int64): transformers' video processor layout and values (video.py).
+        `fps` or `num_frames` sample the video (mutually exclusive); `max_frames` and `max_pixels` (per frame for
+        Qwen2/2.5, all frames together for Qwen3) tighten the checkpoint's settings."""
+        videos, _ = videos_list(videos)
+        cfg = self.video_config.with_request(fps, num_frames, max_frames, max_pixels)
+        pixels, grids, _ = video.preprocess_videos(videos, cfg)
+        return pixels, grids
+
+    def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
+                      max_frames: int | None = None, max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
+        """A video (a path, its bytes or a decoded video.Video) -> its EncodedVideo; a list -> one per video, in
+        order; options as for `preprocess_videos`. Each video is decoded, sampled and resized on the host; its
+        slices (T frames each) go to the device as uint8 and pack into the patch budgets like images, so a long
+        video spans several replays (the tower attends within a slice only). The first video that cannot be
+        decoded raises its video.VideoError."""
+        videos, single = videos_list(videos)
+        cfg = self.video_config.with_request(fps, num_frames, max_frames, max_pixels)
+        decoded = [v if isinstance(v, video.Video) else video.load_video(v, cfg) for v in videos]
+        slices = [v.slices() for v in decoded]
+        flat = [s for parts in slices for s in parts]
+        outputs = iter(self.runner.collect(self.runner.launch_images(flat, fast_lut(cfg.image_mean, cfg.image_std)))
+                       if flat else [])
+        results = []
+        for v, parts in zip(decoded, slices):
+            mine = [next(outputs) for _ in parts]
+            tokens = torch.cat([o[0] for o in mine])
+            deepstack = [torch.cat(layer) for layer in zip(*(o[1] for o in mine))]
+            p = self.config.patch_size
+            results.append(EncodedVideo(tokens, (len(parts), v.frames.shape[1] // p, v.frames.shape[2] // p),
+                                        deepstack, v.indices.tolist(), v.info.fps, v.timestamps,
+                                        v.second_per_grid_t))
+        return results[0] if single else results
 
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw) -> list[EncodedImage]:
         """Encode a packed batch (transformers' processor layout); one result per grid, in order."""

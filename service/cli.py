@@ -35,6 +35,8 @@ examples:
   vitserve encode --model tiny-qwen2.5-vl --load-format dummy examples/sample.jpg -o /tmp/sample.safetensors
   # a GPU, real weights:
   vitserve encode --model Qwen/Qwen2.5-VL-7B-Instruct --device cuda:0 a.jpg b.png -o embeddings.safetensors
+  # a video, 2 frames a second (pip install 'vitserve[video]'):
+  vitserve encode --model Qwen/Qwen3-VL-8B-Instruct --device cuda:0 --fps 2 clip.mp4 -o clip.safetensors
 """
 
 
@@ -52,6 +54,7 @@ def check_encode_paths(images: list[str], output: str) -> None:
     existing, writable folder."""
     from ..encoder.headers import probe
     from ..encoder.preprocess import HeaderNotFound, ImageError
+    from ..encoder.video import sniff
 
     for name in images:
         path = Path(name)
@@ -60,6 +63,8 @@ def check_encode_paths(images: list[str], output: str) -> None:
         try:
             with open(path, "rb") as f:
                 head = f.read(HEADER_BYTES)
+                if sniff(head):  # a video: PyAV reads it when it is encoded
+                    continue
                 try:
                     probe(head)
                 except HeaderNotFound:  # further in, or a format read by PIL: the whole file
@@ -84,6 +89,7 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     from .. import __version__
     from ..encoder import VisionEncoder
     from ..encoder.preprocess import ImageError, load_image
+    from ..encoder.video import VideoUnavailable, sniff
 
     from .logs import attention_text
     from .outputs import OUTPUT_DTYPES, safetensors_body
@@ -93,25 +99,38 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     enc = VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())
     log.info("loaded in %.2f s: vitserve %s on %s (%s, attention %s)", time.perf_counter() - start, __version__,
              device, dtype, attention_text(enc.runner.stats.attention))
+    videos = [sniff(Path(path).read_bytes()[:HEADER_BYTES]) is not None for path in args.images]
+    start = time.perf_counter()
     try:
-        images = [load_image(path) for path in args.images]
-    except (ImageError, OSError) as e:
+        images = [load_image(path) for path, is_video in zip(args.images, videos) if not is_video]
+        clips = [path for path, is_video in zip(args.images, videos) if is_video]
+        log.info("encoding %d image(s) and %d video(s)", len(images), len(clips))
+        encoded = iter(enc.encode(images) if images else [])
+        encoded_videos = iter(enc.encode_videos(clips, fps=args.fps, num_frames=args.num_frames) if clips else [])
+        results = [next(encoded_videos) if is_video else next(encoded) for is_video in videos]
+    except (ImageError, OSError, VideoUnavailable) as e:
         print(f"vitserve encode: {e}", file=sys.stderr)
         return 2
-    log.info("encoding %d image(s)", len(images))
-    start = time.perf_counter()
-    results = enc.encode(images)
     seconds = time.perf_counter() - start
     name = next(name for name, t in OUTPUT_DTYPES.items() if t == enc.dtype)  # an alias's canonical name
     metadata = {"model": settings.model, "family": enc.config.family, "dtype": name,
                 "grid_thw": json.dumps([list(r.grid_thw) for r in results]), "sources": json.dumps(args.images)}
+    if clips:  # per input, null for an image: what an LLM needs to place a video's tokens
+        metadata["videos"] = json.dumps([video_metadata(r) if is_video else None
+                                         for r, is_video in zip(results, videos)])
     body = safetensors_body([(r.embeddings, r.deepstack or []) for r in results], name, metadata)
     with open(args.output, "wb") as f:
         f.write(body)
     tokens = sum(r.num_tokens for r in results)
-    print(f"encoded {len(results)} image(s), {tokens} tokens, on {device} in {name}, in {seconds * 1e3:.1f} ms "
-          f"-> {args.output}", file=sys.stderr)
+    print(f"encoded {len(images)} image(s) and {len(clips)} video(s), {tokens} tokens, on {device} in {name}, in "
+          f"{seconds * 1e3:.1f} ms -> {args.output}", file=sys.stderr)
     return 0
+
+
+def video_metadata(result) -> dict:
+    """A video's timing as the safetensors metadata of `vitserve encode` carries it (EncodedVideo)."""
+    return {"frame_indices": result.frame_indices, "fps": result.fps, "timestamps": result.timestamps,
+            "second_per_grid_t": result.second_per_grid_t}
 
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
@@ -145,13 +164,19 @@ def build_parser() -> Parser:
                            formatter_class=raw)
     add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
-    enc = sub.add_parser("encode", help="encode image files into one safetensors file",
-                         description="Encode image files into one safetensors file.",
-                         usage="%(prog)s --model MODEL [options] IMAGE [IMAGE ...] -o FILE",
+    enc = sub.add_parser("encode", help="encode image and video files into one safetensors file",
+                         description="Encode image and video files into one safetensors file.",
+                         usage="%(prog)s --model MODEL [options] FILE [FILE ...] -o FILE",
                          epilog=epilog(ENCODE_EXAMPLES), formatter_class=raw)
     files = enc.add_argument_group("files")
-    files.add_argument("images", nargs="+", metavar="IMAGE", help="image files")
+    files.add_argument("images", nargs="+", metavar="FILE", help="image and video files (told apart by content; "
+                                                                 "videos need the video extra: PyAV)")
     files.add_argument("-o", "--output", required=True, metavar="FILE", help="output .safetensors path")
+    sampling = files.add_mutually_exclusive_group()
+    sampling.add_argument("--fps", type=float, default=None, metavar="F",
+                          help="videos: sample F frames a second (default: the checkpoint's video processor settings)")
+    sampling.add_argument("--num-frames", type=int, default=None, metavar="N",
+                          help="videos: sample N frames, evenly (instead of --fps)")
     add_arguments(enc, encode=True)
     enc.set_defaults(func=cmd_encode)
     return parser

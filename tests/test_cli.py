@@ -76,6 +76,44 @@ def test_encode_cli_matches_transformers_pipeline(checkpoints, tmp_path, family)
 
 
 @pytest.mark.slow
+def test_encode_cli_takes_videos_beside_images(checkpoints, tmp_path):
+    """An image, an MP4 and a WebM in one call (told apart by content, not by name): the videos' tokens and
+    deepstack are transformers' tower's on their pixel_values_videos, their timing is in the metadata, and a
+    broken video fails the call with one line and exit status 2."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from videos import make_video
+
+    from vitserve.encoder import VisionEncoder
+
+    path, hf_tower = checkpoints["qwen3_vl"]
+    image = write_images(tmp_path)[0]
+    clips = [tmp_path / "clip.bin", tmp_path / "clip2"]
+    clips[0].write_bytes(make_video(30, 10, 160, 120))
+    clips[1].write_bytes(make_video(12, 6, 64, 48, codec="libvpx-vp9", container="webm"))
+    out = tmp_path / "out.safetensors"
+    proc = vitserve("encode", "--model", path, image, *map(str, clips), "--fps", "2", "-o", str(out))
+    assert proc.returncode == 0 and "encoded 1 image(s) and 2 video(s)" in proc.stdout, proc.stdout
+    enc = VisionEncoder.from_pretrained(path)
+    pixels, grids = enc.preprocess_videos([c.read_bytes() for c in clips], fps=2)
+    with torch.no_grad():
+        ref = hf_tower(pixels, grids)
+    with safe_open(out, framework="pt") as f:
+        meta = f.metadata()
+        assert json.loads(meta["grid_thw"])[1:] == grids.tolist()
+        ours = torch.cat([f.get_tensor(f"images.{i}.embeddings") for i in (1, 2)])
+        assert rel_err(ours, ref.pooler_output) <= 1e-5
+        for j, ref_j in enumerate(ref.deepstack_features):
+            assert rel_err(torch.cat([f.get_tensor(f"images.{i}.deepstack.{j}") for i in (1, 2)]), ref_j) <= 1e-5
+    timing = json.loads(meta["videos"])
+    assert timing[0] is None and timing[1]["fps"] == 10.0
+    assert timing[1]["timestamps"] == Qwen3VLProcessor._calculate_timestamps(None, timing[1]["frame_indices"], 10.0, 2)
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(clips[0].read_bytes()[:3000])
+    proc = vitserve("encode", "--model", path, str(broken), "-o", str(out))
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines()[-1].startswith("vitserve encode: "), proc.stdout
+
+
+@pytest.mark.slow
 def test_encode_cli_reports_bad_input(tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not an image")

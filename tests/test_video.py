@@ -1,0 +1,178 @@
+"""Videos (encoder/video.py, VisionEncoder.encode_videos): the towers against transformers' own on checkpoints
+written by `save_pretrained`, sampling and sizes against the processors' rules (transformers' Qwen3-VL video
+processor module imports without torchvision, so its `sample_frames`, `smart_resize` and `patchify` are called
+directly; Qwen2-VL's module needs torchvision, so its rules are checked by cases), and bad videos. The full
+processor comparison (needs torchvision) is tests/test_video_processor.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import FAMILIES
+from helpers import rel_err
+from videos import make_video
+
+from vitserve.encoder import EncodedVideo, VisionEncoder
+from vitserve.encoder import video as V
+from vitserve.encoder.config import builtin_config
+
+pytest.importorskip("av")
+TOL = 1e-5
+
+
+def reference(tower, pixel_values, grids):
+    with torch.no_grad():
+        out = tower(pixel_values, torch.tensor(grids))
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_videos_match_transformers_tower(checkpoints, family):
+    """Two videos (an odd frame count: the last slice repeats its last frame) through encode_videos against
+    transformers' tower on our pixel_values_videos and video_grid_thw: tokens and deepstack within 1e-5, and the
+    slices split over several replays of small budgets (a video is never one indivisible item)."""
+    path, hf_tower = checkpoints[family]
+    enc = VisionEncoder.from_pretrained(path, budgets=(256,))
+    clips = [make_video(30, 10, 160, 120), make_video(13, 6, 96, 128, codec="mpeg4", container="avi",
+                                                      photo="portrait.png")]
+    pixels, grids = enc.preprocess_videos(clips, num_frames=8 if family != "qwen3_vl" else 7)
+    ref, ref_deepstack = reference(hf_tower, pixels, grids.tolist())
+    results = enc.encode_videos(clips, num_frames=8 if family != "qwen3_vl" else 7)
+    assert all(isinstance(r, EncodedVideo) for r in results)
+    assert [r.grid_thw for r in results] == [tuple(g) for g in grids.tolist()]
+    assert all(r.grid_thw[0] == 4 for r in results)  # 7 frames -> 4 slices (the last padded)
+    ours = torch.cat([r.embeddings for r in results])
+    assert ours.shape == ref.shape and rel_err(ours, ref) <= TOL
+    if family == "qwen3_vl":
+        for j, ref_j in enumerate(ref_deepstack):
+            assert rel_err(torch.cat([r.deepstack[j] for r in results]), ref_j) <= TOL
+    else:
+        assert all(r.deepstack == [] for r in results)
+    assert enc.runner.stats.eager_runs + sum(b.replays for b in enc.runner.stats.budgets.values()) > 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_video_and_its_slices_alone_give_the_same_answer(family):
+    """A video encoded alone, beside another video, and one slice at a time give identical tokens: a slice's
+    features depend on its own frames only."""
+    enc = VisionEncoder.from_pretrained(f"tiny-{family.replace('_', '-').replace('2-5', '2.5')}", load_format="dummy")
+    clip, other = make_video(20, 10, 128, 96), make_video(9, 5, 64, 64, photo="portrait.png")
+    alone = enc.encode_videos(clip, fps=4)
+    together = enc.encode_videos([other, clip], fps=4)[1]
+    assert torch.equal(alone.embeddings, together.embeddings)
+    decoded = V.load_video(clip, enc.video_config.with_request(fps=4))
+    lut = V.fast_lut(enc.video_config.image_mean, enc.video_config.image_std)
+    per_slice = [enc.runner.collect(enc.runner.launch_images([s], lut))[0][0] for s in decoded.slices()]
+    assert torch.equal(torch.cat(per_slice), alone.embeddings)
+
+
+def test_qwen3_sampling_and_sizes_follow_transformers():
+    """Qwen3-VL: frame indices and frame sizes against transformers' own sample_frames and smart_resize over a
+    sweep of frame counts, rates and requests."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+    from transformers.video_utils import VideoMetadata
+
+    cfg = V.VideoConfig.for_model(builtin_config("Qwen/Qwen3-VL-8B-Instruct"))
+    proc = Qwen3VLVideoProcessor()
+    for total, rate in ((1, 30.0), (3, 1.0), (7, 24.0), (60, 30.0), (301, 29.97), (5000, 60.0), (90, 0.0)):
+        for request in ({}, {"fps": 1.0}, {"fps": 4.5}, {"num_frames": 5}, {"num_frames": 2}):
+            info = V.VideoInfo(total, rate, 640, 360, "h264")
+            md = VideoMetadata(total_num_frames=total, fps=rate or None)
+            kw = {"num_frames": request.get("num_frames"), "fps": request.get("fps")} if request else {}
+            expected = proc.sample_frames(md, **kw)
+            got = V.sample_indices(info, cfg.with_request(**request))
+            assert got.tolist() == np.asarray(expected).tolist(), (total, rate, request)
+    for frames in (2, 3, 8, 64, 768):
+        for h, w in ((360, 640), (1080, 1920), (20, 500), (4000, 30), (31, 31)):
+            for cap in (False, True):
+                c = dataclasses.replace(cfg, cap_pixels_per_frame=cap)
+                max_pixels = c.max_pixels
+                if cap:
+                    f = c.factor
+                    max_pixels = max(min(c.max_video_tokens * f * f, c.max_pixels // frames),
+                                     int(c.min_pixels * 1.05)) * frames
+                expected = smart_resize(frames, h, w, 2, 32, c.min_pixels, max_pixels)
+                assert V.frame_size(frames, h, w, c) == expected, (frames, h, w, cap)
+
+
+def test_qwen2_sampling_follows_its_rules():
+    """Qwen2/2.5-VL (transformers' Qwen2VLVideoProcessor.sample_frames, whose module needs torchvision): no
+    sampling unless asked; `fps` frames a second floored to a whole temporal patch, at least min_frames and at most
+    the video; `num_frames` rounded to a temporal patch; `arange` steps truncated."""
+    cfg = V.VideoConfig.for_model(builtin_config("Qwen/Qwen2.5-VL-7B-Instruct"))
+    info = V.VideoInfo(30, 10.0, 320, 240, "h264")
+    assert V.sample_indices(info, cfg).tolist() == list(range(30))  # do_sample_frames is off by default
+    assert V.sample_indices(info, cfg.with_request(fps=2)).tolist() == [0, 5, 10, 15, 20, 25]  # 3 s x 2 = 6
+    assert V.sample_indices(info, cfg.with_request(fps=1)).tolist() == [0, 7, 15, 22]  # 3 -> min_frames 4
+    assert V.sample_indices(info, cfg.with_request(num_frames=5)).tolist() == [0, 7, 15, 22]  # round(5/2)*2 = 4
+    assert V.sample_indices(V.VideoInfo(7, 10.0, 64, 64, "h264"), cfg.with_request(fps=30)).tolist() == \
+        [0, 1, 2, 3, 4, 5]  # at most the video, floored to a temporal patch
+    with pytest.raises(V.VideoTooShort):
+        V.sample_indices(V.VideoInfo(1, 10.0, 64, 64, "h264"), cfg.with_request(fps=2))
+    assert V.frame_size(6, 480, 640, cfg) == (476, 644)  # the image smart_resize per frame (factor 28)
+    assert V.frame_size(6, 240, 320, cfg) == (280, 392)  # under min_pixels (128 x 28²): scaled up
+
+
+def test_layout_is_transformers_patchify():
+    """Our rows of one video are transformers' Qwen3VLVideoProcessor.patchify of the same normalized frames, an odd
+    frame count included (its last frame repeated)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl"))
+    video = V.load_video(make_video(9, 9, 128, 96), cfg.with_request(num_frames=5))
+    assert len(video.frames) == 5
+    ours, grid = V.patchify(video, cfg)
+    lut = V.fast_lut(cfg.image_mean, cfg.image_std)
+    normalized = torch.from_numpy(lut[np.arange(3), video.frames]).permute(0, 3, 1, 2)[None]  # [1, F, C, H, W]
+    theirs, t, h, w = Qwen3VLVideoProcessor().patchify(normalized, cfg.patch_size, cfg.merge_size,
+                                                       cfg.temporal_patch_size)
+    assert (t, h, w) == grid and t == 3
+    assert torch.equal(theirs[0], torch.from_numpy(ours))
+
+
+def test_timing_for_the_llm():
+    """Qwen3-VL's per-slice timestamps (the mean of a slice's first and last frame times, transformers'
+    Qwen3VLProcessor._calculate_timestamps) and Qwen2.5-VL's second_per_grid_t (T / the sampled rate)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl"))
+    video = V.load_video(make_video(25, 5, 64, 64), cfg)  # 5 s at 5 fps, sampled at 2 fps
+    expected = Qwen3VLProcessor._calculate_timestamps(None, video.indices.tolist(), 5.0, 2)
+    assert video.timestamps == pytest.approx(expected) and len(video.timestamps) == len(video.slices())
+    assert video.second_per_grid_t == pytest.approx(2 / (len(video.indices) / 25 * 5))
+
+
+def test_containers_without_a_frame_count_are_counted():
+    """WebM records no frame count (PyAV says 0; transformers' pyav reader fails there): the packets are counted."""
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl")).with_request(num_frames=4)
+    video = V.load_video(make_video(12, 6, 64, 48, codec="libvpx-vp9", container="webm"), cfg)
+    assert video.info.total_frames == 12 and video.indices.tolist() == [0, 3, 6, 9]
+
+
+@pytest.mark.parametrize("data, error", [
+    (b"not a video at all", V.VideoError),
+    (b"", V.VideoError),
+])
+def test_bad_videos_raise_video_errors(data, error):
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl"))
+    with pytest.raises(error):
+        V.load_video(data, cfg)
+
+
+def test_an_image_is_not_a_video():
+    from corpus import encode, photo
+
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl")).with_request(num_frames=2)
+    with pytest.raises(V.VideoError):
+        V.load_video(encode(photo(64, 64), "PNG"), cfg)
+
+
+def test_a_truncated_video_fails_cleanly():
+    """A file cut in half: what it declares cannot be decoded; the error is a VideoError, never a crash."""
+    data = make_video(40, 10, 128, 96)
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl")).with_request(num_frames=8)
+    with pytest.raises(V.VideoError):
+        V.load_video(data[: len(data) // 2], cfg)
