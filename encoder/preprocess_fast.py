@@ -102,12 +102,17 @@ def _nvjpeg(jpegs: list[EncodedJpeg], device: torch.device) -> list[torch.Tensor
         return out
 
 
-def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host uint8 [H, W, 3] image as [3, H, W] on the device (copied once, into pinned memory on CUDA)."""
-    pinned = device.type == "cuda"
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host uint8 array on the device, same shape (copied once, into pinned memory on CUDA)."""
+    pinned = torch.device(device).type == "cuda"
     t = torch.empty(array.shape, dtype=torch.uint8, pin_memory=pinned)
     t.numpy()[...] = array
-    return (t.to(device, non_blocking=True) if pinned else t).permute(2, 0, 1)
+    return t.to(device, non_blocking=True) if pinned else t
+
+
+def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host uint8 [H, W, 3] image as [3, H, W] on the device."""
+    return upload(array, device).permute(2, 0, 1)
 
 
 def load(images: list, device: torch.device) -> list[np.ndarray | EncodedJpeg]:

@@ -31,20 +31,59 @@ import numpy as np
 import torch
 
 from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VisionConfig
-from .preprocess import ImageError, _as_triple, check_aspect_ratio, smart_resize
+from .preprocess import ImageTooLarge, UndecodableImage, _as_triple, check_aspect_ratio, smart_resize
 from .preprocess_fast import fast_lut, resize
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 
 
-class VideoError(ImageError):
-    """A video that cannot be encoded (a 4xx in the server); `code` names the reason."""
+class VideoError(UndecodableImage):
+    """A video that cannot be decoded or encoded (a 400 in the server); `code` names the reason."""
 
     code = "undecodable_video"
 
 
 class VideoTooShort(VideoError):
     code = "video_too_short"
+
+
+class UnsupportedCodec(VideoError):
+    code = "unsupported_codec"
+
+
+class VideoTooLarge(ImageTooLarge):
+    """A video over a limit (`VideoLimits`: a 413 in the server)."""
+
+    code = "video_too_large"
+
+
+class VideoTooLong(VideoTooLarge):
+    code = "video_too_long"
+
+
+# codecs whose decoders are maintained FFmpeg ones, common in uploads; others are refused before decoding
+CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mpeg1video", "mjpeg", "theora", "prores")
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What a video may cost, checked from its header before its frames are decoded (and as they are):
+    `max_seconds` of declared duration, `max_frame_pixels` per source frame, `max_bytes` of resized frames kept,
+    `codecs` allowed."""
+
+    max_seconds: float = 3600.0
+    max_frame_pixels: int = 8192 * 8192
+    max_bytes: int = 4 * 2**30
+    codecs: tuple[str, ...] = CODECS
+
+    def check(self, info: VideoInfo) -> None:
+        if info.codec not in self.codecs:
+            raise UnsupportedCodec(f"{info.codec} videos are not accepted; send one of {', '.join(self.codecs)}")
+        if info.duration > self.max_seconds:
+            raise VideoTooLong(f"the video lasts {info.duration:.0f} s; the limit is {self.max_seconds:g} s")
+        if info.width * info.height > self.max_frame_pixels or info.width <= 0 or info.height <= 0:
+            raise VideoTooLarge(f"the video's frames are {info.width}x{info.height}; the limit is "
+                                f"{self.max_frame_pixels} pixels a frame")
 
 
 class VideoUnavailable(RuntimeError):
@@ -350,14 +389,18 @@ def decode_frames(container, indices: np.ndarray, size: tuple[int, int]) -> Iter
         raise VideoError(f"the video could not be decoded: {e}") from None
 
 
-def load_video(source: Any, cfg: VideoConfig) -> Video:
+def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> Video:
     """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize."""
     container = _open(source)
     try:
         info = probe(container)
+        limits.check(info)
         indices = sample_indices(info, cfg)
         kept = np.unique(indices)
         height, width = frame_size(len(indices), info.height, info.width, cfg)
+        if len(kept) * height * width * 3 > limits.max_bytes:
+            raise VideoTooLarge(f"{len(kept)} frames of {width}x{height} take {len(kept) * height * width * 3 >> 20} "
+                                f"MiB; the limit is {limits.max_bytes >> 20} MiB (sample fewer or smaller frames)")
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
         n = 0
         for n, frame in enumerate(decode_frames(container, kept, (height, width)), 1):
@@ -386,10 +429,11 @@ def patchify(video: Video, cfg: VideoConfig) -> tuple[np.ndarray, tuple[int, int
     return out.reshape(len(slices) * gh * gw, -1), (len(slices), gh, gw)
 
 
-def preprocess_videos(videos: list, cfg: VideoConfig) -> tuple[torch.Tensor, torch.Tensor, list[Video]]:
+def preprocess_videos(videos: list, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> tuple[
+        torch.Tensor, torch.Tensor, list[Video]]:
     """Videos (bytes, file objects, paths or decoded `Video`s) -> (pixel_values_videos float32, video_grid_thw
     [n, 3] int64, the decoded videos), transformers' processor layout."""
-    decoded = [v if isinstance(v, Video) else load_video(v, cfg) for v in videos]
+    decoded = [v if isinstance(v, Video) else load_video(v, cfg, limits) for v in videos]
     rows, grids = zip(*(patchify(v, cfg) for v in decoded)) if decoded else ((), ())
     pixels = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, 3 * cfg.temporal_patch_size
                                                                                * cfg.patch_size ** 2)

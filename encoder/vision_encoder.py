@@ -11,9 +11,9 @@ from PIL import Image
 
 from . import checkpoint, preprocess_fast, video
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
-from .preprocess_fast import fast_lut
 from .preprocess import (PREPROCESS_MODES, ImageError, PreprocessConfig, load_image, normalize_lut, preprocess,
                          resize_rgb, target_size)
+from .preprocess_fast import fast_lut
 from .runner import DEFAULT_BUDGETS, GraphRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -121,6 +121,12 @@ def load_configs(model: str, load_format: str = "auto", revision: str | None = N
     return cfg, pcfg.with_overrides(**overrides), ckpt
 
 
+def video_config_of(cfg: VisionConfig, ckpt) -> video.VideoConfig:
+    """The video preprocessing of a checkpoint (its video processor settings over the family's defaults; the
+    defaults alone for dummy weights, `ckpt` None)."""
+    return video.VideoConfig.for_model(cfg, checkpoint.read_video_config(ckpt) if ckpt is not None else None)
+
+
 class VisionEncoder:
     """A Qwen-VL vision tower on one device, with its preprocessing.
 
@@ -146,6 +152,11 @@ class VisionEncoder:
         cfg = self.preprocess_config
         table = preprocess_fast.fast_lut if self.preprocess_mode == "fast" else normalize_lut
         return table(cfg.image_mean, cfg.image_std)
+
+    @property
+    def video_lut(self):
+        """The (3, 256) normalization table of video frames (the video processors' fused arithmetic)."""
+        return fast_lut(self.video_config.image_mean, self.video_config.image_std)
 
     @property
     def attention_backend(self) -> str:
@@ -175,8 +186,7 @@ class VisionEncoder:
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
-        vcfg = video.VideoConfig.for_model(cfg, checkpoint.read_video_config(ckpt) if ckpt is not None else None)
-        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, vcfg)
+        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt))
         if capture:
             encoder.capture()
         return encoder
@@ -218,13 +228,17 @@ class VisionEncoder:
         cannot be decoded there are left out, with their errors (`Launched.failed`); `outputs` gives the rest."""
         failed: dict[int, ImageError] = {}
         if self.preprocess_mode == "fast":
+            slices = {i for i, x in enumerate(images) if getattr(x, "ndim", 0) == 4}  # video slices: resized already
+            todo = [i for i in range(len(images)) if i not in slices]
             sizes = sizes or [target_size(x, self.preprocess_config) for x in images]
-            prepared = preprocess_fast.resize_on_device(images, sizes, self.device)
-            failed = {i: x for i, x in enumerate(prepared) if isinstance(x, ImageError)}
-            images = [x for x in prepared if not isinstance(x, ImageError)]
+            prepared = dict(zip(todo, preprocess_fast.resize_on_device([images[i] for i in todo],
+                                                                       [sizes[i] for i in todo], self.device)))
+            prepared |= {i: preprocess_fast.upload(images[i], self.device) for i in slices}
+            failed = {i: x for i, x in prepared.items() if isinstance(x, ImageError)}
+            images = [prepared[i] for i in range(len(images)) if i not in failed]
             if mean_pooling is not None:
                 mean_pooling = [m for i, m in enumerate(mean_pooling) if i not in failed]
-        launch = self.runner.launch_images(images, self.pixel_lut, mean_pooling) if images else None
+        launch = self.runner.launch_images(images, self.pixel_lut, mean_pooling, self.video_lut) if images else None
         return Launched(launch, failed, len(images) + len(failed))
 
     def outputs(self, launched: Launched) -> list:
@@ -261,8 +275,7 @@ class VisionEncoder:
         decoded = [v if isinstance(v, video.Video) else video.load_video(v, cfg) for v in videos]
         slices = [v.slices() for v in decoded]
         flat = [s for parts in slices for s in parts]
-        outputs = iter(self.runner.collect(self.runner.launch_images(flat, fast_lut(cfg.image_mean, cfg.image_std)))
-                       if flat else [])
+        outputs = iter(self.runner.collect(self.runner.launch_images(flat, self.video_lut)) if flat else [])
         results = []
         for v, parts in zip(decoded, slices):
             mine = [next(outputs) for _ in parts]

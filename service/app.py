@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..encoder.preprocess import Base64Data
+from ..encoder.video import sniff
 
 from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, ServiceError, error_response
@@ -68,26 +69,28 @@ def where(loc: tuple) -> str:
     return out
 
 
-def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "input") -> Base64Data | str:
-    """A data URI, bare base64, or (when enabled) an http(s) URL left for the fetcher. Only the item's head is read
-    here: its payload is not copied (a `Text` stays a view of the request's body)."""
+def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "input",
+                 kind: str = "image") -> Base64Data | str:
+    """A data URI, bare base64, or (when enabled) an http(s) URL left for the fetcher; `kind`: image or video (the
+    data URI's media type). Only the item's head is read here: its payload is not copied (a `Text` stays a view of
+    the request's body)."""
     param = f"{field}[{index}]"
     head = item[:5120] if isinstance(item, str) else item.head(5120)
     if head.startswith(("http://", "https://")):
         if not allow_url:
-            raise ServiceError(400, f"{param}: image URLs are disabled on this server; send a data URI or base64",
+            raise ServiceError(400, f"{param}: {kind} URLs are disabled on this server; send a data URI or base64",
                                "url_fetch_disabled", param)
         return str(item)
     start = 0
     if head.startswith("data:"):
         comma = head.find(",", 0, 1024)  # a data URI's header is short
         media = head[5:comma if comma >= 0 else 1024].split(";")
-        if comma < 0 or not media[0].startswith("image/") or "base64" not in media[1:]:
-            raise ServiceError(400, f"{param}: expected data:image/<type>;base64,<data>, got media type "
+        if comma < 0 or not media[0].startswith(f"{kind}/") or "base64" not in media[1:]:
+            raise ServiceError(400, f"{param}: expected data:{kind}/<type>;base64,<data>, got media type "
                                     f"{clip(';'.join(media))!r}", "invalid_media_type", param)
         start = comma + 1
     if not head[start:start + 4096].strip():  # (a payload that opens with 4 KB of whitespace is no image either)
-        raise ServiceError(400, f"{param}: empty image", "invalid_image", param)
+        raise ServiceError(400, f"{param}: empty {kind}", f"invalid_{kind}", param)
     if isinstance(item, str):
         return Base64Data(item, start)  # decoded by a decode worker
     return Base64Data(item.view, start, item.shared)  # (read by it in place, where the body is shared)
@@ -161,6 +164,43 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         request.state.cache_hits = result.cache_hits
         return result
 
+    async def encode_videos(request: Request, videos: list, field: str, options: dict, mean_pooling: bool = False,
+                            max_pixels: int | None = None) -> Encoded:
+        if len(videos) > settings.max_videos_per_request:
+            raise ServiceError(413, f"{len(videos)} videos in one request; the limit is "
+                                    f"{settings.max_videos_per_request}", "too_many_videos", field)
+        disconnected = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            return await engine.encode_videos(videos, options, mean_pooling, disconnected, field, max_pixels)
+        finally:
+            disconnected.cancel()
+
+    async def encode_all(request: Request, images: list, videos: list, body, mean_pooling: bool = False,
+                         image_field: str = "images", video_field: str = "videos") -> Encoded:
+        """A request's images and videos side by side; one Encoded with the images' items first, then the videos'
+        (`videos`: None per image, then each video's timing); the request's counts and phases on its state."""
+        jobs = []
+        if images:
+            jobs.append(encode_images(request, images, image_field, mean_pooling, body.max_pixels))
+        if videos:
+            jobs.append(encode_videos(request, videos, video_field, body.video_options(), mean_pooling,
+                                      body.max_pixels))
+        parts = await asyncio.gather(*jobs)
+        if len(parts) == 1 and not videos:
+            return parts[0]
+        image, video = (parts[0], parts[1]) if images else (None, parts[0])
+        result = Encoded((image.outputs if image else []) + video.outputs, (image.grids if image else []) + video.grids,
+                         max(p.decode_s for p in parts), max(p.queue_s for p in parts),
+                         max(p.inference_s for p in parts), image.cache_hits if image else 0,
+                         [None] * len(images) + video.videos)
+        unit = engine.model.config.merge_unit
+        request.state.images = len(result.grids)
+        request.state.tokens = sum(math.prod(g) // unit for g in result.grids)
+        for phase in ("decode", "queue", "inference"):
+            setattr(request.state, f"{phase}_ms", round(getattr(result, f"{phase}_s") * 1e3, 2))
+        request.state.cache_hits = result.cache_hits
+        return result
+
     async def answer(request: Request, result: Encoded, build) -> Response:
         """The response `build()` makes (in a thread for an answer of `OFF_LOOP_BYTES` or more: its conversions
         and base64 are bytes work), timed as the serialize phase; every phase in the headers (ms)."""
@@ -187,9 +227,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                                engine.decoder.bodies)
         check_model(body.model)
         inputs = body.input if isinstance(body.input, list) else [body.input]
-        images = [decode_input(item, i, settings.allow_url_fetch) for i, item in enumerate(inputs)]
+        kind = body.modality or "image"
+        items = [decode_input(item, i, settings.allow_url_fetch, "input", kind) for i, item in enumerate(inputs)]
         mean = body.pooling == "mean"  # taken on the device: only the vectors come back
-        result = await encode_images(request, images, "input", mean, body.max_pixels)
+        if kind == "video":
+            result = await encode_all(request, [], items, body, mean, video_field="input")
+        else:
+            result = await encode_images(request, items, "input", mean, body.max_pixels)
 
         def build() -> Response:
             data, tokens = [], request.state.tokens
@@ -208,12 +252,16 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     @app.post("/v1/encode", openapi_extra=request_body(EncodeRequest, EncodeForm))
     async def encode(request: Request):
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            form = await request.form(max_files=settings.max_images_per_request + 1, max_fields=64)
-            images = [await v.read() for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            form = await request.form(max_files=settings.max_images_per_request + settings.max_videos_per_request + 1,
+                                      max_fields=64)
+            files = [await v.read() for _, v in form.multi_items() if isinstance(v, UploadFile)]
             fields = {k: v for k, v in form.multi_items() if not isinstance(v, UploadFile)}
             await form.close()
-            if not images:
+            if not files:
                 raise ServiceError(400, "multipart body has no file parts", "no_images", "images")
+            is_video = await asyncio.to_thread(lambda: [sniff(bytes(f[:512])) is not None for f in files])
+            images = [f for f, v in zip(files, is_video) if not v]
+            videos = [f for f, v in zip(files, is_video) if v]
             for name in ("dtype", "layout"):
                 if name in request.query_params:
                     fields.setdefault(name, request.query_params[name])
@@ -222,26 +270,33 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             except ValidationError as e:
                 raise RequestValidationError(e.errors()) from None
         else:
-            body = await read_json(request, EncodeRequest, settings.max_images_per_request, ("images",),
-                                   engine.decoder.bodies)
+            body = await read_json(request, EncodeRequest, settings.max_images_per_request
+                                   + settings.max_videos_per_request, ("images", "videos"), engine.decoder.bodies)
             images = [decode_input(item, i, settings.allow_url_fetch, "images") for i, item in enumerate(body.images)]
+            videos = [decode_input(item, i, settings.allow_url_fetch, "videos", "video")
+                      for i, item in enumerate(body.videos)]
         check_model(body.model)
-        result = await encode_images(request, images, "images", max_pixels=body.max_pixels)
+        result = await encode_all(request, images, videos, body)
 
         def build() -> Response:
             tokens = request.state.tokens
             outputs = [laid_out(embeddings, deepstack, body.layout) for embeddings, deepstack in result.outputs]
+            timing = result.videos or [None] * len(outputs)
             if "application/octet-stream" in request.headers.get("accept", ""):
                 metadata = {"model": settings.model_name, "grid_thw": json.dumps(result.grids), "dtype": body.dtype,
                             "tokens": str(tokens), "layout": body.layout}
+                if result.videos:  # per item: null for an image, a video's timing
+                    metadata["videos"] = json.dumps(result.videos)
                 return PartsResponse(safetensors_parts(outputs, body.dtype, metadata, body.deepstack),
                                      media_type="application/octet-stream")
             data = []
-            for i, ((embeddings, deepstack), grid) in enumerate(zip(outputs, result.grids)):
-                data.append({"index": i, "grid_thw": grid, "shape": list(embeddings.shape), "dtype": body.dtype,
-                             "embeddings": b64(converted(embeddings, OUT[body.dtype])),
-                             "deepstack": [b64(converted(d, OUT[body.dtype])) for d in deepstack]
-                             if deepstack and body.deepstack else None})
+            for i, ((embeddings, deepstack), grid, video) in enumerate(zip(outputs, result.grids, timing)):
+                item = {"index": i if video is None else i - len(images), "modality": "video" if video else "image",
+                        "grid_thw": grid, "shape": list(embeddings.shape), "dtype": body.dtype,
+                        "embeddings": b64(converted(embeddings, OUT[body.dtype])),
+                        "deepstack": [b64(converted(d, OUT[body.dtype])) for d in deepstack]
+                        if deepstack and body.deepstack else None}
+                data.append(item | (video or {}))
             return json_response({"object": "list", "model": settings.model_name, "layout": body.layout,
                                   "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                                   "cache_hits": result.cache_hits})

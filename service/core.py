@@ -138,12 +138,12 @@ class Core:
         log.info("loading %s (%s) on %s as %s, one process per device, %d front ends", s.model, s.load_format,
                  ", ".join(self.devices), self.dtype, self.fronts)
         try:
-            config, preprocess_config, processes = start_devices(
+            config, preprocess_config, video_config, processes = start_devices(
                 s, self.devices, self.dtype, self.prefix, records=True, started=lambda: self.set_state("capturing"))
         except Exception as e:
             self.fail(f"model load failed: {type(e).__name__}: {e}")
             return
-        self.model = ModelInfo(config, preprocess_config)
+        self.model = ModelInfo(config, preprocess_config, video_config)
         max_patches = s.max_batch_tokens * config.merge_unit
         self.workers = [DeviceWorker(p, self.queue, max_patches, s.max_batch_wait_ms / 1e3, self.done)
                         for p in processes]

@@ -1,6 +1,7 @@
-"""What a decode worker process runs: decode (+ resize), the pixels into a spool file; and the header of an image
-whose first bytes do not hold it. It imports numpy, PIL and the preprocessing only, never the engine or torch (which
-would cost each worker ~150 MB and seconds at its first image)."""
+"""What a decode worker process runs: decode (+ resize), the pixels into a spool file; the header of an image whose
+first bytes do not hold it; and a video's decode, sampling and resize, its slices into spool files. For images it
+imports numpy, PIL and the preprocessing only, never the engine or torch (which would cost each worker ~150 MB and
+seconds at its first image); a worker imports torch at its first video (the video processors' resize is torch's)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,21 @@ def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: Preproc
         image = resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg)
     seconds = time.perf_counter() - start
     return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
+
+
+def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None) -> tuple[list, tuple, dict,
+                                                                                              float]:
+    """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its slices (uint8 [T, h, w, 3] each,
+    in spool files `spool_path`-0, -1, ... where given and it can), its grid (slices, h / p, w / p), its timing
+    (frame_indices, fps, timestamps, second_per_grid_t) and the seconds it took (encoder.video.load_video: the
+    limits are checked from the header first, frames decoded one at a time and resized as they come)."""
+    from ..encoder.video import load_video
+
+    start = time.perf_counter()
+    video = load_video(image_bytes(data, is_base64), cfg, limits)
+    slices = video.slices()
+    out = [(spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)]
+    _, h, w, _ = video.frames.shape
+    timing = {"frame_indices": video.indices.tolist(), "fps": video.info.fps, "timestamps": video.timestamps,
+              "second_per_grid_t": video.second_per_grid_t}
+    return out, (len(slices), h // cfg.patch_size, w // cfg.patch_size), timing, time.perf_counter() - start

@@ -118,10 +118,11 @@ class _Job:
     """A submitted call: the pickled function and arguments, the payload (or what makes it, called when a worker
     takes the job), the caller's future, and what to do if its worker dies while it runs."""
 
-    __slots__ = ("call", "payload", "future", "on_lost")
+    __slots__ = ("call", "payload", "future", "on_lost", "timeout")
 
-    def __init__(self, call: bytes, payload, future: asyncio.Future, on_lost: Callable[[], None] | None):
-        self.call, self.payload, self.future, self.on_lost = call, payload, future, on_lost
+    def __init__(self, call: bytes, payload, future: asyncio.Future, on_lost: Callable[[], None] | None,
+                 timeout: float | None):
+        self.call, self.payload, self.future, self.on_lost, self.timeout = call, payload, future, on_lost, timeout
 
 
 class FairQueue:
@@ -209,14 +210,16 @@ class DecodePool:
         """Live workers waiting for a job."""
         return len(self._idle)
 
-    def submit(self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None) -> asyncio.Future:
+    def submit(self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None,
+               timeout: float | None = None) -> asyncio.Future:
         """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
         (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like (sent as they
         are), a function that makes them when a worker takes the job, or any other object, pickled with the call (a
         description of where the worker finds the bytes itself, `len()` its size). A cancelled future's job is
         skipped, its result dropped, or its worker killed after the grace. `on_lost()` is called when the worker dies
         (or is killed) while it runs the job, whatever became of the future (what it was writing may be left half
-        done). Waiting jobs go to the workers round-robin by `owner` (FairQueue)."""
+        done). Waiting jobs go to the workers round-robin by `owner` (FairQueue). `timeout`: this job's limit
+        instead of the pool's (a video's decode is longer than an image's)."""
         future = self._loop.create_future()
         self.submitted += 1
         if self._closed or self.broken:
@@ -224,7 +227,7 @@ class DecodePool:
             return future
         call = (fn, args) if callable(payload) or isinstance(payload, _BYTES) else (fn, args, payload)
         self._waiting.append(owner, _Job(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL), payload, future,
-                                         on_lost))
+                                         on_lost, timeout or self.timeout))
         self._dispatch()
         return future
 
@@ -242,9 +245,9 @@ class DecodePool:
                 job.payload = job.payload()
             link.job = job
             link.send(job.call, job.payload if isinstance(job.payload, _BYTES) else b"")
-            if self.timeout is not None:
-                link.timer = self._loop.call_later(self.timeout, self._kill, link, f"its job ran past "
-                                                                                  f"{self.timeout:g} s")
+            if job.timeout is not None:
+                link.timer = self._loop.call_later(job.timeout, self._kill, link, f"its job ran past "
+                                                                                 f"{job.timeout:g} s")
             job.future.add_done_callback(functools.partial(self._cancelled, link, job))
 
     def _cancelled(self, link: _Link, job: _Job, future: asyncio.Future) -> None:
@@ -262,7 +265,7 @@ class DecodePool:
             return
         link.killed = reason
         if not link.job.future.done():
-            link.job.future.set_exception(JobTimedOut(f"the decode worker was killed: {reason}", self.timeout))
+            link.job.future.set_exception(JobTimedOut(f"the decode worker was killed: {reason}", link.job.timeout))
         link.process.kill()
 
     def _answered(self, link: _Link, frame: bytes) -> None:

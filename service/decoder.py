@@ -42,7 +42,7 @@ from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageT
 from . import spool
 from .budget import MemoryBudget
 from .bodies import SharedBodies
-from .decode import SharedText, decode_and_resize, read_header
+from .decode import SharedText, decode_and_resize, decode_video, read_header
 from .decode_pool import DecodePool, JobTimedOut, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
 from .metrics import Metrics
@@ -109,10 +109,16 @@ def looks_like_text(data) -> bool:
         (" " in sample or not sample.isascii())
 
 
+def _discard_slices(result) -> None:
+    """A decoded image or video nobody will run: its spooled pixels go."""
+    for image in result[0] if isinstance(result[0], list) else [result[0]]:
+        spool.discard(image)
+
+
 def _discard_result(job: asyncio.Future) -> None:
-    """For an image's decode whose request is gone: a spooled image it made has nobody to read it."""
+    """For an image's or a video's decode whose request is gone: what it spooled has nobody to read it."""
     if job.done() and not job.cancelled() and job.exception() is None:
-        spool.discard(job.result()[0])
+        _discard_slices(job.result())
 
 
 class Decoder:
@@ -235,6 +241,57 @@ class Decoder:
             out.append((image, (1, h // p, w // p)))
         return out
 
+    async def decode_videos(self, videos: list, cfg, field: str = "videos", names: list[int] | None = None) -> list:
+        """Decode, sample and resize videos concurrently in the decode workers (decode.decode_video, under
+        `--video-decode-timeout`); per video its (slices, grid, timing). Each one's first bytes must be a video
+        container's (video.sniff: an image sent as a video is told so); each may keep at most the per-request decode
+        memory of resized frames, and takes that share of the server's decode memory while it decodes. The first bad
+        video fails the request (only it)."""
+        from ..encoder.video import VideoLimits, sniff
+
+        names = list(range(len(videos))) if names is None else names
+        loop, owner = asyncio.get_running_loop(), object()
+        heads = await loop.run_in_executor(None, lambda: [head(v, 512) for v in videos])
+        for i, data in zip(names, heads):
+            if isinstance(data, Exception) or not sniff(data):
+                param = f"{field}[{i}]"
+                raise InputRejected(f"{param}: not a video (send MP4, WebM, MKV, AVI, MPEG-TS, FLV or Ogg; images go "
+                                    "in images)", "not_a_video", param)
+        s = self.settings
+        limits = VideoLimits(max_seconds=s.max_video_seconds, max_frame_pixels=s.max_image_pixels,
+                             max_bytes=s.decode_memory_per_request)
+        jobs = [asyncio.ensure_future(self._decode_video(data, cfg, limits, owner)) for data in videos]
+        try:
+            await asyncio.wait(jobs)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+                job.add_done_callback(lambda job: job.cancelled() or job.exception() or _discard_slices(job.result()))
+            raise
+        errors = [job.exception() for job in jobs]
+        if any(errors):
+            for job, error in zip(jobs, errors):
+                if error is None:
+                    _discard_slices(job.result())
+            index, error = next((i, e) for i, e in zip(names, errors) if e is not None)
+            raise self.rejection(f"{field}[{index}]", error) from None
+        out = []
+        for job in jobs:
+            slices, grid, timing, seconds = job.result()
+            self.metrics.preprocess_seconds.observe(seconds)
+            self.metrics.record("decode", seconds)
+            out.append((slices, grid, timing))
+        return out
+
+    async def _decode_video(self, data, cfg, limits, owner):
+        share = await self.budget.acquire(min(limits.max_bytes, self.budget.limit))
+        try:
+            path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
+            return await self._run(decode_video, data, owner, cfg, limits, path or None, timeout=self.settings.
+                                   video_decode_timeout, lost=path and functools.partial(spool.clear, f"{path}-"))
+        finally:
+            self.budget.release(share)
+
     @staticmethod
     def rejection(param: str, e: BaseException, data=None) -> Exception:
         """The domain error a request gets for its image `param` that could not be decoded (`e`); `data`, where
@@ -276,12 +333,13 @@ class Decoder:
             self.budget.release(share)
         raise AssertionError("unreachable")
 
-    async def _run(self, fn, data, owner, *args, end: int | None = None, spooled: str | None = None):
+    async def _run(self, fn, data, owner, *args, end: int | None = None, spooled: str | None = None,
+                   timeout: float | None = None, lost: Callable[[], None] | None = None):
         """fn(payload, is_base64, *args) in a decode worker (or thread), under the decode timeout. The payload is
         where the image's base64 lies in its request's body file (SharedText: the worker reads it there, nothing is
         sent), else the image's bytes up to `end` (its base64 as ASCII bytes: a str pickles at twice the server's
         CPU), made only when a worker takes the job; `spooled`: the spool file the job writes, removed if its worker
-        dies."""
+        dies (`lost()`: what to remove instead); `timeout`: the job's limit instead of `--decode-timeout`."""
         is_base64 = isinstance(data, Base64Data)
         if is_base64 and data.shared is not None and self.pool is not None:
             path, offset = data.shared
@@ -290,19 +348,19 @@ class Decoder:
             payload = functools.partial(data.ascii, end) if is_base64 else data if end is None else \
                 memoryview(data)[:end]
         if self.pool is None:
-            return await self._in_thread(lambda: fn(payload() if is_base64 else payload, is_base64, *args))
-        job = self.pool.submit(fn, payload, is_base64, *args, owner=owner,
-                               on_lost=spooled and functools.partial(spool.remove, spooled))
+            return await self._in_thread(lambda: fn(payload() if is_base64 else payload, is_base64, *args), timeout)
+        job = self.pool.submit(fn, payload, is_base64, *args, owner=owner, timeout=timeout,
+                               on_lost=lost or spooled and functools.partial(spool.remove, spooled))
         try:
             return await job
         except asyncio.CancelledError:  # the request is gone: the pool drops a result still to come, this one here
             _discard_result(job)
             raise
 
-    async def _in_thread(self, run):
+    async def _in_thread(self, run, timeout: float | None = None):
         """run() on a decode thread; past the decode timeout (counted from when a thread takes it) JobTimedOut, while
         the thread, which cannot be stopped, finishes it for nobody."""
-        loop, timeout = asyncio.get_running_loop(), self.settings.decode_timeout
+        loop, timeout = asyncio.get_running_loop(), timeout or self.settings.decode_timeout
         expired, timer = loop.create_future(), []
 
         def arm():

@@ -23,7 +23,7 @@ import torch
 
 from ..encoder import VisionEncoder
 from ..encoder.preprocess import ImageError
-from ..encoder.vision_encoder import load_configs, parse_device
+from ..encoder.vision_encoder import load_configs, parse_device, video_config_of
 
 from . import spool
 from .errors import Unavailable
@@ -302,11 +302,12 @@ class ProcessDevice:
 def start_devices(settings: Settings, devices: list[str], dtype: str, prefix: str, *, records: bool = False,
                   started=lambda: None) -> tuple:
     """Blocking: the model in one process per device, loading and capturing side by side. Returns (config,
-    preprocess_config, processes) once every process is ready; `started()` is called when all are started (they load
+    preprocess_config, video_config, processes) once every process is ready; `started()` is called when all are started (they load
     and capture from then on). On a failure the started processes are closed and the error raised."""
     s = settings
-    config, preprocess_config, _ = load_configs(s.model, s.load_format, s.revision, min_pixels=s.min_pixels,
-                                                max_pixels=s.max_pixels)
+    config, preprocess_config, ckpt = load_configs(s.model, s.load_format, s.revision, min_pixels=s.min_pixels,
+                                                   max_pixels=s.max_pixels)
+    video_config = video_config_of(config, ckpt)
     processes = []
     try:
         for i, device in enumerate(devices):
@@ -318,4 +319,4 @@ def start_devices(settings: Settings, devices: list[str], dtype: str, prefix: st
         for process in processes:
             process.close(5)
         raise
-    return config, preprocess_config, processes
+    return config, preprocess_config, video_config, processes

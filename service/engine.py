@@ -34,13 +34,14 @@ from .. import __version__
 from ..encoder import VisionEncoder
 from ..encoder.config import VisionConfig
 from ..encoder.preprocess import ImageError, PreprocessConfig
+from ..encoder.video import VideoConfig
 
 from . import fetch
 from .budget import MemoryBudget
 from .cache import EmbeddingCache
 from .decoder import Decoder
 from .device_process import ProcessDevice, start_devices
-from .errors import ClientDisconnected, EngineError, InputRejected, NotReady, QueueFull
+from .errors import ClientDisconnected, EngineError, InputRejected, InputTooLarge, NotReady, QueueFull
 from .logs import attention_text
 from .metrics import Metrics
 from .scheduler import ImageQueue, WorkItem
@@ -68,6 +69,7 @@ class ModelInfo:
 
     config: VisionConfig
     preprocess_config: PreprocessConfig
+    video_config: VideoConfig
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Encoded:
     queue_s: float
     inference_s: float
     cache_hits: int = 0
+    videos: list[dict] | None = None  # per video: frame_indices, fps, timestamps, second_per_grid_t
 
 
 class Engine:
@@ -131,7 +134,7 @@ class Engine:
             self.core.start(self._loop)
         elif self._preloaded:
             encoder = self._preloaded[0]
-            self._serve(ModelInfo(encoder.config, encoder.preprocess_config), self._local(self._preloaded))
+            self._serve(ModelInfo(encoder.config, encoder.preprocess_config, encoder.video_config), self._local(self._preloaded))
         else:
             self._tasks.append(asyncio.create_task(self._load(), name="vitserve-loader"))
 
@@ -198,17 +201,17 @@ class Engine:
             self.state = State.CAPTURING
         for encoder in encoders:
             await loop.run_in_executor(self._loader, encoder.capture)
-        return ModelInfo(encoders[0].config, encoders[0].preprocess_config), self._local(encoders)
+        return ModelInfo(encoders[0].config, encoders[0].preprocess_config, encoders[0].video_config), self._local(encoders)
 
     async def _load_processes(self) -> tuple[ModelInfo, list[ProcessDevice]]:
         """One process per device, loading and capturing side by side; done when all are."""
         s, loop = self.settings, asyncio.get_running_loop()
         log.info("loading %s (%s) on %s as %s, one process per device", s.model, s.load_format,
                  ", ".join(self.devices), self.dtype)
-        config, preprocess_config, processes = await loop.run_in_executor(self._loader, lambda: start_devices(
+        config, preprocess_config, video_config, processes = await loop.run_in_executor(self._loader, lambda: start_devices(
             s, self.devices, self.dtype, self.decoder.spool_prefix,
             started=lambda: loop.call_soon_threadsafe(self._capturing)))
-        return ModelInfo(config, preprocess_config), processes
+        return ModelInfo(config, preprocess_config, video_config), processes
 
     def _capturing(self) -> None:
         if self.state is State.LOADING:
@@ -370,6 +373,13 @@ class Engine:
         loop = asyncio.get_running_loop()
         items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
                  for i, (image, grid) in zip(todo, decoded)]
+        for i, item, output in zip(todo, items, await self._run(items, disconnected)):
+            outputs[i] = (output, item.grid)
+        return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
+
+    async def _run(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list:
+        """Queue decoded items for the devices and wait for their outputs; when the client leaves first, they are
+        taken out of the queue (ClientDisconnected)."""
         self._enqueue(items)
         results = asyncio.gather(*(item.future for item in items))
         await asyncio.wait({results} if disconnected is None else {results, disconnected},
@@ -379,9 +389,62 @@ class Engine:
             results.cancel()
             results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
             raise ClientDisconnected("the client went away")
-        for i, item, output in zip(todo, items, results.result()):
-            outputs[i] = (output, item.grid)
-        return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
+        return results.result()
+
+    def video_config(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
+                     max_pixels: int | None = None) -> VideoConfig:
+        """The model's video preprocessing with a request's sampling (else --video-fps where set), within the
+        server's limits: at most --max-video-frames frames (a larger num_frames is refused, 413)."""
+        s = self.settings
+        if num_frames is not None and num_frames > s.max_video_frames:
+            raise InputTooLarge(f"num_frames {num_frames} is over this server's limit of {s.max_video_frames} frames "
+                                "a video", "too_many_frames", "num_frames")
+        if fps is None and num_frames is None and s.video_fps is not None:
+            fps = s.video_fps
+        cfg = self.model.video_config
+        return cfg.with_request(fps, num_frames, min(max_frames or s.max_video_frames, s.max_video_frames),
+                                max_pixels)
+
+    async def encode_videos(self, videos: list, options: dict, mean_pooling: bool = False,
+                            disconnected: asyncio.Future | None = None, field: str = "videos",
+                            max_pixels: int | None = None) -> Encoded:
+        """Encode a request's videos (Base64Data, bytes, or URLs when fetching is on): each is decoded, sampled
+        and resized by a decode worker into slices of T frames, and its slices join the image queue as items of
+        their own (they batch beside images and other videos, over as many replays as they need); the answer per
+        video is its slices' tokens in order (their mean with `mean_pooling`), and its timing (Encoded.videos).
+        `options`: the request's fps, num_frames and max_frames (`video_config`). Not cached."""
+        if self.model is None:
+            raise NotReady(f"model is not ready yet ({self.state.value})")
+        cfg = self.video_config(max_pixels=max_pixels, **options)
+        if self.settings.allow_url_fetch:
+            videos = await fetch.fetch_all(videos, self.settings, field, self.fetch_budget)
+        start = time.perf_counter()
+        decoding = asyncio.ensure_future(self.decoder.decode_videos(videos, cfg, field))
+        try:
+            await asyncio.wait({decoding} if disconnected is None else {decoding, disconnected},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not decoding.done():
+                raise ClientDisconnected("the client went away")
+        except BaseException:
+            decoding.cancel()
+            raise
+        decoded, decode_s = decoding.result(), time.perf_counter() - start
+        loop, items, owners = asyncio.get_running_loop(), [], []
+        for j, (slices, (t, h, w), _) in enumerate(decoded):
+            items += [WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]") for s in slices]
+            owners += [j] * len(slices)
+        results = await self._run(items, disconnected)
+        outputs = []
+        for j, (_, grid, timing) in enumerate(decoded):
+            mine = [output for owner, output in zip(owners, results) if owner == j]
+            tokens = torch.cat([tokens for tokens, _ in mine])
+            if mean_pooling:
+                outputs.append((tokens.float().mean(0), []))
+            else:
+                outputs.append((tokens, [torch.cat(layer) for layer in zip(*(ds for _, ds in mine))]))
+        return Encoded(outputs, [list(grid) for _, grid, _ in decoded], decode_s,
+                       max((i.queue_s for i in items), default=0.0), max((i.inference_s for i in items), default=0.0),
+                       videos=[timing for _, _, timing in decoded])
 
     def _done(self, worker: DeviceWorker, batch: list[WorkItem], outputs, error: EngineError | None,
               seconds: float) -> None:

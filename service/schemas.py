@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from ..encoder.vision_encoder import DTYPES
 from .outputs import OUTPUT_DTYPES
@@ -23,8 +23,28 @@ MAX_PIXELS = Field(default=None, gt=0, description="cap on the resized image's p
                                                    "server's own, which also applies when this is larger)")
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI's embeddings request; `input` items are images (data URIs, base64, or URLs when enabled)."""
+class VideoOptions(BaseModel):
+    """How a request's videos are sampled (transformers' video processor arguments), within the server's limits."""
+
+    fps: float | None = Field(default=None, gt=0, le=240, description="frames sampled a second of video")
+    num_frames: int | None = Field(default=None, gt=0, description="frames sampled from each video, evenly "
+                                                                   "(instead of fps; at most --max-video-frames)")
+    max_frames: int | None = Field(default=None, gt=0, description="at most this many frames a video (and at most "
+                                                                   "--max-video-frames)")
+
+    @model_validator(mode="after")
+    def one_rate(self):
+        if self.fps is not None and self.num_frames is not None:
+            raise ValueError("fps and num_frames are mutually exclusive: give one")
+        return self
+
+    def video_options(self) -> dict:
+        return {"fps": self.fps, "num_frames": self.num_frames, "max_frames": self.max_frames}
+
+
+class EmbeddingRequest(VideoOptions):
+    """OpenAI's embeddings request; `input` items are images (data URIs, base64, or URLs when enabled), or videos
+    with `modality: "video"` (one pooled vector per video)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -34,7 +54,7 @@ class EmbeddingRequest(BaseModel):
     normalize: bool = False  # extension: L2-normalize each returned vector (the pooled one, or each token)
     max_pixels: int | None = MAX_PIXELS
     user: str | None = None
-    modality: Literal["image"] | None = None  # Infinity's field, accepted for compatibility
+    modality: Literal["image", "video"] | None = None  # Infinity's field: what `input` holds (default image)
     dimensions: int | None = None
 
     @field_validator("dimensions")
@@ -45,20 +65,29 @@ class EmbeddingRequest(BaseModel):
         return v
 
 
-class EncodeRequest(BaseModel):
-    """Native request: images for an LLM prefill, token embeddings (and Qwen3 deepstack features) back."""
+class EncodeRequest(VideoOptions):
+    """Native request: images and videos for an LLM prefill, token embeddings (and Qwen3 deepstack features)
+    back, with each video's timing."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    images: list[str] = Field(min_length=1)
+    images: list[str] = []
+    videos: list[str] = []
     dtype: DType = "float32"
     deepstack: bool = True
     layout: Literal["tokens", "vllm"] = "tokens"  # vllm: one tensor per image, deepstack concatenated on the width
     max_pixels: int | None = MAX_PIXELS
 
+    @model_validator(mode="after")
+    def something(self):
+        if not self.images and not self.videos:
+            raise ValueError("give images or videos (or both)")
+        return self
 
-class EncodeForm(BaseModel):
-    """The multipart form of /v1/encode: image files in any file field (`images` by convention), and these fields."""
+
+class EncodeForm(VideoOptions):
+    """The multipart form of /v1/encode: image and video files in any file field (told apart by their content), and
+    these fields."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None

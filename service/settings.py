@@ -90,6 +90,16 @@ class Settings:
                                            "replaced and the image refused: 413 decode_timeout)", "decoding",
                                      metavar="SECONDS")
     max_images_per_request: int = _setting(64, "images per request (413)", "limits")
+    max_videos_per_request: int = _setting(4, "videos per request (413)", "limits")
+    max_video_frames: int = _setting(768, "frames sampled from one video: a request's num_frames or fps is capped "
+                                          "to it", "limits")
+    max_video_seconds: float = _setting(3600.0, "a video's declared duration (413 video_too_long)", "limits",
+                                        metavar="SECONDS")
+    video_fps: float | None = _setting(None, "frames a second sampled from a video by default (default: the "
+                                             "checkpoint's video processor settings)", "decoding", metavar="FPS")
+    video_decode_timeout: float = _setting(300.0, "seconds a decode worker may spend on one video (beyond, the "
+                                                  "worker is replaced and the video refused: 413 decode_timeout)",
+                                           "decoding", metavar="SECONDS")
     min_pixels: int | None = _setting(None, "override the resize minimum (pixels)", "decoding", encode=True)
     max_pixels: int | None = _setting(None, "override the resize maximum (pixels)", "decoding", encode=True)
     decode_workers: int = _setting(0, "decode + resize workers (0: one per CPU this process may use: its affinity "
@@ -168,6 +178,10 @@ class Settings:
                   (self.cache_bytes >= 0, "--cache-bytes must be >= 0"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "--payload-limit, --max-image-pixels and --max-images-per-request must be positive"),
+                  (self.max_videos_per_request >= 0 and self.max_video_frames > 0 and self.max_video_seconds > 0
+                   and self.video_decode_timeout > 0 and (self.video_fps is None or self.video_fps > 0),
+                   "--max-videos-per-request must be >= 0; --max-video-frames, --max-video-seconds, "
+                   "--video-decode-timeout and --video-fps positive"),
                   (all(p is None or p > 0 for p in (self.min_pixels, self.max_pixels)),
                    "--min-pixels and --max-pixels must be positive"),
                   (None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels,

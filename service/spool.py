@@ -86,7 +86,7 @@ def spool_prefix(directory: str | None = None) -> str | None:
 
 
 LOCK = re.compile(r"vitserve-\d+-[0-9a-f]{8}-lock")  # a server's lock file, as spool_prefix names it
-FILE = re.compile(r"\d+|dev\d+-out-\d+|body-\d+|lock(\.new)?")  # what follows a prefix in a spool file's name
+FILE = re.compile(r"\d+(-\d+)?|dev\d+-out-\d+|body-\d+|lock(\.new)?")  # what follows a prefix in a spool file's name
 
 
 def sweep(directory: str) -> None:

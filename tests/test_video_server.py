@@ -1,0 +1,142 @@
+"""Videos through real servers (tiny towers on the CPU): /v1/encode in JSON and multipart, /v1/embeddings with
+`modality: "video"`, the safetensors answer, several front ends, and bad videos answered with 4xx while their
+neighbours are served. The reference is the library (VisionEncoder.encode_videos, itself held to transformers' tower
+in tests/test_video.py) and, on a checkpoint written by save_pretrained, transformers' tower itself."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from corpus import encode, photo
+from helpers import rel_err, serving
+from safetensors.torch import load as load_safetensors
+from videos import make_video
+
+from vitserve.encoder import VisionEncoder
+
+pytest.importorskip("av")
+pytestmark = pytest.mark.slow
+MODEL = "tiny-qwen3-vl"
+
+
+def video_uri(data: bytes, media: str = "video/mp4") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def tensor(item: dict, key: str = "embeddings", index: int | None = None) -> torch.Tensor:
+    text = item[key] if index is None else item[key][index]
+    shape = item["shape"] if key == "embeddings" else [item["shape"][0], -1]
+    return torch.from_numpy(np.frombuffer(base64.b64decode(text), "<f4").reshape(shape).copy())
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serving("--model", MODEL, "--load-format", "dummy", "--max-videos-per-request", "3")
+
+
+@pytest.fixture(scope="module")
+def library():
+    return VisionEncoder.from_pretrained(MODEL, load_format="dummy")
+
+
+CLIP = make_video(30, 10, 160, 120)
+OTHER = make_video(13, 6, 96, 128, codec="libvpx-vp9", container="webm", photo="portrait.png")
+
+
+def test_json_images_and_videos_match_the_library(server, library):
+    """An image and two videos in one request: each item is what the library gives it alone (bit for bit on the
+    same CPU), videos after images, each with its timing; the safetensors answer carries the same tensors and the
+    timing in its metadata."""
+    _, url = server
+    image = encode(photo(96, 64, 5), "PNG")
+    body = {"images": [f"data:image/png;base64,{base64.b64encode(image).decode()}"],
+            "videos": [video_uri(CLIP), video_uri(OTHER, "video/webm")], "num_frames": 6}
+    r = httpx.post(url + "/v1/encode", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [(d["modality"], d["index"]) for d in data] == [("image", 0), ("video", 0), ("video", 1)]
+    assert torch.equal(tensor(data[0]), library.encode(image).embeddings)
+    for item, clip in zip(data[1:], (CLIP, OTHER)):
+        ref = library.encode_videos(clip, num_frames=6)
+        assert tuple(item["grid_thw"]) == ref.grid_thw and ref.grid_thw[0] == 3
+        assert torch.equal(tensor(item), ref.embeddings)
+        assert all(torch.equal(tensor(item, "deepstack", j), d) for j, d in enumerate(ref.deepstack))
+        assert item["frame_indices"] == ref.frame_indices and item["timestamps"] == ref.timestamps
+        assert item["second_per_grid_t"] == ref.second_per_grid_t and item["fps"] == ref.fps
+    r = httpx.post(url + "/v1/encode", json=body, headers={"accept": "application/octet-stream"}, timeout=120)
+    assert r.status_code == 200
+    tensors = load_safetensors(r.content)
+    metadata = json.loads(r.content[8:8 + int.from_bytes(r.content[:8], "little")])["__metadata__"]
+    timing = json.loads(metadata["videos"])
+    assert timing[0] is None and timing[1]["frame_indices"] == data[1]["frame_indices"]
+    assert torch.equal(tensors["images.2.embeddings"], tensor(data[2]))
+
+
+def test_multipart_tells_videos_from_images_by_content(server, library):
+    """File parts named anything: the MP4 is a video, the JPEG an image, whatever the field or file names say."""
+    _, url = server
+    jpeg = encode(photo(64, 64, 9), "JPEG")
+    files = [("images", ("clip.jpg", CLIP, "image/jpeg")), ("images", ("x.bin", jpeg, "application/octet-stream"))]
+    r = httpx.post(url + "/v1/encode", files=files, data={"fps": "2"}, timeout=120)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["modality"] for d in data] == ["image", "video"]
+    assert torch.equal(tensor(data[1]), library.encode_videos(CLIP, fps=2).embeddings)
+
+
+def test_embeddings_pool_a_video(server, library):
+    """/v1/embeddings with modality video: one vector per video, the mean of its tokens."""
+    _, url = server
+    r = httpx.post(url + "/v1/embeddings", json={"input": [video_uri(CLIP)], "modality": "video", "fps": 2},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    vector = torch.tensor(r.json()["data"][0]["embedding"])
+    assert rel_err(vector, library.encode_videos(CLIP, fps=2).embeddings.mean(0)) < 1e-6
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"videos": [base64.b64encode(encode(photo(32, 32, 1), "PNG")).decode()]}, 400, "not_a_video"),
+    ({"videos": [video_uri(CLIP[:2000])]}, 400, "undecodable_video"),
+    ({"videos": [video_uri(make_video(6, 6, 64, 64, codec="ffv1", container="matroska"))]}, 400,
+     "unsupported_codec"),
+    ({"videos": [video_uri(CLIP)], "num_frames": 5000}, 413, "too_many_frames"),
+    ({"videos": [video_uri(CLIP)] * 4}, 413, "too_many_videos"),
+    ({"videos": [video_uri(CLIP)], "fps": 2, "num_frames": 4}, 422, "invalid_request"),
+    ({}, 422, "invalid_request"),
+])
+def test_bad_videos_get_a_4xx_and_their_neighbours_an_answer(server, body, status, code):
+    """Each bad request fails alone, with its code, while a good video request sent at the same time is served."""
+    _, url = server
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        good = pool.submit(httpx.post, url + "/v1/encode", json={"videos": [video_uri(CLIP)]}, timeout=120)
+        r = httpx.post(url + "/v1/encode", json=body, timeout=120)
+        assert good.result().status_code == 200
+    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+
+
+def test_several_front_ends_serve_videos(library):
+    """With two front ends the slices cross the core like images: the same answer."""
+    for proc, url in serving("--model", MODEL, "--load-format", "dummy", "--api-servers", "2",
+                             "--device-processes", "true"):
+        r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], "num_frames": 6}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert torch.equal(tensor(r.json()["data"][0]), library.encode_videos(CLIP, num_frames=6).embeddings)
+
+
+def test_a_checkpoint_served_matches_transformers_tower(checkpoints):
+    """A Qwen2.5-VL checkpoint written by save_pretrained, served: its video tokens are transformers' tower's on
+    the same pixel_values_videos, within 1e-5."""
+    path, hf_tower = checkpoints["qwen2_5_vl"]
+    pixels, grids = VisionEncoder.from_pretrained(path).preprocess_videos(CLIP, fps=2)
+    with torch.no_grad():
+        ref = hf_tower(pixels, grids).pooler_output
+    for _, url in serving("--model", path):
+        r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], "fps": 2}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert rel_err(tensor(r.json()["data"][0]), ref) <= 1e-5
