@@ -81,7 +81,9 @@ class VideoLimits:
             raise UnsupportedCodec(f"{info.codec} videos are not accepted; send one of {', '.join(self.codecs)}")
         if info.duration > self.max_seconds:
             raise VideoTooLong(f"the video lasts {info.duration:.0f} s; the limit is {self.max_seconds:g} s")
-        if info.width * info.height > self.max_frame_pixels or info.width <= 0 or info.height <= 0:
+        if info.width <= 0 or info.height <= 0:
+            raise VideoError(f"the video declares no frame size ({info.width}x{info.height})")
+        if info.width * info.height > self.max_frame_pixels:
             raise VideoTooLarge(f"the video's frames are {info.width}x{info.height}; the limit is "
                                 f"{self.max_frame_pixels} pixels a frame")
 
@@ -338,29 +340,51 @@ def _av():
     return av
 
 
-def _open(source: Any):
-    """A PyAV input container for bytes, a file object or a path."""
+def _open(source: Any, max_pixels: int | None = None):
+    """A PyAV input container for bytes, a file object or a path. `max_pixels`: the largest frame FFmpeg decodes
+    while it reads the streams' parameters (it decodes a first frame at the size the headers declare, before any
+    limit sees them)."""
     av = _av()
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     elif isinstance(source, os.PathLike):
         source = os.fspath(source)
     try:
-        return av.open(source, mode="r")
+        return av.open(source, mode="r", options={"max_pixels": str(max_pixels)} if max_pixels else None)
     except (av.error.FFmpegError, ValueError, OSError) as e:
         raise VideoError(f"not a video PyAV can open: {e}") from None
 
 
-def probe(container) -> VideoInfo:
+def probe(container, limits: VideoLimits | None = None) -> VideoInfo:
     """The first video stream's frame count, rate, size and codec. A container that does not record its frame
-    count (WebM, MKV) has its packets counted, without decoding (transformers' pyav reader takes 0 there and fails)."""
+    count (WebM, MKV, MPEG-TS) has its packets counted, without decoding (transformers' pyav reader takes 0 there and
+    fails), up to `limits.max_seconds` of them at the stream's rate (a stream that never ends is too long); one that
+    cannot then be rewound is a VideoError. Images FFmpeg reads as one-frame videos (JPEG, MPO, PNG, AVIF, HEIF...)
+    are VideoErrors; `codec` is the codec's name, whichever decoder reads it (AV1's is libdav1d)."""
+    av = _av()
+    demuxer, brand = container.format.name, container.metadata.get("major_brand", "").encode()
+    if demuxer.endswith("_pipe") or demuxer in ("image2", "mjpeg", "gif", "apng") or brand in IMAGE_BRANDS:
+        raise VideoError(f"an image ({brand.decode() or demuxer.removesuffix('_pipe')}), not a video")
     stream = _video_stream(container)
+    if stream.codec_context is None:
+        raise UnsupportedCodec("the video's codec has no decoder here")
     rate = stream.average_rate
     frames = int(stream.frames)
     if frames <= 0:
-        frames = sum(1 for packet in container.demux(stream) if packet.size)
-        container.seek(0)
-    return VideoInfo(frames, float(rate) if rate else 0.0, stream.width, stream.height, stream.codec_context.name)
+        most = limits.max_seconds * float(rate) if limits and rate else math.inf
+        frames = 0
+        try:
+            for packet in container.demux(stream):
+                frames += packet.size > 0
+                if frames > most:
+                    raise VideoTooLong(f"the video holds over {most:.0f} frames at {float(rate):g} fps; the limit "
+                                       f"is {limits.max_seconds:g} s")
+            if frames:
+                container.seek(0)
+        except av.error.FFmpegError as e:
+            raise VideoError(f"the video's frames could not be counted: {e}") from None
+    return VideoInfo(frames, float(rate) if rate else 0.0, stream.width, stream.height,
+                     stream.codec_context.codec.canonical_name)
 
 
 def _video_stream(container):
@@ -391,10 +415,14 @@ def decode_frames(container, indices: np.ndarray, size: tuple[int, int]) -> Iter
 
 def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> Video:
     """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize."""
-    container = _open(source)
+    # FFmpeg decodes no frame over twice the pixel limit (decoders pad their frames; the limit itself is checked on
+    # the header): neither the one it reads the parameters from nor one a new sequence header enlarges mid-stream
+    most_pixels = 2 * limits.max_frame_pixels + 128 * 128
+    container = _open(source, most_pixels)
     try:
-        info = probe(container)
+        info = probe(container, limits)
         limits.check(info)
+        _video_stream(container).codec_context.options = {"max_pixels": str(most_pixels)}
         indices = sample_indices(info, cfg)
         kept = np.unique(indices)
         height, width = frame_size(len(indices), info.height, info.width, cfg)

@@ -311,7 +311,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             "root": settings.model, "family": cfg.family if cfg else None,
             "embedding_dim": cfg.out_hidden_size if cfg else None, "ready": engine.state is State.READY,
             "deepstack_layers": len(cfg.deepstack_visual_indexes) if cfg else None,
-            "max_images_per_request": settings.max_images_per_request}]}
+            "max_images_per_request": settings.max_images_per_request,
+            "max_videos_per_request": settings.max_videos_per_request}]}
 
     @app.get("/health")
     async def health():

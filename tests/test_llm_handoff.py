@@ -17,8 +17,8 @@ from helpers import rel_err
 from PIL import Image
 
 from vitserve.client import AsyncClient, Client
-from vitserve.consumers import (sglang_image_data, transformers_features, transformers_inputs,
-                                vllm_image_embeds_part, vllm_multi_modal_data)
+from vitserve.consumers import (sglang_image_data, sglang_video_data, transformers_features, transformers_inputs,
+                                vllm_features, vllm_image_embeds_part, vllm_multi_modal_data)
 from vitserve.service.launch import start_server
 
 pytestmark = pytest.mark.slow
@@ -74,6 +74,53 @@ def test_transformers_answers_as_with_its_own_tower(served):
         with transformers_features(model, [items[1], items[0], items[2]]):  # the test can tell features apart
             swapped = model(**transformers_inputs(prompt, [items[1], items[0], items[2]], cfg)).logits
         assert swapped.shape != reference.shape or rel_err(swapped, reference) > 1e-3
+
+
+def test_transformers_answers_videos_as_with_its_own_tower(served, checkpoints):
+    """An image and a video (3 slices) in one prompt: the model fed vitserve's features (fetched by the client)
+    gives the logits and greedy tokens of its own tower on the same pixels. Qwen3-VL's prompt holds the video slice
+    by slice, each after its timestamp; Qwen2.5-VL's second_per_grid_ts reaches the model (another value changes
+    its logits: the rope's time axis uses it)."""
+    from videos import make_video
+
+    from vitserve.encoder import VisionEncoder
+
+    family, url, model = served
+    cfg = model.config
+    clip = make_video(30, 10, 160, 120)
+    with Client(url) as client:
+        video = client.encode_videos(clip, num_frames=6)
+        image = client.encode(images()[0])
+    pixels, grids = VisionEncoder.from_pretrained(checkpoints[family][0]).preprocess_videos(clip, num_frames=6)
+    start, end = cfg.vision_start_token_id, cfg.vision_end_token_id
+    if family == "qwen3_vl":  # what its processor writes: "<0.3 seconds>" (here one token each) before each slice
+        assert len(video.timestamps) == video.grid_thw[0] == 3
+        clip_ids = [i for k in range(3) for i in (11 + k, start, cfg.video_token_id, end)]
+    else:
+        clip_ids = [start, cfg.video_token_id, end]
+    prompt = [5, start, cfg.image_token_id, end, 6, *clip_ids, 7, 8]
+    inputs = transformers_inputs(prompt, [image, video], cfg)
+    assert torch.equal(inputs["video_grid_thw"], grids)
+    own = {**inputs, "pixel_values": processor(family)(images()[:1], return_tensors="pt")["pixel_values"],
+           "pixel_values_videos": pixels}
+    with torch.no_grad():
+        reference = model(**own).logits
+        greedy = model.generate(**own, max_new_tokens=8, do_sample=False)
+        with transformers_features(model, [image, video]):
+            ours = model(**inputs).logits
+            assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False), greedy)
+        assert rel_err(ours, reference) <= 1e-5
+        data = vllm_multi_modal_data([image, video])  # vLLM splits video_embeds per video by prod(grid) // merge²
+        merge = cfg.vision_config.spatial_merge_size ** 2
+        assert data["video"]["video_embeds"].shape[0] == int(data["video"]["video_grid_thw"].prod()) // merge
+        assert torch.equal(data["video"]["video_embeds"], vllm_features(video))
+        assert data["image"]["image_embeds"].shape[0] == image.num_tokens
+        (sglang,) = sglang_video_data(video)
+        assert sglang["modality"] == "VIDEO" and torch.equal(sglang["feature"], data["video"]["video_embeds"])
+        if family == "qwen2_5_vl":
+            assert inputs["second_per_grid_ts"].tolist() == [video.second_per_grid_t] == [1.0]  # 2 / (6 / 3 s)
+            slower = model(**{**own, "second_per_grid_ts": torch.tensor([50.0])}).logits
+            assert rel_err(slower, reference) > 10 * max(rel_err(ours, reference), 1e-6)  # far beyond the noise
 
 
 def test_consumer_layouts_split_as_vllm_and_sglang_split_them(served):

@@ -38,7 +38,7 @@ def make_video(count: int = 24, fps: float = 12, width: int = 160, height: int =
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
         if rates is not None:
-            stream.time_base = fractions.Fraction(1, 1000)
+            stream.time_base = stream.codec_context.time_base = fractions.Fraction(1, 1000)
         pts = 0
         for i, array in enumerate(frames_of(photo, count, width, height)):
             frame = av.VideoFrame.from_ndarray(array, format="rgb24")
@@ -212,3 +212,21 @@ def declare_mp4(data: bytes, frames: int | None = None, width: int | None = None
         matrix = (cos << 16, -sin << 16, 0, sin << 16, cos << 16, 0, 0, 0, 1 << 30)
         tkhd[1] = tkhd[1][:40] + struct.pack(">9i", *matrix) + tkhd[1][76:]
     return mp4_bytes(boxes)
+
+
+class Endless(io.RawIOBase):
+    """A live stream: a file object that serves `data` over and over for ever and cannot seek. `served` counts the
+    bytes read from it."""
+
+    def __init__(self, data: bytes):
+        self.data, self.served = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        start = self.served % len(self.data)
+        chunk = self.data[start:start + len(buffer)]
+        buffer[:len(chunk)] = chunk
+        self.served += len(chunk)
+        return len(chunk)

@@ -5,6 +5,7 @@
         item = client.encode("examples/sample.jpg")             # one image in: one EncodedImage out
         items = client.encode(["examples/sample.jpg", "examples/portrait.png"])  # a list in: a list out
         vectors = client.embed(["examples/sample.jpg"])         # one pooled vector per image
+        clip = client.encode_videos("clip.mp4", fps=2)          # an EncodedVideo: tokens, grid and timing
 
 Token embeddings travel as one safetensors body (no base64). Images are paths, bytes or PIL images: one of them
 gives one result, a list (any iterable) a list of results. A request of more images than the server takes at once
@@ -25,11 +26,11 @@ from typing import Any, Iterable
 import httpx
 import torch
 
-from .encoder.vision_encoder import EncodedImage, as_list
+from .encoder.vision_encoder import EncodedImage, EncodedVideo, as_list, videos_list
 
 RETRIED = (429, 503)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # nothing was sent: safe to send again
-__all__ = ["Client", "AsyncClient", "EncodedImage", "VitserveError"]
+__all__ = ["Client", "AsyncClient", "EncodedImage", "EncodedVideo", "VitserveError"]
 
 
 class VitserveError(Exception):
@@ -63,6 +64,12 @@ def _images(images) -> tuple[list[bytes], bool]:
     return [image_bytes(x) for x in items], single
 
 
+def _videos(videos) -> tuple[list[bytes], bool]:
+    """A video (a path or its bytes) or an iterable of them as bytes each, and whether it was one video."""
+    items, single = videos_list(videos)
+    return [image_bytes(x) for x in items], single
+
+
 def _error(response: httpx.Response) -> VitserveError:
     try:
         err = response.json()["error"]
@@ -90,10 +97,13 @@ def _wait(outcome: httpx.Response | httpx.TransportError, attempt: int) -> float
 
 
 def _encode_request(images: list[bytes], dtype: str, deepstack: bool, layout: str,
-                    max_pixels: int | None) -> dict:
+                    max_pixels: int | None, **video) -> dict:
+    """A multipart /v1/encode request (the server tells videos from images by their bytes); `video`: fps,
+    num_frames, max_frames where given."""
     fields = {"dtype": dtype, "deepstack": str(deepstack).lower(), "layout": layout}
-    if max_pixels is not None:
-        fields["max_pixels"] = str(max_pixels)
+    for name, value in dict(video, max_pixels=max_pixels).items():
+        if value is not None:
+            fields[name] = str(value)
     return dict(files=[("images", (f"{i}", data, "application/octet-stream")) for i, data in enumerate(images)],
                 data=fields, headers={"accept": "application/octet-stream"})
 
@@ -102,14 +112,17 @@ def _encoded(response: httpx.Response) -> list[EncodedImage]:
     from safetensors.torch import load
 
     tensors = load(response.content)
-    grids = json.loads(_metadata(response.content)["grid_thw"])
+    metadata = _metadata(response.content)
+    grids = json.loads(metadata["grid_thw"])
+    videos = json.loads(metadata.get("videos", "null")) or [None] * len(grids)
     out = []
-    for i, grid in enumerate(grids):
+    for i, (grid, video) in enumerate(zip(grids, videos)):
         deepstack, j = [], 0
         while f"images.{i}.deepstack.{j}" in tensors:
             deepstack.append(tensors[f"images.{i}.deepstack.{j}"])
             j += 1
-        out.append(EncodedImage(tensors[f"images.{i}.embeddings"], tuple(grid), deepstack))
+        item = (tensors[f"images.{i}.embeddings"], tuple(grid), deepstack)
+        out.append(EncodedImage(*item) if video is None else EncodedVideo(*item, **video))
     return out
 
 
@@ -213,6 +226,22 @@ class Client(_Base):
                                                                                max_pixels)))
         return out[0] if single else out
 
+    def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
+                      max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
+                      layout: str = "tokens", max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
+        """Token embeddings (+ Qwen3 deepstack) and timing of one video (a path or its bytes) as an EncodedVideo,
+        or of a list of them as a list, in order; sampled at `fps` or as `num_frames` (else the server's
+        default), at most `max_frames`."""
+        data, single = _videos(videos)
+        out = []
+        for chunk in _chunks(data, self._video_size()):
+            out += _encoded(self._send("POST", "/v1/encode", **_encode_request(
+                chunk, dtype, deepstack, layout, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames)))
+        return out[0] if single else out
+
+    def _video_size(self) -> int:
+        return self.model().get("max_videos_per_request") or 1
+
     def embed(self, images, pooling: str = "mean", normalize: bool = False,
               max_pixels: int | None = None) -> torch.Tensor | list[torch.Tensor]:
         """The vector (`pooling="none"`: the token matrix), float32, of one image, or a list of them for a list."""
@@ -270,6 +299,16 @@ class AsyncClient(_Base):
         replies = await asyncio.gather(*(self._send("POST", "/v1/encode", **_encode_request(c, dtype, deepstack,
                                                                                             layout, max_pixels))
                                          for c in _chunks(data, size)))
+        out = [item for reply in replies for item in _encoded(reply)]
+        return out[0] if single else out
+
+    async def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
+                            max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
+                            layout: str = "tokens", max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
+        (data, single), size = _videos(videos), (await self.model()).get("max_videos_per_request") or 1
+        replies = await asyncio.gather(*(self._send("POST", "/v1/encode", **_encode_request(
+            c, dtype, deepstack, layout, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames))
+            for c in _chunks(data, size)))
         out = [item for reply in replies for item in _encoded(reply)]
         return out[0] if single else out
 
