@@ -352,7 +352,7 @@ def _open(source: Any, max_pixels: int | None = None):
     try:
         return av.open(source, mode="r", options={"max_pixels": str(max_pixels)} if max_pixels else None)
     except (av.error.FFmpegError, ValueError, OSError) as e:
-        raise VideoError(f"not a video PyAV can open: {e}") from None
+        raise VideoError("not a video that can be opened", str(e)) from None
 
 
 def probe(container, limits: VideoLimits | None = None) -> VideoInfo:
@@ -382,7 +382,7 @@ def probe(container, limits: VideoLimits | None = None) -> VideoInfo:
             if frames:
                 container.seek(0)
         except av.error.FFmpegError as e:
-            raise VideoError(f"the video's frames could not be counted: {e}") from None
+            raise VideoError("the video's frames could not be counted", str(e)) from None
     return VideoInfo(frames, float(rate) if rate else 0.0, stream.width, stream.height,
                      stream.codec_context.codec.canonical_name)
 
@@ -410,14 +410,14 @@ def decode_frames(container, indices: np.ndarray, size: tuple[int, int]) -> Iter
                 rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
                 yield resize(rgb, height, width).permute(1, 2, 0).numpy()
     except av.error.FFmpegError as e:
-        raise VideoError(f"the video could not be decoded: {e}") from None
+        raise VideoError("the video could not be decoded", str(e)) from None
 
 
 def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> Video:
     """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize."""
     # FFmpeg decodes no frame over twice the pixel limit (decoders pad their frames; the limit itself is checked on
     # the header): neither the one it reads the parameters from nor one a new sequence header enlarges mid-stream
-    most_pixels = 2 * limits.max_frame_pixels + 128 * 128
+    most_pixels = 2 * limits.max_frame_pixels + 256 * 256
     container = _open(source, most_pixels)
     try:
         info = probe(container, limits)

@@ -56,7 +56,7 @@ Decoded = tuple[np.ndarray | spool.Spooled, tuple[int, int, int]]  # pixels (may
 PROBE_BYTES = 64 * 2**10  # of an image, where its header is read first (by a worker from all of it where not there)
 TEXT_SAMPLE = 1024  # characters of an input that is no image, read to tell whether it is text
 _CONTROLS = {9: None, 10: None, 13: None}  # tab and line breaks: printable enough for text
-TEXT_INPUT = ("this is text, not an image: this server encodes images (and soon videos), not text, and its pooled "
+TEXT_INPUT = ("this is text, not an image: this server encodes images and videos, not text, and its pooled "
               "vectors are the vision tower's, not text-aligned retrieval embeddings")
 
 

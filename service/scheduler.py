@@ -52,22 +52,28 @@ class WorkItem:
 
 
 class ImageQueue:
-    """Images waiting for a batch, in arrival order, shared by the device worker threads (thread-safe)."""
+    """Images waiting for a batch, shared by the device worker threads (thread-safe). Each `put` (a request's images,
+    or a video's slices) is a group; batches take the groups' items round-robin, each group's in order, so a long
+    video's hundreds of slices share every batch with the requests that come after it instead of going first."""
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
-        self._items: collections.deque[WorkItem] = collections.deque()
+        self._groups: collections.deque[collections.deque[WorkItem]] = collections.deque()
+        self._count = 0
         self._ready = threading.Condition()
         self._idle = 0  # takers waiting with nothing in flight on their device
         self.closed = False
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._count
 
     def put(self, items: list[WorkItem]) -> None:
+        if not items:
+            return
         with self._ready:
-            self._items.extend(items)
-            self.metrics.queue_depth.set(len(self._items))
+            self._groups.append(collections.deque(items))
+            self._count += len(items)
+            self.metrics.queue_depth.set(self._count)
             self._ready.notify_all()
 
     def drop(self, items: list[WorkItem]) -> None:
@@ -76,14 +82,30 @@ class ImageQueue:
         for item in items:
             item.cancelled = True  # for one a batch is taking right now: dropped there
         gone = {id(item) for item in items}
+        dropped = []
         with self._ready:
-            kept = collections.deque(item for item in self._items if id(item) not in gone)
-            dropped = [item for item in self._items if id(item) in gone]
-            self._items = kept
-            self.metrics.queue_depth.set(len(self._items))
+            groups = collections.deque()
+            for group in self._groups:
+                dropped += [item for item in group if id(item) in gone]
+                kept = collections.deque(item for item in group if id(item) not in gone)
+                if kept:
+                    groups.append(kept)
+            self._groups, self._count = groups, self._count - len(dropped)
+            self.metrics.queue_depth.set(self._count)
         self.metrics.dropped.inc(len(dropped))
         for item in dropped:
             spool.discard(item.image)
+
+    def _pop(self) -> WorkItem:
+        """The next item: the first group's first; that group then goes last (or away, emptied)."""
+        group = self._groups[0]
+        item = group.popleft()
+        if group:
+            self._groups.rotate(-1)
+        else:
+            self._groups.popleft()
+        self._count -= 1
+        return item
 
     def close(self) -> None:
         """Wake every taker with None: the engine is stopping (images still queued are left)."""
@@ -92,8 +114,8 @@ class ImageQueue:
             self._ready.notify_all()
 
     def take(self, max_patches: int, wait_s: float, block: bool) -> list[WorkItem] | None:
-        """A batch: images in arrival order up to `max_patches` (the first one whatever its size; one that does not
-        fit stays first in line). `block`: the taker's device has nothing in flight, so it waits for the first image
+        """A batch: images in turn (round-robin over the groups) up to `max_patches` (the first one whatever its size;
+        one that does not fit stays first in line). `block`: the taker's device has nothing in flight, so it waits for the first image
         and takes what is there at once. Otherwise [] while another device is idle (the images are its to take),
         else it waits up to `wait_s` after the first image for more. [] when there was nothing to take, None once
         closed. Images whose client left are dropped."""
@@ -101,7 +123,7 @@ class ImageQueue:
             if block:
                 self._idle += 1
                 try:
-                    while not self._items and not self.closed:
+                    while not self._groups and not self.closed:
                         self._ready.wait()
                 finally:
                     self._idle -= 1
@@ -112,16 +134,16 @@ class ImageQueue:
                 return []
             batch, patches, deadline = [], 0, time.monotonic() + wait_s
             while True:
-                while self._items and (not batch or patches + self._items[0].patches <= max_patches):
-                    item = self._items.popleft()
+                while self._groups and (not batch or patches + self._groups[0][0].patches <= max_patches):
+                    item = self._pop()
                     batch.append(item)
                     patches += item.patches
-                if not batch or self._items or patches >= max_patches or self.closed:
+                if not batch or self._groups or patches >= max_patches or self.closed:
                     break
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._ready.wait(remaining) and not self._items:
+                if remaining <= 0 or not self._ready.wait(remaining) and not self._groups:
                     break
-            self.metrics.queue_depth.set(len(self._items))
+            self.metrics.queue_depth.set(self._count)
         live = [item for item in batch if not item.cancelled]  # a client may have left while its batch formed
         if len(live) < len(batch):
             self.metrics.dropped.inc(len(batch) - len(live))

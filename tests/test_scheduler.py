@@ -62,11 +62,27 @@ def test_an_idle_device_launches_at_once_and_a_busy_one_batches():
     while not q._idle:  # the other device is waiting with nothing in flight
         time.sleep(0.005)
     with q._ready:  # d arrives; the busy device looks first
-        q._items.append(d)
+        q.put([d])
         assert q.take(100, 5.0, block=False) == []  # it leaves d to the idle device...
         q._ready.notify_all()
     taker.join(2)
     assert idle == [[d]]  # ...which takes it at once
+
+
+def test_batches_take_the_queued_groups_in_turn():
+    """A long video's slices (one put) and a later request's images (another) share batches from the first one on:
+    round-robin over the groups, each group's items in order; a dropped group's items leave the rotation."""
+    q = ImageQueue(Metrics())
+    video = [WorkItem(np.zeros((2, 28, 28, 3), np.uint8), (1, 2, 2), None, param=f"videos[0]#{i}") for i in range(6)]
+    image = [WorkItem(np.zeros((28, 28, 3), np.uint8), (1, 2, 2), None, param=f"images[{i}]") for i in range(2)]
+    late = [WorkItem(np.zeros((28, 28, 3), np.uint8), (1, 2, 2), None, param="input[0]")]
+    q.put(video)
+    q.put(image)
+    assert [i.param for i in q.take(12, 0.0, block=False)] == ["videos[0]#0", "images[0]", "videos[0]#1"]
+    q.put(late)
+    q.drop(image[1:])
+    assert [i.param for i in q.take(12, 0.0, block=False)] == ["videos[0]#2", "input[0]", "videos[0]#3"]
+    assert len(q) == 2 and [i.param for i in q.take(100, 0.0, block=False)] == ["videos[0]#4", "videos[0]#5"]
 
 
 def test_pipeline_keeps_depth_batches_in_flight_and_finishes_in_order():

@@ -1,10 +1,13 @@
 """Test videos made with PyAV from the repository's real photos (examples/): a camera panning and zooming across a
-photo, encoded in the codec, container and frame rate asked for. Nothing downloads; each call builds its bytes."""
+photo, encoded in the codec, container and frame rate asked for; and hostile ones made from them (MP4 headers that
+declare what the file does not hold, damaged bytes, empty streams, streams that never end). Nothing downloads; each
+call builds its bytes."""
 
 from __future__ import annotations
 
 import fractions
 import io
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -60,8 +63,6 @@ _PARENTS = {b"moov": 0, b"trak": 0, b"mdia": 0, b"minf": 0, b"stbl": 0, b"edts":
 
 def mp4_boxes(data: bytes) -> list[list]:
     """The boxes of an MP4 as [kind, head, children] (a parent) or [kind, payload, None] (a leaf), in order."""
-    import struct
-
     out, i = [], 0
     while i + 8 <= len(data):
         size, kind = struct.unpack(">I4s", data[i:i + 8])
@@ -81,8 +82,6 @@ def mp4_boxes(data: bytes) -> list[list]:
 
 def mp4_bytes(boxes: list[list]) -> bytes:
     """The bytes of `mp4_boxes`' tree (32-bit sizes)."""
-    import struct
-
     out = b""
     for kind, body, children in boxes:
         body = body if children is None else body + mp4_bytes(children)
@@ -158,11 +157,9 @@ def declare_mp4(data: bytes, frames: int | None = None, width: int | None = None
                 fps: float | None = None, rotation: int | None = None) -> bytes:
     """`make_video`'s MP4 (moov after mdat, one video track, v0 boxes) whose headers declare what is asked while its
     samples stay as they are: `frames` (the stts count, the durations of mdhd, tkhd, mvhd and the edit list), `fps`
-    (the stts delta: the media timescale / fps, the composition offsets and the edit's start scaled with it), width x height (tkhd, the sample entry, and an H.264 track's SPS,
-    which is what FFmpeg believes) and `rotation` (tkhd's display matrix: degrees counter-clockwise, as FFmpeg
-    reads it)."""
-    import struct
-
+    (the stts delta: the media timescale / fps, the composition offsets and the edit's start scaled with it), width
+    x height (tkhd, the sample entry, and an H.264 track's SPS, which is what FFmpeg believes) and `rotation`
+    (tkhd's display matrix: degrees counter-clockwise, as FFmpeg reads it)."""
     boxes = mp4_boxes(data)
     kinds = [box[0] for box in boxes]
     assert kinds.index(b"mdat") < kinds.index(b"moov"), "sizes may change: moov must follow mdat"
@@ -182,7 +179,8 @@ def declare_mp4(data: bytes, frames: int | None = None, width: int | None = None
             n = struct.unpack(">I", ctts[1][4:8])[0]
             pairs = struct.unpack(f">{2 * n}I", ctts[1][8:8 + 8 * n])
             assert all(v % scale == 0 for v in pairs[1::2])
-            ctts[1] = ctts[1][:8] + struct.pack(f">{2 * n}I", *(v // scale if i % 2 else v for i, v in enumerate(pairs)))
+            pairs = [v // scale if i % 2 else v for i, v in enumerate(pairs)]
+            ctts[1] = ctts[1][:8] + struct.pack(f">{2 * n}I", *pairs)
         for elst in _find(boxes, b"elst"):
             start = struct.unpack(">I", elst[1][12:16])[0]
             elst[1] = elst[1][:12] + struct.pack(">I", start // scale) + elst[1][16:]
@@ -214,17 +212,67 @@ def declare_mp4(data: bytes, frames: int | None = None, width: int | None = None
     return mp4_bytes(boxes)
 
 
-class Endless(io.RawIOBase):
-    """A live stream: a file object that serves `data` over and over for ever and cannot seek. `served` counts the
-    bytes read from it."""
+def emptied_mp4(data: bytes) -> bytes:
+    """`make_video`'s MP4 with its track's sample tables emptied and its mdat dropped: a video stream (codec, size,
+    rate) with no packets."""
+    boxes = [box for box in mp4_boxes(data) if box[0] != b"mdat"]
+    for kind in (b"stts", b"stss", b"ctts", b"stsc", b"stco"):
+        for box in _find(boxes, kind):
+            box[1] = box[1][:4] + struct.pack(">I", 0)
+    for stsz in _find(boxes, b"stsz"):
+        stsz[1] = stsz[1][:4] + struct.pack(">II", 0, 0)
+    return mp4_bytes(boxes)
 
-    def __init__(self, data: bytes):
-        self.data, self.served = data, 0
+
+def empty_video(codec: str = "h264", container: str = "matroska", width: int = 64, height: int = 48) -> bytes:
+    """A container PyAV writes with one video stream and no frames (its header and trailer only)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=8)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        out.start_encoding()
+    return buf.getvalue()
+
+
+def mdat_span(data: bytes) -> tuple[int, int]:
+    """Where an MP4's media data (the payload of its mdat box) starts and ends."""
+    i = 0
+    while i + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[i:i + 8])
+        if kind == b"mdat":
+            return i + 8, i + size
+        i += size
+    raise ValueError("no mdat")
+
+
+def damaged(data: bytes, at: int, length: int, how: str = "zero") -> bytes:
+    """`data` with `length` bytes from `at` zeroed ("zero"), inverted ("flip") or set to 0xFF ("ff")."""
+    out = bytearray(data)
+    for i in range(at, min(at + length, len(out))):
+        out[i] = {"zero": 0, "flip": out[i] ^ 0xFF, "ff": 0xFF}[how]
+    return bytes(out)
+
+
+def ftyp(major: bytes, *compatible: bytes) -> bytes:
+    """An ISO BMFF file's first box, as MP4, MOV, AVIF and HEIF files start."""
+    return struct.pack(">I4s4sI", 16 + 4 * len(compatible), b"ftyp", major, 0) + b"".join(compatible)
+
+
+class Endless(io.RawIOBase):
+    """A live stream: a file object that serves `data` over and over and cannot seek. `served` counts the bytes read;
+    past `most` of them it ends (so a reader that would never stop fails a test instead of hanging it)."""
+
+    def __init__(self, data: bytes, most: int | None = None):
+        self.data, self.most, self.served = data, most, 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
+        if self.most is not None and self.served >= self.most:
+            return 0
         start = self.served % len(self.data)
         chunk = self.data[start:start + len(buffer)]
         buffer[:len(chunk)] = chunk
