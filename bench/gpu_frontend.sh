@@ -9,7 +9,7 @@
 # last table puts the four side by side. Results under ${OUT:-out}/: this-MODEL.json, other-MODEL.json,
 # frontend.json (all four), log.txt.
 #   git worktree add .baseline <commit>; then on the device: bash bench/gpu_frontend.sh .baseline
-#   (carry .whl and .baseline; the wheels: ../shared/tools/gpu-wheels httptools pybase64 nvidia-cudnn-frontend)
+#   (carry .whl and .baseline; the wheels: ../shared/tools/gpu-wheels httptools pybase64 nvidia-cudnn-frontend av)
 # THIS_FLAGS: extra `vitserve serve` flags for this tree's servers (e.g. THIS_FLAGS="--api-servers 4"); OTHER_FLAGS
 # for OTHER's (it may not know the new flags). RUN_LIMIT: seconds per run (130); TOTAL: seconds for the whole script
 # from its start (540), a run getting at most what is left; a run cut short keeps the figures it had taken.
@@ -17,7 +17,8 @@
 # interpreter, e.g. CPU=1 PYTHON=.venv/bin/python OUT=/tmp/frontend bash bench/gpu_frontend.sh ../old).
 #   bash bench/gpu_frontend.sh checks   the correctness side instead (about 5 minutes): the GPU tests (attention,
 #   runner, kernels), the several-front-end tests against GPU servers (the tiny tower on cuda:0 in bf16, graphs),
-#   the same-image and hostile tests, and the runner's graph-against-eager check
+#   the same-image and hostile tests, the video tests (transformers' video processors beside ours: needs the av
+#   wheel), and the runner's graph-against-eager check
 set -u
 other=${1:?usage: bench/gpu_frontend.sh OTHER_TREE | checks}
 out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
@@ -29,6 +30,9 @@ if [ "$other" = checks ]; then
       2>&1 | tail -3
     timeout 300 python3 -m pytest -q -p no:warnings tests/test_api_servers.py tests/test_hostile.py \
       "tests/test_api.py::test_the_same_image_twice_in_a_request_is_answered_whole_every_way" 2>&1 | tail -4
+    # videos: transformers' video processors against ours (torchvision loads here), the towers, GPU servers
+    timeout 200 python3 -m pytest -q -p no:warnings tests/test_video_processor.py tests/test_video.py \
+      tests/test_video_server.py 2>&1 | tail -4
     timeout 150 python3 bench/gpu_runner_check.py --batches 25 --out "$out/runner_check.json" | grep -E "images|ALL|SOME"
   } 2>&1 | grep -v -i warn | tee "$out/log.txt"
   exit 0

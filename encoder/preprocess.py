@@ -205,7 +205,7 @@ class BadAspectRatio(ImageError):
 # --------------------------------------------------------------------------- config
 
 
-def _as_triple(value: Any, name: str) -> tuple[float, float, float]:
+def as_triple(value: Any, name: str) -> tuple[float, float, float]:
     if isinstance(value, (int, float)):
         return (float(value),) * 3
     triple = tuple(float(v) for v in value)
@@ -234,8 +234,8 @@ class PreprocessConfig:
 
     def __post_init__(self) -> None:
         # Coerce lists (e.g. straight from JSON) to tuples so the config stays hashable.
-        object.__setattr__(self, "image_mean", _as_triple(self.image_mean, "image_mean"))
-        object.__setattr__(self, "image_std", _as_triple(self.image_std, "image_std"))
+        object.__setattr__(self, "image_mean", as_triple(self.image_mean, "image_mean"))
+        object.__setattr__(self, "image_std", as_triple(self.image_std, "image_std"))
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "max_image_pixels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
@@ -303,9 +303,9 @@ class PreprocessConfig:
         if max_pixels is not None:
             kw["max_pixels"] = int(max_pixels)
         if get("image_mean") is not None:
-            kw["image_mean"] = _as_triple(get("image_mean"), "image_mean")
+            kw["image_mean"] = as_triple(get("image_mean"), "image_mean")
         if get("image_std") is not None:
-            kw["image_std"] = _as_triple(get("image_std"), "image_std")
+            kw["image_std"] = as_triple(get("image_std"), "image_std")
         return dataclasses.replace(base, **kw)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VisionConfig
-from .preprocess import ImageTooLarge, UndecodableImage, _as_triple, check_aspect_ratio, smart_resize
+from .preprocess import ImageTooLarge, UndecodableImage, as_triple, check_aspect_ratio, smart_resize
 from .preprocess_fast import fast_lut, resize
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
@@ -115,8 +115,8 @@ class VideoConfig:
     def __post_init__(self) -> None:
         if self.family not in ("qwen2", "qwen3"):
             raise ValueError(f"unknown video rules {self.family!r}")
-        object.__setattr__(self, "image_mean", _as_triple(self.image_mean, "image_mean"))
-        object.__setattr__(self, "image_std", _as_triple(self.image_std, "image_std"))
+        object.__setattr__(self, "image_mean", as_triple(self.image_mean, "image_mean"))
+        object.__setattr__(self, "image_std", as_triple(self.image_std, "image_std"))
         if self.fps is not None and self.num_frames is not None:
             raise ValueError("fps and num_frames are mutually exclusive: give one")
         if self.fps is not None and not (self.fps > 0 and math.isfinite(self.fps)):
@@ -158,13 +158,14 @@ class VideoConfig:
         for key in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames", "max_video_tokens"):
             if d.get(key) is not None:
                 kw[key] = int(d[key])
-        for key, names in (("min_pixels", ("min_pixels", "shortest_edge")), ("max_pixels", ("max_pixels", "longest_edge"))):
+        pixels = (("min_pixels", ("min_pixels", "shortest_edge")), ("max_pixels", ("max_pixels", "longest_edge")))
+        for key, names in pixels:
             value = next((v for v in (d.get(names[0]), size.get(names[1])) if v is not None), None)
             if value is not None:
                 kw[key] = int(value)
         for key in ("image_mean", "image_std"):
             if d.get(key) is not None:
-                kw[key] = _as_triple(d[key], key)
+                kw[key] = as_triple(d[key], key)
         for key in ("do_sample_frames", "cap_pixels_per_frame"):
             if d.get(key) is not None:
                 kw[key] = bool(d[key])

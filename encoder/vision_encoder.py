@@ -264,7 +264,8 @@ class VisionEncoder:
         return pixels, grids
 
     def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
-                      max_frames: int | None = None, max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
+                      max_frames: int | None = None,
+                      max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
         """A video (a path, its bytes or a decoded video.Video) -> its EncodedVideo; a list -> one per video, in
         order; options as for `preprocess_videos`. Each video is decoded, sampled and resized on the host; its
         slices (T frames each) go to the device as uint8 and pack into the patch budgets like images, so a long

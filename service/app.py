@@ -145,35 +145,39 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         return error_response(422, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
                               "invalid_request", field or None)
 
+    def noted(request: Request, result: Encoded) -> Encoded:
+        """The request's counts and phases on its state, for its access line."""
+        unit = engine.model.config.merge_unit
+        request.state.images, request.state.tokens = len(result.grids), sum(math.prod(g) // unit for g in result.grids)
+        for phase in ("decode", "queue", "inference"):
+            setattr(request.state, f"{phase}_ms", round(getattr(result, f"{phase}_s") * 1e3, 2))
+        request.state.cache_hits = result.cache_hits
+        return result
+
+    async def while_connected(request: Request, run) -> Encoded:
+        """`run(disconnected)`, with a future that resolves if the client leaves first."""
+        disconnected = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            return await run(disconnected)
+        finally:
+            disconnected.cancel()
+
     async def encode_images(request: Request, images: list, field: str, mean_pooling: bool = False,
                             max_pixels: int | None = None) -> Encoded:
         if len(images) > settings.max_images_per_request:
             raise ServiceError(413, f"{len(images)} images in one request; the limit is "
                                     f"{settings.max_images_per_request}", "too_many_images", field)
-        disconnected = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            result = await engine.encode(images, mean_pooling, disconnected, field, max_pixels,
-                                         request.scope["state"].get("client"))
-        finally:
-            disconnected.cancel()
-        unit = engine.model.config.merge_unit
-        request.state.images, request.state.tokens = len(result.grids), sum(math.prod(g) // unit for g in result.grids)
-        request.state.decode_ms = round(result.decode_s * 1e3, 2)
-        request.state.queue_ms = round(result.queue_s * 1e3, 2)
-        request.state.inference_ms = round(result.inference_s * 1e3, 2)
-        request.state.cache_hits = result.cache_hits
-        return result
+        client = request.scope["state"].get("client")
+        return noted(request, await while_connected(request, lambda disconnected: engine.encode(
+            images, mean_pooling, disconnected, field, max_pixels, client)))
 
     async def encode_videos(request: Request, videos: list, field: str, options: dict, mean_pooling: bool = False,
                             max_pixels: int | None = None) -> Encoded:
         if len(videos) > settings.max_videos_per_request:
             raise ServiceError(413, f"{len(videos)} videos in one request; the limit is "
                                     f"{settings.max_videos_per_request}", "too_many_videos", field)
-        disconnected = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            return await engine.encode_videos(videos, options, mean_pooling, disconnected, field, max_pixels)
-        finally:
-            disconnected.cancel()
+        return await while_connected(request, lambda disconnected: engine.encode_videos(
+            videos, options, mean_pooling, disconnected, field, max_pixels))
 
     async def encode_all(request: Request, images: list, videos: list, body, mean_pooling: bool = False,
                          image_field: str = "images", video_field: str = "videos") -> Encoded:
@@ -185,7 +189,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if videos:
             jobs.append(encode_videos(request, videos, video_field, body.video_options(), mean_pooling,
                                       body.max_pixels))
-        parts = await asyncio.gather(*jobs)
+        tasks = [asyncio.ensure_future(job) for job in jobs]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:  # one failed (or the request is gone): the other's work is not needed
+            for task in tasks:
+                task.cancel()
+            raise
         if len(parts) == 1 and not videos:
             return parts[0]
         image, video = (parts[0], parts[1]) if images else (None, parts[0])
@@ -193,13 +203,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                          max(p.decode_s for p in parts), max(p.queue_s for p in parts),
                          max(p.inference_s for p in parts), image.cache_hits if image else 0,
                          [None] * len(images) + video.videos)
-        unit = engine.model.config.merge_unit
-        request.state.images = len(result.grids)
-        request.state.tokens = sum(math.prod(g) // unit for g in result.grids)
-        for phase in ("decode", "queue", "inference"):
-            setattr(request.state, f"{phase}_ms", round(getattr(result, f"{phase}_s") * 1e3, 2))
-        request.state.cache_hits = result.cache_hits
-        return result
+        return noted(request, result)
 
     async def answer(request: Request, result: Encoded, build) -> Response:
         """The response `build()` makes (in a thread for an answer of `OFF_LOOP_BYTES` or more: its conversions

@@ -122,7 +122,8 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     with open(args.output, "wb") as f:
         f.write(body)
     tokens = sum(r.num_tokens for r in results)
-    print(f"encoded {len(images)} image(s) and {len(clips)} video(s), {tokens} tokens, on {device} in {name}, in "
+    videos_text = f" and {len(clips)} video(s)" if clips else ""
+    print(f"encoded {len(images)} image(s){videos_text}, {tokens} tokens, on {device} in {name}, in "
           f"{seconds * 1e3:.1f} ms -> {args.output}", file=sys.stderr)
     return 0
 

@@ -201,16 +201,17 @@ class Engine:
             self.state = State.CAPTURING
         for encoder in encoders:
             await loop.run_in_executor(self._loader, encoder.capture)
-        return ModelInfo(encoders[0].config, encoders[0].preprocess_config, encoders[0].video_config), self._local(encoders)
+        first = encoders[0]
+        return ModelInfo(first.config, first.preprocess_config, first.video_config), self._local(encoders)
 
     async def _load_processes(self) -> tuple[ModelInfo, list[ProcessDevice]]:
         """One process per device, loading and capturing side by side; done when all are."""
         s, loop = self.settings, asyncio.get_running_loop()
         log.info("loading %s (%s) on %s as %s, one process per device", s.model, s.load_format,
                  ", ".join(self.devices), self.dtype)
-        config, preprocess_config, video_config, processes = await loop.run_in_executor(self._loader, lambda: start_devices(
-            s, self.devices, self.dtype, self.decoder.spool_prefix,
-            started=lambda: loop.call_soon_threadsafe(self._capturing)))
+        config, preprocess_config, video_config, processes = await loop.run_in_executor(
+            self._loader, lambda: start_devices(s, self.devices, self.dtype, self.decoder.spool_prefix,
+                                                started=lambda: loop.call_soon_threadsafe(self._capturing)))
         return ModelInfo(config, preprocess_config, video_config), processes
 
     def _capturing(self) -> None:

@@ -115,10 +115,10 @@ class ImageQueue:
 
     def take(self, max_patches: int, wait_s: float, block: bool) -> list[WorkItem] | None:
         """A batch: images in turn (round-robin over the groups) up to `max_patches` (the first one whatever its size;
-        one that does not fit stays first in line). `block`: the taker's device has nothing in flight, so it waits for the first image
-        and takes what is there at once. Otherwise [] while another device is idle (the images are its to take),
-        else it waits up to `wait_s` after the first image for more. [] when there was nothing to take, None once
-        closed. Images whose client left are dropped."""
+        one that does not fit stays first in line). `block`: the taker's device has nothing in flight, so it waits
+        for the first image and takes what is there at once. Otherwise [] while another device is idle (the images
+        are its to take), else it waits up to `wait_s` after the first image for more. [] when there was nothing to
+        take, None once closed. Images whose client left are dropped."""
         with self._ready:
             if block:
                 self._idle += 1

@@ -269,7 +269,7 @@ def test_encode_help_has_the_model_flags_only_and_its_examples(help_of):
     text = help_of("encode")
     assert "model:" in text and "server:" not in text and "--port" not in text and "--payload-limit" not in text
     examples = [line.strip().split()[1:] for line in text.splitlines() if line.strip().startswith("vitserve encode ")]
-    assert len(examples) == 2
+    assert len(examples) == 3  # images on the CPU, on a GPU, and a video
     for argv in examples:
         args = build_parser().parse_args(argv)
         assert args.images and args.output

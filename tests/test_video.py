@@ -176,3 +176,24 @@ def test_a_truncated_video_fails_cleanly():
     cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl")).with_request(num_frames=8)
     with pytest.raises(V.VideoError):
         V.load_video(data[: len(data) // 2], cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_videos_on_cuda_graphs_match_transformers_tower(checkpoints, family):
+    """On a GPU, in float32 with graphs: slices cut on the device, beside an image in one launch (two normalization
+    tables), match transformers' tower on the video and the image alone."""
+    from PIL import Image
+
+    path, hf_tower = checkpoints[family]
+    enc = VisionEncoder.from_pretrained(path, device="cuda")
+    clip = make_video(30, 10, 160, 120)
+    pixels, grids = enc.preprocess_videos(clip, num_frames=6)
+    ref, _ = reference(hf_tower, pixels, grids.tolist())
+    video = V.load_video(clip, enc.video_config.with_request(num_frames=6))
+    image = np.asarray(Image.open("examples/sample.jpg").convert("RGB").resize((224, 224)))  # sides: 14k and 16k
+    outputs = enc.outputs(enc.launch([image, *video.slices()]))
+    assert rel_err(torch.cat([tokens for tokens, _ in outputs[1:]]), ref) <= 1e-4
+    alone = enc.outputs(enc.launch([image]))[0][0]
+    assert rel_err(outputs[0][0], alone) <= 1e-5
