@@ -37,7 +37,7 @@ import pybase64
 
 from ..encoder.headers import ImageHeader, probe
 from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageTooLarge, InvalidBase64, PreprocessConfig,
-                                  UndecodableImage, decode_base64, target_size)
+                                  UndecodableImage, UnsupportedFormat, decode_base64, target_size)
 
 from . import spool
 from .budget import MemoryBudget
@@ -107,6 +107,16 @@ def looks_like_text(data) -> bool:
     letters = sum(map(str.isalpha, sample)) + sum(map(str.isspace, sample))
     return sample.translate(_CONTROLS).isprintable() and 4 * letters >= 3 * len(sample) > 0 and \
         (" " in sample or not sample.isascii())
+
+
+def _is_video(data) -> bool:
+    """Whether an input's first bytes are a video container's (a bounded read: its first 512 bytes)."""
+    from ..encoder.video import sniff
+
+    try:
+        return sniff(head(data, 512)) is not None
+    except Exception:  # not even base64
+        return False
 
 
 def _discard_slices(result) -> None:
@@ -298,6 +308,9 @@ class Decoder:
         given, is what the client sent, told apart as text where it is no image and reads as text."""
         if data is not None and isinstance(e, (InvalidBase64, UndecodableImage)) and looks_like_text(data):
             return InputRejected(f"{param}: {TEXT_INPUT}", "text_input", param)
+        if data is not None and isinstance(e, (UndecodableImage, UnsupportedFormat)) and _is_video(data):
+            return InputRejected(f"{param}: this is a video, not an image: send it in `videos` (/v1/encode) or with "
+                                 "modality video (/v1/embeddings)", "video_input", param)
         if isinstance(e, JobTimedOut):
             log.info("%s: %s", param, e)
             return InputTooLarge(f"{param}: the image took longer than {e.seconds:g} s to decode", "decode_timeout",

@@ -109,6 +109,7 @@ def test_embeddings_pool_a_video(server, library):
     ({"videos": [video_uri(CLIP)] * 4}, 413, "too_many_videos"),
     ({"videos": [video_uri(CLIP)], "fps": 2, "num_frames": 4}, 422, "invalid_request"),
     ({}, 422, "invalid_request"),
+    ({"images": [base64.b64encode(CLIP).decode()]}, 400, "video_input"),
 ])
 def test_bad_videos_get_a_4xx_and_their_neighbours_an_answer(server, body, status, code):
     """Each bad request fails alone, with its code, while a good video request sent at the same time is served."""
@@ -140,3 +141,15 @@ def test_a_checkpoint_served_matches_transformers_tower(checkpoints):
         r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], "fps": 2}, timeout=120)
         assert r.status_code == 200, r.text
         assert rel_err(tensor(r.json()["data"][0]), ref) <= 1e-5
+
+
+def test_fast_preprocessing_serves_the_same_videos(library):
+    """--preprocess fast resizes images on the device; videos are preprocessed as transformers' video processor does
+    either way (on the host), so their answer is the exact one, beside an image in the same request."""
+    image = encode(photo(96, 64, 5), "JPEG")
+    for _, url in serving("--model", MODEL, "--load-format", "dummy", "--preprocess", "fast"):
+        body = {"images": [f"data:image/jpeg;base64,{base64.b64encode(image).decode()}"],
+                "videos": [video_uri(CLIP)], "num_frames": 6}
+        r = httpx.post(url + "/v1/encode", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert torch.equal(tensor(r.json()["data"][1]), library.encode_videos(CLIP, num_frames=6).embeddings)
