@@ -291,8 +291,9 @@ def engine_only(args, paths: list[Path]) -> dict:
 def hf_processor(family: str, vcfg):
     """transformers' video processor for the family, with the settings vitserve serves (`vcfg`); raises what keeps
     it from running here (no torchvision)."""
-    import torchvision  # noqa: F401  (transformers' video processors resize with it)
+    import importlib
 
+    importlib.import_module("torchvision")  # transformers' video processors resize with it
     if family == "qwen3":
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor as Processor
     else:
@@ -347,7 +348,7 @@ def transformers_single(args, path: Path) -> dict:
             return {"skipped": f"{type(e).__name__}: {e}"[:500]}
         runs = [once() for _ in range(args.repeats)]
     finally:
-        del tower
+        tower = None  # noqa: F841  (freed before the server takes the device)
         free_device()
     return dict(seconds=statistics.median(r["total"] for r in runs), runs=[r["total"] for r in runs],
                 median_by_step_s={k: statistics.median(r[k] for r in runs) for k in ("decode", "processor", "tower")},
@@ -357,11 +358,11 @@ def transformers_single(args, path: Path) -> dict:
 
 # ---- over HTTP -----------------------------------------------------------------------------------------------------
 def warm(url: str, bodies: list[tuple[bytes, dict]], args, connections: int) -> None:
-    """Every clip from `connections` connections at once, twice: each decode worker imports torch at its first
+    """Every clip from each of `connections` connections at once: each decode worker imports torch at its first
     video, which is no part of a figure."""
     def run(k):
         conn = Connection(url, args.request_timeout)
-        for i in range(2 * len(bodies)):
+        for i in range(len(bodies)):
             conn.post("/v1/encode", *bodies[(k + i) % len(bodies)])
         conn.close()
 
@@ -502,7 +503,7 @@ def http_long(url: str, proc, sampler: RssSampler, path: Path, args) -> dict:
     time.sleep(0.5)
     stuck += beside.finish()
     peak = sampler.between(start, time.perf_counter())
-    return dict(clip=path.name, body_mb=len(body[0]) / 1e6, status=status, error=error, seconds=seconds,
+    return dict(clip=path.name, body_mb=len(body[0]) / 1e6, status=status, answer_error=error, seconds=seconds,
                 frames=frames, by_header_s={h: float(headers.get(f"x-{h}-time", "nan")) / 1e3 for h in HEADERS},
                 idle_rss_mb=idle_rss / 2**20 if idle_rss else None,
                 peak_rss_mb=max(peak) / 2**20 if peak else None,
@@ -554,8 +555,8 @@ def figures(r: dict) -> list[tuple[str, str]]:
     row("throughput: engine only frames/s", lambda: eng.get("error") or f"{eng['frames_per_s']:.1f}")
     row("throughput: HTTP / engine", lambda: f"{tp['frames_per_s'] / eng['frames_per_s']:.1%}")
     lg = ph.get("long", {})
-    row("long: clip, frames sampled, s", lambda: lg.get("error") or
-        f"{r['clips']['long']}, {lg['frames']}, {lg['seconds']:.1f}" + (f" ({lg['error'][:40]})" if lg["error"] else ""))
+    row("long: clip, frames sampled, s", lambda: lg.get("error") or f"{r['clips']['long']}, {lg['frames']}, "
+        f"{lg['seconds']:.1f}" + (f" (status {lg['status']}: {lg['answer_error'][:60]})" if lg["answer_error"] else ""))
     row("long: server RSS idle / peak growth, MB", lambda: f"{lg['idle_rss_mb']:.0f} / +{lg['peak_rss_growth_mb']:.0f}")
     row("long: image p50 / p99 ms, alone", lambda: f"{ms(lg['images_unloaded']['p50_ms'])} / "
         f"{ms(lg['images_unloaded']['p99_ms'])} ({lg['images_unloaded']['count']})")
@@ -672,7 +673,8 @@ def main():
             warm_paths = ([single_path] if single_path else []) + mix_paths
             if warm_paths:
                 phase("warm-up", 4 * args.request_timeout,
-                      lambda: warm(url, [video_body(p, args.fps) for p in warm_paths], args, 4) or {})
+                      lambda: warm(url, [video_body(p, args.fps) for p in warm_paths], args,
+                                   max(2, min(args.clients, os.cpu_count() or 1))) or {})
             if "single" in phases:
                 phase("single", (args.repeats + 2) * args.request_timeout, lambda: http_single(url, single_path, args))
             if "throughput" in phases:
@@ -685,7 +687,7 @@ def main():
             sampler.done.set()
             stop_server(proc)
     print(f"{args.model} on {args.device} ({args.dtype}), {time.perf_counter() - begin:.0f} s; server flags: "
-          f"{' '.join(flags[10:])}")
+          f"{' '.join(flags[2:])}")
     rows = figures(result)
     print_table(rows)
     result["figures"] = dict(rows)

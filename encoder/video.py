@@ -414,22 +414,42 @@ def decode_frames(container, indices: np.ndarray, size: tuple[int, int]) -> Iter
         raise VideoError("the video could not be decoded", str(e)) from None
 
 
+def _most_pixels(limits: VideoLimits) -> int:
+    """The largest frame FFmpeg may decode: twice the pixel limit (decoders pad their frames; the limit itself is
+    checked on the header), for the frame it reads the parameters from and one a new sequence header enlarges."""
+    return 2 * limits.max_frame_pixels + 256 * 256
+
+
+def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, np.ndarray, tuple[int, int], int]:
+    """From the header, before any frame is kept: the video's info (its limits checked), the frames to keep, their
+    size, and the bytes decoding it takes (the kept frames resized, and one decoded frame)."""
+    info = probe(container, limits)
+    limits.check(info)
+    indices = sample_indices(info, cfg)
+    kept = np.unique(indices)
+    height, width = frame_size(len(indices), info.height, info.width, cfg)
+    if len(kept) * height * width * 3 > limits.max_bytes:
+        raise VideoTooLarge(f"{len(kept)} frames of {width}x{height} take {len(kept) * height * width * 3 >> 20} "
+                            f"MiB; the limit is {limits.max_bytes >> 20} MiB (sample fewer or smaller frames)")
+    return info, kept, (height, width), (len(kept) * height * width + info.height * info.width) * 3
+
+
+def video_bytes(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> int:
+    """The memory decoding this video takes (`load_video`'s frames and one decoded frame), read from its header
+    with the same checks `load_video` makes first: what a server reserves before it decodes the video."""
+    container = _open(source, _most_pixels(limits))
+    try:
+        return _plan(container, cfg, limits)[3]
+    finally:
+        container.close()
+
+
 def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> Video:
     """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize."""
-    # FFmpeg decodes no frame over twice the pixel limit (decoders pad their frames; the limit itself is checked on
-    # the header): neither the one it reads the parameters from nor one a new sequence header enlarges mid-stream
-    most_pixels = 2 * limits.max_frame_pixels + 256 * 256
-    container = _open(source, most_pixels)
+    container = _open(source, _most_pixels(limits))
     try:
-        info = probe(container, limits)
-        limits.check(info)
-        _video_stream(container).codec_context.options = {"max_pixels": str(most_pixels)}
-        indices = sample_indices(info, cfg)
-        kept = np.unique(indices)
-        height, width = frame_size(len(indices), info.height, info.width, cfg)
-        if len(kept) * height * width * 3 > limits.max_bytes:
-            raise VideoTooLarge(f"{len(kept)} frames of {width}x{height} take {len(kept) * height * width * 3 >> 20} "
-                                f"MiB; the limit is {limits.max_bytes >> 20} MiB (sample fewer or smaller frames)")
+        info, kept, (height, width), _ = _plan(container, cfg, limits)
+        _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
         n = 0
         for n, frame in enumerate(decode_frames(container, kept, (height, width)), 1):

@@ -95,6 +95,14 @@ def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: Preproc
     return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
 
 
+def measure_video(data, is_base64: bool, cfg, limits) -> int:
+    """Runs in a worker: the memory decoding a video takes, from its header (encoder.video.video_bytes: its limits
+    checked first)."""
+    from ..encoder.video import video_bytes
+
+    return video_bytes(image_bytes(data, is_base64), cfg, limits)
+
+
 def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None) -> tuple[list, tuple, dict,
                                                                                               float]:
     """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its slices (uint8 [T, h, w, 3] each,

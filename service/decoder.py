@@ -42,7 +42,7 @@ from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageT
 from . import spool
 from .budget import MemoryBudget
 from .bodies import SharedBodies
-from .decode import SharedText, decode_and_resize, decode_video, read_header
+from .decode import SharedText, decode_and_resize, decode_video, measure_video, read_header
 from .decode_pool import DecodePool, JobTimedOut, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
 from .metrics import Metrics
@@ -255,7 +255,7 @@ class Decoder:
         """Decode, sample and resize videos concurrently in the decode workers (decode.decode_video, under
         `--video-decode-timeout`); per video its (slices, grid, timing). Each one's first bytes must be a video
         container's (video.sniff: an image sent as a video is told so); each may keep at most the per-request decode
-        memory of resized frames, and takes that share of the server's decode memory while it decodes. The first bad
+        memory of resized frames, and takes what it keeps from the server's decode memory while it decodes. The first bad
         video fails the request (only it)."""
         from ..encoder.video import VideoLimits, sniff
 
@@ -294,7 +294,10 @@ class Decoder:
         return out
 
     async def _decode_video(self, data, cfg, limits, owner):
-        share = await self.budget.acquire(min(limits.max_bytes, self.budget.limit))
+        """A video's header read by a worker first (its limits checked, the memory its decode takes), then that
+        memory taken from the server's decode budget while a worker decodes it."""
+        cost = await self._run(measure_video, data, owner, cfg, limits, timeout=self.settings.video_decode_timeout)
+        share = await self.budget.acquire(cost)
         try:
             path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
             return await self._run(decode_video, data, owner, cfg, limits, path or None, timeout=self.settings.

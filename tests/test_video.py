@@ -197,3 +197,13 @@ def test_videos_on_cuda_graphs_match_transformers_tower(checkpoints, family):
     assert rel_err(torch.cat([tokens for tokens, _ in outputs[1:]]), ref) <= 1e-4
     alone = enc.outputs(enc.launch([image]))[0][0]
     assert rel_err(outputs[0][0], alone) <= 1e-5
+
+
+def test_the_memory_a_video_takes_is_known_from_its_header():
+    """video_bytes (what a server reserves before decoding) is what load_video keeps plus one decoded frame."""
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl")).with_request(fps=4)
+    clip = make_video(30, 10, 160, 120)
+    video = V.load_video(clip, cfg)
+    assert V.video_bytes(clip, cfg) == video.frames.nbytes + 160 * 120 * 3
+    with pytest.raises(V.VideoTooLarge):
+        V.video_bytes(clip, cfg, V.VideoLimits(max_bytes=video.frames.nbytes - 1))
