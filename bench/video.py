@@ -14,23 +14,32 @@ default). Prints a table, writes JSON (--out).
   decoded once (`vitserve.encoder.video.load_video`) and their slices run through `runner.launch_images`/`collect`
   in --max-batch-tokens batches, pipelined, for --engine-seconds, in this process before the server starts (freed
   after); and the ratio.
-- long: a long clip (--long-seconds, default 600 s, i.e. 1200 frames at 2 fps, at --long-size, low by default so that
-  making it is cheap) sent once while --image-clients clients send examples/sample.jpg to /v1/embeddings: the
-  server's peak RSS above idle (the sum over its process tree: front ends, device and decode processes; from
-  /proc every 50 ms) and the images' p50/p99 beside the long clip against without it (measured first, for
-  --image-seconds).
+- long: a long clip (--long-seconds, default 600 s: 1200 frames at 2 fps, but the video processors sample at most
+  their max_frames, 768; at --long-size, low by default so that making it is cheap) sent once while --image-clients
+  clients send examples/sample.jpg to /v1/embeddings: the server's peak RSS above idle (the sum over its process
+  tree: front ends, device and decode processes; from /proc every 50 ms; shared pages count once per process) and
+  the images' p50/p99 beside the long clip against without it (measured first, for --image-seconds).
 The server runs with the embedding cache off (the same image is sent over and over), a payload limit that fits the
 largest clip and --max-video-frames that fits the long clip, then --server-flags. Every phase is bounded
 (--request-timeout per request, a deadline per phase) so a hung server fails a phase instead of hanging the run.
 
+What the tower sees depends on the video processor settings. Dummy weights take the processor classes' defaults,
+which the published checkpoints do not ship: Qwen3-VL's class default fits all sampled frames together into 768·32²
+pixels (the 30 s clip: 60 frames of 64x128), its published config into 25165824 (60 frames of 480x832).
+`--video-config published` (or a JSON file or text of settings) writes the model once as a checkpoint directory
+(config, those settings, the same seeded dummy weights as safetensors in --dtype, under the temp dir; about 1.2 GB
+for Qwen3-VL-8B's tower in bf16) that the server, the engine and transformers all load.
+
 Clips are made once from examples/ photos (tests/videos.py's frames_of: a camera panning across a photo, played
-back and forth) with PyAV's libx264 (--x264-preset) and kept in --clip-dir, named by their parameters;
-`--make-clips` makes them and exits (make them here and carry the folder to save device time).
+back and forth) with PyAV's libx264 (--x264-preset) and kept in --clip-dir, named by their parameters. The defaults
+take about 15 MB and 80 s on 2 cores; `--make-clips --clip-dir build/video-clips` makes them and exits, and a device
+call that carries build/video-clips (with --clip-dir build/video-clips) skips making them there.
 
     # on the device (the av wheel carried: ../shared/tools/gpu-wheels httptools pybase64 nvidia-cudnn-frontend av)
     source bench/gpu_env.sh; PYTHONPATH=$SITE$PWD python3 bench/video.py --out video.json
+    PYTHONPATH=$SITE$PWD python3 bench/video.py --video-config published --out video-published.json
     PYTHONPATH=$SITE$PWD python3 bench/video.py --model Qwen/Qwen2.5-VL-7B-Instruct --hf-attention eager --out v.json
-    # a smoke run on a CPU (tiny-qwen3-vl, small clips, 2 clients, 10 s, a 60 s long clip: about 2 minutes)
+    # a smoke run on a CPU (tiny-qwen3-vl, small clips, 2 clients, 10 s, a 60 s long clip: under a minute)
     PYTHONPATH=$PWD python3 bench/video.py --cpu --out /tmp/video.json
 """
 
@@ -39,6 +48,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import dataclasses
 import functools
 import gc
 import http.client
@@ -65,8 +75,8 @@ from videos import frames_of  # noqa: E402
 
 PHASES = ("single", "throughput", "long")
 CPU_DEFAULTS = dict(model="tiny-qwen3-vl", device="cpu", dtype="float32", clip="4x320x240",
-                    mix="4x320x240,3x256x192,6x320x180", clients=2, seconds=10.0, engine_seconds=3.0, repeats=3,
-                    long_seconds=60.0, long_size="320x180", image_clients=2, image_seconds=5.0,
+                    mix="4x320x240,3x256x192,6x320x180", clients=2, seconds=10.0, engine_seconds=3.0, engine_batches=1,
+                    repeats=3, long_seconds=60.0, long_size="320x180", image_clients=2, image_seconds=5.0,
                     request_timeout=120.0, start_timeout=180.0)
 HEADERS = ("decode", "queue", "inference", "serialize")  # the answers' x-<phase>-time, ms
 
@@ -111,6 +121,72 @@ def make_clip(c: dict, directory: Path, preset: str, photo: str = "sample.jpg") 
     part.rename(path)
     print(f"made {path.name}: {path.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - t:.1f} s", flush=True)
     return path
+
+
+# ---- a checkpoint whose video processor is a published one ----------------------------------------------------------
+# The video processor settings the published checkpoints ship (Qwen3-VL's video_preprocessor_config.json; Qwen2/2.5-VL
+# have none, so transformers' video processor takes their preprocessor_config.json's pixels). Dummy weights run with
+# the processor classes' defaults instead: Qwen3-VL's fit every sampled frame together into 768·32² pixels (a 30 s
+# clip at 2 fps: 60 frames of 64x128), the published config into 25165824.
+PUBLISHED_VIDEO = {
+    "qwen3_vl": {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "fps": 2, "min_frames": 4,
+                 "max_frames": 768, "do_sample_frames": True},
+    "qwen2_5_vl": {"min_pixels": 3136, "max_pixels": 12845056},
+    "qwen2_vl": {"min_pixels": 3136, "max_pixels": 12845056},
+}
+
+
+def with_video_config(args) -> None:
+    """--video-config: the model as a checkpoint directory (its config, these video processor settings, and the
+    seeded dummy weights written as safetensors, in --dtype) that the server, the engine and transformers all load
+    (--load-format auto), made once under the temp dir."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from vitserve.encoder import checkpoint
+    from vitserve.encoder.config import builtin_config, from_hf_config
+    from vitserve.encoder.vision_encoder import parse_dtype
+
+    cfg = builtin_config(args.model)
+    if args.video_config == "published":
+        video = PUBLISHED_VIDEO[cfg.family]
+    else:
+        video = json.loads(Path(args.video_config).read_text() if Path(args.video_config).is_file()
+                           else args.video_config)
+    vision = dict(depth=cfg.depth, num_heads=cfg.num_heads, patch_size=cfg.patch_size, hidden_act=cfg.hidden_act,
+                  temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
+                  in_channels=cfg.in_channels, rope_parameters={"rope_theta": cfg.rope_theta})
+    if cfg.family == "qwen2_vl":
+        vision.update(embed_dim=cfg.hidden_size, hidden_size=cfg.out_hidden_size,
+                      mlp_ratio=cfg.intermediate_size / cfg.hidden_size)
+    else:
+        vision.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                      out_hidden_size=cfg.out_hidden_size, window_size=cfg.window_size,
+                      fullatt_block_indexes=list(cfg.fullatt_block_indexes),
+                      deepstack_visual_indexes=list(cfg.deepstack_visual_indexes),
+                      num_position_embeddings=cfg.num_position_embeddings)
+    config = dict(model_type=cfg.family, vision_config=vision)
+    pixels = dict(image_mean=list(cfg.image_mean), image_std=list(cfg.image_std), min_pixels=cfg.min_pixels,
+                  max_pixels=cfg.max_pixels)
+    tower = lambda c: {k: v for k, v in vars(c).items() if k not in pixels}  # noqa: E731
+    assert tower(from_hf_config(config)) == tower(cfg), "the written config.json is not the model's"
+    key = hashlib.sha1(json.dumps([args.model, args.dtype, video], sort_keys=True).encode()).hexdigest()[:12]
+    directory = Path(tempfile.gettempdir()) / f"vitserve-bench-video-{Path(args.model).name}-{key}"
+    if not (directory / "model.safetensors").is_file():
+        t = time.perf_counter()
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(config))
+        (directory / "preprocessor_config.json").write_text(json.dumps(pixels | dict(
+            patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size, merge_size=cfg.spatial_merge_size)))
+        (directory / "video_preprocessor_config.json").write_text(json.dumps(video))
+        dtype = parse_dtype(args.dtype)
+        tensors = {f"visual.{k}": v.to(dtype).contiguous() for k, v in checkpoint.dummy_tensors(cfg).items()}
+        save_file(tensors, str(directory / "model.safetensors.part"))
+        os.rename(directory / "model.safetensors.part", directory / "model.safetensors")
+        del tensors
+        print(f"wrote {directory} in {time.perf_counter() - t:.1f} s", flush=True)
+    args.model, args.load_format = str(directory), "auto"
 
 
 # ---- bounds and requests -------------------------------------------------------------------------------------------
@@ -214,17 +290,37 @@ class RssSampler(threading.Thread):
             now = time.perf_counter()
             if now - walked >= 1.0:
                 pids, walked = process_tree(self.pid), now
-            total = 0
+            each = {}
             for p in pids:
                 try:
-                    total += int(open(f"/proc/{p}/statm").read().split()[1]) * self.PAGE
+                    each[p] = int(open(f"/proc/{p}/statm").read().split()[1]) * self.PAGE
                 except (OSError, IndexError, ValueError):
                     pass
-            self.samples.append((now, total))
+            self.samples.append((now, sum(each.values()), each))
             self.done.wait(self.period)
 
     def between(self, start: float, end: float) -> list[int]:
-        return [b for t, b in list(self.samples) if start <= t <= end]
+        return [b for t, b, _ in list(self.samples) if start <= t <= end]
+
+    def by_process(self, idle: tuple[float, float], busy: tuple[float, float]) -> dict[str, float]:
+        """Each process's peak RSS over `busy` above its median over `idle`, MB, by pid and command."""
+        def of(span):
+            out: dict[int, list[int]] = {}
+            for t, _, each in list(self.samples):
+                if span[0] <= t <= span[1]:
+                    for p, b in each.items():
+                        out.setdefault(p, []).append(b)
+            return out
+
+        before, during, names = of(idle), of(busy), {}
+        for p in during:
+            try:
+                argv = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace").split("\0")
+                cmd = " ".join([Path(argv[0]).name, *argv[1:4]])[:70]
+            except OSError:
+                cmd = "(exited)"
+            names[f"{p} {cmd}"] = (max(during[p]) - statistics.median(before.get(p, [0]))) / 2**20
+        return names
 
 
 # ---- in this process: the engine alone, transformers ---------------------------------------------------------------
@@ -250,9 +346,12 @@ def engine_only(args, paths: list[Path]) -> dict:
         t = time.perf_counter()
         videos = [load_video(p, cfg) for p in paths]
         decode_s = time.perf_counter() - t
-        frames = sum(len(v.indices) for v in videos)
-        slices = [s for v in videos for s in v.slices()]
         p, budget = enc.config.patch_size, args.max_batch_tokens * enc.config.merge_unit
+        # the mix over and over, at least --engine-batches full batches a pass: the pipeline drains once a pass
+        once = [s for v in videos for s in v.slices()]
+        repeat = max(1, -(-args.engine_batches * budget // sum((s.shape[1] // p) * (s.shape[2] // p) for s in once)))
+        slices = once * repeat
+        frames = repeat * sum(len(v.indices) for v in videos)
         batches, batch, patches = [], [], 0
         for s in slices:
             n = (s.shape[1] // p) * (s.shape[2] // p)
@@ -280,7 +379,8 @@ def engine_only(args, paths: list[Path]) -> dict:
             passes += 1
         wall = time.perf_counter() - t
         return dict(frames_per_s=passes * frames / wall, slices_per_s=passes * len(slices) / wall, passes=passes,
-                    wall_s=wall, frames_per_pass=frames, slices_per_pass=len(slices), batches_per_pass=len(batches),
+                    wall_s=wall, mix_per_pass=repeat, frames_per_pass=frames, slices_per_pass=len(slices),
+                    batches_per_pass=len(batches),
                     grids=[[len(v.slices()), v.frames.shape[1] // p, v.frames.shape[2] // p] for v in videos],
                     decode_s_once=decode_s, attention=enc.attention_backend)
     finally:
@@ -322,7 +422,7 @@ def transformers_single(args, path: Path) -> dict:
     except Exception as e:  # noqa: BLE001  (what keeps it from running is the figure)
         return {"skipped": f"{type(e).__name__}: {e}"[:500]}
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
-    tensors = checkpoint.dummy_tensors(cfg, 0, device)
+    tensors = checkpoint.dummy_tensors(cfg, 0, device) if ckpt is None else checkpoint.read_vision_tensors(ckpt)
     tower = hf_vision_tower(cfg, tensors, device, dtype, args.hf_attention)
     del tensors
     sample = functools.partial(processor.sample_frames, fps=args.fps)
@@ -357,13 +457,20 @@ def transformers_single(args, path: Path) -> dict:
 
 
 # ---- over HTTP -----------------------------------------------------------------------------------------------------
-def warm(url: str, bodies: list[tuple[bytes, dict]], args, connections: int) -> None:
-    """Every clip from each of `connections` connections at once: each decode worker imports torch at its first
-    video, which is no part of a figure."""
+def warm(url: str, small: tuple[bytes, dict], bodies: list[tuple[bytes, dict]], args, connections: int) -> dict:
+    """A small clip twice from each of `connections` connections at once (each decode worker imports torch at its
+    first video, which is no part of a figure), then every clip of the run once."""
+    errors = []
+
     def run(k):
         conn = Connection(url, args.request_timeout)
-        for i in range(len(bodies)):
-            conn.post("/v1/encode", *bodies[(k + i) % len(bodies)])
+        for body in [small, small] + (bodies if k == 0 else []):
+            try:
+                _, status, data, _ = conn.post("/v1/encode", *body)
+                if status != 200:
+                    errors.append(f"{status}: {data[:200]!r}")
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
         conn.close()
 
     threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(connections)]
@@ -371,6 +478,9 @@ def warm(url: str, bodies: list[tuple[bytes, dict]], args, connections: int) -> 
         th.start()
     for th in threads:
         th.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} warm-up request(s) failed: {errors[0]}")
+    return dict(connections=connections)
 
 
 def http_single(url: str, path: Path, args) -> dict:
@@ -385,8 +495,9 @@ def http_single(url: str, path: Path, args) -> dict:
             runs.append((seconds, {h: float(headers.get(f"x-{h}-time", "nan")) / 1e3 for h in HEADERS}))
     finally:
         conn.close()
+    n = struct.unpack("<Q", data[:8])[0]
     return dict(seconds=statistics.median(s for s, _ in runs), runs=[s for s, _ in runs], frames=answer_frames(data),
-                body_mb=len(body[0]) / 1e6,
+                grid=json.loads(json.loads(data[8:8 + n])["__metadata__"]["grid_thw"])[0], body_mb=len(body[0]) / 1e6,
                 median_by_header_s={h: statistics.median(p[h] for _, p in runs) for h in HEADERS})
 
 
@@ -479,7 +590,8 @@ def http_long(url: str, proc, sampler: RssSampler, path: Path, args) -> dict:
     time.sleep(1.0)
     t = time.perf_counter()
     time.sleep(1.0)
-    idle = sampler.between(t, time.perf_counter())
+    idle_span = (t, time.perf_counter())
+    idle = sampler.between(*idle_span)
     idle_rss = int(statistics.median(idle)) if idle else None
     alone = ImageClients(url, args).start()
     t0 = time.perf_counter()
@@ -508,8 +620,10 @@ def http_long(url: str, proc, sampler: RssSampler, path: Path, args) -> dict:
                 idle_rss_mb=idle_rss / 2**20 if idle_rss else None,
                 peak_rss_mb=max(peak) / 2**20 if peak else None,
                 peak_rss_growth_mb=(max(peak) - idle_rss) / 2**20 if peak and idle_rss else None,
-                server_processes=len(process_tree(proc.pid)), rss_samples=len(peak), image_clients=args.image_clients,
-                images_unloaded=unloaded, images_beside_long=beside.between(start, end), stuck_image_clients=stuck)
+                server_processes=len(process_tree(proc.pid)), rss_samples=len(peak),
+                peak_rss_growth_mb_by_process=sampler.by_process(idle_span, (start, time.perf_counter())),
+                image_clients=args.image_clients, images_unloaded=unloaded,
+                images_beside_long=beside.between(start, end), stuck_image_clients=stuck)
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------
@@ -536,7 +650,12 @@ def figures(r: dict) -> list[tuple[str, str]]:
         return "–" if x is None else f"{x:.0f}"
 
     single, hf = ph.get("single", {}), ph.get("transformers", {})
-    row("single: clip", lambda: f"{r['clips']['single']} at {r['fps']:g} fps: {single['frames']} frames")
+    if "server" in ph:
+        rows.append(("server", "did not start: " + ph["server"]["error"][-80:].replace("\n", " ")))
+    row("video processor: pixels (min, max), frames (min, max)", lambda: f"{r['video_config']['min_pixels']}, "
+        f"{r['video_config']['max_pixels']}, {r['video_config']['min_frames']}, {r['video_config']['max_frames']}")
+    row("single: clip", lambda: f"{r['clips']['single']} at {r['fps']:g} fps: {single['frames']} frames, grid "
+        f"{single['grid']}")
     row("single: vitserve over HTTP, s (median)", lambda: single.get("error") or
         f"{single['seconds']:.3f} (of {len(single['runs'])})")
     row("single: vitserve decode / inference, s", lambda: f"{single['median_by_header_s']['decode']:.3f} / "
@@ -545,7 +664,8 @@ def figures(r: dict) -> list[tuple[str, str]]:
         else hf.get("error") or f"{hf['seconds']:.3f} ({hf['attention']})")
     row("single: transformers decode / processor / tower, s",
         lambda: " / ".join(f"{hf['median_by_step_s'][k]:.3f}" for k in ("decode", "processor", "tower")))
-    row("single: transformers / vitserve", lambda: f"{hf['seconds'] / single['seconds']:.2f}x")
+    row("single: transformers / vitserve", lambda: f"{hf['seconds'] / single['seconds']:.2f}x"
+        + ("" if hf["grid"] == single["grid"] else f" (grids differ: transformers {hf['grid']})"))
     tp, eng = ph.get("throughput", {}), ph.get("engine", {})
     row("throughput: clips", lambda: ", ".join(r["clips"]["mix"]))
     row("throughput: HTTP frames/s (steady)", lambda: tp.get("error") or
@@ -579,6 +699,10 @@ def main():
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--video-config", default=None,
+                    help="video processor settings (a JSON file or text, or `published`: those of the family's "
+                         "published checkpoints)\nfor dummy weights, served from a checkpoint directory written once "
+                         "(default: the processor classes' defaults)")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     ap.add_argument("--fps", type=float, default=2.0, help="frames sampled a second of video (every request)")
     ap.add_argument("--clip", default="30x1280x720", help="single: SECONDSxWIDTHxHEIGHT[@FPS]")
@@ -589,6 +713,7 @@ def main():
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=30.0, help="throughput: how long the clients send")
     ap.add_argument("--engine-seconds", type=float, default=10.0, help="throughput: the engine alone, timed")
+    ap.add_argument("--engine-batches", type=int, default=8, help="throughput: the engine's full batches a pass")
     ap.add_argument("--max-batch-tokens", type=int, default=4096, help="the server's, and the engine's batches")
     ap.add_argument("--long-seconds", type=float, default=600.0, help="long: the clip's length")
     ap.add_argument("--long-size", default="640x360", help="long: WIDTHxHEIGHT")
@@ -618,8 +743,13 @@ def main():
         mix_paths = [make_clip(c, clip_dir, args.x264_preset, photos[i % 2]) for i, c in enumerate(specs["mix"])] \
             if "throughput" in phases else []
         long_path = make_clip(specs["long"], clip_dir, args.x264_preset) if "long" in phases else None
+        warm_path = make_clip(parse_clip("2x320x240", 30), clip_dir, args.x264_preset)  # every decode worker's first
     if args.make_clips:
         return
+    model_name = args.model
+    if args.video_config:
+        with bounded(900, "writing the checkpoint"):
+            with_video_config(args)
     # what a long clip needs of the server's limits; the bench's own flags, then --server-flags
     largest = max((p.stat().st_size for p in [single_path, long_path, *mix_paths] if p), default=0)
     args.max_video_frames = max(768, int(args.long_seconds * args.fps) + 2)
@@ -628,8 +758,13 @@ def main():
              "--payload-limit", str(max(32 * 2**20, 2 * largest)), "--max-video-frames", str(args.max_video_frames),
              *args.server_flags.split()]
     results: dict[str, dict] = {}
-    result = dict(model=args.model, device=args.device, dtype=args.dtype, date=time.strftime("%Y-%m-%d"),
-                  fps=args.fps, server_flags=flags, args=vars(args), phases=results,
+    from vitserve.encoder.vision_encoder import load_configs, video_config_of
+
+    cfg, _, ckpt = load_configs(args.model, args.load_format)
+    vcfg = video_config_of(cfg, ckpt).with_request(fps=args.fps, max_frames=args.max_video_frames)
+    result = dict(model=model_name, checkpoint=args.model if args.video_config else None, device=args.device,
+                  dtype=args.dtype, date=time.strftime("%Y-%m-%d"), fps=args.fps, server_flags=flags, args=vars(args),
+                  video_config=dataclasses.asdict(vcfg), phases=results,
                   clips={"single": clip_name(specs["single"]), "mix": [clip_name(c) for c in specs["mix"]],
                          "long": clip_name(specs["long"])},
                   clip_mb={p.name: p.stat().st_size / 1e6 for p in [single_path, long_path, *mix_paths] if p})
@@ -655,13 +790,15 @@ def main():
         phase("engine", 900 + 2 * args.engine_seconds, lambda: engine_only(args, mix_paths))
     if "single" in phases:
         phase("transformers", 900 + 60 * args.repeats, lambda: transformers_single(args, single_path))
-
-    from vitserve.service.launch import start_server
+    if "throughput" in phases or "single" in phases:
+        free_device()  # what the phases' frames held, now unreferenced, leaves the device for the server
 
     t = time.perf_counter()
     try:
+        from vitserve.service.launch import start_server
+
         proc, url = start_server(*flags, timeout=args.start_timeout)
-    except RuntimeError as e:
+    except (RuntimeError, ImportError) as e:
         results["server"] = {"error": str(e)[-2000:]}
         print(f"the server did not start: {str(e)[-500:]}", flush=True)
         proc = None
@@ -670,11 +807,10 @@ def main():
         sampler.start()
         print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
         try:
-            warm_paths = ([single_path] if single_path else []) + mix_paths
-            if warm_paths:
-                phase("warm-up", 4 * args.request_timeout,
-                      lambda: warm(url, [video_body(p, args.fps) for p in warm_paths], args,
-                                   max(2, min(args.clients, os.cpu_count() or 1))) or {})
+            bodies = [video_body(p, args.fps) for p in ([single_path] if single_path else []) + mix_paths]
+            phase("warm-up", (3 + len(bodies)) * args.request_timeout,
+                  lambda: warm(url, video_body(warm_path, args.fps), bodies, args,
+                               max(2, min(args.clients, os.cpu_count() or 1))))
             if "single" in phases:
                 phase("single", (args.repeats + 2) * args.request_timeout, lambda: http_single(url, single_path, args))
             if "throughput" in phases:
@@ -686,7 +822,7 @@ def main():
         finally:
             sampler.done.set()
             stop_server(proc)
-    print(f"{args.model} on {args.device} ({args.dtype}), {time.perf_counter() - begin:.0f} s; server flags: "
+    print(f"{model_name} on {args.device} ({args.dtype}), {time.perf_counter() - begin:.0f} s; server flags: "
           f"{' '.join(flags[2:])}")
     rows = figures(result)
     print_table(rows)
