@@ -86,39 +86,45 @@ def cpu_costs(enc: VisionEncoder, files) -> dict:
     return {k: 1e3 * statistics.mean(r[k] for r in rows) for k in rows[0]}
 
 
+def server_batches(arrays: list, patch_size: int, max_patches: int) -> list[list]:
+    """uint8 images ([H, W, 3]) or video slices ([T, H, W, 3]) in arrival order, cut into batches of at most
+    `max_patches` patches, as the server's queue cuts them."""
+    batches, batch, patches = [], [], 0
+    for a in arrays:
+        n = (a.shape[-3] // patch_size) * (a.shape[-2] // patch_size)
+        if batch and patches + n > max_patches:
+            batches.append(batch)
+            batch, patches = [], 0
+        batch.append(a)
+        patches += n
+    return batches + [batch]
+
+
+def run_batches(runner, batches: list[list], lut) -> None:
+    """One pass of the batches through the runner, pipelined as the server's device loop runs them (the next
+    launched before the last is collected)."""
+    pending = None
+    for batch in batches:
+        launch = runner.launch_images(batch, lut)
+        if pending is not None:
+            runner.collect(pending)
+        pending = launch
+    runner.collect(pending)
+
+
 def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: int, barrier=None) -> float:
     """The runner alone on the server's inputs (resized uint8 images), in server-sized batches, pipelined
     (`barrier`: wait there after the warm-up, so that several devices' threads time the same interval)."""
     cfg = enc.preprocess_config
     prepared = [resize_rgb(load_image(data), cfg) for _, data in files]
     lut = normalize_lut(cfg.image_mean, cfg.image_std)
-    p = cfg.patch_size
-    batches, batch, patches = [], [], 0
-    for i in range(images):
-        image = prepared[i % len(prepared)]
-        n = (image.shape[0] // p) * (image.shape[1] // p)
-        if batch and patches + n > max_batch_tokens * enc.config.merge_unit:
-            batches.append(batch)
-            batch, patches = [], 0
-        batch.append(image)
-        patches += n
-    batches.append(batch)
-    runner = enc.runner
-
-    def run_all():
-        pending = None
-        for b in batches:
-            launch = runner.launch_images(b, lut)
-            if pending is not None:
-                runner.collect(pending)
-            pending = launch
-        runner.collect(pending)
-
-    run_all()  # warm
+    batches = server_batches([prepared[i % len(prepared)] for i in range(images)], cfg.patch_size,
+                             max_batch_tokens * enc.config.merge_unit)
+    run_batches(enc.runner, batches, lut)  # warm
     if barrier is not None:
         barrier.wait()
     t = time.perf_counter()
-    run_all()
+    run_batches(enc.runner, batches, lut)
     return images / (time.perf_counter() - t)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import drive, engine_throughput, image_files  # noqa: E402
+from hf_reference import vision_config  # noqa: E402
 
 from vitserve.encoder import VisionEncoder  # noqa: E402
 from vitserve.encoder.config import builtin_config  # noqa: E402
@@ -93,17 +95,9 @@ def server_phases(before: dict, after: dict) -> dict:
 def shallow_checkpoint(model: str, depth: int, directory: str) -> str:
     """A checkpoint directory (config.json alone, for dummy weights) of `model`'s tower cut to `depth` blocks."""
     cfg = builtin_config(model)
-    vision = dict(depth=depth, num_heads=cfg.num_heads, patch_size=cfg.patch_size, hidden_act=cfg.hidden_act,
-                  temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size)
-    if cfg.family == "qwen2_vl":
-        vision.update(embed_dim=cfg.hidden_size, hidden_size=cfg.out_hidden_size,
-                      mlp_ratio=cfg.intermediate_size / cfg.hidden_size)
-    else:
-        vision.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                      out_hidden_size=cfg.out_hidden_size, window_size=cfg.window_size,
-                      fullatt_block_indexes=[depth - 1] if cfg.fullatt_block_indexes else [],
-                      deepstack_visual_indexes=list(range(min(depth, len(cfg.deepstack_visual_indexes)))),
-                      num_position_embeddings=cfg.num_position_embeddings)
+    cfg = dataclasses.replace(cfg, depth=depth, fullatt_block_indexes=(depth - 1,) if cfg.fullatt_block_indexes else (),
+                              deepstack_visual_indexes=tuple(range(min(depth, len(cfg.deepstack_visual_indexes)))))
+    vision = vision_config(cfg)
     os.makedirs(directory, exist_ok=True)
     with open(f"{directory}/config.json", "w") as f:
         json.dump(dict(model_type=cfg.family, vision_config=vision), f)

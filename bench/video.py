@@ -71,6 +71,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
+from bench_http import run_batches, server_batches  # noqa: E402
+from frontend import process_tree  # noqa: E402
 from videos import frames_of  # noqa: E402
 
 PHASES = ("single", "throughput", "long")
@@ -154,18 +156,9 @@ def with_video_config(args) -> None:
     else:
         video = json.loads(Path(args.video_config).read_text() if Path(args.video_config).is_file()
                            else args.video_config)
-    vision = dict(depth=cfg.depth, num_heads=cfg.num_heads, patch_size=cfg.patch_size, hidden_act=cfg.hidden_act,
-                  temporal_patch_size=cfg.temporal_patch_size, spatial_merge_size=cfg.spatial_merge_size,
-                  in_channels=cfg.in_channels, rope_parameters={"rope_theta": cfg.rope_theta})
-    if cfg.family == "qwen2_vl":
-        vision.update(embed_dim=cfg.hidden_size, hidden_size=cfg.out_hidden_size,
-                      mlp_ratio=cfg.intermediate_size / cfg.hidden_size)
-    else:
-        vision.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                      out_hidden_size=cfg.out_hidden_size, window_size=cfg.window_size,
-                      fullatt_block_indexes=list(cfg.fullatt_block_indexes),
-                      deepstack_visual_indexes=list(cfg.deepstack_visual_indexes),
-                      num_position_embeddings=cfg.num_position_embeddings)
+    from hf_reference import vision_config
+
+    vision = vision_config(cfg)
     config = dict(model_type=cfg.family, vision_config=vision)
     pixels = dict(image_mean=list(cfg.image_mean), image_std=list(cfg.image_std), min_pixels=cfg.min_pixels,
                   max_pixels=cfg.max_pixels)
@@ -261,20 +254,6 @@ def percentiles(ms: list[float]) -> dict:
 
 
 # ---- the server's memory -------------------------------------------------------------------------------------------
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                todo += [int(c) for c in open(f"/proc/{p}/task/{task}/children").read().split()]
-        except OSError:
-            pass
-    return found
-
-
 class RssSampler(threading.Thread):
     """The RSS summed over a process tree every `period` s (the tree walked again every second): (time, bytes)."""
 
@@ -352,30 +331,11 @@ def engine_only(args, paths: list[Path]) -> dict:
         repeat = max(1, -(-args.engine_batches * budget // sum((s.shape[1] // p) * (s.shape[2] // p) for s in once)))
         slices = once * repeat
         frames = repeat * sum(len(v.indices) for v in videos)
-        batches, batch, patches = [], [], 0
-        for s in slices:
-            n = (s.shape[1] // p) * (s.shape[2] // p)
-            if batch and patches + n > budget:
-                batches.append(batch)
-                batch, patches = [], 0
-            batch.append(s)
-            patches += n
-        batches.append(batch)
-        runner, lut = enc.runner, enc.video_lut
-
-        def one_pass():
-            pending = None
-            for b in batches:
-                launch = runner.launch_images(b, lut)
-                if pending is not None:
-                    runner.collect(pending)
-                pending = launch
-            runner.collect(pending)
-
-        one_pass()  # warm
+        batches = server_batches(slices, p, budget)
+        run_batches(enc.runner, batches, enc.video_lut)  # warm
         passes, t = 0, time.perf_counter()
         while passes == 0 or time.perf_counter() - t < args.engine_seconds:
-            one_pass()
+            run_batches(enc.runner, batches, enc.video_lut)
             passes += 1
         wall = time.perf_counter() - t
         return dict(frames_per_s=passes * frames / wall, slices_per_s=passes * len(slices) / wall, passes=passes,
