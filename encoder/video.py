@@ -455,8 +455,7 @@ def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
         for n, frame in enumerate(decode_frames(container, kept, (height, width)), 1):
             frames[n - 1] = frame
         if n < len(kept):
-            raise VideoError(f"the video declares {info.total_frames} frames but holds {n} decodable ones "
-                             f"up to frame {int(kept[-1])}")
+            raise VideoError(f"the video declares {info.total_frames} frames but ends before frame {int(kept[n])}")
         return Video(frames, kept, info, cfg.temporal_patch_size)
     finally:
         container.close()
