@@ -109,6 +109,14 @@ def looks_like_text(data) -> bool:
         (" " in sample or not sample.isascii())
 
 
+def _head_or_error(data, size: int = 512):
+    """An input's first bytes, or the exception reading them raised (base64 that does not decode)."""
+    try:
+        return head(data, size)
+    except Exception as e:
+        return e
+
+
 def _is_video(data) -> bool:
     """Whether an input's first bytes are a video container's (a bounded read: its first 512 bytes)."""
     from ..encoder.video import sniff
@@ -261,10 +269,12 @@ class Decoder:
 
         names = list(range(len(videos))) if names is None else names
         loop, owner = asyncio.get_running_loop(), object()
-        heads = await loop.run_in_executor(None, lambda: [head(v, 512) for v in videos])
-        for i, data in zip(names, heads):
-            if isinstance(data, Exception) or not sniff(data):
-                param = f"{field}[{i}]"
+        heads = await loop.run_in_executor(None, lambda: [_head_or_error(v) for v in videos])
+        for i, data, first in zip(names, videos, heads):
+            param = f"{field}[{i}]"
+            if isinstance(first, Exception):  # its base64 does not decode
+                raise self.rejection(param, first, data) from None
+            if not sniff(first):
                 raise InputRejected(f"{param}: not a video (send MP4, WebM, MKV, AVI, MPEG-TS, FLV or Ogg; images go "
                                     "in images)", "not_a_video", param)
         s = self.settings
