@@ -208,8 +208,8 @@ class GraphRunner:
             raise ValueError(f"images must be uint8 [H, W, 3] (or video slices [{t}, H, W, 3]) with sides multiples "
                              f"of {p}; got {bad[:3]}")
         grids = check_grids([(1, a.shape[-3] // p, a.shape[-2] // p) for a in arrays], self.cfg)
-        lut = self._device_lut(pixel_lut if slice_lut is None else np.concatenate([np.reshape(pixel_lut, -1),
-                                                                                     np.reshape(slice_lut, -1)]))
+        lut = self._device_lut(np.concatenate([np.reshape(pixel_lut, -1),
+                                               np.reshape(pixel_lut if slice_lut is None else slice_lut, -1)]))
         return self._launch(grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut),
                             mean_pooling)
 
@@ -265,8 +265,8 @@ class GraphRunner:
     def _device_rows(self, arrays: list, n: int, lut: torch.Tensor) -> torch.Tensor:
         """Patch rows [n, patch_dim] in the model dtype, cut on the device from the items' uint8 pixels: each row
         gathers its p x p x 3 pixels of each of the T frames (merge-block order, like the processor) and maps them
-        through the normalization table (slices through its second half, where it has two); an image's one frame
-        stands for all T."""
+        through the normalization tables (images through the first, slices through the second); an image's one
+        frame stands for all T."""
         p, m, t = self.cfg.patch_size, self.cfg.spatial_merge_size, self.cfg.temporal_patch_size
         if all(torch.is_tensor(a) for a in arrays):
             raw_d = torch.cat([a.reshape(-1) for a in arrays])
@@ -296,7 +296,7 @@ class GraphRunner:
             values = lut[c * 256 + raw_d[index].int()]  # [n, 3, p, p] float32
             out.copy_(values[:, :, None].expand(n, 3, t, p, p))
         else:
-            table = np.where(step > 0, 3 * 256, 0).astype(np.int32) if lut.numel() == 2 * 3 * 256 else step * 0
+            table = np.where(step > 0, 3 * 256, 0).astype(np.int32)
             step_d, table_d = (self._upload(torch.from_numpy(v))[:, None, None, None, None] for v in (step, table))
             frames = step_d * torch.arange(t, device=self.device, dtype=torch.int32)[None, None, :, None, None]
             values = lut[table_d + c[:, :, None] * 256 + raw_d[index[:, :, None] + frames].int()]  # [n, 3, t, p, p]

@@ -99,7 +99,10 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     enc = VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())
     log.info("loaded in %.2f s: vitserve %s on %s (%s, attention %s)", time.perf_counter() - start, __version__,
              device, dtype, attention_text(enc.runner.stats.attention))
-    videos = [sniff(Path(path).read_bytes()[:HEADER_BYTES]) is not None for path in args.images]
+    videos = []
+    for path in args.images:  # each file's first bytes tell a video from an image
+        with open(path, "rb") as f:
+            videos.append(sniff(f.read(HEADER_BYTES)) is not None)
     start = time.perf_counter()
     try:
         images = [load_image(path) for path, is_video in zip(args.images, videos) if not is_video]

@@ -127,7 +127,7 @@ def _is_video(data) -> bool:
         return False
 
 
-def _discard_slices(result) -> None:
+def _discard_decoded(result) -> None:
     """A decoded image or video nobody will run: its spooled pixels go."""
     for image in result[0] if isinstance(result[0], list) else [result[0]]:
         spool.discard(image)
@@ -136,7 +136,7 @@ def _discard_slices(result) -> None:
 def _discard_result(job: asyncio.Future) -> None:
     """For an image's or a video's decode whose request is gone: what it spooled has nobody to read it."""
     if job.done() and not job.cancelled() and job.exception() is None:
-        _discard_slices(job.result())
+        _discard_decoded(job.result())
 
 
 class Decoder:
@@ -234,25 +234,10 @@ class Decoder:
             raise InputTooLarge(f"decoding these {len(images)} image(s) takes about {sum(costs) / 2**20:.0f} MB; a "
                                 f"request may take {limit / 2**20:.0f} MB (send fewer or smaller images)",
                                 "decode_memory", field)
-        jobs = [asyncio.ensure_future(self._decode(data, header.end, cfg, cost, owner))
-                for data, header, cost in zip(images, headers, costs)]
-        try:
-            await asyncio.wait(jobs)
-        except BaseException:  # the request was cancelled: what was decoded goes, the rest is dropped when done
-            for job in jobs:
-                job.cancel()
-                job.add_done_callback(_discard_result)
-            raise
-        errors = [job.exception() for job in jobs]  # retrieve every one: only the first is reported
-        if any(errors):  # the request fails: its images that did decode are not run
-            for job, error in zip(jobs, errors):
-                if error is None:
-                    spool.discard(job.result()[0])
-            index, error = next((i, e) for i, e in zip(names, errors) if e is not None)
-            raise self.rejection(f"{field}[{index}]", error) from None
+        results = await self._all([self._decode(data, header.end, cfg, cost, owner)
+                                   for data, header, cost in zip(images, headers, costs)], field, names)
         out, p = [], cfg.patch_size
-        for job in jobs:
-            image, seconds = job.result()
+        for image, seconds in results:
             self.metrics.preprocess_seconds.observe(seconds)
             self.metrics.record("decode", seconds)
             h, w = target_size(image, cfg) if self.fast else image.shape[:2]  # fast: the size the device resizes to
@@ -280,28 +265,33 @@ class Decoder:
         s = self.settings
         limits = VideoLimits(max_seconds=s.max_video_seconds, max_frame_pixels=s.max_image_pixels,
                              max_bytes=s.decode_memory_per_request)
-        jobs = [asyncio.ensure_future(self._decode_video(data, cfg, limits, owner)) for data in videos]
-        try:
-            await asyncio.wait(jobs)
-        except BaseException:
-            for job in jobs:
-                job.cancel()
-                job.add_done_callback(lambda job: job.cancelled() or job.exception() or _discard_slices(job.result()))
-            raise
-        errors = [job.exception() for job in jobs]
-        if any(errors):
-            for job, error in zip(jobs, errors):
-                if error is None:
-                    _discard_slices(job.result())
-            index, error = next((i, e) for i, e in zip(names, errors) if e is not None)
-            raise self.rejection(f"{field}[{index}]", error) from None
+        results = await self._all([self._decode_video(data, cfg, limits, owner) for data in videos], field, names)
         out = []
-        for job in jobs:
-            slices, grid, timing, seconds = job.result()
+        for slices, grid, timing, seconds in results:
             self.metrics.preprocess_seconds.observe(seconds)
             self.metrics.record("decode", seconds)
             out.append((slices, grid, timing))
         return out
+
+    async def _all(self, decodes: list, field: str, names: list[int]) -> list:
+        """Run a request's decodes concurrently; their results in order, or the first failure as the request's
+        rejection (naming `field[i]`, i from `names`), what the others decoded then discarded: it is not run."""
+        jobs = [asyncio.ensure_future(decode) for decode in decodes]
+        try:
+            await asyncio.wait(jobs)
+        except BaseException:  # the request was cancelled: what was decoded goes, the rest is dropped when done
+            for job in jobs:
+                job.cancel()
+                job.add_done_callback(_discard_result)
+            raise
+        errors = [job.exception() for job in jobs]  # retrieve every one: only the first is reported
+        if any(errors):
+            for job, error in zip(jobs, errors):
+                if error is None:
+                    _discard_decoded(job.result())
+            index, error = next((i, e) for i, e in zip(names, errors) if e is not None)
+            raise self.rejection(f"{field}[{index}]", error) from None
+        return [job.result() for job in jobs]
 
     async def _decode_video(self, data, cfg, limits, owner):
         """A video's header read by a worker first (its limits checked, the memory its decode takes), then that
@@ -349,7 +339,8 @@ class Decoder:
                     start = time.perf_counter()
                     path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
                     result = await self._run(decode_and_resize, data, owner, self.settings.max_image_pixels, cfg,
-                                             path or None, self.fast, self.jpeg_on_device, end=end, spooled=path)
+                                             path or None, self.fast, self.jpeg_on_device, end=end,
+                                             lost=path and functools.partial(spool.remove, path))
                     self.metrics.decode_seconds.observe(time.perf_counter() - start)
                     return result
                 except WorkerDied:
@@ -359,13 +350,13 @@ class Decoder:
             self.budget.release(share)
         raise AssertionError("unreachable")
 
-    async def _run(self, fn, data, owner, *args, end: int | None = None, spooled: str | None = None,
-                   timeout: float | None = None, lost: Callable[[], None] | None = None):
+    async def _run(self, fn, data, owner, *args, end: int | None = None, timeout: float | None = None,
+                   lost: Callable[[], None] | None = None):
         """fn(payload, is_base64, *args) in a decode worker (or thread), under the decode timeout. The payload is
         where the image's base64 lies in its request's body file (SharedText: the worker reads it there, nothing is
         sent), else the image's bytes up to `end` (its base64 as ASCII bytes: a str pickles at twice the server's
-        CPU), made only when a worker takes the job; `spooled`: the spool file the job writes, removed if its worker
-        dies (`lost()`: what to remove instead); `timeout`: the job's limit instead of `--decode-timeout`."""
+        CPU), made only when a worker takes the job; `lost()`: removes what the job writes to the spool, called if its
+        worker dies; `timeout`: the job's limit instead of `--decode-timeout`."""
         is_base64 = isinstance(data, Base64Data)
         if is_base64 and data.shared is not None and self.pool is not None:
             path, offset = data.shared
@@ -376,7 +367,7 @@ class Decoder:
         if self.pool is None:
             return await self._in_thread(lambda: fn(payload() if is_base64 else payload, is_base64, *args), timeout)
         job = self.pool.submit(fn, payload, is_base64, *args, owner=owner, timeout=timeout,
-                               on_lost=lost or spooled and functools.partial(spool.remove, spooled))
+                               on_lost=lost)
         try:
             return await job
         except asyncio.CancelledError:  # the request is gone: the pool drops a result still to come, this one here

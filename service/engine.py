@@ -359,17 +359,8 @@ class Engine:
         took, and the longest queue and inference seconds among them. `keys`: the images' cache keys, where the
         core caches their answers."""
         start = time.perf_counter()
-        decoding = asyncio.ensure_future(self.decoder.decode([images[i] for i in todo], cfg, field, todo))
-        try:  # a client that leaves while its images are decoded frees their decode workers
-            await asyncio.wait({decoding} if disconnected is None else {decoding, disconnected},
-                               return_when=asyncio.FIRST_COMPLETED)
-            if not decoding.done():
-                self.metrics.dropped.inc(len(todo))  # dropped before they were queued
-                raise ClientDisconnected("the client went away")
-        except BaseException:
-            decoding.cancel()
-            raise
-        decoded = decoding.result()
+        decoded = await self._decoded(self.decoder.decode([images[i] for i in todo], cfg, field, todo), disconnected,
+                                      len(todo))
         decode_s = time.perf_counter() - start
         loop = asyncio.get_running_loop()
         items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
@@ -377,6 +368,21 @@ class Engine:
         for i, item, output in zip(todo, items, await self._run(items, disconnected)):
             outputs[i] = (output, item.grid)
         return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
+
+    async def _decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0):
+        """The result of a request's decoding; a client that leaves first frees its decode workers
+        (ClientDisconnected; `dropped` images counted as dropped before they were queued)."""
+        decoding = asyncio.ensure_future(decoding)
+        try:
+            await asyncio.wait({decoding} if disconnected is None else {decoding, disconnected},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not decoding.done():
+                self.metrics.dropped.inc(dropped)
+                raise ClientDisconnected("the client went away")
+        except BaseException:
+            decoding.cancel()
+            raise
+        return decoding.result()
 
     async def _run(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list:
         """Queue decoded items for the devices and wait for their outputs; when the client leaves first, they are
@@ -420,29 +426,26 @@ class Engine:
         if self.settings.allow_url_fetch:
             videos = await fetch.fetch_all(videos, self.settings, field, self.fetch_budget)
         start = time.perf_counter()
-        decoding = asyncio.ensure_future(self.decoder.decode_videos(videos, cfg, field))
-        try:
-            await asyncio.wait({decoding} if disconnected is None else {decoding, disconnected},
-                               return_when=asyncio.FIRST_COMPLETED)
-            if not decoding.done():
-                raise ClientDisconnected("the client went away")
-        except BaseException:
-            decoding.cancel()
-            raise
-        decoded, decode_s = decoding.result(), time.perf_counter() - start
+        decoded = await self._decoded(self.decoder.decode_videos(videos, cfg, field), disconnected)
+        decode_s = time.perf_counter() - start
         loop, items, owners = asyncio.get_running_loop(), [], []
         for j, (slices, (t, h, w), _) in enumerate(decoded):
             items += [WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]") for s in slices]
             owners += [j] * len(slices)
         results = await self._run(items, disconnected)
-        outputs = []
-        for j, (_, grid, timing) in enumerate(decoded):
-            mine = [output for owner, output in zip(owners, results) if owner == j]
-            tokens = torch.cat([tokens for tokens, _ in mine])
-            if mean_pooling:
-                outputs.append((tokens.float().mean(0), []))
-            else:
-                outputs.append((tokens, [torch.cat(layer) for layer in zip(*(ds for _, ds in mine))]))
+
+        def assemble() -> list:  # a video's tokens, slice after slice: megabytes to copy, off the event loop
+            outputs = []
+            for j in range(len(decoded)):
+                mine = [output for owner, output in zip(owners, results) if owner == j]
+                tokens = torch.cat([tokens for tokens, _ in mine])
+                if mean_pooling:
+                    outputs.append((tokens.float().mean(0), []))
+                else:
+                    outputs.append((tokens, [torch.cat(layer) for layer in zip(*(ds for _, ds in mine))]))
+            return outputs
+
+        outputs = await asyncio.to_thread(assemble)
         return Encoded(outputs, [list(grid) for _, grid, _ in decoded], decode_s,
                        max((i.queue_s for i in items), default=0.0), max((i.inference_s for i in items), default=0.0),
                        videos=[timing for _, _, timing in decoded])

@@ -110,7 +110,7 @@ def test_embeddings_pool_a_video(server, library):
     ({"videos": [video_uri(CLIP)], "fps": 2, "num_frames": 4}, 422, "invalid_request"),
     ({}, 422, "invalid_request"),
     ({"images": [base64.b64encode(CLIP).decode()]}, 400, "video_input"),
-    ({"videos": ["%%%"]}, 400, "invalid_base64"),  # (found by tests/test_fuzz.py: a 500 once)
+    ({"videos": ["%%%"]}, 400, "invalid_base64"),
 ])
 def test_bad_videos_get_a_4xx_and_their_neighbours_an_answer(server, body, status, code):
     """Each bad request fails alone, with its code, while a good video request sent at the same time is served."""

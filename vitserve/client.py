@@ -156,6 +156,7 @@ class _Base:
     def __init__(self, base_url: str, api_key: str | None, timeout: float, retries: int,
                  max_images_per_request: int | None):
         self.base_url, self.retries, self.batch = base_url.rstrip("/"), retries, max_images_per_request
+        self.video_batch: int | None = None  # the server's max_videos_per_request, asked once
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
 
@@ -240,7 +241,9 @@ class Client(_Base):
         return out[0] if single else out
 
     def _video_size(self) -> int:
-        return self.model().get("max_videos_per_request") or 1
+        if self.video_batch is None:
+            self.video_batch = self.model().get("max_videos_per_request") or 1
+        return self.video_batch
 
     def embed(self, images, pooling: str = "mean", normalize: bool = False,
               max_pixels: int | None = None) -> torch.Tensor | list[torch.Tensor]:
@@ -305,7 +308,9 @@ class AsyncClient(_Base):
     async def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
                             max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
                             layout: str = "tokens", max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
-        (data, single), size = _videos(videos), (await self.model()).get("max_videos_per_request") or 1
+        if self.video_batch is None:
+            self.video_batch = (await self.model()).get("max_videos_per_request") or 1
+        (data, single), size = _videos(videos), self.video_batch
         replies = await asyncio.gather(*(self._send("POST", "/v1/encode", **_encode_request(
             c, dtype, deepstack, layout, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames))
             for c in _chunks(data, size)))
