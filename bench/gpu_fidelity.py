@@ -24,7 +24,9 @@ from vitserve.encoder.plan import make_plan, to_device  # noqa: E402
 
 MODELS = ["Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
 CASES = {"448x448": [(1, 32, 32)], "640x480": [(1, 34, 46)],
-         "mixed": [(1, 20, 28), (1, 12, 6), (1, 16, 16), (1, 2, 2), (1, 64, 40)]}
+         "mixed": [(1, 20, 28), (1, 12, 6), (1, 16, 16), (1, 2, 2), (1, 64, 40)],
+         # videos: temporal patches (frame pairs) of one grid, attention within each; beside an image
+         "video": [(6, 30, 54)], "video+image": [(4, 16, 24), (1, 32, 32), (2, 10, 14)]}
 
 
 def rel(a, b):
@@ -36,6 +38,7 @@ def main():
     ap.add_argument("--out", default="fidelity.json")
     ap.add_argument("--models", nargs="*", default=MODELS)
     ap.add_argument("--attention-backends", nargs="*", default=["flash", "cudnn", "fa4"])
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must really be fp32
     torch.backends.cudnn.allow_tf32 = False
@@ -53,7 +56,7 @@ def main():
             except ValueError as e:
                 print(f"{backend}: {e}")
         del tensors
-        for (backend, ours), (case, grids) in itertools.product(towers.items(), CASES.items()):
+        for (backend, ours), (case, grids) in itertools.product(towers.items(), [(c, CASES[c]) for c in args.cases]):
             n = sum(t * h * w for t, h, w in grids)
             gen = torch.Generator(device=dev).manual_seed(1)
             px = torch.randn(n, cfg.patch_dim, device=dev, generator=gen)

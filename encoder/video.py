@@ -3,7 +3,11 @@ Qwen2/2.5-VL, `Qwen3VLVideoProcessor` for Qwen3-VL), decoded by PyAV (the `video
 
 * decode: PyAV, frames in decode order, a frame's index being its place in that order (transformers' pyav reader).
   Only the sampled frames are converted (rgb24) and each is resized as it comes, so a video never sits decoded in
-  memory: the resized frames are what stays.
+  memory: the resized frames are what stays. `VideoConfig.decoder` "nvdec" decodes on the GPU's video engines
+  (FFmpeg's CUDA hwaccel in PyAV's wheel; frames come back to host memory for the same conversion); a codec NVDEC
+  lacks decodes in software, and a process where NVDEC cannot open (no GPU, no driver video library) decodes every
+  video in software, which `decoder_used` reports. H.264/HEVC/VP9/AV1 decoding is exact by their specifications, so
+  both decoders give the same frames.
 * sample (`sample_indices`): the family's `sample_frames` (Qwen2: `fps` frames a second between `min_frames` and
   `max_frames`, floored to the temporal patch, `arange` steps; Qwen3: the same bounds, `linspace`).
 * resize (`frame_size`): the family's smart_resize (Qwen2: per frame, as for images; Qwen3: the pixels of every frame
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -33,6 +38,9 @@ import torch
 from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VisionConfig
 from .preprocess import ImageTooLarge, UndecodableImage, as_triple, check_aspect_ratio, smart_resize
 from .preprocess_fast import fast_lut, resize
+
+log = logging.getLogger("vitserve.video")
+DECODERS = ("cpu", "nvdec")  # FFmpeg's software decoders; the GPU's video engines (software where they cannot)
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 
@@ -111,10 +119,13 @@ class VideoConfig:
     max_frames: int = 768
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
+    decoder: str = "cpu"        # one of DECODERS: how frames are decoded, not which frames or pixels
 
     def __post_init__(self) -> None:
         if self.family not in ("qwen2", "qwen3"):
             raise ValueError(f"unknown video rules {self.family!r}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
         object.__setattr__(self, "image_mean", as_triple(self.image_mean, "image_mean"))
         object.__setattr__(self, "image_std", as_triple(self.image_std, "image_std"))
         if self.fps is not None and self.num_frames is not None:
@@ -300,6 +311,7 @@ class Video:
     indices: np.ndarray
     info: VideoInfo
     temporal_patch_size: int
+    decoder: str = "cpu"        # what decoded it: "nvdec" (the GPU's video engines) or "cpu"
 
     def slices(self) -> list[np.ndarray]:
         """uint8 [T, h, w, 3] per temporal patch, the last frame repeated to fill the last slice (views where the
@@ -341,19 +353,52 @@ def _av():
     return av
 
 
-def _open(source: Any, max_pixels: int | None = None):
+_nvdec_refused: str | None = None  # why NVDEC could not open in this process; it is not tried again
+
+
+def nvdec_refused() -> str | None:
+    """Why this process decodes in software although NVDEC was asked for (None: not refused, or not yet tried)."""
+    return _nvdec_refused
+
+
+def _open(source: Any, max_pixels: int | None = None, decoder: str = "cpu"):
     """A PyAV input container for bytes, a file object or a path. `max_pixels`: the largest frame FFmpeg decodes
     while it reads the streams' parameters (it decodes a first frame at the size the headers declare, before any
-    limit sees them)."""
+    limit sees them). `decoder` "nvdec" opens with FFmpeg's CUDA hwaccel (software for codecs NVDEC lacks); where
+    that fails and software opens the same file, NVDEC is refused for the rest of the process."""
+    global _nvdec_refused
     av = _av()
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     elif isinstance(source, os.PathLike):
         source = os.fspath(source)
+    options = {"max_pixels": str(max_pixels)} if max_pixels else None
+    refused = None
+    if decoder == "nvdec" and _nvdec_refused is None:
+        from av.codec.hwaccel import HWAccel
+
+        start = source.tell() if hasattr(source, "tell") else None
+        try:
+            return av.open(source, mode="r", options=options,
+                           hwaccel=HWAccel(device_type="cuda", allow_software_fallback=True))
+        except (av.error.FFmpegError, ValueError, OSError) as e:
+            refused = f"{type(e).__name__}: {e}"
+            if start is not None:
+                source.seek(start)
     try:
-        return av.open(source, mode="r", options={"max_pixels": str(max_pixels)} if max_pixels else None)
+        container = av.open(source, mode="r", options=options)
     except (av.error.FFmpegError, ValueError, OSError) as e:
         raise VideoError("not a video that can be opened", str(e)) from None
+    if refused is not None:  # software opened what NVDEC did not: NVDEC, not the file, is what failed
+        _nvdec_refused = refused
+        log.warning("NVDEC cannot open here (%s): videos decode in software", refused)
+    return container
+
+
+def decoder_used(container) -> str:
+    """ "nvdec" where the container's video stream decodes on NVDEC, else "cpu"."""
+    stream = container.streams.video[0] if container.streams.video else None
+    return "nvdec" if stream is not None and getattr(stream.codec_context, "is_hwaccel", False) else "cpu"
 
 
 def probe(container, limits: VideoLimits | None = None) -> VideoInfo:
@@ -446,7 +491,7 @@ def video_bytes(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits
 
 def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> Video:
     """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize."""
-    container = _open(source, _most_pixels(limits))
+    container = _open(source, _most_pixels(limits), cfg.decoder)
     try:
         info, kept, (height, width), _ = _plan(container, cfg, limits)
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
@@ -456,7 +501,7 @@ def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
             frames[n - 1] = frame
         if n < len(kept):
             raise VideoError(f"the video declares {info.total_frames} frames but ends before frame {int(kept[n])}")
-        return Video(frames, kept, info, cfg.temporal_patch_size)
+        return Video(frames, kept, info, cfg.temporal_patch_size, decoder_used(container))
     finally:
         container.close()
 

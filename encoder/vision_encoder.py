@@ -3,6 +3,7 @@ tower runs in, config.LOAD_FORMATS where its weights come from."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -121,10 +122,12 @@ def load_configs(model: str, load_format: str = "auto", revision: str | None = N
     return cfg, pcfg.with_overrides(**overrides), ckpt
 
 
-def video_config_of(cfg: VisionConfig, ckpt) -> video.VideoConfig:
+def video_config_of(cfg: VisionConfig, ckpt, preprocess: str = "exact") -> video.VideoConfig:
     """The video preprocessing of a checkpoint (its video processor settings over the family's defaults; the
-    defaults alone for dummy weights, `ckpt` None)."""
-    return video.VideoConfig.for_model(cfg, checkpoint.read_video_config(ckpt) if ckpt is not None else None)
+    defaults alone for dummy weights, `ckpt` None). "fast" preprocessing decodes on NVDEC where it opens (the same
+    frames: video.DECODERS)."""
+    config = video.VideoConfig.for_model(cfg, checkpoint.read_video_config(ckpt) if ckpt is not None else None)
+    return dataclasses.replace(config, decoder="nvdec") if preprocess == "fast" else config
 
 
 class VisionEncoder:
@@ -186,7 +189,7 @@ class VisionEncoder:
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
-        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt))
+        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt, preprocess))
         if capture:
             encoder.capture()
         return encoder

@@ -103,11 +103,11 @@ def measure_video(data, is_base64: bool, cfg, limits) -> int:
     return video_bytes(image_bytes(data, is_base64), cfg, limits)
 
 
-def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None) -> tuple[list, tuple, dict,
+def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None) -> tuple[list, tuple, dict, str,
                                                                                               float]:
     """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its slices (uint8 [T, h, w, 3] each,
     in spool files `spool_path`-0, -1, ... where given and it can), its grid (slices, h / p, w / p), its timing
-    (frame_indices, fps, timestamps, second_per_grid_t) and the seconds it took (encoder.video.load_video: the
+    (frame_indices, fps, timestamps, second_per_grid_t), the decoder that decoded it and the seconds it took (encoder.video.load_video: the
     limits are checked from the header first, frames decoded one at a time and resized as they come)."""
     from ..encoder.video import load_video
 
@@ -118,4 +118,5 @@ def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = No
     _, h, w, _ = video.frames.shape
     timing = {"frame_indices": video.indices.tolist(), "fps": video.info.fps, "timestamps": video.timestamps,
               "second_per_grid_t": video.second_per_grid_t}
-    return out, (len(slices), h // cfg.patch_size, w // cfg.patch_size), timing, time.perf_counter() - start
+    grid = (len(slices), h // cfg.patch_size, w // cfg.patch_size)
+    return out, grid, timing, video.decoder, time.perf_counter() - start

@@ -267,7 +267,8 @@ class Decoder:
                              max_bytes=s.decode_memory_per_request)
         results = await self._all([self._decode_video(data, cfg, limits, owner) for data in videos], field, names)
         out = []
-        for slices, grid, timing, seconds in results:
+        for slices, grid, timing, decoder, seconds in results:
+            self.metrics.videos.labels(decoder).inc()
             self.metrics.preprocess_seconds.observe(seconds)
             self.metrics.record("decode", seconds)
             out.append((slices, grid, timing))

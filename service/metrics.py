@@ -33,6 +33,8 @@ class Metrics:
         self.requests = Counter("vitserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"],
                                 registry=r)
         self.images = Counter("vitserve_images", "Images encoded", ["device"], registry=r)
+        self.videos = Counter("vitserve_videos_decoded", "Videos decoded, by the decoder that decoded them (cpu, or "
+                              "nvdec with --preprocess fast where the GPU's video engines open)", ["decoder"], registry=r)
         self.queue_seconds = Histogram("vitserve_queue_seconds", "Time an image waited for its batch",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.preprocess_seconds = Histogram("vitserve_preprocess_seconds", "Decode + resize work per image, in its "

@@ -207,3 +207,54 @@ def test_the_memory_a_video_takes_is_known_from_its_header():
     assert V.video_bytes(clip, cfg) == video.frames.nbytes + 160 * 120 * 3
     with pytest.raises(V.VideoTooLarge):
         V.video_bytes(clip, cfg, V.VideoLimits(max_bytes=video.frames.nbytes - 1))
+
+
+@pytest.fixture
+def nvdec_untried(monkeypatch):
+    """This process as if NVDEC had not been tried yet (a refusal is remembered for the process)."""
+    monkeypatch.setattr(V, "_nvdec_refused", None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback: a machine where NVDEC cannot open")
+def test_nvdec_falls_back_to_software_with_the_same_frames(nvdec_untried):
+    """decoder "nvdec" where no GPU opens: the video decodes in software (the same frames, said so), NVDEC's refusal
+    is remembered with its reason, and a file that no decoder opens is still the file's error (a VideoError), not
+    taken as NVDEC's."""
+    clip = make_video(30, 10, 160, 120)
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl")).with_request(num_frames=6)
+    nvdec = dataclasses.replace(cfg, decoder="nvdec")
+    with pytest.raises(V.VideoError):
+        V.load_video(b"\x00\x00\x00\x18ftypmp42" + bytes(64), nvdec)
+    assert V.nvdec_refused() is None
+    video = V.load_video(clip, nvdec)
+    assert video.decoder == "cpu" and V.nvdec_refused()
+    assert np.array_equal(video.frames, V.load_video(clip, cfg).frames)
+    assert V.load_video(clip, nvdec).decoder == "cpu"  # not tried again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("codec", ["h264", "hevc", "libvpx-vp9"])
+def test_nvdec_decodes_the_frames_software_does(nvdec_untried, codec):
+    """On a GPU: NVDEC decodes H.264, HEVC and VP9 (said so by `decoder`) to the frames FFmpeg's software decoders
+    give, bit for bit (the codecs' decoding is exact), through the same sampling and resize."""
+    container = "webm" if codec == "libvpx-vp9" else "mp4"
+    clip = make_video(40, 10, 320, 240, codec=codec, container=container)
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl")).with_request(fps=4)
+    video = V.load_video(clip, dataclasses.replace(cfg, decoder="nvdec"))
+    if V.nvdec_refused():
+        pytest.skip(f"NVDEC does not open on this machine: {V.nvdec_refused()}")
+    assert video.decoder == "nvdec"
+    assert np.array_equal(video.frames, V.load_video(clip, cfg).frames)
+
+
+def test_fast_preprocessing_asks_for_nvdec():
+    """video_config_of: "fast" preprocessing decodes on NVDEC (where it opens), "exact" in software; a decoder
+    that does not exist is refused."""
+    cfg = builtin_config("tiny-qwen3-vl")
+    from vitserve.encoder.vision_encoder import video_config_of
+
+    assert video_config_of(cfg, None, "fast").decoder == "nvdec"
+    assert video_config_of(cfg, None).decoder == "cpu"
+    with pytest.raises(ValueError, match="decoder"):
+        V.VideoConfig.for_model(cfg).__class__(family="qwen3", patch_size=16, decoder="gpu")

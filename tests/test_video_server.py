@@ -145,8 +145,9 @@ def test_a_checkpoint_served_matches_transformers_tower(checkpoints):
 
 
 def test_fast_preprocessing_serves_the_same_videos(library):
-    """--preprocess fast resizes images on the device; videos are preprocessed as transformers' video processor does
-    either way (on the host), so their answer is the exact one, beside an image in the same request."""
+    """--preprocess fast resizes images on the device and decodes videos on NVDEC where it opens (software here, with
+    no GPU: the fallback); videos are sampled and resized as transformers' video processor does either way, so their
+    answer is the exact one, beside an image in the same request, and /metrics counts the video by its decoder."""
     image = encode(photo(96, 64, 5), "JPEG")
     for _, url in serving("--model", MODEL, "--load-format", "dummy", "--preprocess", "fast"):
         body = {"images": [f"data:image/jpeg;base64,{base64.b64encode(image).decode()}"],
@@ -154,3 +155,5 @@ def test_fast_preprocessing_serves_the_same_videos(library):
         r = httpx.post(url + "/v1/encode", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert torch.equal(tensor(r.json()["data"][1]), library.encode_videos(CLIP, num_frames=6).embeddings)
+        decoder = "nvdec" if torch.cuda.is_available() else "cpu"
+        assert f'vitserve_videos_decoded_total{{decoder="{decoder}"}} 1.0' in httpx.get(url + "/metrics").text
