@@ -30,8 +30,9 @@ from .gate import Gate
 from .json_body import Text, read_json
 from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
                       converted, embedding_payload, json_response, safetensors_parts)
-from .schemas import EmbeddingRequest, EncodeForm, EncodeRequest
+from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest
 from .settings import Settings
+from .vllm_tier import Item, VLLMTier, chat_completion, chat_items, chat_options
 
 
 CLIP = 200  # characters of a client's value that an error message repeats
@@ -107,6 +108,7 @@ def laid_out(embeddings, deepstack: list, layout: str):
 
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(settings)
+    tier = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -114,6 +116,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         yield
         engine.drain()
         await engine.stop()
+        if tier is not None:
+            tier.close()
 
     app = FastAPI(title="vitserve", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
@@ -280,7 +284,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             videos = [decode_input(item, i, settings.allow_url_fetch, "videos", "video")
                       for i, item in enumerate(body.videos)]
         check_model(body.model)
-        result = await encode_all(request, images, videos, body)
+        uuids = getattr(body, "multi_modal_uuids", None) or {}
+        items = [Item(kind, data, (uuids.get(kind) or [None] * len(given))[i], f"{kind}s[{i}]")
+                 for kind, given in (("image", images), ("video", videos)) for i, data in enumerate(given)]
+        result, ids = await encode_for_tier(request, items, lambda: encode_all(request, images, videos, body))
 
         def build() -> Response:
             tokens = request.state.tokens
@@ -291,6 +298,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                             "tokens": str(tokens), "layout": body.layout}
                 if result.videos:  # per item: null for an image, a video's timing
                     metadata["videos"] = json.dumps(result.videos)
+                if ids is not None:
+                    metadata["ec_ids"] = json.dumps(ids)
                 return PartsResponse(safetensors_parts(outputs, body.dtype, metadata, body.deepstack),
                                      media_type="application/octet-stream")
             data = []
@@ -300,12 +309,65 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                         "embeddings": b64(converted(embeddings, OUT[body.dtype])),
                         "deepstack": [b64(converted(d, OUT[body.dtype])) for d in deepstack]
                         if deepstack and body.deepstack else None}
-                data.append(item | (video or {}))
+                data.append(item | (video or {}) | ({"ec_id": ids[i]} if ids is not None else {}))
             return json_response({"object": "list", "model": settings.model_name, "layout": body.layout,
                                   "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                                   "cache_hits": result.cache_hits})
 
-        return await answer(request, result, build)
+        return await answer_beside_files(request, result, build, ids)
+
+    async def encode_for_tier(request: Request, items: list[Item], encode, kwargs: dict | None = None):
+        """`encode()`'s result and, with --ec-shared-storage, the items' vLLM identifiers (computed beside the
+        encode; a bad item's own error comes first), else None."""
+        if tier is None:
+            return await encode(), None
+        identifiers = asyncio.ensure_future(tier.identifiers(items, kwargs))
+        try:
+            result = await encode()
+        except BaseException:
+            identifiers.cancel()
+            raise
+        return result, await identifiers
+
+    async def answer_beside_files(request: Request, result: Encoded, build, ids: list[str] | None) -> Response:
+        """`answer`, with the items' encoder-cache files written beside its serialization (where `ids`): sent
+        once both are done, so whoever has the answer finds the files."""
+        if ids is None:
+            return await answer(request, result, build)
+        files = asyncio.ensure_future(tier.write(ids, result.outputs))
+        try:
+            response = await answer(request, result, build)
+        finally:
+            await files
+        return response
+
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatRequest))
+    async def chat_completions(request: Request):
+        """vLLM's disaggregated-encoder proxy's request to an encoder instance (service/vllm_tier.py): the
+        messages' media encoded and written for vLLM, `ec_transfer_params` back."""
+        if tier is None:
+            raise ServiceError(404, "/v1/chat/completions serves vLLM's encoder tier: start the server with "
+                                    "--ec-shared-storage", "encoder_tier_off")
+        limit = settings.max_images_per_request + settings.max_videos_per_request
+        body = await read_json(request, ChatRequest, 4 * limit, ("url",), engine.decoder.bodies)
+        items, options = chat_items(body), chat_options(body)
+        images, videos = [], []
+        for item in items:
+            given = images if item.modality == "image" else videos
+            item.data = decode_input(item.data, len(given), settings.allow_url_fetch, f"{item.modality}s",
+                                     item.modality)
+            given.append(item.data)
+        result, ids = await encode_for_tier(request, items, lambda: encode_all(request, images, videos, options),
+                                            body.mm_processor_kwargs)
+        order = [i for kind in ("image", "video") for i, item in enumerate(items) if item.modality == kind]
+        grids, timing = [None] * len(items), [None] * len(items)
+        for position, i in enumerate(order):  # encode_all answers the images first, then the videos
+            grids[i], timing[i] = result.grids[position], (result.videos or [None] * len(order))[position]
+        ids = [ids[i] for i in order]  # as the outputs are ordered, for the writes
+        params = tier.transfer_params([ids[order.index(i)] for i in range(len(items))], items, grids, timing,
+                                      engine.model.config.family == "qwen3_vl")
+        content = chat_completion(body.model, params, request.state.tokens)
+        return await answer_beside_files(request, result, lambda: json_response(content), ids)
 
     @app.get("/v1/models")
     async def models():

@@ -386,13 +386,14 @@ def _number(value: float) -> str:
 # ---- processes ---------------------------------------------------------------------------------------------------
 def front_settings(settings: Settings, fronts: int) -> Settings:
     """One front end's share of the server's limits (connections, requests in flight, memory budgets, decode
-    workers): each is split evenly, so that the server's totals hold."""
+    workers, the encoder-cache files' space): each is split evenly, so that the server's totals hold."""
     share = lambda n: max(1, math.ceil(n / fronts))  # noqa: E731
     return dataclasses.replace(
         settings, decode_workers=max(1, settings.decode_worker_count() // fronts),
         max_concurrent_requests=share(settings.max_concurrent_requests),
         max_connections=share(settings.max_connections), body_memory=share(settings.body_memory),
-        decode_memory=share(settings.decode_memory), url_fetch_memory=share(settings.url_fetch_memory))
+        decode_memory=share(settings.decode_memory), url_fetch_memory=share(settings.url_fetch_memory),
+        ec_storage_bytes=share(settings.ec_storage_bytes))
 
 
 def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> None:

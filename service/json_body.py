@@ -180,12 +180,24 @@ def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_
         raise RequestValidationError(errors) from None
     if not long:
         return parsed
-    view = memoryview(body)
-    for name in type(parsed).model_fields:
-        value = getattr(parsed, name)
-        if isinstance(value, (str, list)):
-            setattr(parsed, name, _restore(value, name in raw_fields, body, view, long, path))
+    _restore_fields(parsed, raw_fields, body, memoryview(body), long, path)
     return parsed
+
+
+def _restore_fields(model: BaseModel, raw_fields: tuple[str, ...], body, view: memoryview,
+                    long: list[tuple[int, int]], path: str | None) -> None:
+    """`_restore` every field of a parsed model, and of the models within it (a chat request's content parts), the
+    fields named in `raw_fields` at any depth as `Text`."""
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            _restore_fields(value, raw_fields, body, view, long, path)
+        elif isinstance(value, list) and any(isinstance(v, BaseModel) for v in value):
+            for v in value:
+                if isinstance(v, BaseModel):
+                    _restore_fields(v, raw_fields, body, view, long, path)
+        elif isinstance(value, (str, list)):
+            setattr(model, name, _restore(value, name in raw_fields, body, view, long, path))
 
 
 def _restore(value, raw: bool, body, view: memoryview, long: list[tuple[int, int]], path: str | None):

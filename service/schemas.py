@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -77,11 +77,19 @@ class EncodeRequest(VideoOptions):
     deepstack: bool = True
     layout: Literal["tokens", "vllm"] = "tokens"  # vllm: one tensor per image, deepstack concatenated on the width
     max_pixels: int | None = MAX_PIXELS
+    # with --ec-shared-storage: vLLM's uuids of the items (the identifiers their files are named by), else vLLM's
+    # own content hash of each image (a video needs one)
+    multi_modal_uuids: dict[Literal["image", "video"], list[str | None]] | None = None
 
     @model_validator(mode="after")
     def something(self):
         if not self.images and not self.videos:
             raise ValueError("give images or videos (or both)")
+        for modality, items in (("image", self.images), ("video", self.videos)):
+            given = (self.multi_modal_uuids or {}).get(modality)
+            if given is not None and len(given) != len(items):
+                raise ValueError(f"multi_modal_uuids.{modality} has {len(given)} entries for {len(items)} "
+                                 f"{modality}s")
         return self
 
 
@@ -95,3 +103,36 @@ class EncodeForm(VideoOptions):
     deepstack: bool = True
     layout: Literal["tokens", "vllm"] = "tokens"
     max_pixels: int | None = MAX_PIXELS
+
+
+class ChatMediaURL(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str | None = None
+
+
+class ChatPart(BaseModel):
+    """A chat message's content part: text (ignored), or `image_url` / `video_url` with vLLM's optional `uuid`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    image_url: ChatMediaURL | str | None = None
+    video_url: ChatMediaURL | str | None = None
+    uuid: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str = "user"
+    content: str | list[ChatPart] | None = None
+
+
+class ChatRequest(BaseModel):
+    """vLLM's chat completion request as its disaggregated-encoder proxy sends it to an encoder instance: the media
+    parts of the messages are encoded; the sampling fields an LLM would read are accepted and ignored (nothing is
+    generated)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None

@@ -24,7 +24,9 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half")
 PREPROCESS_MODES = ("exact", "fast")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 # the groups of `vitserve serve --help` and of docs/configuration.md's table, in their order
-GROUPS = ("model", "devices and kernels", "server", "batching", "limits", "decoding", "cache", "logging")
+GROUPS = ("model", "devices and kernels", "server", "batching", "limits", "decoding", "cache", "encoder tier",
+          "logging")
+EC_HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # service.vllm_hash.ALGORITHMS (a test keeps them equal)
 
 
 def _setting(default, help: str, group: str, encode: bool = False, aliases: tuple[str, ...] = (),
@@ -120,6 +122,22 @@ class Settings:
     cache_scope: str = _setting("server", "who shares the embedding cache: server (every client) or api-key (each "
                                           "--api-key its own: a client never learns what another key sent)", "cache",
                                 choices=CACHE_SCOPES)
+    ec_shared_storage: str | None = _setting(None, "be vLLM's encoder tier: every item /v1/encode and "
+                                                   "/v1/chat/completions encode is also written where vLLM's "
+                                                   "ECExampleConnector reads it (DIR/<identifier>/"
+                                                   "encoder_cache.safetensors; docs/llm.md)", "encoder tier",
+                                             metavar="DIR")
+    ec_storage_bytes: int = _setting(8 * 2**30, "what the encoder-cache files may take in --ec-shared-storage: "
+                                                "beyond, the least recently written go", "encoder tier", size=True)
+    ec_file_mode: str = _setting("0644", "permissions of the encoder-cache files, octal (their folders: the same "
+                                         "with x wherever r)", "encoder tier", metavar="MODE")
+    ec_dtype: str = _setting("auto", "dtype of the encoder-cache tensors: the vLLM model's (auto: --dtype's)",
+                             "encoder tier", choices=("auto", *DTYPE_NAMES))
+    ec_model_id: str | None = _setting(None, "the model string the vLLM consumer runs (its --model), which its "
+                                             "identifiers of items without a uuid hash (default: --model)",
+                                       "encoder tier", metavar="MODEL")
+    ec_hash_algorithm: str = _setting("blake3", "the consumer's --mm-hasher-algorithm", "encoder tier",
+                                      choices=EC_HASH_ALGORITHMS)
     max_header_bytes: int = _setting(64 * 2**10, "size of a request's line and headers (beyond, a 400 and the "
                                                  "connection closed)", "server", size=True)
     header_timeout: float = _setting(10.0, "seconds to receive a request's headers, from its first byte (beyond, "
@@ -176,6 +194,13 @@ class Settings:
                    "--api-servers above 1 serves the devices from processes of their own: drop "
                    "--device-processes false"),
                   (self.cache_bytes >= 0, "--cache-bytes must be >= 0"),
+                  (self.ec_storage_bytes > 0, "--ec-storage-bytes must be positive"),
+                  (self.ec_dtype == "auto" or self.ec_dtype in DTYPE_NAMES,
+                   f"--ec-dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.ec_dtype!r}"),
+                  (re.fullmatch(r"0?[0-7]{3}", self.ec_file_mode) is not None,
+                   "--ec-file-mode must be octal permissions, e.g. 0640"),
+                  (self.ec_hash_algorithm in EC_HASH_ALGORITHMS,
+                   f"--ec-hash-algorithm must be one of {', '.join(EC_HASH_ALGORITHMS)}"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "--payload-limit, --max-image-pixels and --max-images-per-request must be positive"),
                   (self.max_videos_per_request >= 0 and self.max_video_frames > 0 and self.max_video_seconds > 0

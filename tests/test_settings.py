@@ -192,7 +192,7 @@ def test_encode_reads_the_model_settings_only(monkeypatch):
 
 # ---- sizes, help and flags (issue 25, item 19) -------------------------------------------------------------------
 SIZES = ["payload_limit", "decode_memory_per_request", "decode_memory", "body_memory", "cache_bytes",
-         "max_header_bytes", "url_fetch_memory"]
+         "max_header_bytes", "url_fetch_memory", "ec_storage_bytes"]
 
 
 def test_every_byte_count_is_a_size():

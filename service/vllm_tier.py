@@ -1,0 +1,187 @@
+"""vitserve as vLLM's encoder tier (`--ec-shared-storage DIR`; docs/llm.md): every item that /v1/encode or
+/v1/chat/completions encodes is also written as vLLM's ECExampleConnector reads it (service/ec_storage.py), named by
+the identifier vLLM's consumer looks it up by (service/vllm_hash.py), so that vLLM skips its own tower for it.
+
+* /v1/encode: the answer as always, each item with its `ec_id`; `multi_modal_uuids` names the items (vLLM's
+  uuids), else an image is named by vLLM's content hash of its bytes (a video or a URL needs a uuid).
+* /v1/chat/completions: the request vLLM's disaggregated-encoder proxy sends its encoder instances (a chat message
+  whose content parts are `image_url` / `video_url` with a `uuid` each); the answer is what the proxy reads of a
+  vLLM producer's: `ec_transfer_params`, per identifier its modality, its indices among the request's media parts
+  and the metadata that sizes its placeholder (`image_grid_thw` / `video_grid_thw`, and Qwen3-VL's video
+  `timestamps`), in a chat completion that generates nothing.
+The files are written beside the answer's serialization, and the answer is sent once they are in place: a client
+(or the proxy) that has the answer finds the files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid as uuidlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..encoder.preprocess import Base64Data, InvalidBase64, decode_base64
+from ..encoder.vision_encoder import DTYPES
+from .ec_storage import ECStorage, check_identifier
+from .errors import ServiceError
+from .schemas import ChatMediaURL, ChatRequest
+from .vllm_hash import hash_factors, mm_hash
+
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+# mm_processor_kwargs this server applies (per request, within its limits), as vLLM's Qwen processors read them
+PROCESSOR_OPTIONS = {"max_pixels", "fps", "num_frames", "max_frames"}
+
+
+@dataclass
+class Item:
+    """One medium of a request: its modality, what the client sent (base64, bytes or a URL), vLLM's uuid for it
+    and where it is in the request (for errors)."""
+
+    modality: str
+    data: Any
+    uuid: str | None
+    param: str
+
+
+@dataclass
+class Options:
+    """A chat request's processing options (from its mm_processor_kwargs), as /v1/encode's body carries them."""
+
+    max_pixels: int | None = None
+    fps: float | None = None
+    num_frames: int | None = None
+    max_frames: int | None = None
+
+    def video_options(self) -> dict:
+        return {"fps": self.fps, "num_frames": self.num_frames, "max_frames": self.max_frames}
+
+
+def chat_items(body: ChatRequest) -> list[Item]:
+    """The media parts of a chat request's messages, in order (text parts are skipped); another kind of part (audio)
+    or a part without its URL is a 400."""
+    items = []
+    for m, message in enumerate(body.messages):
+        for p, part in enumerate(message.content if isinstance(message.content, list) else []):
+            param = f"messages[{m}].content[{p}]"
+            if part.type == "text":
+                continue
+            if part.type not in MEDIA_PARTS:
+                raise ServiceError(400, f"{param}: a {part.type!r} part; this encoder takes image_url and video_url",
+                                   "unsupported_content", param)
+            media = getattr(part, part.type)
+            url = media.url if isinstance(media, ChatMediaURL) else media
+            if url is None:
+                raise ServiceError(400, f"{param}: no url (an encoder needs the medium itself)", "missing_url", param)
+            items.append(Item(MEDIA_PARTS[part.type], url, part.uuid, param))
+    if not items:
+        raise ServiceError(400, "the messages hold no image_url or video_url part", "no_media", "messages")
+    return items
+
+
+def chat_options(body: ChatRequest) -> Options:
+    """The request's mm_processor_kwargs as this server's options; one it cannot apply, or media_io_kwargs (how
+    vLLM would load the media), is a 400: the features would not be the ones the consumer's identifier promises."""
+    if body.media_io_kwargs:
+        raise ServiceError(400, "media_io_kwargs is not supported: this server loads media with its own settings",
+                           "unsupported_media_io_kwargs", "media_io_kwargs")
+    kwargs = dict(body.mm_processor_kwargs or {})
+    for scoped in ("images_kwargs", "videos_kwargs"):
+        kwargs |= kwargs.pop(scoped, None) or {}
+    unknown = sorted(set(kwargs) - PROCESSOR_OPTIONS)
+    if unknown:
+        raise ServiceError(400, f"mm_processor_kwargs {', '.join(unknown)} not supported (this server applies "
+                                f"{', '.join(sorted(PROCESSOR_OPTIONS))})", "unsupported_mm_processor_kwargs",
+                           "mm_processor_kwargs")
+    try:
+        return Options(**{k: v for k, v in kwargs.items() if v is not None})
+    except TypeError as e:
+        raise ServiceError(400, f"mm_processor_kwargs: {e}", "invalid_mm_processor_kwargs",
+                           "mm_processor_kwargs") from None
+
+
+class VLLMTier:
+    """The encoder-cache files of one front end: identifiers computed and files written off the event loop."""
+
+    def __init__(self, settings, dtype: str):
+        ec_dtype = DTYPES[dtype if settings.ec_dtype == "auto" else settings.ec_dtype]
+        self.storage = ECStorage(settings.ec_shared_storage, settings.ec_storage_bytes,
+                                 int(settings.ec_file_mode, 8), ec_dtype)
+        self.model_id = settings.ec_model_id or settings.model
+        self.algorithm = settings.ec_hash_algorithm
+        self.pool = ThreadPoolExecutor(4, thread_name_prefix="vitserve-ec-io")
+        mm_hash("image", self.model_id, self.algorithm, uuid="x", mm_processor_kwargs={"x": 1})  # the digest loads
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _identifier(self, item: Item, kwargs: dict | None) -> str:
+        """Runs in the pool: an item's identifier (its base64 decoded and hashed where it has no uuid)."""
+        data = item.data
+        if item.uuid is None:
+            try:
+                data = decode_base64(data.ascii()) if isinstance(data, Base64Data) else bytes(data)
+            except InvalidBase64 as e:
+                raise ServiceError(400, f"{item.param}: {e}", "invalid_base64", item.param) from None
+        try:
+            return mm_hash(item.modality, self.model_id, self.algorithm, data=data, uuid=item.uuid,
+                           mm_processor_kwargs=kwargs)
+        except OSError:  # PIL cannot read it, so neither can vLLM's loader
+            raise ServiceError(400, f"{item.param}: not an image vLLM's loader reads, so it has no identifier there",
+                               "unidentified_image", item.param) from None
+
+    async def identifiers(self, items: list[Item], kwargs: dict | None = None) -> list[str]:
+        """vLLM's identifier of each item (its uuid, or a hash: in the pool). A video or a URL without a uuid, or a
+        uuid that cannot name a folder, is a 400 (before anything is decoded)."""
+        for item in items:
+            if item.uuid is None and (item.modality == "video" or isinstance(item.data, str)):
+                what = "a video" if item.modality == "video" else "an image URL"
+                raise ServiceError(400, f"{item.param}: {what} needs a uuid to be named for vLLM (its own identifier "
+                                        "of it depends on what vLLM's loader makes of it)", "uuid_required",
+                                   item.param)
+            if item.uuid is not None:
+                try:
+                    check_identifier(item.uuid)
+                except ValueError as e:
+                    raise ServiceError(400, f"{item.param}: {e}", "invalid_uuid", item.param) from None
+        if all(item.uuid is not None for item in items) and not any(
+                hash_factors(item.modality, kwargs) for item in items):
+            return [item.uuid for item in items]
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*(loop.run_in_executor(self.pool, self._identifier, item, kwargs)
+                                           for item in items)))
+
+    async def write(self, identifiers: list[str], outputs: list) -> None:
+        """Write every item's file (side by side, in the pool); a storage failure is a 507 `ec_write_failed`."""
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self.pool, self.storage.write, identifier, tokens, deepstack)
+                for identifier, (tokens, deepstack) in dict(zip(identifiers, outputs)).items()]
+        try:
+            await asyncio.gather(*jobs)
+        except (OSError, ValueError) as e:
+            raise ServiceError(507, f"the encoder cache could not be written: {e}", "ec_write_failed") from None
+
+    @staticmethod
+    def transfer_params(identifiers: list[str], items: list[Item], grids: list, timing: list, qwen3: bool) -> dict:
+        """`ec_transfer_params` as a vLLM producer reports them (its connector's `request_finished`): per
+        identifier, its modality, the indices of its items among the request's media parts, and the metadata that
+        sizes its placeholder (`grids`, and for Qwen3-VL a video's `timestamps` from `timing`, in the items'
+        order)."""
+        params: dict = {}
+        for i, (identifier, item, grid, video) in enumerate(zip(identifiers, items, grids, timing)):
+            entry = params.setdefault(identifier, {"modality": item.modality, "item_indices": [], "metadata": {}})
+            entry["item_indices"].append(i)
+            entry["metadata"] = {f"{item.modality}_grid_thw": list(grid)}
+            if video is not None and qwen3:
+                entry["metadata"]["timestamps"] = list(video["timestamps"])
+        return params
+
+
+def chat_completion(model: str | None, params: dict, tokens: int) -> dict:
+    """A chat completion that generates nothing, with the producer's `ec_transfer_params`."""
+    return {"id": f"chatcmpl-{uuidlib.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+            "ec_transfer_params": params}

@@ -1,0 +1,214 @@
+"""vitserve as vLLM's encoder tier (service/vllm_tier.py, ec_storage.py, vllm_hash.py): the files vLLM's
+ECExampleConnector reads, their bounds and permissions, and a real server writing them from /v1/encode and from the
+chat request vLLM's disaggregated-encoder proxy sends. vLLM's own classes read these files and compute these
+identifiers in tests/test_engine_contracts.py."""
+
+from __future__ import annotations
+
+import base64
+import os
+import stat
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from corpus import encode, photo
+from helpers import serving
+from safetensors.torch import load_file
+
+from vitserve.service import ec_storage
+from vitserve.service.ec_storage import ECStorage
+from vitserve.service.settings import EC_HASH_ALGORITHMS
+from vitserve.service.vllm_hash import ALGORITHMS, mm_hash
+
+MODEL = "tiny-qwen3-vl"
+
+
+def item(rows=12, width=8, levels=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=g), [torch.randn(rows, width, generator=g) for _ in range(levels)]
+
+
+def test_a_file_holds_the_tokens_then_the_deepstack_features_in_the_consumers_dtype(tmp_path):
+    """One tensor `ec_cache`: cat([tokens, ds0, ds1, ds2], -1) in the storage's dtype, at
+    <dir>/<identifier>/encoder_cache.safetensors, nothing else in the folder; split over writer threads or not."""
+    tokens, deepstack = item(rows=301)
+    for writers in (1, 4):
+        storage = ECStorage(tmp_path / str(writers), 2**30, dtype=torch.bfloat16, writers=writers)
+        storage.write("abc", tokens, deepstack)
+        tensors = load_file(tmp_path / str(writers) / "abc" / "encoder_cache.safetensors")
+        assert list(tensors) == ["ec_cache"]
+        assert torch.equal(tensors["ec_cache"], torch.cat([tokens, *deepstack], -1).bfloat16())
+        assert os.listdir(tmp_path / str(writers)) == ["abc"]
+    storage = ECStorage(tmp_path / "f32", 2**30, dtype=torch.float32)
+    storage.write("x", tokens)
+    assert torch.equal(load_file(storage.path("x"))["ec_cache"], tokens)
+
+
+def test_a_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The consumer takes existence as readiness: the final path appears only by the rename of a complete file, and
+    a write that fails leaves neither a file nor a temporary one."""
+    storage = ECStorage(tmp_path, 2**30)
+    tokens, deepstack = item()
+    replace = os.replace
+    seen = []
+
+    def checked(src, dst):
+        assert not os.path.exists(dst)
+        seen.append(torch.equal(load_file(src)["ec_cache"], torch.cat([tokens, *deepstack], -1).bfloat16()))
+        replace(src, dst)
+
+    monkeypatch.setattr(ec_storage.os, "replace", checked)
+    storage.write("a", tokens, deepstack)
+    assert seen == [True]
+
+    def failing(fd, pieces, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ec_storage.os, "pwritev", failing)
+    with pytest.raises(OSError):
+        storage.write("b", tokens, deepstack)
+    assert sorted(os.listdir(tmp_path)) == ["a"] and storage.bytes == storage.path("a").stat().st_size
+
+
+def test_the_space_is_bounded_least_recently_written_first(tmp_path):
+    """Files stay within max_bytes: the least recently written go (an item written again is recent again); files
+    found at start count, oldest first; an item larger than the bound is refused."""
+    tokens, _ = item(rows=64, width=64, levels=0)
+    size = ECStorage(tmp_path / "probe", 2**30, dtype=torch.float32).write("p", tokens)
+    storage = ECStorage(tmp_path / "s", 3 * size, dtype=torch.float32)
+    for name in "abc":
+        storage.write(name, tokens)
+    storage.write("a", tokens)  # already there: now the most recent
+    storage.write("d", tokens)
+    assert sorted(os.listdir(tmp_path / "s")) == ["a", "c", "d"] and storage.bytes == 3 * size
+    again = ECStorage(tmp_path / "s", 2 * size, dtype=torch.float32)  # a restart with less room
+    assert len(os.listdir(tmp_path / "s")) == 2 and again.bytes == 2 * size
+    with pytest.raises(ValueError, match="does not fit"):
+        ECStorage(tmp_path / "t", size - 1, dtype=torch.float32).write("big", tokens)
+
+
+def test_files_and_folders_get_the_operators_permissions(tmp_path):
+    """--ec-file-mode: the file's mode as given (not the umask's), its folder the same with x wherever r."""
+    old = os.umask(0o077)
+    try:
+        ECStorage(tmp_path, 2**30, file_mode=0o640).write("m", *item())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "m" / "encoder_cache.safetensors").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == 0o750
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "x" * 256])
+def test_an_identifier_is_one_folder_name(tmp_path, bad):
+    with pytest.raises(ValueError):
+        ECStorage(tmp_path, 2**30).write(bad, *item())
+
+
+def test_identifiers_follow_vllms_rules():
+    """A uuid is the identifier as it is, unless the request has hash factors (then it is hashed with them, the same
+    for every image); an image without one is named by its bytes (PNG and JPEG of one picture differ), with vLLM's
+    conversion settings where its loader converts the mode; a video needs a uuid. The algorithms are the settings'."""
+    pixels = photo(40, 30, 3)
+    png, jpeg = encode(pixels, "PNG"), encode(pixels, "JPEG")
+    assert mm_hash("image", "m", uuid="u-1") == "u-1"
+    hashed = mm_hash("image", "m", uuid="u-1", mm_processor_kwargs={"max_pixels": 1000})
+    assert hashed != "u-1" and len(hashed) == 64
+    assert mm_hash("image", "m", data=png) != mm_hash("image", "m", data=jpeg)
+    assert mm_hash("image", "m", data=png) != mm_hash("image", "other", data=png)
+    assert len(mm_hash("image", "m", "sha512", data=png)) == 128
+    rgba = encode(pixels.convert("RGBA"), "PNG")
+    from vitserve.service.vllm_hash import image_io_config
+
+    assert image_io_config(png) is None and image_io_config(rgba) is not None
+    with pytest.raises(ValueError):
+        mm_hash("video", "m", data=b"...")
+    assert ALGORITHMS == EC_HASH_ALGORITHMS
+
+
+def uri(data: bytes, media: str) -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ec")
+    for _, url in serving("--model", MODEL, "--load-format", "dummy", "--ec-shared-storage", str(directory),
+                          "--ec-dtype", "bfloat16"):
+        yield url, directory
+
+
+def bf16(x: dict) -> torch.Tensor:
+    raw = np.frombuffer(base64.b64decode(x["embeddings"]), "<i2").copy()
+    return torch.from_numpy(raw).view(torch.bfloat16).reshape(x["shape"])
+
+
+@pytest.mark.slow
+def test_encode_writes_each_item_under_its_identifier(tier):
+    """/v1/encode with --ec-shared-storage: each item's answer names its file (`ec_id`: the uuid given, else vLLM's
+    hash of the image's bytes), the file holds exactly the answer's vLLM layout, and a video without a uuid is a
+    400 before anything is encoded."""
+    from videos import make_video
+
+    url, directory = tier
+    image = encode(photo(96, 64, 5), "JPEG")
+    video = make_video(30, 10, 160, 120)
+    body = {"images": [uri(image, "image/jpeg")], "videos": [uri(video, "video/mp4")], "layout": "vllm",
+            "dtype": "bfloat16", "multi_modal_uuids": {"video": ["clip-1"]}}
+    r = httpx.post(url + "/v1/encode", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [x["ec_id"] for x in data] == [mm_hash("image", MODEL, data=image), "clip-1"]
+    for x in data:
+        assert torch.equal(load_file(directory / x["ec_id"] / "encoder_cache.safetensors")["ec_cache"], bf16(x))
+    r = httpx.post(url + "/v1/encode", json={"videos": [uri(video, "video/mp4")]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "uuid_required"
+    r = httpx.post(url + "/v1/encode", json={"images": [uri(image, "image/jpeg")],
+                                             "multi_modal_uuids": {"image": ["../x"]}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_uuid"
+
+
+@pytest.mark.slow
+def test_the_proxys_chat_request_is_answered_with_ec_transfer_params(tier):
+    """The request vLLM's disaggregated-encoder proxy sends (a user message of media parts with uuids, text between)
+    gets what the proxy reads of a producer: per identifier its modality, its indices among the media parts (the
+    same image twice: both), its grid, and for a Qwen3-VL video its timestamps; the files match /v1/encode's
+    answer for the same items."""
+    from videos import make_video
+
+    url, directory = tier
+    image, video = encode(photo(80, 72, 9), "PNG"), make_video(20, 10, 128, 96)
+    parts = [{"type": "image_url", "image_url": {"url": uri(image, "image/png")}, "uuid": "img"},
+             {"type": "text", "text": "what happens?"},
+             {"type": "video_url", "video_url": {"url": uri(video, "video/mp4")}, "uuid": "vid"},
+             {"type": "image_url", "image_url": {"url": uri(image, "image/png")}, "uuid": "img"}]
+    body = {"model": "Qwen/Qwen3-VL-8B-Instruct", "messages": [{"role": "user", "content": parts}], "stream": False}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    params = r.json()["ec_transfer_params"]
+    reference = httpx.post(url + "/v1/encode", json={"images": [uri(image, "image/png")],
+                                                     "videos": [uri(video, "video/mp4")], "layout": "vllm",
+                                                     "dtype": "bfloat16",
+                                                     "multi_modal_uuids": {"image": ["i2"], "video": ["v2"]}},
+                           timeout=60).json()["data"]
+    assert params["img"] == {"modality": "image", "item_indices": [0, 2],
+                             "metadata": {"image_grid_thw": reference[0]["grid_thw"]}}
+    assert params["vid"] == {"modality": "video", "item_indices": [1],
+                             "metadata": {"video_grid_thw": reference[1]["grid_thw"],
+                                          "timestamps": reference[1]["timestamps"]}}
+    for name, answer in (("img", reference[0]), ("vid", reference[1])):
+        assert torch.equal(load_file(directory / name / "encoder_cache.safetensors")["ec_cache"], bf16(answer))
+    bad = {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}
+    r = httpx.post(url + "/v1/chat/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content"
+    kwargs = dict(body, mm_processor_kwargs={"do_pan_and_scan": True})
+    r = httpx.post(url + "/v1/chat/completions", json=kwargs, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_mm_processor_kwargs"
+
+
+@pytest.mark.slow
+def test_the_chat_endpoint_needs_the_encoder_tier():
+    for _, url in serving("--model", MODEL, "--load-format", "dummy"):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "encoder_tier_off"
