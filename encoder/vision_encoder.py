@@ -122,12 +122,11 @@ def load_configs(model: str, load_format: str = "auto", revision: str | None = N
     return cfg, pcfg.with_overrides(**overrides), ckpt
 
 
-def video_config_of(cfg: VisionConfig, ckpt, preprocess: str = "exact") -> video.VideoConfig:
+def video_config_of(cfg: VisionConfig, ckpt, decoder: str = "cpu") -> video.VideoConfig:
     """The video preprocessing of a checkpoint (its video processor settings over the family's defaults; the
-    defaults alone for dummy weights, `ckpt` None). "fast" preprocessing decodes on NVDEC where it opens (the same
-    frames: video.DECODERS)."""
+    defaults alone for dummy weights, `ckpt` None), decoded by `decoder` (video.DECODERS)."""
     config = video.VideoConfig.for_model(cfg, checkpoint.read_video_config(ckpt) if ckpt is not None else None)
-    return dataclasses.replace(config, decoder="nvdec") if preprocess == "fast" else config
+    return dataclasses.replace(config, decoder=decoder)
 
 
 class VisionEncoder:
@@ -175,12 +174,14 @@ class VisionEncoder:
                         load_format: str = "auto", revision: str | None = None, allow_download: bool | None = None,
                         min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
                         cache_dir: str | None = None, budgets=DEFAULT_BUDGETS, capture: bool = True,
-                        attention_backend: str = "auto", preprocess: str = "exact") -> VisionEncoder:
+                        attention_backend: str = "auto", preprocess: str = "exact",
+                        video_decoder: str = "cpu") -> VisionEncoder:
         """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
         `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
         `attention_backend`: one of encoder.attention.BACKENDS; `auto` takes the fastest that runs on this device and
         dtype (exact SDPA on the CPU and in float32). `preprocess`: "exact" (bit-identical to transformers' PIL
         image processor, on the host) or "fast" (transformers' torchvision processor, on the device: preprocess_fast).
+        `video_decoder`: "cpu" (FFmpeg's software decoders, as transformers decodes) or "nvdec" (video.DECODERS).
         On CUDA in half precision the graphs of every patch budget are captured before this returns."""
         device, dtype = parse_device(device), parse_dtype(dtype)
         cfg, pcfg, ckpt = load_configs(model, load_format, revision, allow_download, min_pixels, max_pixels, cache_dir)
@@ -189,7 +190,7 @@ class VisionEncoder:
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
-        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt, preprocess))
+        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt, video_decoder))
         if capture:
             encoder.capture()
         return encoder

@@ -32,7 +32,8 @@ from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answe
                       converted, embedding_payload, json_response, safetensors_parts)
 from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest
 from .settings import Settings
-from .vllm_tier import Item, VLLMTier, chat_completion, chat_items, chat_options
+from .sglang_tier import EncodeCall, Registration, SGLangTier
+from .vllm_tier import Item, Options, VLLMTier, chat_completion, chat_items, chat_options
 
 
 CLIP = 200  # characters of a client's value that an error message repeats
@@ -109,6 +110,7 @@ def laid_out(embeddings, deepstack: list, layout: str):
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(settings)
     tier = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
+    sglang = SGLangTier(engine.dtype, settings.sglang_timeout) if settings.sglang_encoder else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -118,6 +120,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         await engine.stop()
         if tier is not None:
             tier.close()
+        if sglang is not None:
+            await sglang.close()
 
     app = FastAPI(title="vitserve", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
@@ -314,7 +318,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                                   "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                                   "cache_hits": result.cache_hits})
 
-        return await answer_beside_files(request, result, build, ids)
+        return await answer_beside_files(request, result, build, ids, wait=False)
 
     async def encode_for_tier(request: Request, items: list[Item], encode, kwargs: dict | None = None):
         """`encode()`'s result and, with --ec-shared-storage, the items' vLLM identifiers (computed beside the
@@ -329,12 +333,18 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             raise
         return result, await identifiers
 
-    async def answer_beside_files(request: Request, result: Encoded, build, ids: list[str] | None) -> Response:
-        """`answer`, with the items' encoder-cache files written beside its serialization (where `ids`): sent
-        once both are done, so whoever has the answer finds the files."""
+    async def answer_beside_files(request: Request, result: Encoded, build, ids: list[str] | None,
+                                  wait: bool = True) -> Response:
+        """`answer`, with the items' encoder-cache files written beside its serialization (where `ids`). `wait`:
+        the answer is sent once the files are in place too (whoever has it finds them: the proxy's request); else
+        as soon as it is built (/v1/encode: its answer is the embeddings, never slowed by the files), the files
+        following within milliseconds (a failure is logged and counted)."""
         if ids is None:
             return await answer(request, result, build)
         files = asyncio.ensure_future(tier.write(ids, result.outputs))
+        if not wait:
+            files.add_done_callback(tier.written)
+            return await answer(request, result, build)
         try:
             response = await answer(request, result, build)
         finally:
@@ -368,6 +378,65 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                                       engine.model.config.family == "qwen3_vl")
         content = chat_completion(body.model, params, request.state.tokens)
         return await answer_beside_files(request, result, lambda: json_response(content), ids)
+
+    def check_sglang() -> None:
+        if sglang is None:
+            raise ServiceError(404, "/encode and /scheduler_receive_url serve SGLang's encoder tier: start the "
+                                    "server with --sglang-encoder", "encoder_tier_off")
+
+    def sglang_error(status: int, message: str, req_id: str | None) -> JSONResponse:
+        """An error as SGLang's encoder answers one: its language side reads `message` (and the status)."""
+        return JSONResponse({"status": "error", "message": message, "req_id": req_id}, status_code=status)
+
+    async def sglang_call(request: Request, serve) -> Response:
+        """`serve()`'s answer (`null`), or its error in SGLang's form (with the `req_id` that `serve` leaves in the
+        request's state); a departed client gets nothing (499)."""
+        request.state.sglang_req_id = None
+        try:
+            await serve()
+        except ServiceError as e:
+            return sglang_error(e.status, e.message, request.state.sglang_req_id)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except EngineError as e:
+            error = ServiceError.of(e)
+            return sglang_error(error.status, error.message, request.state.sglang_req_id)
+        except RequestValidationError as e:
+            first = e.errors()[0] if e.errors() else {}
+            field = clip(where(tuple(first.get("loc", ()))))
+            return sglang_error(400, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
+                                request.state.sglang_req_id)
+        return JSONResponse(None)
+
+    @app.post("/encode", openapi_extra=request_body(EncodeCall))
+    async def sglang_encode(request: Request):
+        """One part of a request that a --language-only SGLang server dispatches to its encoders
+        (service/sglang_tier.py): its items encoded, the features pushed to the part's receivers, `null` back."""
+        check_sglang()
+
+        async def serve():
+            limit = settings.max_images_per_request + settings.max_videos_per_request
+            call = await read_json(request, EncodeCall, 4 * limit, ("url",), engine.decoder.bodies)
+            request.state.sglang_req_id = call.req_id
+            items = [decode_input(item.url, i, settings.allow_url_fetch, "mm_items", call.kind)
+                     for i, item in enumerate(call.mm_items)]
+            images, videos = (items, []) if call.kind == "image" else ([], items)
+            await sglang.serve(call, lambda: encode_all(request, images, videos, Options(), image_field="mm_items",
+                                                        video_field="mm_items"), lambda: engine.model.config.family)
+
+        return await sglang_call(request, serve)
+
+    @app.post("/scheduler_receive_url", openapi_extra=request_body(Registration))
+    async def sglang_receive_url(request: Request):
+        """A receiver of a part (an SGLang scheduler rank) registers where it listens (service/sglang_tier.py)."""
+        check_sglang()
+
+        async def serve():
+            body = await read_json(request, Registration, 16)
+            request.state.sglang_req_id = body.req_id
+            sglang.register(body)
+
+        return await sglang_call(request, serve)
 
     @app.get("/v1/models")
     async def models():

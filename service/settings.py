@@ -99,6 +99,10 @@ class Settings:
                                         metavar="SECONDS")
     video_fps: float | None = _setting(None, "frames a second sampled from a video by default (default: the "
                                              "checkpoint's video processor settings)", "decoding", metavar="FPS")
+    video_decoder: str = _setting("cpu", "cpu: FFmpeg's software decoders (transformers' frames); nvdec: the GPU's "
+                                         "video engines where they open, software elsewhere (frames within about a "
+                                         "level of the software ones: docs/video.md)", "decoding", encode=True,
+                                  choices=("cpu", "nvdec"))
     video_decode_timeout: float = _setting(300.0, "seconds a decode worker may spend on one video (beyond, the "
                                                   "worker is replaced and the video refused: 413 decode_timeout)",
                                            "decoding", metavar="SECONDS")
@@ -138,6 +142,13 @@ class Settings:
                                        "encoder tier", metavar="MODEL")
     ec_hash_algorithm: str = _setting("blake3", "the consumer's --mm-hasher-algorithm", "encoder tier",
                                       choices=EC_HASH_ALGORITHMS)
+    sglang_encoder: bool = _setting(False, "be SGLang's encoder server: /encode and /scheduler_receive_url take "
+                                           "what a --language-only SGLang server sends its --encoder-urls, and the "
+                                           "features go to its ranks over ZMQ (docs/sglang.md); one front end",
+                                    "encoder tier")
+    sglang_timeout: float = _setting(180.0, "seconds an encoded /encode part waits for its receivers' "
+                                            "registrations, and a registration for its part (SGLang's "
+                                            "SGLANG_ENCODER_SEND_TIMEOUT)", "encoder tier", metavar="SECONDS")
     max_header_bytes: int = _setting(64 * 2**10, "size of a request's line and headers (beyond, a 400 and the "
                                                  "connection closed)", "server", size=True)
     header_timeout: float = _setting(10.0, "seconds to receive a request's headers, from its first byte (beyond, "
@@ -195,12 +206,17 @@ class Settings:
                    "--device-processes false"),
                   (self.cache_bytes >= 0, "--cache-bytes must be >= 0"),
                   (self.ec_storage_bytes > 0, "--ec-storage-bytes must be positive"),
+                  (self.video_decoder in ("cpu", "nvdec"), "--video-decoder must be cpu or nvdec"),
                   (self.ec_dtype == "auto" or self.ec_dtype in DTYPE_NAMES,
                    f"--ec-dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.ec_dtype!r}"),
                   (re.fullmatch(r"0?[0-7]{3}", self.ec_file_mode) is not None,
                    "--ec-file-mode must be octal permissions, e.g. 0640"),
                   (self.ec_hash_algorithm in EC_HASH_ALGORITHMS,
                    f"--ec-hash-algorithm must be one of {', '.join(EC_HASH_ALGORITHMS)}"),
+                  (self.sglang_timeout > 0, "--sglang-timeout must be positive"),
+                  (not self.sglang_encoder or self.api_servers <= 1,
+                   "--sglang-encoder pairs each /encode part with its receivers' registrations in one process: it "
+                   "takes one front end (--api-servers 1)"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "--payload-limit, --max-image-pixels and --max-images-per-request must be positive"),
                   (self.max_videos_per_request >= 0 and self.max_video_frames > 0 and self.max_video_seconds > 0
@@ -234,6 +250,7 @@ class Settings:
         budgets = self.budget_list()
         return dict(load_format=self.load_format, revision=self.revision, min_pixels=self.min_pixels,
                     max_pixels=self.max_pixels, attention_backend=self.attention_backend, preprocess=self.preprocess,
+                    video_decoder=self.video_decoder,
                     **({} if budgets is None else {"budgets": budgets}))
 
     def budget_list(self) -> tuple[int, ...] | None:
@@ -267,10 +284,12 @@ class Settings:
 
     def api_server_count(self) -> int:
         """The front ends to run: `--api-servers`, else one per 4 CPUs this process may use (2 to 8) where a device
-        is a GPU (the front end is what caps a GPU), and 1 on CPU devices or with --device-processes false."""
+        is a GPU (the front end is what caps a GPU), and 1 on CPU devices, with --device-processes false or with
+        --sglang-encoder."""
         if self.api_servers:
             return self.api_servers
-        if self.device_processes is False or not any(d.startswith("cuda") for d in resolve_devices(self)[0]):
+        if (self.device_processes is False or self.sglang_encoder  # (SGLang's calls pair up in one process)
+                or not any(d.startswith("cuda") for d in resolve_devices(self)[0])):
             return 1
         return min(8, max(2, available_cpus() // 4))
 

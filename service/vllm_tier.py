@@ -9,13 +9,14 @@ the identifier vLLM's consumer looks it up by (service/vllm_hash.py), so that vL
   vLLM producer's: `ec_transfer_params`, per identifier its modality, its indices among the request's media parts
   and the metadata that sizes its placeholder (`image_grid_thw` / `video_grid_thw`, and Qwen3-VL's video
   `timestamps`), in a chat completion that generates nothing.
-The files are written beside the answer's serialization, and the answer is sent once they are in place: a client
-(or the proxy) that has the answer finds the files.
+The files are written beside the answer's serialization. The chat answer is sent once they are in place (the proxy
+sends the request on to vLLM as soon as it has it); /v1/encode's is not held for them (its answer is the embeddings).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid as uuidlib
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from .errors import ServiceError
 from .schemas import ChatMediaURL, ChatRequest
 from .vllm_hash import hash_factors, mm_hash
 
+log = logging.getLogger("vitserve.ec")
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 # mm_processor_kwargs this server applies (per request, within its limits), as vLLM's Qwen processors read them
 PROCESSOR_OPTIONS = {"max_pixels", "fps", "num_frames", "max_frames"}
@@ -151,6 +153,11 @@ class VLLMTier:
         loop = asyncio.get_running_loop()
         return list(await asyncio.gather(*(loop.run_in_executor(self.pool, self._identifier, item, kwargs)
                                            for item in items)))
+
+    def written(self, job: asyncio.Future) -> None:
+        """A write nobody waits for, done: its failure logged (the storage counts the files)."""
+        if not job.cancelled() and job.exception() is not None:
+            log.error("encoder-cache files not written: %s", job.exception())
 
     async def write(self, identifiers: list[str], outputs: list) -> None:
         """Write every item's file (side by side, in the pool); a storage failure is a 507 `ec_write_failed`."""

@@ -236,8 +236,8 @@ def test_nvdec_falls_back_to_software_with_the_same_frames(nvdec_untried):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("codec", ["h264", "hevc", "libvpx-vp9"])
 def test_nvdec_decodes_the_frames_software_does(nvdec_untried, codec):
-    """On a GPU: NVDEC decodes H.264, HEVC and VP9 (said so by `decoder`) to the frames FFmpeg's software decoders
-    give, bit for bit (the codecs' decoding is exact), through the same sampling and resize."""
+    """On a GPU: NVDEC decodes H.264, HEVC and VP9 (said so by `decoder`) to frames within about a level of FFmpeg's
+    software decoders' (the same sampling and sizes; its frames reach RGB through another path: docs/video.md)."""
     container = "webm" if codec == "libvpx-vp9" else "mp4"
     clip = make_video(40, 10, 320, 240, codec=codec, container=container)
     cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl")).with_request(fps=4)
@@ -245,16 +245,17 @@ def test_nvdec_decodes_the_frames_software_does(nvdec_untried, codec):
     if V.nvdec_refused():
         pytest.skip(f"NVDEC does not open on this machine: {V.nvdec_refused()}")
     assert video.decoder == "nvdec"
-    assert np.array_equal(video.frames, V.load_video(clip, cfg).frames)
+    software = V.load_video(clip, cfg)
+    assert video.frames.shape == software.frames.shape and np.array_equal(video.indices, software.indices)
+    assert np.abs(video.frames.astype(np.int16) - software.frames).mean() <= 1.5
 
 
-def test_fast_preprocessing_asks_for_nvdec():
-    """video_config_of: "fast" preprocessing decodes on NVDEC (where it opens), "exact" in software; a decoder
-    that does not exist is refused."""
+def test_the_video_decoder_is_chosen():
+    """video_config_of: software decoding unless NVDEC is asked for; a decoder that does not exist is refused."""
     cfg = builtin_config("tiny-qwen3-vl")
     from vitserve.encoder.vision_encoder import video_config_of
 
-    assert video_config_of(cfg, None, "fast").decoder == "nvdec"
+    assert video_config_of(cfg, None, "nvdec").decoder == "nvdec"
     assert video_config_of(cfg, None).decoder == "cpu"
     with pytest.raises(ValueError, match="decoder"):
         V.VideoConfig.for_model(cfg).__class__(family="qwen3", patch_size=16, decoder="gpu")

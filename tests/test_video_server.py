@@ -145,11 +145,13 @@ def test_a_checkpoint_served_matches_transformers_tower(checkpoints):
 
 
 def test_fast_preprocessing_serves_the_same_videos(library):
-    """--preprocess fast resizes images on the device and decodes videos on NVDEC where it opens (software here, with
-    no GPU: the fallback); videos are sampled and resized as transformers' video processor does either way, so their
-    answer is the exact one, beside an image in the same request, and /metrics counts the video by its decoder."""
+    """--preprocess fast resizes images on the device; videos are sampled and resized as transformers' video
+    processor does either way, so their answer is the exact one, beside an image in the same request. With
+    --video-decoder nvdec where NVDEC cannot open (no GPU here) the videos decode in software, and /metrics counts
+    each video by the decoder that decoded it."""
     image = encode(photo(96, 64, 5), "JPEG")
-    for _, url in serving("--model", MODEL, "--load-format", "dummy", "--preprocess", "fast"):
+    for _, url in serving("--model", MODEL, "--load-format", "dummy", "--preprocess", "fast", "--video-decoder",
+                          "nvdec"):
         body = {"images": [f"data:image/jpeg;base64,{base64.b64encode(image).decode()}"],
                 "videos": [video_uri(CLIP)], "num_frames": 6}
         r = httpx.post(url + "/v1/encode", json=body, timeout=120)

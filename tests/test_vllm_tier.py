@@ -139,6 +139,16 @@ def tier(tmp_path_factory):
         yield url, directory
 
 
+def written(path, seconds: float = 10.0):
+    """The file at `path` once it is there (/v1/encode answers without waiting for its files)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return load_file(path)
+
+
 def bf16(x: dict) -> torch.Tensor:
     raw = np.frombuffer(base64.b64decode(x["embeddings"]), "<i2").copy()
     return torch.from_numpy(raw).view(torch.bfloat16).reshape(x["shape"])
@@ -161,7 +171,7 @@ def test_encode_writes_each_item_under_its_identifier(tier):
     data = r.json()["data"]
     assert [x["ec_id"] for x in data] == [mm_hash("image", MODEL, data=image), "clip-1"]
     for x in data:
-        assert torch.equal(load_file(directory / x["ec_id"] / "encoder_cache.safetensors")["ec_cache"], bf16(x))
+        assert torch.equal(written(directory / x["ec_id"] / "encoder_cache.safetensors")["ec_cache"], bf16(x))
     r = httpx.post(url + "/v1/encode", json={"videos": [uri(video, "video/mp4")]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "uuid_required"
     r = httpx.post(url + "/v1/encode", json={"images": [uri(image, "image/jpeg")],

@@ -1,0 +1,428 @@
+"""vitserve as SGLang's encoder server (service/sglang_tier.py): a real server takes /encode and
+/scheduler_receive_url as a --language-only SGLang server sends them, and a real ZMQ PULL socket here stands where
+SGLang's scheduler rank listens. The messages are decoded without sglang, by an unpickler that allows only what
+SGLang 0.5.23's receiver allows (its two classes mapped to stand-ins here); SGLang's own receiver decodes them in
+tests/engine_contracts/sglang_receiver.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import enum
+import io
+import pickle
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from helpers import IMAGES, client_for, data_uri, png, serving
+
+from vitserve.service.engine import Encoded
+from vitserve.service.errors import ServiceError
+from vitserve.service.sglang_tier import EncodeCall, Pairing, Registration, embedding_frame, message
+
+zmq = pytest.importorskip("zmq")
+
+
+class SGLangEmbeddingData:
+    """Where SGLang's receiver has its EmbeddingData."""
+
+
+class SGLangModality(enum.Enum):
+    IMAGE = 1
+    VIDEO = 2
+    AUDIO = 3
+
+
+STAND_INS = {("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"): SGLangEmbeddingData,
+             ("sglang.srt.managers.schedule_batch", "Modality"): SGLangModality,
+             ("sglang.srt.multimodal.modality", "Modality"): SGLangModality}
+# the entries of SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (sglang.srt.utils.common) that tensors and plain
+# values need; its list is exact: any other global is refused
+ALLOWED = {("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "set", "str",
+                                     "tuple")} | {
+    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("torch", "Size"), ("torch", "dtype"),
+    ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"), ("torch", "LongStorage"), ("torch", "FloatStorage"),
+    *(("torch", n) for n in ("bfloat16", "float16", "float32", "float64", "int64", "int32", "float", "half", "long"))}
+
+
+class SGLangUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in STAND_INS:
+            return STAND_INS[module, name]
+        if (module, name) == ("torch.storage", "_load_from_bytes"):  # SGLang's safe stand-in for torch's
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (module, name) in ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Blocked unsafe global ({module}.{name})")
+
+
+def decode(frames: list) -> SGLangEmbeddingData:
+    """A message as SGLang's receiver reads it: the pickle, then (unless it is an error) the tensor from frame 1's
+    bytes, which must be exactly `shape` in `dtype`."""
+    meta = SGLangUnpickler(io.BytesIO(bytes(frames[0]))).load()
+    assert isinstance(meta, SGLangEmbeddingData)
+    if meta.error_msg is None:
+        assert len(frames) == 2 and len(frames[1]) == int(np.prod(meta.shape)) * meta.dtype.itemsize
+        meta.embedding = torch.frombuffer(bytearray(frames[1]), dtype=meta.dtype).reshape(meta.shape)
+    return meta
+
+
+def fake_result(grids, widths=(8,), videos=None, dtype=torch.float32, seed=0) -> Encoded:
+    """An Encoded of items with the given grids (merge 2x2), each with `len(widths) - 1` deepstack levels."""
+    g = torch.Generator().manual_seed(seed)
+    outputs = []
+    for t, h, w in grids:
+        rows = t * h * w // 4
+        tensors = [torch.randn(rows, width, generator=g).to(dtype) for width in widths]
+        outputs.append((tensors[0], tensors[1:]))
+    return Encoded(outputs, [list(x) for x in grids], 0, 0, 0, 0, videos)
+
+
+def call(**fields) -> EncodeCall:
+    return EncodeCall.model_validate({"req_id": "r_local_part_0", "num_parts": 1, "part_idx": 0, "modality": "IMAGE",
+                                      "mm_items": ["x"], **fields})
+
+
+def test_the_message_is_sglangs_embedding_data_and_its_tensors_bytes():
+    """Frame 0 unpickles, through SGLang's allowlist, as its EmbeddingData with the fields its receiver reads;
+    frame 1 is the items' tokens one after the other, deepstack after the tokens on the width, in the dtype said."""
+    result = fake_result([(1, 4, 6), (1, 8, 8)], widths=(8, 8, 8, 8), dtype=torch.bfloat16)
+    meta = decode(message(call(num_parts=3, part_idx=1), result, "qwen3_vl", torch.bfloat16))
+    expected = torch.cat([torch.cat([tokens, *deepstack], -1) for tokens, deepstack in result.outputs])
+    assert meta.req_id == "r_local_part_0" and (meta.num_parts, meta.part_idx) == (3, 1)
+    assert meta.modality is SGLangModality.IMAGE and meta.dtype is torch.bfloat16 and meta.shape == [22, 32]
+    assert meta.grid_dim.dtype == torch.int64 and meta.grid_dim.tolist() == [[1, 4, 6], [1, 8, 8]]
+    assert torch.equal(meta.embedding, expected)
+    assert (meta.error_msg, meta.error_code, meta.video_timestamps, meta.second_per_grid_ts) == (None,) * 4
+    assert type(meta.num_parts) is int and meta.embedding is not None and meta.send_time is None
+
+
+def test_a_video_part_carries_the_metadata_its_family_needs():
+    """Qwen3-VL: `video_timestamps`, a list of floats per video; Qwen2.5-VL: `second_per_grid_ts`, float32 per
+    video; Qwen2-VL: neither."""
+    videos = [{"timestamps": [0.25, 1.25], "second_per_grid_t": 1.0}, {"timestamps": [0.5], "second_per_grid_t": 0.5}]
+    result = fake_result([(2, 4, 4), (1, 4, 4)], videos=videos)
+    video = call(modality="VIDEO")
+    qwen3 = decode(message(video, result, "qwen3_vl", torch.float32))
+    assert qwen3.modality is SGLangModality.VIDEO and qwen3.video_timestamps == [[0.25, 1.25], [0.5]]
+    assert qwen3.second_per_grid_ts is None
+    qwen25 = decode(message(video, result, "qwen2_5_vl", torch.float32))
+    assert qwen25.video_timestamps is None and qwen25.second_per_grid_ts.dtype == torch.float32
+    assert qwen25.second_per_grid_ts.tolist() == [1.0, 0.5]
+    qwen2 = decode(message(video, result, "qwen2_vl", torch.float32))
+    assert qwen2.video_timestamps is None and qwen2.second_per_grid_ts is None
+
+
+def test_one_item_without_deepstack_goes_out_as_its_own_memory():
+    (tokens, _), = fake_result([(1, 4, 4)]).outputs
+    frame, shape = embedding_frame([(tokens, [])], torch.float32)
+    assert shape == [4, 8] and np.shares_memory(np.asarray(frame), tokens.numpy())
+    frame, shape = embedding_frame([(tokens, [])], torch.float16)  # another dtype: converted
+    assert torch.equal(torch.frombuffer(bytearray(frame), dtype=torch.float16).reshape(shape), tokens.half())
+
+
+def test_the_pickle_names_sglangs_classes_and_no_module_of_vitserve():
+    """The class paths are SGLang 0.5.23's; nothing of vitserve is named (a receiver without it reads the pickle),
+    and writing it imports no sglang."""
+    import pickletools
+    import sys
+
+    frames = message(call(modality="VIDEO"), fake_result([(2, 4, 4)], videos=[
+        {"timestamps": [0.5], "second_per_grid_t": 1.0}]), "qwen2_5_vl", torch.float32)
+    strings = [arg for _, arg, _ in pickletools.genops(frames[0]) if isinstance(arg, str)]
+    assert {"sglang.srt.disaggregation.encoder.receiver", "EmbeddingData", "sglang.srt.managers.schedule_batch",
+            "Modality"} <= set(strings)
+    assert not any("vitserve" in s for s in strings) and not any(m.split(".")[0] == "sglang" for m in sys.modules)
+
+
+def registration(req_id="r_local_part_0", count=1, url="127.0.0.1:5000") -> Registration:
+    return Registration(req_id=req_id, receive_count=count, receive_url=url)
+
+
+def test_registrations_pair_with_their_part_in_either_order():
+    async def main():
+        pairing = Pairing(timeout=5)
+        pairing.register(registration("early", 2, "10.0.0.1:1"))
+        entry = pairing.hold("early")
+        waiting = asyncio.ensure_future(pairing.receivers("early", entry))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        pairing.register(registration("early", 2, "[::1]:2"))
+        assert await waiting == ["tcp://10.0.0.1:1", "tcp://[::1]:2"]
+        pairing.release("early", entry)
+        late = pairing.hold("late")
+        pairing.register(registration("late", 1, "host-a:3"))
+        assert await pairing.receivers("late", late) == ["tcp://host-a:3"]
+        assert pairing.entries.keys() == {"late"}
+
+    asyncio.run(main())
+
+
+def test_pairing_refuses_what_cannot_be_one_parts_receivers():
+    pairing = Pairing(timeout=5)
+    pairing.register(registration("a", 1, "10.0.0.1:1"))
+    for bad, code in ((registration("a", 2, "10.0.0.1:1"), "inconsistent_receive_count"),
+                      (registration("a", 1, "10.0.0.2:1"), "too_many_receivers"),
+                      (registration("b", 1, "10.0.0.1"), "invalid_receive_url"),
+                      (registration("b", 1, "::1:80"), "invalid_receive_url"),
+                      (registration("b", 1, "10.0.0.1:70000"), "invalid_receive_url")):
+        with pytest.raises(ServiceError) as e:
+            pairing.register(bad)
+        assert e.value.status == 400 and e.value.code == code
+    pairing.hold("c")
+    with pytest.raises(ServiceError) as e:
+        pairing.hold("c")
+    assert e.value.code == "duplicate_req_id"
+
+
+def test_what_never_pairs_is_bounded_and_expires():
+    """A registration whose part never comes is dropped after the timeout; a part whose receivers never register
+    waits that long, then is a 504; beyond `max_pending` entries, a 503."""
+    now = [1000.0]
+    pairing = Pairing(timeout=10, max_pending=2, clock=lambda: now[0])
+    pairing.register(registration("orphan"))
+    pairing.hold("held")
+    with pytest.raises(ServiceError) as e:
+        pairing.register(registration("third"))
+    assert e.value.status == 503 and e.value.code == "too_many_pending"
+    now[0] += 11
+    pairing.register(registration("third"))
+    assert pairing.entries.keys() == {"held", "third"}  # the orphan expired; a held part stays while held
+
+    async def main():
+        short = Pairing(timeout=0.05)
+        entry = short.hold("lonely")
+        with pytest.raises(ServiceError) as e:
+            await short.receivers("lonely", entry)
+        assert e.value.status == 504 and e.value.code == "registration_timeout"
+
+    asyncio.run(main())
+
+
+def test_a_receiver_that_cannot_be_reached_is_a_502_and_leaves_no_socket():
+    """A PUSH that finds no connection within the timeout: 502, its socket closed (a kept one forgotten), and the
+    tier closes cleanly; one that connects is kept for its address."""
+    from vitserve.service.sglang_tier import SGLangTier
+
+    async def main():
+        tier = SGLangTier("float32", timeout=0.3)
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            await tier._push(f"tcp://127.0.0.1:{port}", [b"meta", b"data"], keep=True)
+            assert pull.poll(5000) and pull.recv_multipart() == [b"meta", b"data"]
+            assert list(tier.sockets) == [f"tcp://127.0.0.1:{port}"]
+            pull.close(linger=0)
+            dead = f"tcp://127.0.0.1:{port + 1 if port < 65535 else port - 1}"
+            for keep in (True, False):
+                with pytest.raises(ServiceError) as e:
+                    await tier._push(dead, [b"meta"], keep=keep)
+                assert e.value.status == 502 and e.value.code == "delivery_failed"
+            assert list(tier.sockets) == [f"tcp://127.0.0.1:{port}"] and len(tier.busy) == 1
+        finally:
+            await tier.close()
+            context.term()
+        assert not tier.busy
+
+    asyncio.run(main())
+
+
+def test_the_endpoints_need_the_flag(encoders):
+    with client_for(encoders["tiny-qwen3-vl"]) as c:
+        for path in ("/encode", "/scheduler_receive_url"):
+            r = c.post(path, json={})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "encoder_tier_off"
+
+
+# --- a real server and a real socket -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    for _, url in serving("--model", "tiny-qwen3-vl", "--load-format", "dummy", "--sglang-encoder",
+                          "--sglang-timeout", "3"):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def qwen25():
+    for _, url in serving("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--sglang-encoder"):
+        yield url
+
+
+@pytest.fixture
+def receivers():
+    """Bind PULL sockets as SGLang's scheduler ranks do (one each, a random port on 127.0.0.1): `make()` gives
+    (socket, "127.0.0.1:port")."""
+    context = zmq.Context()
+    sockets = []
+
+    def make():
+        sock = context.socket(zmq.PULL)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        sockets.append(sock)
+        return sock, f"127.0.0.1:{port}"
+
+    yield make
+    for sock in sockets:
+        sock.close(linger=0)
+    context.term()
+
+
+def receive(sock, timeout: float = 10.0) -> list | None:
+    """The next message's frames, or None if none comes within `timeout` seconds."""
+    if not sock.poll(int(timeout * 1000)):
+        return None
+    return sock.recv_multipart()
+
+
+def encode_body(req_id: str, items: list, modality: str = "IMAGE", num_parts: int = 1, part_idx: int = 0,
+                embedding_port=None) -> dict:
+    """What SGLang 0.5.23's MMReceiverHTTP.encode posts (zmq_to_scheduler: no embedding_port)."""
+    return {"encoder_idx": 0, "encoder_url": "http://vitserve", "mm_items": items, "num_parts": num_parts,
+            "part_idx": part_idx, "req_id": req_id, "modality": modality, "prefill_host": "127.0.0.1",
+            "embedding_port": embedding_port, "time_stats_json": None}
+
+
+def register(url: str, req_id: str, address: str, count: int = 1, modality: str = "IMAGE") -> httpx.Response:
+    return httpx.post(url + "/scheduler_receive_url", json={"req_id": req_id, "receive_count": count,
+                                                            "receive_url": address, "modality": modality}, timeout=30)
+
+
+def post_encode(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/encode", json=body, timeout=60)
+
+
+def reference(url: str, images=(), videos=()) -> list[dict]:
+    """/v1/encode's answer for the same media, in the layout SGLang takes (`vllm`) and the server's dtype."""
+    r = httpx.post(url + "/v1/encode", json={"images": list(images), "videos": list(videos), "layout": "vllm",
+                                             "dtype": "float32"}, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    for x in data:
+        x["tensor"] = torch.from_numpy(np.frombuffer(base64.b64decode(x["embeddings"]), "<f4").copy()).reshape(
+            x["shape"])
+    return data
+
+
+@pytest.mark.slow
+def test_a_part_reaches_its_receiver_whichever_comes_first(qwen3, receivers):
+    """Registration before /encode, and /encode before registration (it answers once the receiver has registered
+    and the message is pushed): the receiver gets the part's two images as one tensor equal to /v1/encode's, their
+    grids, IMAGE, and /encode answers `null`."""
+    items = [data_uri(IMAGES[0]), data_uri(IMAGES[1], "image/png")]
+    expected = reference(qwen3, images=items)
+    sock, address = receivers()
+    assert register(qwen3, "first_local_part_0", address).status_code == 200
+    r = post_encode(qwen3, encode_body("first_local_part_0", items))
+    assert r.status_code == 200 and r.json() is None
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post_encode, qwen3, encode_body("second_local_part_0", [{"url": items[0],
+                                                                                       "detail": "high"}, items[1]]))
+        time.sleep(0.5)
+        assert not pending.done()  # it waits for its receiver
+        assert register(qwen3, "second_local_part_0", address).status_code == 200
+        assert pending.result().status_code == 200 and pending.result().json() is None
+    for req_id in ("first_local_part_0", "second_local_part_0"):
+        meta = decode(receive(sock))
+        assert meta.req_id == req_id and (meta.num_parts, meta.part_idx) == (1, 0)
+        assert meta.modality is SGLangModality.IMAGE and meta.dtype is torch.float32
+        assert meta.grid_dim.tolist() == [x["grid_thw"] for x in expected]
+        assert torch.equal(meta.embedding, torch.cat([x["tensor"] for x in expected]))
+        assert meta.video_timestamps is None and meta.second_per_grid_ts is None
+
+
+@pytest.mark.slow
+def test_every_rank_gets_its_own_copy(qwen3, receivers):
+    """receive_count 2 (tensor parallel 2): /encode waits for both, and each rank's socket gets the whole part."""
+    (a, address_a), (b, address_b) = receivers(), receivers()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post_encode, qwen3, encode_body("tp_local_part_0", [data_uri(IMAGES[2])]))
+        assert register(qwen3, "tp_local_part_0", address_a, count=2).status_code == 200
+        time.sleep(0.3)
+        assert not pending.done()
+        assert register(qwen3, "tp_local_part_0", address_b, count=2).status_code == 200
+        assert pending.result().status_code == 200
+    first, second = receive(a), receive(b)
+    (expected,) = reference(qwen3, [data_uri(IMAGES[2])])
+    assert first == second and torch.equal(decode(first).embedding, expected["tensor"])
+
+
+@pytest.mark.slow
+def test_a_request_of_an_image_part_and_a_video_part(qwen3, receivers):
+    """num_parts 2, as SGLang splits a request with an image and a video: each part its own req_id and receivers'
+    registration; the video's part carries its grid and Qwen3-VL's timestamps, as /v1/encode reports them."""
+    from videos import make_video
+
+    image, video = data_uri(png(96, 64, 7)), data_uri(make_video(20, 10, 128, 96), "video/mp4")
+    expected = reference(qwen3, images=[image], videos=[video])
+    sock, address = receivers()
+    for k, (modality, item) in enumerate((("VIDEO", video), ("IMAGE", image))[::-1]):
+        req_id = f"mix_local_part_{k}"
+        assert register(qwen3, req_id, address, modality=modality).status_code == 200
+        assert post_encode(qwen3, encode_body(req_id, [item], modality, num_parts=2, part_idx=k)).status_code == 200
+    parts = {m.part_idx: m for m in (decode(receive(sock)), decode(receive(sock)))}
+    assert parts[0].modality is SGLangModality.IMAGE and parts[1].modality is SGLangModality.VIDEO
+    for k, x in enumerate(expected):
+        assert parts[k].num_parts == 2 and parts[k].grid_dim.tolist() == [x["grid_thw"]]
+        assert torch.equal(parts[k].embedding, x["tensor"])
+    assert parts[0].video_timestamps is None
+    assert parts[1].video_timestamps == [expected[1]["timestamps"]]
+    assert len(expected[1]["timestamps"]) == expected[1]["grid_thw"][0]
+
+
+@pytest.mark.slow
+def test_a_qwen25_video_carries_its_seconds_per_temporal_patch(qwen25, receivers):
+    from videos import make_video
+
+    video = data_uri(make_video(16, 8, 112, 84), "video/mp4")
+    (expected,) = reference(qwen25, videos=[video])
+    sock, address = receivers()
+    assert register(qwen25, "v_local_part_0", address, modality="VIDEO").status_code == 200
+    assert post_encode(qwen25, encode_body("v_local_part_0", [video], "VIDEO")).status_code == 200
+    meta = decode(receive(sock))
+    assert meta.video_timestamps is None and meta.second_per_grid_ts.dtype == torch.float32
+    assert meta.second_per_grid_ts.tolist() == [pytest.approx(expected["second_per_grid_t"])]
+    assert meta.grid_dim.tolist() == [expected["grid_thw"]] and torch.equal(meta.embedding, expected["tensor"])
+
+
+@pytest.mark.slow
+def test_an_embedding_port_is_pushed_to_without_registration(qwen3, receivers):
+    """zmq_to_tokenizer: /encode names the port (`prefill_host`:`embedding_port`); nothing registers."""
+    sock, address = receivers()
+    port = int(address.rsplit(":", 1)[1])
+    r = post_encode(qwen3, encode_body("tok_local_part_0", [data_uri(IMAGES[0])], embedding_port=port))
+    assert r.status_code == 200
+    meta = decode(receive(sock))
+    assert meta.req_id == "tok_local_part_0"
+    assert torch.equal(meta.embedding, reference(qwen3, [data_uri(IMAGES[0])])[0]["tensor"])
+
+
+@pytest.mark.slow
+def test_errors_are_sglangs_json_and_push_nothing(qwen3, receivers):
+    """A bad image, a bad body, an unsupported modality: 400 `{"status": "error", "message", "req_id"}` and no
+    message for the registered receiver; a part whose receiver never registers: 504 after --sglang-timeout."""
+    sock, address = receivers()
+    assert register(qwen3, "bad_local_part_0", address).status_code == 200
+    r = post_encode(qwen3, encode_body("bad_local_part_0", ["data:image/png;base64,bm90IGFuIGltYWdl"]))
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["status"] == "error" and body["req_id"] == "bad_local_part_0" and body["message"]
+    for bad in (encode_body("x_local_part_0", [data_uri(IMAGES[0])], num_parts=1, part_idx=1),
+                encode_body("x_local_part_0", [data_uri(IMAGES[0])], "AUDIO"),
+                encode_body("x_local_part_0", [])):
+        r = post_encode(qwen3, bad)
+        assert r.status_code == 400 and r.json()["status"] == "error" and r.json()["message"], r.text
+    assert register(qwen3, "tp_local_part_9", address, count=1).status_code == 200
+    r = register(qwen3, "tp_local_part_9", address, count=2)
+    assert r.status_code == 400 and "receive_count" in r.json()["message"] and r.json()["status"] == "error"
+    start = time.monotonic()
+    r = post_encode(qwen3, encode_body("lonely_local_part_0", [data_uri(IMAGES[0])]))
+    assert r.status_code == 504 and r.json()["status"] == "error" and 3 <= time.monotonic() - start < 20
+    assert receive(sock, timeout=0.5) is None
