@@ -439,14 +439,16 @@ def _video_stream(container):
     return container.streams.video[0]
 
 
-def decode_frames(container, indices: np.ndarray, size: tuple[int, int]) -> Iterator[np.ndarray]:
+def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads: int = 0) -> Iterator[np.ndarray]:
     """The frames at `indices` (ascending; a repeated index gives its frame once, as transformers' reader does),
-    each converted to RGB and resized to `size` as it is decoded."""
+    each converted to RGB and resized to `size` as it is decoded; `threads`: FFmpeg's decoding threads (0: one per
+    core)."""
     av = _av()
     wanted = set(int(i) for i in indices)
     last = max(wanted)
     stream = _video_stream(container)
     stream.thread_type = "AUTO"
+    stream.codec_context.thread_count = threads
     height, width = size
     try:
         for i, frame in enumerate(container.decode(stream)):
@@ -489,15 +491,17 @@ def video_bytes(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits
         container.close()
 
 
-def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> Video:
-    """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize."""
+def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), threads: int = 0) -> Video:
+    """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize.
+    `threads`: FFmpeg's decoding threads (0: one per core, for one video at a time; a server decoding many side by
+    side gives each a few)."""
     container = _open(source, _most_pixels(limits), cfg.decoder)
     try:
         info, kept, (height, width), _ = _plan(container, cfg, limits)
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
         n = 0
-        for n, frame in enumerate(decode_frames(container, kept, (height, width)), 1):
+        for n, frame in enumerate(decode_frames(container, kept, (height, width), threads), 1):
             frames[n - 1] = frame
         if n < len(kept):
             raise VideoError(f"the video declares {info.total_frames} frames but ends before frame {int(kept[n])}")

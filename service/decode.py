@@ -103,6 +103,20 @@ def measure_video(data, is_base64: bool, cfg, limits) -> int:
     return video_bytes(image_bytes(data, is_base64), cfg, limits)
 
 
+VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video: workers decode videos side by side, one per core between them
+
+
+def _video_worker() -> None:
+    """A decode worker process's torch runs one frame's resize at a time on one thread: OpenMP's team of one per
+    core in every worker would oversubscribe the host (and spin in its barrier) whenever several decode videos."""
+    import multiprocessing
+
+    import torch
+
+    if multiprocessing.current_process().name == "vitserve-decode" and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None) -> tuple[list, tuple, dict, str,
                                                                                               float]:
     """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its slices (uint8 [T, h, w, 3] each,
@@ -111,8 +125,9 @@ def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = No
     limits are checked from the header first, frames decoded one at a time and resized as they come)."""
     from ..encoder.video import load_video
 
+    _video_worker()
     start = time.perf_counter()
-    video = load_video(image_bytes(data, is_base64), cfg, limits)
+    video = load_video(image_bytes(data, is_base64), cfg, limits, VIDEO_DECODE_THREADS)
     slices = video.slices()
     out = [(spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)]
     _, h, w, _ = video.frames.shape
