@@ -103,7 +103,7 @@ def measure_video(data, is_base64: bool, cfg, limits) -> int:
     return video_bytes(image_bytes(data, is_base64), cfg, limits)
 
 
-VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video: workers decode videos side by side, one per core between them
+VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)
 
 
 def _video_worker() -> None:
@@ -117,8 +117,8 @@ def _video_worker() -> None:
         torch.set_num_threads(1)
 
 
-def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None) -> tuple[list, tuple, dict, str,
-                                                                                              float]:
+def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None,
+                 threads: int = VIDEO_DECODE_THREADS) -> tuple[list, tuple, dict, str, float]:
     """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its slices (uint8 [T, h, w, 3] each,
     in spool files `spool_path`-0, -1, ... where given and it can), its grid (slices, h / p, w / p), its timing
     (frame_indices, fps, timestamps, second_per_grid_t), the decoder that decoded it and the seconds it took (encoder.video.load_video: the
@@ -127,7 +127,7 @@ def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = No
 
     _video_worker()
     start = time.perf_counter()
-    video = load_video(image_bytes(data, is_base64), cfg, limits, VIDEO_DECODE_THREADS)
+    video = load_video(image_bytes(data, is_base64), cfg, limits, threads)
     slices = video.slices()
     out = [(spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)]
     _, h, w, _ = video.frames.shape

@@ -42,7 +42,7 @@ from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageT
 from . import spool
 from .budget import MemoryBudget
 from .bodies import SharedBodies
-from .decode import SharedText, decode_and_resize, decode_video, measure_video, read_header
+from .decode import VIDEO_DECODE_THREADS, SharedText, decode_and_resize, decode_video, measure_video, read_header
 from .decode_pool import DecodePool, JobTimedOut, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
 from .metrics import Metrics
@@ -167,6 +167,8 @@ class Decoder:
         # large request bodies in files of the spool, which the workers read in place (bodies.py)
         self.bodies = SharedBodies(self.spool_prefix) if self.spool_prefix else None
         self._names = itertools.count()
+        self._videos = 0  # videos being decoded now
+        self._cpus = settings.decode_worker_count()
         self.budget = MemoryBudget(settings.decode_memory)
 
     @property
@@ -299,11 +301,17 @@ class Decoder:
         memory taken from the server's decode budget while a worker decodes it."""
         cost = await self._run(measure_video, data, owner, cfg, limits, timeout=self.settings.video_decode_timeout)
         share = await self.budget.acquire(cost)
+        # FFmpeg's threads for this video: the workers' cores shared among the videos decoding (a lone video gets
+        # them all; many get VIDEO_DECODE_THREADS each, as the workers decode them side by side)
+        threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
+        self._videos += 1
         try:
             path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-            return await self._run(decode_video, data, owner, cfg, limits, path or None, timeout=self.settings.
-                                   video_decode_timeout, lost=path and functools.partial(spool.clear, f"{path}-"))
+            return await self._run(decode_video, data, owner, cfg, limits, path or None, threads, timeout=self.
+                                   settings.video_decode_timeout, lost=path and functools.partial(spool.clear,
+                                                                                                 f"{path}-"))
         finally:
+            self._videos -= 1
             self.budget.release(share)
 
     @staticmethod
