@@ -41,6 +41,11 @@ def b64_tensor(s: str, shape, dtype="<f4") -> torch.Tensor:
     return torch.from_numpy(b64_floats(s, dtype).reshape(shape).astype(np.float32))
 
 
+def b64_bf16(s: str, shape) -> torch.Tensor:
+    """A bfloat16 answer's base64 as the tensor (numpy has no bfloat16: its raw 16-bit words)."""
+    return torch.from_numpy(b64_floats(s, "<i2").copy()).view(torch.bfloat16).reshape(shape)
+
+
 def client_for(encoder, **overrides) -> TestClient:
     """The app over an already loaded encoder (`Settings` overrides as keywords)."""
     from vitserve.service.app import create_app

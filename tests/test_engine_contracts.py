@@ -21,19 +21,17 @@ GPU, so they are not run here.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from corpus import encode, photo
-from helpers import serving
+from helpers import b64_bf16, data_uri, serving, wait_until
 from videos import make_video
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,22 +45,13 @@ def engine_path(*folders: str) -> str:
     return os.pathsep.join(str(ENGINES / p) for p in folders)
 
 
-def uri(data: bytes, media: str) -> str:
-    return f"data:{media};base64,{base64.b64encode(data).decode()}"
-
-
 def answer_tensor(item: dict) -> torch.Tensor:
-    import numpy as np
-
-    raw = np.frombuffer(base64.b64decode(item["embeddings"]), "<i2").copy()
-    return torch.from_numpy(raw).view(torch.bfloat16).reshape(item["shape"])
+    return b64_bf16(item["embeddings"], item["shape"])
 
 
-def file_of(directory: Path, identifier: str, seconds: float = 10.0) -> Path:
+def file_of(directory: Path, identifier: str) -> Path:
     path = directory / identifier / "encoder_cache.safetensors"
-    deadline = time.monotonic() + seconds
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(path.exists, 10, f"{path} written")
     return path
 
 
@@ -78,8 +67,8 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
     cases, expected = [], []
     for _, url in serving("--model", "tiny-qwen3-vl", "--load-format", "dummy", "--ec-shared-storage", str(storage),
                           "--ec-dtype", "bfloat16", "--ec-model-id", model_id, "--ec-hash-algorithm", algorithm):
-        body = {"images": [uri(images[k], f"image/{'jpeg' if k == 'jpeg' else 'png'}") for k in images] * 2,
-                "videos": [uri(video, "video/mp4")], "layout": "vllm", "dtype": "bfloat16",
+        body = {"images": [data_uri(images[k], f"image/{'jpeg' if k == 'jpeg' else 'png'}") for k in images] * 2,
+                "videos": [data_uri(video, "video/mp4")], "layout": "vllm", "dtype": "bfloat16",
                 "multi_modal_uuids": {"image": [None, None, None, "u-png", "u-jpeg", None], "video": ["clip-7"]}}
         r = httpx.post(url + "/v1/encode", json=body, timeout=60)
         assert r.status_code == 200, r.text
@@ -96,12 +85,12 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
             expected.append(answer_tensor(item))
             assert file_of(storage, item["ec_id"]).exists()
         # the proxy's chat request with mm_processor_kwargs: the uuid is hashed with them, as vLLM does
-        part = {"type": "image_url", "image_url": {"url": uri(images["png"], "image/png")}, "uuid": "u-kw"}
+        part = {"type": "image_url", "image_url": {"url": data_uri(images["png"], "image/png")}, "uuid": "u-kw"}
         chat = {"messages": [{"role": "user", "content": [part]}], "mm_processor_kwargs": {"max_pixels": 100000}}
         r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200, r.text
         ((identifier, entry),) = r.json()["ec_transfer_params"].items()
-        clip = {"type": "video_url", "video_url": {"url": uri(video, "video/mp4")}, "uuid": "clip-9"}
+        clip = {"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4")}, "uuid": "clip-9"}
         r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [clip]}]},
                        timeout=60)
         video_entry = r.json()["ec_transfer_params"]["clip-9"]
@@ -110,7 +99,7 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
         source.write_bytes(images["png"])
         cases.append({"identifier": identifier, "file": str(source), "uuid": "u-kw", "algorithm": algorithm,
                       "mm_processor_kwargs": {"max_pixels": 100000}})
-        small = httpx.post(url + "/v1/encode", json={"images": [uri(images["png"], "image/png")], "max_pixels": 100000,
+        small = httpx.post(url + "/v1/encode", json={"images": [data_uri(images["png"], "image/png")], "max_pixels": 100000,
                                                      "layout": "vllm", "dtype": "bfloat16"}, timeout=60)
         expected.append(answer_tensor(small.json()["data"][0]))
         assert entry["metadata"] == {"image_grid_thw": small.json()["data"][0]["grid_thw"]}
@@ -151,8 +140,8 @@ def test_sglangs_receiver_takes_what_vitserve_pushed(tmp_path, model, model_type
     from test_sglang_tier import encode_body, post_encode, receive, reference, register
 
     path = engine_path("sglang")
-    image = uri(encode(photo(96, 64, 7), "PNG"), "image/png")
-    video = uri(make_video(20, 10, 128, 96), "video/mp4")
+    image = data_uri(encode(photo(96, 64, 7), "PNG"), "image/png")
+    video = data_uri(make_video(20, 10, 128, 96), "video/mp4")
     import zmq
 
     context = zmq.Context()

@@ -5,16 +5,14 @@ identifiers in tests/test_engine_contracts.py."""
 
 from __future__ import annotations
 
-import base64
 import os
 import stat
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from corpus import encode, photo
-from helpers import serving
+from helpers import b64_bf16, data_uri, serving, wait_until
 from safetensors.torch import load_file
 
 from vitserve.service import ec_storage
@@ -127,10 +125,6 @@ def test_identifiers_follow_vllms_rules():
     assert ALGORITHMS == EC_HASH_ALGORITHMS
 
 
-def uri(data: bytes, media: str) -> str:
-    return f"data:{media};base64,{base64.b64encode(data).decode()}"
-
-
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ec")
@@ -139,19 +133,14 @@ def tier(tmp_path_factory):
         yield url, directory
 
 
-def written(path, seconds: float = 10.0):
+def written(path):
     """The file at `path` once it is there (/v1/encode answers without waiting for its files)."""
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(path.exists, 10, f"{path} written")
     return load_file(path)
 
 
 def bf16(x: dict) -> torch.Tensor:
-    raw = np.frombuffer(base64.b64decode(x["embeddings"]), "<i2").copy()
-    return torch.from_numpy(raw).view(torch.bfloat16).reshape(x["shape"])
+    return b64_bf16(x["embeddings"], x["shape"])
 
 
 @pytest.mark.slow
@@ -164,7 +153,7 @@ def test_encode_writes_each_item_under_its_identifier(tier):
     url, directory = tier
     image = encode(photo(96, 64, 5), "JPEG")
     video = make_video(30, 10, 160, 120)
-    body = {"images": [uri(image, "image/jpeg")], "videos": [uri(video, "video/mp4")], "layout": "vllm",
+    body = {"images": [data_uri(image, "image/jpeg")], "videos": [data_uri(video, "video/mp4")], "layout": "vllm",
             "dtype": "bfloat16", "multi_modal_uuids": {"video": ["clip-1"]}}
     r = httpx.post(url + "/v1/encode", json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -172,9 +161,9 @@ def test_encode_writes_each_item_under_its_identifier(tier):
     assert [x["ec_id"] for x in data] == [mm_hash("image", MODEL, data=image), "clip-1"]
     for x in data:
         assert torch.equal(written(directory / x["ec_id"] / "encoder_cache.safetensors")["ec_cache"], bf16(x))
-    r = httpx.post(url + "/v1/encode", json={"videos": [uri(video, "video/mp4")]}, timeout=60)
+    r = httpx.post(url + "/v1/encode", json={"videos": [data_uri(video, "video/mp4")]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "uuid_required"
-    r = httpx.post(url + "/v1/encode", json={"images": [uri(image, "image/jpeg")],
+    r = httpx.post(url + "/v1/encode", json={"images": [data_uri(image, "image/jpeg")],
                                              "multi_modal_uuids": {"image": ["../x"]}}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_uuid"
 
@@ -189,16 +178,16 @@ def test_the_proxys_chat_request_is_answered_with_ec_transfer_params(tier):
 
     url, directory = tier
     image, video = encode(photo(80, 72, 9), "PNG"), make_video(20, 10, 128, 96)
-    parts = [{"type": "image_url", "image_url": {"url": uri(image, "image/png")}, "uuid": "img"},
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(image, "image/png")}, "uuid": "img"},
              {"type": "text", "text": "what happens?"},
-             {"type": "video_url", "video_url": {"url": uri(video, "video/mp4")}, "uuid": "vid"},
-             {"type": "image_url", "image_url": {"url": uri(image, "image/png")}, "uuid": "img"}]
+             {"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4")}, "uuid": "vid"},
+             {"type": "image_url", "image_url": {"url": data_uri(image, "image/png")}, "uuid": "img"}]
     body = {"model": "Qwen/Qwen3-VL-8B-Instruct", "messages": [{"role": "user", "content": parts}], "stream": False}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     params = r.json()["ec_transfer_params"]
-    reference = httpx.post(url + "/v1/encode", json={"images": [uri(image, "image/png")],
-                                                     "videos": [uri(video, "video/mp4")], "layout": "vllm",
+    reference = httpx.post(url + "/v1/encode", json={"images": [data_uri(image, "image/png")],
+                                                     "videos": [data_uri(video, "video/mp4")], "layout": "vllm",
                                                      "dtype": "bfloat16",
                                                      "multi_modal_uuids": {"image": ["i2"], "video": ["v2"]}},
                            timeout=60).json()["data"]
