@@ -16,11 +16,9 @@ one tensor `ec_cache`, the item's encoder output in the consumer's dtype (`--ec-
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-import struct
 import tempfile
 import threading
 from collections import OrderedDict
@@ -30,17 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .outputs import SAFETENSORS_DTYPES, converted, raw_view, safetensors_header
+
 FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 IOV_MAX = 1024  # buffers per gathered write (Linux's limit)
 log = logging.getLogger("vitserve.ec")
-
-
-def _rows(t: torch.Tensor) -> np.ndarray:
-    """The tensor's rows as raw bytes (uint8 [rows, row bytes]; numpy has no bfloat16), without a copy."""
-    t = t.contiguous()
-    return t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
 
 
 def _write_rows(fd: int, parts: list[np.ndarray], first: int, last: int, offset: int) -> None:
@@ -101,13 +94,12 @@ class ECStorage:
     def write(self, identifier: str, tokens: torch.Tensor, deepstack: list[torch.Tensor] = ()) -> int:
         """Write one item's file (its tokens and deepstack features, host tensors, in this storage's dtype); the
         file's bytes. Older files go first where the new one would pass `max_bytes`."""
-        parts = [_rows(t.to(self.dtype)) for t in (tokens, *deepstack)]
+        parts = [raw_view(converted(t, self.dtype)).reshape(t.shape[0], -1) for t in (tokens, *deepstack)]
         rows, width = tokens.shape[0], sum(t.shape[1] for t in (tokens, *deepstack))
         header = {TENSOR_NAME: {"dtype": SAFETENSORS_DTYPES[self.dtype], "shape": [rows, width],
                                 "data_offsets": [0, sum(part.nbytes for part in parts)]}}
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        start = 8 + len(text)
+        head = safetensors_header(header)
+        start = len(head)
         size = start + header[TENSOR_NAME]["data_offsets"][1]
         final = self.path(identifier)
         if self._present(identifier, final, size):
@@ -121,7 +113,7 @@ class ECStorage:
         fd, tmp = tempfile.mkstemp(prefix=".ec-", suffix=".tmp", dir=self.directory)
         try:
             os.ftruncate(fd, size)
-            os.pwrite(fd, struct.pack("<Q", len(text)) + text, 0)
+            os.pwrite(fd, head, 0)
             row_bytes = sum(part.shape[1] for part in parts)
             if self.writers is None or rows < 2 * self.writers._max_workers:
                 _write_rows(fd, parts, 0, rows, start)

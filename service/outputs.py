@@ -170,10 +170,16 @@ def safetensors_parts(outputs: list, dtype: str, metadata: dict[str, str],
                             "data_offsets": [offset, offset + len(data)]}
             parts.append(data)
             offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as safetensors pads it
-    parts[0] = struct.pack("<Q", len(text)) + text
+    parts[0] = safetensors_header(header)
     return parts
+
+
+def safetensors_header(header: dict) -> bytes:
+    """A safetensors file's first bytes: its header's length and JSON, padded so that the data starts 8-aligned (as
+    safetensors pads it)."""
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def safetensors_body(outputs: list, dtype: str, metadata: dict[str, str], deepstack: bool = True) -> bytes:
