@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from PIL import Image
+
 from ..encoder.preprocess import Base64Data, InvalidBase64, decode_base64
 from ..encoder.vision_encoder import DTYPES
 from .ec_storage import ECStorage, check_identifier
@@ -129,7 +131,7 @@ class VLLMTier:
         try:
             return mm_hash(item.modality, self.model_id, self.algorithm, data=data, uuid=item.uuid,
                            mm_processor_kwargs=kwargs)
-        except OSError:  # PIL cannot read it, so neither can vLLM's loader
+        except (OSError, Image.DecompressionBombError):  # PIL cannot (or will not) read it, nor can vLLM's loader
             raise ServiceError(400, f"{item.param}: not an image vLLM's loader reads, so it has no identifier there",
                                "unidentified_image", item.param) from None
 

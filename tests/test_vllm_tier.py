@@ -125,6 +125,28 @@ def test_identifiers_follow_vllms_rules():
     assert ALGORITHMS == EC_HASH_ALGORITHMS
 
 
+def test_an_image_pil_will_not_open_has_no_identifier_a_400(tmp_path, monkeypatch):
+    """An image over PIL's decompression-bomb bound (which a raised --max-image-pixels lets the encode take): vLLM's
+    loader, PIL too, will not read it, so it has no identifier there: a 400 `unidentified_image`, not a 500 out of
+    the hashing pool."""
+    import asyncio
+
+    from PIL import Image
+
+    from vitserve.service.errors import ServiceError
+    from vitserve.service.settings import Settings
+    from vitserve.service.vllm_tier import Item, VLLMTier
+
+    tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path)), "float32")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 40x30 is over twice that: PIL refuses to open it
+    try:
+        with pytest.raises(ServiceError) as e:
+            asyncio.run(tier.identifiers([Item("image", encode(photo(40, 30, 3), "PNG"), None, "images[0]")]))
+        assert (e.value.status, e.value.code) == (400, "unidentified_image")
+    finally:
+        tier.close()
+
+
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ec")
