@@ -6,8 +6,8 @@ Qwen2/2.5-VL, `Qwen3VLVideoProcessor` for Qwen3-VL), decoded by PyAV (the `video
   memory: the resized frames are what stays. `VideoConfig.decoder` "nvdec" decodes on the GPU's video engines
   (FFmpeg's CUDA hwaccel in PyAV's wheel; frames come back to host memory for the same conversion); a codec NVDEC
   lacks decodes in software, and a process where NVDEC cannot open (no GPU, no driver video library) decodes every
-  video in software, which `decoder_used` reports. H.264/HEVC/VP9/AV1 decoding is exact by their specifications, so
-  both decoders give the same frames.
+  video in software, which `decoder_used` reports. NVDEC's frames reach RGB through another conversion (NV12
+  downloaded, then converted): they are within about a level of the software decoder's, not equal to them.
 * sample (`sample_indices`): the family's `sample_frames` (Qwen2: `fps` frames a second between `min_frames` and
   `max_frames`, floored to the temporal patch, `arange` steps; Qwen3: the same bounds, `linspace`).
 * resize (`frame_size`): the family's smart_resize (Qwen2: per frame, as for images; Qwen3: the pixels of every frame

@@ -373,11 +373,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         grids, timing = [None] * len(items), [None] * len(items)
         for position, i in enumerate(order):  # encode_all answers the images first, then the videos
             grids[i], timing[i] = result.grids[position], (result.videos or [None] * len(order))[position]
-        ids = [ids[i] for i in order]  # as the outputs are ordered, for the writes
-        params = tier.transfer_params([ids[order.index(i)] for i in range(len(items))], items, grids, timing,
-                                      engine.model.config.family == "qwen3_vl")
+        params = tier.transfer_params(ids, items, grids, timing, engine.model.config.family == "qwen3_vl")
         content = chat_completion(body.model, params, request.state.tokens)
-        return await answer_beside_files(request, result, lambda: json_response(content), ids)
+        return await answer_beside_files(request, result, lambda: json_response(content), [ids[i] for i in order])
 
     def check_sglang() -> None:
         if sglang is None:
