@@ -167,7 +167,7 @@ def main():
         cfg, runner = enc.config, enc.runner
         hf_eager = hf_flash = None
         if not args.ours_only:
-            tensors = dummy_tensors(cfg, 0, "cuda")
+            tensors = dummy_tensors(cfg, 0)
             hf_eager = hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16)
             hf_flash = use_varlen(hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16), attn)
             del tensors

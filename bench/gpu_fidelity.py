@@ -46,7 +46,7 @@ def main():
     rows = []
     for name in args.models:
         cfg = builtin_config(name)
-        tensors = dummy_tensors(cfg, seed=0, device=dev)
+        tensors = dummy_tensors(cfg, seed=0)
         ref32 = hf_vision_tower(cfg, tensors, dev, torch.float32)
         ref16 = hf_vision_tower(cfg, tensors, dev, torch.bfloat16)
         towers = {}

@@ -382,7 +382,7 @@ def transformers_single(args, path: Path) -> dict:
     except Exception as e:  # noqa: BLE001  (what keeps it from running is the figure)
         return {"skipped": f"{type(e).__name__}: {e}"[:500]}
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
-    tensors = checkpoint.dummy_tensors(cfg, 0, device) if ckpt is None else checkpoint.read_vision_tensors(ckpt)
+    tensors = checkpoint.dummy_tensors(cfg, 0) if ckpt is None else checkpoint.read_vision_tensors(ckpt)
     tower = hf_vision_tower(cfg, tensors, device, dtype, args.hf_attention)
     del tensors
     sample = functools.partial(processor.sample_frames, fps=args.fps)

@@ -155,15 +155,15 @@ def check_layout(tensors: dict[str, torch.Tensor], cfg: VisionConfig) -> None:
         raise CheckpointError(f"{cfg.family} checkpoint does not match its config: " + "; ".join(problems[:10]) + more)
 
 
-def dummy_tensors(cfg: VisionConfig, seed: int = 0, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Seeded random weights in the published layout (norm weights near 1, others ~N(0, 0.02)): deterministic for a
-    given seed and device, realistic enough in scale that a 32-block tower stays finite in bf16."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+def dummy_tensors(cfg: VisionConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Seeded random weights in the published layout (norm weights near 1, others ~N(0, 0.02)), on the CPU: the same
+    numbers for a given seed whatever device the tower then runs on (CUDA's generator draws other numbers than the
+    CPU's), realistic enough in scale that a 32-block tower stays finite in bf16."""
+    gen = torch.Generator().manual_seed(seed)
     out, layout = {}, FAMILY_MODULES[cfg.family].hf_layout(cfg)
     progress = Progress(log, "dummy weights drawn", len(layout), "tensors")
     for name, shape in layout.items():
-        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02
+        t = torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02
         is_norm_weight = name.endswith(".weight") and len(shape) == 1
         out[name] = (t + 1.0 if is_norm_weight else t).to(dtype)
         progress.advance()

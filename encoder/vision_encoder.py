@@ -186,7 +186,7 @@ class VisionEncoder:
         device, dtype = parse_device(device), parse_dtype(dtype)
         cfg, pcfg, ckpt = load_configs(model, load_format, revision, allow_download, min_pixels, max_pixels, cache_dir)
         if ckpt is None:
-            tensors = checkpoint.dummy_tensors(cfg, seed, device)
+            tensors = checkpoint.dummy_tensors(cfg, seed)
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)

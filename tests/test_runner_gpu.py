@@ -62,3 +62,14 @@ def test_pooled_means_on_gpu_equal_the_mean_of_the_tokens():
         assert mixed[i][0].dtype == torch.float32
         assert ((mixed[i][0] - want).norm() / want.norm()).item() <= 1e-5
     assert torch.equal(mixed[1][0], tokens[1][0])
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_dummy_weights_are_the_same_on_every_device(name):
+    """Seeded dummy weights are drawn on the CPU and then moved: a tower on CUDA holds the CPU tower's weights
+    exactly (CUDA's generator would draw other numbers), so a GPU server answers as the CPU library does."""
+    cpu = VisionEncoder.from_pretrained(name, load_format="dummy", capture=False)
+    cuda = VisionEncoder.from_pretrained(name, load_format="dummy", device="cuda", capture=False)
+    ours = cuda.tower.state_dict()
+    for key, weight in cpu.tower.state_dict().items():
+        assert torch.equal(ours[key].cpu(), weight), key
