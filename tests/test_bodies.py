@@ -104,7 +104,8 @@ def test_body_files_are_given_back_whatever_the_request_becomes(tmp_path):
     file serves them all in turn (a lost release would leave a file per request); the answers are those of the same
     images in a chunked body (not shared: sent to the worker); SIGTERM leaves no file."""
     proc, url = launch.start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--cache-bytes", "0",
-                                    "--spool-dir", str(tmp_path), "--decode-workers", "1", timeout=60)
+                                    "--spool-dir", str(tmp_path), "--decode-workers", "1", "--api-servers", "1",
+                                    timeout=60)  # one front end: its body files are the ones counted
     try:
         port = int(url.rsplit(":", 1)[1])
         image = png(700, 700, 7)  # ~1.5 MB: its body is shared

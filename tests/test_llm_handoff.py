@@ -45,7 +45,10 @@ def served(request, checkpoints):
     from transformers import AutoModelForImageTextToText
 
     path, _ = checkpoints[request.param]
-    proc, url = start_server("--model", path, "--max-batch-wait-ms", "1", timeout=120, capture_log=True)
+    # on the CPU in float32 wherever the tests run: the handoff's layout is held to the model's own tower exactly
+    # (a GPU server's bf16 features are the fidelity bench's business: bench/gpu_fidelity.py)
+    proc, url = start_server("--model", path, "--device", "cpu", "--max-batch-wait-ms", "1", timeout=120,
+                             capture_log=True)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     yield request.param, url, model
     proc.terminate()
