@@ -142,8 +142,11 @@ class VLLMTier:
         for item in items:
             if item.uuid is None and (item.modality == "video" or isinstance(item.data, str)):
                 what = "a video" if item.modality == "video" else "an image URL"
+                how = ("give the part a `uuid`" if item.param.startswith("messages") else
+                       f"give it one in multi_modal_uuids.{item.modality} (a field of the JSON body or of the "
+                       "multipart form, JSON there; the client's uuids=)")
                 raise ServiceError(400, f"{item.param}: {what} needs a uuid to be named for vLLM (its own identifier "
-                                        "of it depends on what vLLM's loader makes of it)", "uuid_required",
+                                        f"of it depends on what vLLM's loader makes of it): {how}", "uuid_required",
                                    item.param)
             if item.uuid is not None:
                 try:

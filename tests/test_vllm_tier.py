@@ -302,6 +302,32 @@ def test_encode_writes_each_item_under_its_identifier(tier):
 
 
 @pytest.mark.slow
+def test_multipart_and_the_client_name_items_by_uuid(tier):
+    """Multipart takes `multi_modal_uuids` (JSON text, per modality in the files' order) and the client's `uuids=`
+    sends it: a video, which only a uuid names, is written under it; without one, the 400 says how to give one; a
+    list of the wrong length is refused."""
+    from videos import make_video
+
+    from vitserve.client import Client, VitserveError
+
+    url, directory = tier
+    video, image = make_video(20, 10, 128, 96), encode(photo(64, 48, 11), "JPEG")
+    with Client(url, timeout=60, retries=0) as client:
+        clip = client.encode_videos(video, uuids="mp-clip", layout="vllm", dtype="bfloat16")
+        images = client.encode([image, image], uuids=["mp-img", None], layout="vllm", dtype="bfloat16")
+        with pytest.raises(VitserveError) as e:
+            client.encode_videos([video])
+    assert (e.value.status, e.value.code, e.value.param) == (400, "uuid_required", "videos[0]")
+    assert "multi_modal_uuids.video" in e.value.message
+    assert torch.equal(written(directory / "mp-clip" / "encoder_cache.safetensors")["ec_cache"], clip.embeddings)
+    for name, answer in (("mp-img", images[0]), (mm_hash("image", MODEL, data=image), images[1])):
+        assert torch.equal(written(directory / name / "encoder_cache.safetensors")["ec_cache"], answer.embeddings)
+    r = httpx.post(url + "/v1/encode", files=[("f", ("v", video)), ("f", ("i", image))],
+                   data={"multi_modal_uuids": '{"video": ["a", "b"]}'}, timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "multi_modal_uuids", r.text
+
+
+@pytest.mark.slow
 def test_the_proxys_chat_request_is_answered_with_ec_transfer_params(tier):
     """The request vLLM's disaggregated-encoder proxy sends (a user message of media parts with uuids, text between)
     gets what the proxy reads of a producer: per identifier its modality, its indices among the media parts (the
