@@ -66,8 +66,8 @@ def check_identifier(identifier: str) -> str:
 class ECStorage:
     """The encoder-cache folder of one server. `write` is blocking (run it in a thread) and safe from several.
 
-    The folder must exist; it is held open, and everything in it is reached through that handle without following a
-    link. Only folders this server's user owns are written into or counted (a link or another user's folder planted
+    The folder must exist; it is held open for the storage's life (a write still in flight at shutdown never meets
+    a closed or reused handle), and everything in it is reached through that handle without following a link. Only folders this server's user owns are written into or counted (a link or another user's folder planted
     under an identifier is refused: FileExistsError), and a file already under an identifier is never replaced:
     the first write of an identifier is its file until it is evicted."""
 
@@ -101,11 +101,6 @@ class ECStorage:
                 self._bytes += size
             while self._bytes > self.max_bytes:
                 self._evict_oldest()
-
-    def close(self) -> None:
-        os.close(self.fd)
-        if self.writers is not None:
-            self.writers.shutdown(wait=False)
 
     @property
     def bytes(self) -> int:

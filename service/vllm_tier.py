@@ -119,7 +119,6 @@ class VLLMTier:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.storage.close()
 
     def _identifier(self, item: Item, kwargs: dict | None) -> str:
         """Runs in the pool: an item's identifier (its base64 decoded and hashed where it has no uuid)."""
