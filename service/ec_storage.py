@@ -67,9 +67,10 @@ class ECStorage:
     """The encoder-cache folder of one server. `write` is blocking (run it in a thread) and safe from several.
 
     The folder must exist; it is held open for the storage's life (a write still in flight at shutdown never meets
-    a closed or reused handle), and everything in it is reached through that handle without following a link. Only folders this server's user owns are written into or counted (a link or another user's folder planted
-    under an identifier is refused: FileExistsError), and a file already under an identifier is never replaced:
-    the first write of an identifier is its file until it is evicted."""
+    a closed or reused handle), and everything in it is reached through that handle without following a link. Only
+    folders this server's user owns are written into or counted (a link or another user's folder planted under an
+    identifier is refused: FileExistsError), and a file already under an identifier is never replaced: the first
+    write of an identifier is its file until it is evicted."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int, file_mode: int = 0o644,
                  dtype: torch.dtype = torch.bfloat16, writers: int = 4):

@@ -129,8 +129,8 @@ class Settings:
     ec_shared_storage: str | None = _setting(None, "be vLLM's encoder tier: every item /v1/encode and "
                                                    "/v1/chat/completions encode is also written where vLLM's "
                                                    "ECExampleConnector reads it (DIR/<identifier>/"
-                                                   "encoder_cache.safetensors; DIR must exist; docs/llm.md)", "encoder tier",
-                                             metavar="DIR")
+                                                   "encoder_cache.safetensors; DIR must exist; docs/llm.md)",
+                                             "encoder tier", metavar="DIR")
     ec_storage_bytes: int = _setting(8 * 2**30, "what the encoder-cache files may take in --ec-shared-storage: "
                                                 "beyond, the least recently written go", "encoder tier", size=True)
     ec_file_mode: str = _setting("0644", "permissions of the encoder-cache files, octal (their folders: the same "
