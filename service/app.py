@@ -30,7 +30,7 @@ from .gate import Gate
 from .json_body import Text, read_json
 from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
                       converted, embedding_payload, json_response, safetensors_parts)
-from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest
+from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest, check_uuid_counts
 from .settings import Settings
 from .sglang_tier import EncodeCall, Registration, SGLangTier
 from .vllm_tier import Item, Options, VLLMTier, chat_completion, chat_items, chat_options
@@ -279,8 +279,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                     fields.setdefault(name, request.query_params[name])
             try:
                 body = EncodeForm.model_validate(fields)
+                check_uuid_counts(body.multi_modal_uuids, {"image": len(images), "video": len(videos)})
             except ValidationError as e:
                 raise RequestValidationError(e.errors()) from None
+            except ValueError as e:
+                raise ServiceError(422, str(e), "invalid_request", "multi_modal_uuids") from None
         else:
             body = await read_json(request, EncodeRequest, settings.max_images_per_request
                                    + settings.max_videos_per_request, ("images", "videos"), engine.decoder.bodies)

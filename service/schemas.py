@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Json, field_validator, model_validator
 
 from ..encoder.vision_encoder import DTYPES
 from .outputs import OUTPUT_DTYPES
@@ -65,6 +65,19 @@ class EmbeddingRequest(VideoOptions):
         return v
 
 
+# with --ec-shared-storage: vLLM's uuids of the items by modality, in their order (the identifiers their files are
+# named by; None: vLLM's own content hash of the image; a video needs one)
+MultiModalUUIDs = dict[Literal["image", "video"], list[str | None]]
+
+
+def check_uuid_counts(uuids: MultiModalUUIDs | None, counts: dict[str, int]) -> None:
+    """ValueError where `multi_modal_uuids` has a modality's list, of another length than its items."""
+    for modality, count in counts.items():
+        given = (uuids or {}).get(modality)
+        if given is not None and len(given) != count:
+            raise ValueError(f"multi_modal_uuids.{modality} has {len(given)} entries for {count} {modality}s")
+
+
 class EncodeRequest(VideoOptions):
     """Native request: images and videos for an LLM prefill, token embeddings (and Qwen3 deepstack features)
     back, with each video's timing."""
@@ -77,19 +90,13 @@ class EncodeRequest(VideoOptions):
     deepstack: bool = True
     layout: Literal["tokens", "vllm"] = "tokens"  # vllm: one tensor per image, deepstack concatenated on the width
     max_pixels: int | None = MAX_PIXELS
-    # with --ec-shared-storage: vLLM's uuids of the items (the identifiers their files are named by), else vLLM's
-    # own content hash of each image (a video needs one)
-    multi_modal_uuids: dict[Literal["image", "video"], list[str | None]] | None = None
+    multi_modal_uuids: MultiModalUUIDs | None = None
 
     @model_validator(mode="after")
     def something(self):
         if not self.images and not self.videos:
             raise ValueError("give images or videos (or both)")
-        for modality, items in (("image", self.images), ("video", self.videos)):
-            given = (self.multi_modal_uuids or {}).get(modality)
-            if given is not None and len(given) != len(items):
-                raise ValueError(f"multi_modal_uuids.{modality} has {len(given)} entries for {len(items)} "
-                                 f"{modality}s")
+        check_uuid_counts(self.multi_modal_uuids, {"image": len(self.images), "video": len(self.videos)})
         return self
 
 
@@ -103,6 +110,8 @@ class EncodeForm(VideoOptions):
     deepstack: bool = True
     layout: Literal["tokens", "vllm"] = "tokens"
     max_pixels: int | None = MAX_PIXELS
+    # the same as EncodeRequest's, as JSON text: the files' order within each modality
+    multi_modal_uuids: Json[MultiModalUUIDs] | None = None
 
 
 class ChatMediaURL(BaseModel):

@@ -129,8 +129,8 @@ class Settings:
     ec_shared_storage: str | None = _setting(None, "be vLLM's encoder tier: every item /v1/encode and "
                                                    "/v1/chat/completions encode is also written where vLLM's "
                                                    "ECExampleConnector reads it (DIR/<identifier>/"
-                                                   "encoder_cache.safetensors; docs/llm.md)", "encoder tier",
-                                             metavar="DIR")
+                                                   "encoder_cache.safetensors; DIR must exist; docs/llm.md)",
+                                             "encoder tier", metavar="DIR")
     ec_storage_bytes: int = _setting(8 * 2**30, "what the encoder-cache files may take in --ec-shared-storage: "
                                                 "beyond, the least recently written go", "encoder tier", size=True)
     ec_file_mode: str = _setting("0644", "permissions of the encoder-cache files, octal (their folders: the same "
@@ -296,12 +296,33 @@ class Settings:
     def prepare(self) -> list[str]:
         """Check what depends on this machine, before anything loads or binds (ValueError when wrong): the CUDA devices
         asked for exist, the model can be found (a name that cannot is refused at once, with the closest built-in
-        name), and an attention backend named explicitly runs on the devices. A tiny-* built-in, which has no
+        name), an attention backend named explicitly runs on the devices, and the encoder tiers have their folder
+        and packages. A tiny-* built-in, which has no
         checkpoint anywhere, switches to dummy weights. Returns lines to log about what was implied."""
         self._check_devices()
         notes = self._check_model()
         self._check_attention()
+        self._check_tiers()
         return notes
+
+    def _check_tiers(self) -> None:
+        """The encoder tiers' needs: --ec-shared-storage an existing folder this user can write in (it is not
+        created: a typo would go unnoticed), blake3 for its default digest, pyzmq for --sglang-encoder."""
+        if self.ec_shared_storage is not None:
+            path = Path(self.ec_shared_storage)
+            if not path.is_dir():
+                raise ValueError(f"--ec-shared-storage {self.ec_shared_storage}: "
+                                 + ("not a directory" if path.exists() else "no such directory (create it: the "
+                                                                            "folder vLLM's consumer reads)"))
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise ValueError(f"--ec-shared-storage {self.ec_shared_storage}: not writable by this user")
+            if self.ec_hash_algorithm == "blake3" and not _installed("blake3"):
+                raise ValueError("--ec-shared-storage names items by vLLM's default digest, blake3, which is not "
+                                 "installed: pip install 'vitserve[ec]' (or --ec-hash-algorithm, as the consumer's "
+                                 "--mm-hasher-algorithm)")
+        if self.sglang_encoder and not _installed("zmq"):
+            raise ValueError("--sglang-encoder pushes over ZMQ, and pyzmq is not installed: "
+                             "pip install 'vitserve[sglang]'")
 
     def _check_devices(self) -> None:
         asked = [self.device] if not self.devices else [] if self.devices == "all" else self._device_list()

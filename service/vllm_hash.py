@@ -15,6 +15,11 @@ The digest is blake3 (vLLM's default; the `ec` extra), sha256 or sha512 (`--mm-h
 sorted by name, each its framed name and a tagged value: a leaf is framed bytes (str as UTF-8, int and float as
 numpy's int64/float64 bytes), a sequence or mapping is a tag, a count and its elements (a mapping's keys framed);
 every frame is an 8-byte little-endian length and the bytes.
+
+Hashed identifiers (an image's content, a uuid with factors) are digests: lowercase hex of the algorithm's length.
+vLLM takes a uuid without factors as the identifier unchanged, so a uuid of that shape could equal another item's
+hash; the encoder tier refuses such uuids (`digest_shaped`), which keeps the names from uuids and the names from
+hashes apart.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 
 ALGORITHMS = ("blake3", "sha256", "sha512")
+DIGEST_HEX = {"blake3": 64, "sha256": 64, "sha512": 128}  # hex digits of a digest
 MODALITIES = ("image", "video")
 _NONE, _SEQUENCE, _MAPPING, _LEAF = b"\x00", b"\x01", b"\x02", b"\x03"
 # vLLM's ImageMediaIO defaults: what it converts an image to, and the background transparency goes over
@@ -125,6 +131,12 @@ def hash_factors(modality: str, mm_processor_kwargs: dict | None = None,
         if kept:
             factors["mm_processor_kwargs"] = kept
     return factors
+
+
+def digest_shaped(name: str, algorithm: str) -> bool:
+    """Whether `name` could be a digest of `algorithm` (lowercase hex of its length): what names every hashed
+    identifier, so a uuid of that shape could name another item's file."""
+    return len(name) == DIGEST_HEX[algorithm] and all(c in "0123456789abcdef" for c in name)
 
 
 def mm_hash(modality: str, model_id: str, algorithm: str = "blake3", *, data: bytes | None = None,

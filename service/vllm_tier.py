@@ -30,7 +30,7 @@ from ..encoder.vision_encoder import DTYPES
 from .ec_storage import ECStorage, check_identifier
 from .errors import ServiceError
 from .schemas import ChatMediaURL, ChatRequest
-from .vllm_hash import hash_factors, mm_hash
+from .vllm_hash import digest_shaped, hash_factors, mm_hash
 
 log = logging.getLogger("vitserve.ec")
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
@@ -137,18 +137,25 @@ class VLLMTier:
 
     async def identifiers(self, items: list[Item], kwargs: dict | None = None) -> list[str]:
         """vLLM's identifier of each item (its uuid, or a hash: in the pool). A video or a URL without a uuid, or a
-        uuid that cannot name a folder, is a 400 (before anything is decoded)."""
+        uuid that cannot name a folder or has a content hash's shape, is a 400 (before anything is decoded)."""
         for item in items:
             if item.uuid is None and (item.modality == "video" or isinstance(item.data, str)):
                 what = "a video" if item.modality == "video" else "an image URL"
+                how = ("give the part a `uuid`" if item.param.startswith("messages") else
+                       f"give it one in multi_modal_uuids.{item.modality} (a field of the JSON body or of the "
+                       "multipart form, JSON there; the client's uuids=)")
                 raise ServiceError(400, f"{item.param}: {what} needs a uuid to be named for vLLM (its own identifier "
-                                        "of it depends on what vLLM's loader makes of it)", "uuid_required",
+                                        f"of it depends on what vLLM's loader makes of it): {how}", "uuid_required",
                                    item.param)
             if item.uuid is not None:
                 try:
                     check_identifier(item.uuid)
                 except ValueError as e:
                     raise ServiceError(400, f"{item.param}: {e}", "invalid_uuid", item.param) from None
+                if digest_shaped(item.uuid, self.algorithm):
+                    raise ServiceError(400, f"{item.param}: a uuid of {len(item.uuid)} hex digits has the shape of an "
+                                            f"item's {self.algorithm} content hash, whose file it could name; use "
+                                            "another", "invalid_uuid", item.param)
         if all(item.uuid is not None for item in items) and not any(
                 hash_factors(item.modality, kwargs) for item in items):
             return [item.uuid for item in items]
@@ -162,12 +169,17 @@ class VLLMTier:
             log.error("encoder-cache files not written: %s", job.exception())
 
     async def write(self, identifiers: list[str], outputs: list) -> None:
-        """Write every item's file (side by side, in the pool); a storage failure is a 507 `ec_write_failed`."""
+        """Write every item's file (side by side, in the pool). An identifier whose file holds another item, or
+        whose folder is not this server's, is a 409 `ec_id_taken` (nothing is replaced); a storage failure is a 507
+        `ec_write_failed`."""
         loop = asyncio.get_running_loop()
         jobs = [loop.run_in_executor(self.pool, self.storage.write, identifier, tokens, deepstack)
                 for identifier, (tokens, deepstack) in dict(zip(identifiers, outputs)).items()]
         try:
             await asyncio.gather(*jobs)
+        except FileExistsError as e:
+            raise ServiceError(409, f"the encoder cache holds another item under that identifier: {e}",
+                               "ec_id_taken") from None
         except (OSError, ValueError) as e:
             raise ServiceError(507, f"the encoder cache could not be written: {e}", "ec_write_failed") from None
 

@@ -22,6 +22,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from vitserve.service.launch import free_port, start_server
+from vitserve.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,6 +216,36 @@ def test_serve_refuses_a_typo_before_it_binds(argv, message):
     proc = vitserve("serve", "--host", "127.0.0.1", "--port", str(free_port()), *argv, timeout=60, HF_HUB_OFFLINE="0")
     assert message in one_line(proc, "vitserve serve: ")
     assert time.perf_counter() - start < 20  # an interpreter starting (and torch, for the attention check)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder, message", [
+    ("typo", "--ec-shared-storage {tmp}/typo: no such directory"),
+    ("file", "--ec-shared-storage {tmp}/file: not a directory")])
+def test_a_bad_encoder_cache_folder_is_refused_before_it_binds(tmp_path, folder, message):
+    """--ec-shared-storage names the folder vLLM's consumer reads: one that is missing (a typo) is refused in one
+    line before anything binds, not created; a file is refused too."""
+    (tmp_path / "file").write_text("x")
+    proc = vitserve("serve", "--model", "tiny-qwen2.5-vl", "--host", "127.0.0.1", "--port", str(free_port()),
+                    "--ec-shared-storage", str(tmp_path / folder), timeout=60)
+    assert message.format(tmp=tmp_path) in one_line(proc, "vitserve serve: ")
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize("flags, module, message", [
+    ({"ec_shared_storage": "."}, "blake3", "pip install 'vitserve[ec]'"),
+    ({"sglang_encoder": True}, "zmq", "pip install 'vitserve[sglang]'")])
+def test_an_encoder_tier_without_its_package_is_refused_before_it_binds(monkeypatch, flags, module, message):
+    """blake3 (vLLM's default digest) for --ec-shared-storage, pyzmq for --sglang-encoder: missing, a ValueError
+    from the checks before anything loads or binds (the CLI's one line), naming the extra."""
+    from vitserve.service import settings as settings_module
+
+    installed = settings_module._installed
+    monkeypatch.setattr(settings_module, "_installed", lambda name: name != module and installed(name))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Settings(model="tiny-qwen2.5-vl", load_format="dummy", **flags).prepare()
+    if module == "blake3":  # a consumer started with another digest needs no blake3
+        Settings(model="tiny-qwen2.5-vl", load_format="dummy", ec_hash_algorithm="sha256", **flags).prepare()
 
 
 # ---- encode checks its files first (issue 25, item 12) --------------------------------------------------------------

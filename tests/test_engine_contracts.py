@@ -60,6 +60,7 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
     path = engine_path("vllm", "vllm-deps")
     model_id = "Qwen/Qwen3-VL-8B-Instruct"  # the consumer's --model, which vLLM's content hashes include
     storage = tmp_path / "ec"
+    storage.mkdir()
     pixels = photo(120, 90, 7)
     images = {"png": encode(pixels, "PNG"), "jpeg": encode(pixels, "JPEG"),
               "rgba": encode(pixels.convert("RGBA"), "PNG")}

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import httpx
 import pytest
 import torch
 from corpus import encode, photo
 from helpers import b64_bf16, data_uri, serving, wait_until
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from vitserve.service import ec_storage
 from vitserve.service.ec_storage import ECStorage
@@ -21,6 +22,12 @@ from vitserve.service.settings import EC_HASH_ALGORITHMS
 from vitserve.service.vllm_hash import ALGORITHMS, mm_hash
 
 MODEL = "tiny-qwen3-vl"
+
+
+def folder(path):
+    """An encoder-cache folder (ECStorage takes an existing one)."""
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def item(rows=12, width=8, levels=3, seed=0):
@@ -33,31 +40,33 @@ def test_a_file_holds_the_tokens_then_the_deepstack_features_in_the_consumers_dt
     <dir>/<identifier>/encoder_cache.safetensors, nothing else in the folder; split over writer threads or not."""
     tokens, deepstack = item(rows=301)
     for writers in (1, 4):
-        storage = ECStorage(tmp_path / str(writers), 2**30, dtype=torch.bfloat16, writers=writers)
+        storage = ECStorage(folder(tmp_path / str(writers)), 2**30, dtype=torch.bfloat16, writers=writers)
         storage.write("abc", tokens, deepstack)
         tensors = load_file(tmp_path / str(writers) / "abc" / "encoder_cache.safetensors")
         assert list(tensors) == ["ec_cache"]
         assert torch.equal(tensors["ec_cache"], torch.cat([tokens, *deepstack], -1).bfloat16())
         assert os.listdir(tmp_path / str(writers)) == ["abc"]
-    storage = ECStorage(tmp_path / "f32", 2**30, dtype=torch.float32)
+    storage = ECStorage(folder(tmp_path / "f32"), 2**30, dtype=torch.float32)
     storage.write("x", tokens)
     assert torch.equal(load_file(storage.path("x"))["ec_cache"], tokens)
 
 
 def test_a_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
-    """The consumer takes existence as readiness: the final path appears only by the rename of a complete file, and
+    """The consumer takes existence as readiness: the final path appears only by the link of a complete file, and
     a write that fails leaves neither a file nor a temporary one."""
     storage = ECStorage(tmp_path, 2**30)
     tokens, deepstack = item()
-    replace = os.replace
+    link = os.link
     seen = []
 
-    def checked(src, dst):
-        assert not os.path.exists(dst)
-        seen.append(torch.equal(load_file(src)["ec_cache"], torch.cat([tokens, *deepstack], -1).bfloat16()))
-        replace(src, dst)
+    def checked(src, dst, *, src_dir_fd, dst_dir_fd, follow_symlinks):
+        assert not os.path.exists(storage.path("a"))
+        with open(os.open(src, os.O_RDONLY, dir_fd=src_dir_fd), "rb") as f:
+            written = load(f.read())["ec_cache"]
+        seen.append(torch.equal(written, torch.cat([tokens, *deepstack], -1).bfloat16()))
+        link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
 
-    monkeypatch.setattr(ec_storage.os, "replace", checked)
+    monkeypatch.setattr(ec_storage.os, "link", checked)
     storage.write("a", tokens, deepstack)
     assert seen == [True]
 
@@ -74,8 +83,8 @@ def test_the_space_is_bounded_least_recently_written_first(tmp_path):
     """Files stay within max_bytes: the least recently written go (an item written again is recent again); files
     found at start count, oldest first; an item larger than the bound is refused."""
     tokens, _ = item(rows=64, width=64, levels=0)
-    size = ECStorage(tmp_path / "probe", 2**30, dtype=torch.float32).write("p", tokens)
-    storage = ECStorage(tmp_path / "s", 3 * size, dtype=torch.float32)
+    size = ECStorage(folder(tmp_path / "probe"), 2**30, dtype=torch.float32).write("p", tokens)
+    storage = ECStorage(folder(tmp_path / "s"), 3 * size, dtype=torch.float32)
     for name in "abc":
         storage.write(name, tokens)
     storage.write("a", tokens)  # already there: now the most recent
@@ -84,7 +93,81 @@ def test_the_space_is_bounded_least_recently_written_first(tmp_path):
     again = ECStorage(tmp_path / "s", 2 * size, dtype=torch.float32)  # a restart with less room
     assert len(os.listdir(tmp_path / "s")) == 2 and again.bytes == 2 * size
     with pytest.raises(ValueError, match="does not fit"):
-        ECStorage(tmp_path / "t", size - 1, dtype=torch.float32).write("big", tokens)
+        ECStorage(folder(tmp_path / "t"), size - 1, dtype=torch.float32).write("big", tokens)
+
+
+def test_writes_in_flight_count_within_the_bound(tmp_path, monkeypatch):
+    """Overlapping writes: a write that needs room held only by writes still in flight waits for them (it never
+    evicts a file before it lands, to have it land uncounted), so the folder never holds more than max_bytes and the
+    storage's count is what is on disk."""
+    tokens, _ = item(rows=64, width=64, levels=0)
+    size = ECStorage(folder(tmp_path / "probe"), 2**30, dtype=torch.float32, writers=1).write("p", tokens)
+    storage = ECStorage(folder(tmp_path / "s"), 2 * size, dtype=torch.float32, writers=1)
+    entered, release = threading.Semaphore(0), threading.Event()
+    write_rows = ec_storage._write_rows
+
+    def held(*args):
+        entered.release()
+        release.wait(10)
+        write_rows(*args)
+
+    monkeypatch.setattr(ec_storage, "_write_rows", held)
+    first = [threading.Thread(target=storage.write, args=(name, tokens)) for name in "ab"]
+    for thread in first:
+        thread.start()
+    for _ in first:
+        assert entered.acquire(timeout=10)  # a and b are both being written
+    third = threading.Thread(target=storage.write, args=("c", tokens))
+    third.start()
+    assert not entered.acquire(timeout=0.3)  # c waits for room instead of evicting a write in flight
+    release.set()
+    for thread in (*first, third):
+        thread.join(10)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "s").glob("*/encoder_cache.safetensors"))
+    assert on_disk == storage.bytes <= 2 * size and (tmp_path / "s" / "c").is_dir()
+
+
+def test_a_file_under_an_identifier_is_never_replaced(tmp_path):
+    """The first write of an identifier is its file: a later write of the same size counts it as written again,
+    another size is refused (FileExistsError) and the file stays the first item's."""
+    storage = ECStorage(tmp_path, 2**30, dtype=torch.float32)
+    first, _ = item(rows=12, seed=1)
+    storage.write("x", first)
+    storage.write("x", item(rows=12, seed=2)[0])  # same size: the file there counts (an identifier is one item)
+    with pytest.raises(FileExistsError):
+        storage.write("x", item(rows=20, seed=3)[0])
+    assert torch.equal(load_file(storage.path("x"))["ec_cache"], first)
+    assert storage.bytes == storage.path("x").stat().st_size
+
+
+def test_links_and_other_users_folders_are_never_written_through(tmp_path):
+    """A link planted under an identifier (to a private folder) is refused without touching its target (no chmod,
+    no file); so is a folder another user owns; neither is counted at start or removed."""
+    shared, private = folder(tmp_path / "shared"), folder(tmp_path / "private")
+    private.chmod(0o700)
+    (shared / "planted").symlink_to(private, target_is_directory=True)
+    storage = ECStorage(shared, 2**30)
+    with pytest.raises(FileExistsError):
+        storage.write("planted", *item())
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700 and not list(private.iterdir())
+    if os.geteuid() == 0:  # another user's folder, with a file in it
+        other = folder(shared / "other")
+        (other / "encoder_cache.safetensors").write_bytes(b"x" * 4096)
+        os.chown(other, 4321, -1)
+        again = ECStorage(shared, 2048)  # too small for the file: it would be evicted if it were counted
+        with pytest.raises(FileExistsError):
+            again.write("other", *item())
+        assert again.bytes == 0 and (other / "encoder_cache.safetensors").read_bytes() == b"x" * 4096
+
+
+def test_a_restart_survives_hidden_names_in_the_folder(tmp_path):
+    """Hidden names are the storage's own (its temporary files): not identifiers; a folder named like a temporary
+    file does not stop a restart."""
+    with pytest.raises(ValueError):
+        ECStorage(tmp_path, 2**30).write(".ec-planted.tmp", *item())
+    (tmp_path / ".ec-planted.tmp").mkdir()
+    ECStorage(tmp_path, 2**30).write("a", *item())
+    assert sorted(os.listdir(tmp_path)) == [".ec-planted.tmp", "a"]
 
 
 def test_files_and_folders_get_the_operators_permissions(tmp_path):
@@ -98,7 +181,7 @@ def test_files_and_folders_get_the_operators_permissions(tmp_path):
     assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == 0o750
 
 
-@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "x" * 256])
+@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "x" * 256, ".hidden"])
 def test_an_identifier_is_one_folder_name(tmp_path, bad):
     with pytest.raises(ValueError):
         ECStorage(tmp_path, 2**30).write(bad, *item())
@@ -147,6 +230,33 @@ def test_an_image_pil_will_not_open_has_no_identifier_a_400(tmp_path, monkeypatc
         tier.close()
 
 
+def test_a_uuid_never_names_another_items_file(tmp_path):
+    """A uuid shaped like a content hash (which could be another image's name) is a 400 `invalid_uuid`, and a write
+    under an identifier whose file holds another item is a 409 `ec_id_taken` that leaves the file as it was."""
+    import asyncio
+
+    from vitserve.service.errors import ServiceError
+    from vitserve.service.settings import Settings
+    from vitserve.service.vllm_tier import Item, VLLMTier
+
+    tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path), ec_dtype="float32"), "float32")
+    image = encode(photo(40, 30, 3), "PNG")
+    victim = mm_hash("image", MODEL, data=image)
+    try:
+        with pytest.raises(ServiceError) as e:
+            asyncio.run(tier.identifiers([Item("image", image, None, "images[0]"),
+                                          Item("image", encode(photo(40, 30, 4), "PNG"), victim, "images[1]")]))
+        assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_uuid", "images[1]")
+        first = item(rows=6, levels=0)
+        asyncio.run(tier.write(["taken"], [first]))
+        with pytest.raises(ServiceError) as e:
+            asyncio.run(tier.write(["taken"], [item(rows=9, levels=0, seed=1)]))
+        assert (e.value.status, e.value.code) == (409, "ec_id_taken")
+        assert torch.equal(load_file(tmp_path / "taken" / "encoder_cache.safetensors")["ec_cache"], first[0])
+    finally:
+        tier.close()
+
+
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ec")
@@ -185,9 +295,36 @@ def test_encode_writes_each_item_under_its_identifier(tier):
         assert torch.equal(written(directory / x["ec_id"] / "encoder_cache.safetensors")["ec_cache"], bf16(x))
     r = httpx.post(url + "/v1/encode", json={"videos": [data_uri(video, "video/mp4")]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "uuid_required"
-    r = httpx.post(url + "/v1/encode", json={"images": [data_uri(image, "image/jpeg")],
-                                             "multi_modal_uuids": {"image": ["../x"]}}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_uuid"
+    for bad in ("../x", ".ec-planted.tmp", mm_hash("image", MODEL, data=encode(photo(96, 64, 6), "JPEG"))):
+        r = httpx.post(url + "/v1/encode", json={"images": [data_uri(image, "image/jpeg")],
+                                                 "multi_modal_uuids": {"image": [bad]}}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_uuid", bad
+
+
+@pytest.mark.slow
+def test_multipart_and_the_client_name_items_by_uuid(tier):
+    """Multipart takes `multi_modal_uuids` (JSON text, per modality in the files' order) and the client's `uuids=`
+    sends it: a video, which only a uuid names, is written under it; without one, the 400 says how to give one; a
+    list of the wrong length is refused."""
+    from videos import make_video
+
+    from vitserve.client import Client, VitserveError
+
+    url, directory = tier
+    video, image = make_video(20, 10, 128, 96), encode(photo(64, 48, 11), "JPEG")
+    with Client(url, timeout=60, retries=0) as client:
+        clip = client.encode_videos(video, uuids="mp-clip", layout="vllm", dtype="bfloat16")
+        images = client.encode([image, image], uuids=["mp-img", None], layout="vllm", dtype="bfloat16")
+        with pytest.raises(VitserveError) as e:
+            client.encode_videos([video])
+    assert (e.value.status, e.value.code, e.value.param) == (400, "uuid_required", "videos[0]")
+    assert "multi_modal_uuids.video" in e.value.message
+    assert torch.equal(written(directory / "mp-clip" / "encoder_cache.safetensors")["ec_cache"], clip.embeddings)
+    for name, answer in (("mp-img", images[0]), (mm_hash("image", MODEL, data=image), images[1])):
+        assert torch.equal(written(directory / name / "encoder_cache.safetensors")["ec_cache"], answer.embeddings)
+    r = httpx.post(url + "/v1/encode", files=[("f", ("v", video)), ("f", ("i", image))],
+                   data={"multi_modal_uuids": '{"video": ["a", "b"]}'}, timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "multi_modal_uuids", r.text
 
 
 @pytest.mark.slow

@@ -96,11 +96,24 @@ def _wait(outcome: httpx.Response | httpx.TransportError, attempt: int) -> float
         return min(30.0, 0.5 * 2**attempt)
 
 
+def _uuids(uuids, count: int, single: bool, kind: str) -> list[str | None]:
+    """Each item's uuid (vLLM's name for it where the server is vLLM's encoder tier), None where it has none."""
+    if uuids is None:
+        return [None] * count
+    names = [uuids] if single and isinstance(uuids, str) else list(uuids)
+    if len(names) != count:
+        raise ValueError(f"{len(names)} uuids for {count} {kind}s")
+    return names
+
+
 def _encode_request(images: list[bytes], dtype: str, deepstack: bool, layout: str,
-                    max_pixels: int | None, **video) -> dict:
-    """A multipart /v1/encode request (the server tells videos from images by their bytes); `video`: fps,
-    num_frames, max_frames where given."""
+                    max_pixels: int | None, uuids: list[str | None] = (), kind: str = "image", **video) -> dict:
+    """A multipart /v1/encode request (the server tells videos from images by their bytes); `uuids`: the items'
+    (the `multi_modal_uuids` field, for `kind`), where any is given; `video`: fps, num_frames, max_frames where
+    given."""
     fields = {"dtype": dtype, "deepstack": str(deepstack).lower(), "layout": layout}
+    if any(name is not None for name in uuids):
+        fields["multi_modal_uuids"] = json.dumps({kind: list(uuids)})
     for name, value in dict(video, max_pixels=max_pixels).items():
         if value is not None:
             fields[name] = str(value)
@@ -217,27 +230,33 @@ class Client(_Base):
         return self.batch
 
     def encode(self, images, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
-               max_pixels: int | None = None) -> EncodedImage | list[EncodedImage]:
+               max_pixels: int | None = None, uuids=None) -> EncodedImage | list[EncodedImage]:
         """Token embeddings (+ Qwen3 deepstack) of one image (a path, bytes or a PIL image) as an EncodedImage, or
-        of a list of them as a list, in order."""
+        of a list of them as a list, in order. `uuids`: vLLM's uuid of each image (a list, or a str for one image;
+        None entries for none), the names of their files on a server with --ec-shared-storage."""
         data, single = _images(images)
+        names, size = _uuids(uuids, len(data), single, "image"), self._size()
         out = []
-        for chunk in _chunks(data, self._size()):
+        for chunk, chunk_names in zip(_chunks(data, size), _chunks(names, size)):
             out += _encoded(self._send("POST", "/v1/encode", **_encode_request(chunk, dtype, deepstack, layout,
-                                                                               max_pixels)))
+                                                                               max_pixels, chunk_names)))
         return out[0] if single else out
 
     def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
                       max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
-                      layout: str = "tokens", max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
+                      layout: str = "tokens", max_pixels: int | None = None,
+                      uuids=None) -> EncodedVideo | list[EncodedVideo]:
         """Token embeddings (+ Qwen3 deepstack) and timing of one video (a path or its bytes) as an EncodedVideo,
         or of a list of them as a list, in order; sampled at `fps` or as `num_frames` (else the server's
-        default), at most `max_frames`."""
+        default), at most `max_frames`. `uuids`: as `encode`'s (a server with --ec-shared-storage names a video
+        only by its uuid)."""
         data, single = _videos(videos)
+        names, size = _uuids(uuids, len(data), single, "video"), self._video_size()
         out = []
-        for chunk in _chunks(data, self._video_size()):
+        for chunk, chunk_names in zip(_chunks(data, size), _chunks(names, size)):
             out += _encoded(self._send("POST", "/v1/encode", **_encode_request(
-                chunk, dtype, deepstack, layout, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames)))
+                chunk, dtype, deepstack, layout, max_pixels, chunk_names, "video", fps=fps, num_frames=num_frames,
+                max_frames=max_frames)))
         return out[0] if single else out
 
     def _video_size(self) -> int:
@@ -297,23 +316,26 @@ class AsyncClient(_Base):
         return self.batch
 
     async def encode(self, images, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
-                     max_pixels: int | None = None) -> EncodedImage | list[EncodedImage]:
+                     max_pixels: int | None = None, uuids=None) -> EncodedImage | list[EncodedImage]:
         (data, single), size = _images(images), await self._size()
+        names = _uuids(uuids, len(data), single, "image")
         replies = await asyncio.gather(*(self._send("POST", "/v1/encode", **_encode_request(c, dtype, deepstack,
-                                                                                            layout, max_pixels))
-                                         for c in _chunks(data, size)))
+                                                                                            layout, max_pixels, n))
+                                         for c, n in zip(_chunks(data, size), _chunks(names, size))))
         out = [item for reply in replies for item in _encoded(reply)]
         return out[0] if single else out
 
     async def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
                             max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
-                            layout: str = "tokens", max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
+                            layout: str = "tokens", max_pixels: int | None = None,
+                            uuids=None) -> EncodedVideo | list[EncodedVideo]:
         if self.video_batch is None:
             self.video_batch = (await self.model()).get("max_videos_per_request") or 1
         (data, single), size = _videos(videos), self.video_batch
+        names = _uuids(uuids, len(data), single, "video")
         replies = await asyncio.gather(*(self._send("POST", "/v1/encode", **_encode_request(
-            c, dtype, deepstack, layout, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames))
-            for c in _chunks(data, size)))
+            c, dtype, deepstack, layout, max_pixels, n, "video", fps=fps, num_frames=num_frames,
+            max_frames=max_frames)) for c, n in zip(_chunks(data, size), _chunks(names, size))))
         out = [item for reply in replies for item in _encoded(reply)]
         return out[0] if single else out
 
