@@ -18,7 +18,7 @@ from helpers import rel_err, serving
 from safetensors.torch import load as load_safetensors
 from videos import make_video
 
-from vitserve.client import Client, EncodedImage, EncodedVideo
+from vitserve.client import Client, EncodedImage, EncodedVideo, VitserveError
 from vitserve.encoder import VisionEncoder
 
 pytest.importorskip("av")
@@ -104,6 +104,25 @@ def test_multipart_tells_videos_from_images_by_content(server, library):
         got = client.encode([CLIP, jpeg])
     assert [type(item) for item in got] == [EncodedVideo, EncodedImage]
     assert got[1].grid_thw == tuple(data[1]["grid_thw"]) and got[0].frame_indices == data[0]["frame_indices"]
+
+
+def test_the_client_splits_videos_embeds_them_and_sends_urls(server, library):
+    """Through the client, against a server of 3 videos a request: 4 videos and an image in one `encode` are two
+    requests, answered in order; `embed(modality="video")` is the mean of the video's tokens; a data URI is its
+    bytes; a URL reaches the server (which, without --allow-url-fetch, refuses it by its name)."""
+    _, url = server
+    jpeg = encode(photo(64, 64, 9), "JPEG")
+    with Client(url) as client:
+        items = client.encode([CLIP, CLIP, jpeg, OTHER, video_uri(CLIP)], layout="vllm")
+        vector = client.embed(CLIP, modality="video", fps=2)
+        with pytest.raises(VitserveError) as error:
+            client.encode(["https://example.com/clip.mp4"])
+    assert [type(i) for i in items] == [EncodedVideo, EncodedVideo, EncodedImage, EncodedVideo, EncodedVideo]
+    clip, other = library.encode_videos(CLIP), library.encode_videos(OTHER)
+    assert all(torch.equal(items[i].embeddings, torch.cat([clip.embeddings, *clip.deepstack], -1)) for i in (0, 1, 4))
+    assert torch.equal(items[3].embeddings, torch.cat([other.embeddings, *other.deepstack], -1))
+    assert rel_err(vector, library.encode_videos(CLIP, fps=2).embeddings.mean(0)) < 1e-6
+    assert (error.value.status, error.value.code, error.value.param) == (400, "url_fetch_disabled", "videos[0]")
 
 
 def test_embeddings_pool_a_video(server, library):
