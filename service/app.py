@@ -23,6 +23,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from .. import __version__
 from ..encoder.preprocess import Base64Data
 from ..encoder.video import sniff
 
@@ -142,7 +143,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if sglang is not None:
             await sglang.close()
 
-    app = FastAPI(title="vitserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="vitserve", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.settings = settings
 
