@@ -124,6 +124,14 @@ def test_videos_are_split_at_the_servers_video_limit_in_order():
         with pytest.raises(ValueError, match=r"videos\[1\] is not a video"):
             c.encode_videos([clip, image])
 
+    async def fetch():  # the async client splits and orders alike
+        async with AsyncClient("http://vitserve", transport=httpx.MockTransport(server)) as client:
+            return await client.encode([image, clip, clip])
+
+    sent.clear()
+    items = asyncio.run(fetch())
+    assert sent == [[False, True], [True]] and [type(i) for i in items] == [EncodedImage, EncodedVideo, EncodedVideo]
+
 
 def test_urls_and_data_uris_are_sent_not_opened():
     """A URL goes to the server as it is (a JSON request: the server fetches it), a data URI as its bytes; the
