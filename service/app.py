@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -21,6 +23,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from .. import __version__
 from ..encoder.preprocess import Base64Data
 from ..encoder.video import sniff
 
@@ -107,6 +110,23 @@ def laid_out(embeddings, deepstack: list, layout: str):
     return embeddings, deepstack
 
 
+def request_order(order: list[bool]) -> list[int]:
+    """Per item of a request (`order`: whether it is a video), its place among the request's images, then its
+    videos."""
+    images = order.count(False)
+    image_at, video_at = iter(range(images)), iter(range(images, len(order)))
+    return [next(video_at) if is_video else next(image_at) for is_video in order]
+
+
+def in_order(result: Encoded, order: list[bool]) -> Encoded:
+    """`result`, the images' items first, then the videos', in the request's order: `order` says per item whether it
+    is a video."""
+    where = request_order(order)
+    return dataclasses.replace(result, outputs=[result.outputs[i] for i in where],
+                               grids=[result.grids[i] for i in where],
+                               videos=result.videos and [result.videos[i] for i in where])
+
+
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(settings)
     tier = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
@@ -123,7 +143,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if sglang is not None:
             await sglang.close()
 
-    app = FastAPI(title="vitserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="vitserve", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.settings = settings
 
@@ -188,9 +208,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             videos, options, mean_pooling, disconnected, field, max_pixels))
 
     async def encode_all(request: Request, images: list, videos: list, body, mean_pooling: bool = False,
-                         image_field: str = "images", video_field: str = "videos") -> Encoded:
+                         image_field: str = "images", video_field: str = "videos",
+                         order: list[bool] | None = None) -> Encoded:
         """A request's images and videos side by side; one Encoded with the images' items first, then the videos'
-        (`videos`: None per image, then each video's timing); the request's counts and phases on its state."""
+        (`videos`: None per image, then each video's timing), or in the request's `order` (per item whether it is a
+        video); the request's counts and phases on its state."""
         jobs = []
         if images:
             jobs.append(encode_images(request, images, image_field, mean_pooling, body.max_pixels))
@@ -211,7 +233,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                          max(p.decode_s for p in parts), max(p.queue_s for p in parts),
                          max(p.inference_s for p in parts), image.cache_hits if image else 0,
                          [None] * len(images) + video.videos)
-        return noted(request, result)
+        return noted(request, result if order is None else in_order(result, order))
 
     async def answer(request: Request, result: Encoded, build) -> Response:
         """The response `build()` makes (in a thread for an answer of `OFF_LOOP_BYTES` or more: its conversions
@@ -274,6 +296,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             is_video = await asyncio.to_thread(lambda: [sniff(bytes(f[:512])) is not None for f in files])
             images = [f for f, v in zip(files, is_video) if not v]
             videos = [f for f, v in zip(files, is_video) if v]
+            order = is_video  # the answer keeps the files' order
             for name in ("dtype", "layout"):
                 if name in request.query_params:
                     fields.setdefault(name, request.query_params[name])
@@ -290,16 +313,20 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             images = [decode_input(item, i, settings.allow_url_fetch, "images") for i, item in enumerate(body.images)]
             videos = [decode_input(item, i, settings.allow_url_fetch, "videos", "video")
                       for i, item in enumerate(body.videos)]
+            order = [False] * len(images) + [True] * len(videos)  # the images, then the videos
         check_model(body.model)
         uuids = getattr(body, "multi_modal_uuids", None) or {}
         items = [Item(kind, data, (uuids.get(kind) or [None] * len(given))[i], f"{kind}s[{i}]")
                  for kind, given in (("image", images), ("video", videos)) for i, data in enumerate(given)]
-        result, ids = await encode_for_tier(request, items, lambda: encode_all(request, images, videos, body))
+        items = [items[i] for i in request_order(order)]  # in the answer's order (so are their identifiers)
+        result, ids = await encode_for_tier(request, items, lambda: encode_all(request, images, videos, body,
+                                                                                  order=order))
 
         def build() -> Response:
             tokens = request.state.tokens
             outputs = [laid_out(embeddings, deepstack, body.layout) for embeddings, deepstack in result.outputs]
             timing = result.videos or [None] * len(outputs)
+            counts = {"image": itertools.count(), "video": itertools.count()}  # an item's place among its kind
             if "application/octet-stream" in request.headers.get("accept", ""):
                 metadata = {"model": settings.model_name, "grid_thw": json.dumps(result.grids), "dtype": body.dtype,
                             "tokens": str(tokens), "layout": body.layout}
@@ -311,7 +338,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                                      media_type="application/octet-stream")
             data = []
             for i, ((embeddings, deepstack), grid, video) in enumerate(zip(outputs, result.grids, timing)):
-                item = {"index": i if video is None else i - len(images), "modality": "video" if video else "image",
+                modality = "video" if video else "image"
+                item = {"index": next(counts[modality]), "modality": modality,
                         "grid_thw": grid, "shape": list(embeddings.shape), "dtype": body.dtype,
                         "embeddings": b64(converted(embeddings, OUT[body.dtype])),
                         "deepstack": [b64(converted(d, OUT[body.dtype])) for d in deepstack]

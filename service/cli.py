@@ -83,6 +83,15 @@ def check_encode_paths(images: list[str], output: str) -> None:
         raise ValueError(f"output {output}: not writable")
 
 
+def check_sampling(fps: float | None, num_frames: int | None) -> None:
+    """`encode`'s video sampling, before the model loads (ValueError naming the flag), within what a request may ask
+    (schemas.VideoOptions: fps in (0, 240], num_frames at least 1)."""
+    if fps is not None and not 0 < fps <= 240:  # (NaN is no rate either)
+        raise ValueError(f"--fps must be above 0 and at most 240 frames a second, not {fps:g}")
+    if num_frames is not None and num_frames < 1:
+        raise ValueError(f"--num-frames must be at least 1, not {num_frames}")
+
+
 def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     log.info("loading %s (%s)", settings.model, settings.load_format)  # before the imports: torch's take seconds
     start = time.perf_counter()
@@ -187,14 +196,15 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse and check every setting, and `encode`'s files (exit 2 with one line when one is wrong), then run the
-    command."""
+    """Parse and check every setting, and `encode`'s files and sampling (exit 2 with one line when one is wrong), then
+    run the command; Ctrl-C is one line too (exit 130)."""
     from .logs import configure_logging
 
     args = build_parser().parse_args(argv)
     try:
         settings = from_args(args)
         if args.command == "encode":
+            check_sampling(args.fps, args.num_frames)
             check_encode_paths(args.images, args.output)
         notes = settings.prepare()
         configure_logging(settings.log_format, settings.log_level)
@@ -204,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad model, config, flag or file (checkpoint.CheckpointError too): one line
         print(f"vitserve {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (`serve` drains on its own signal handler once it serves): one line
+        print(f"vitserve {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

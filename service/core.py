@@ -131,7 +131,7 @@ class Core:
         """Load the model in one process per device (side by side), then serve: the workers start and every front
         end hears that the server is ready. A failure is the server's (`fail`)."""
         from .device_process import start_devices
-        from .engine import ModelInfo
+        from .engine import ModelInfo, serving_text
         from .worker import DeviceWorker
 
         s, start = self.settings, time.perf_counter()
@@ -154,7 +154,9 @@ class Core:
         if self.state == "capturing":
             self.set_state("ready")
             self.metrics.ready.set(1)
-            log.info("ready in %.2f s: %d front ends on port %d", self.load_seconds, self.fronts, s.port)
+            log.info("ready in %.2f s: %s, %d front ends on port %d", self.load_seconds, serving_text(
+                s, [w.name for w in self.workers], True, self.dtype, processes[0].runner_stats().get("attention", {}),
+                front_settings(s, self.fronts).decode_workers * self.fronts), self.fronts, s.port)
 
     def set_state(self, state: str, error: str | None = None) -> None:
         self.state, self.error = state, error

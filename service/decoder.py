@@ -194,34 +194,39 @@ class Decoder:
 
     async def headers(self, images: list, field: str, names: list[int], owner) -> list[ImageHeader]:
         """Each image's header (its size checked against the limits), read in a thread from its first bytes, else by
-        a decode worker from all of them; the request's first error before anything is decoded."""
+        a decode worker from all of them; the request's first error before anything is decoded, as soon as it is
+        known (the headers still being read are then dropped)."""
         first = await asyncio.get_running_loop().run_in_executor(None, first_headers, images)
         headers: list = [None] * len(images)
         later: dict[int, asyncio.Future] = {}  # headers not within the first bytes: read by a decode worker
+
+        def checked(i: int, header) -> ImageHeader:
+            if isinstance(header, Exception):
+                raise self.rejection(f"{field}[{names[i]}]", header, images[i])
+            try:
+                header.check(self.settings.max_image_pixels)
+            except Exception as e:
+                raise self.rejection(f"{field}[{names[i]}]", e, images[i]) from None
+            return header
+
         try:
             for i, data in enumerate(images):
                 if isinstance(first[i], HeaderNotFound):
                     later[i] = asyncio.ensure_future(self._run(read_header, data, owner))
-                elif isinstance(first[i], Exception):
-                    raise self.rejection(f"{field}[{names[i]}]", first[i], data) from None
                 else:
-                    headers[i] = first[i]
+                    headers[i] = checked(i, first[i])
             if later:
-                await asyncio.wait(later.values())
+                await asyncio.wait(later.values(), return_when=asyncio.FIRST_EXCEPTION)
+            for i, job in later.items():  # all read, or one failed: the first in the request's order that did
+                if job.done() and job.exception() is not None:
+                    checked(i, job.exception())
+            for i, job in later.items():
+                headers[i] = checked(i, job.result())
         except BaseException:  # a bad image, or the request cancelled: the other headers are not needed
             for job in later.values():
                 job.cancel()
-                job.add_done_callback(lambda job: job.cancelled() or job.exception())
+                job.add_done_callback(lambda job: job.cancelled() or job.exception())  # retrieved: one is reported
             raise
-        for i, data in enumerate(images):
-            try:
-                if i in later:
-                    headers[i] = later[i].result()
-                headers[i].check(self.settings.max_image_pixels)
-            except Exception as e:
-                for job in later.values():
-                    job.cancelled() or job.exception()  # retrieved: only the first is reported
-                raise self.rejection(f"{field}[{names[i]}]", e, data) from None
         return headers
 
     async def decode(self, images: list, cfg: PreprocessConfig, field: str = "input",
@@ -277,23 +282,21 @@ class Decoder:
         return out
 
     async def _all(self, decodes: list, field: str, names: list[int]) -> list:
-        """Run a request's decodes concurrently; their results in order, or the first failure as the request's
-        rejection (naming `field[i]`, i from `names`), what the others decoded then discarded: it is not run."""
+        """Run a request's decodes concurrently; their results in order, or at the first failure the request's
+        rejection (naming `field[i]`, i from `names`; where several have failed by then, the first in the request's
+        order): the decodes still running are dropped and what the others decoded discarded, as it is not run."""
         jobs = [asyncio.ensure_future(decode) for decode in decodes]
         try:
-            await asyncio.wait(jobs)
-        except BaseException:  # the request was cancelled: what was decoded goes, the rest is dropped when done
+            await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next(((i, job.exception()) for i, job in zip(names, jobs)
+                           if job.done() and job.exception() is not None), None)
+            if failed is not None:
+                raise self.rejection(f"{field}[{failed[0]}]", failed[1]) from None
+        except BaseException:  # one failed, or the request was cancelled: what was decoded goes, the rest is dropped
             for job in jobs:
                 job.cancel()
                 job.add_done_callback(_discard_result)
             raise
-        errors = [job.exception() for job in jobs]  # retrieve every one: only the first is reported
-        if any(errors):
-            for job, error in zip(jobs, errors):
-                if error is None:
-                    _discard_decoded(job.result())
-            index, error = next((i, e) for i, e in zip(names, errors) if e is not None)
-            raise self.rejection(f"{field}[{index}]", error) from None
         return [job.result() for job in jobs]
 
     async def _decode_video(self, data, cfg, limits, owner):

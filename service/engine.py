@@ -86,6 +86,17 @@ class Encoded:
     videos: list[dict] | None = None  # per video: frame_indices, fps, timestamps, second_per_grid_t
 
 
+def serving_text(settings: Settings, devices: list[str], process_each: bool, dtype: str, attention: dict,
+                 decode_workers: int) -> str:
+    """What serves, for the startup's ready line: version, model, devices, dtype, attention, decode workers, cache."""
+    s = settings
+    cache = "off" if not s.cache_bytes else \
+        f"{format_size(s.cache_bytes)} per {'API key' if s.cache_scope == 'api-key' else 'server'}"
+    return (f"vitserve {__version__}, {s.model} on {', '.join(devices)}{', one process each' * process_each} "
+            f"({dtype}, attention {attention_text(attention)}), {decode_workers} decode "
+            f"{'processes' if s.decode_processes else 'threads'}, cache {cache}")
+
+
 class Engine:
     """`encoders`: already loaded encoders to serve (one per device; tests), else the settings' model is loaded by
     `start`."""
@@ -177,14 +188,9 @@ class Engine:
             return
         self.load_seconds = time.perf_counter() - start
         self._serve(model, devices)
-        s = self.settings
-        cache = "off" if not s.cache_bytes else \
-            f"{format_size(s.cache_bytes)} per {'API key' if s.cache_scope == 'api-key' else 'server'}"
-        log.info("ready in %.2f s: vitserve %s, %s on %s%s (%s, attention %s), %d decode %s, cache %s",
-                 self.load_seconds, __version__, s.model, ", ".join(self.devices),
-                 ", one process each" if self.device_processes and self.decoder.spool_prefix else "", self.dtype,
-                 attention_text(devices[0].runner_stats().get("attention", {})), self.decoder.workers,
-                 "processes" if s.decode_processes else "threads", cache)
+        log.info("ready in %.2f s: %s", self.load_seconds, serving_text(
+            self.settings, self.devices, bool(self.device_processes and self.decoder.spool_prefix), self.dtype,
+            devices[0].runner_stats().get("attention", {}), self.decoder.workers))
 
     async def _load_here(self) -> tuple[ModelInfo, list[LocalDevice]]:
         s, loop = self.settings, asyncio.get_running_loop()

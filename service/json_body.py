@@ -186,8 +186,8 @@ def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_
 
 def _restore_fields(model: BaseModel, raw_fields: tuple[str, ...], body, view: memoryview,
                     long: list[tuple[int, int]], path: str | None) -> None:
-    """`_restore` every field of a parsed model, and of the models within it (a chat request's content parts), the
-    fields named in `raw_fields` at any depth as `Text`."""
+    """`_restore` every field of a parsed model (strings, and those in its lists and dicts), and of the models within
+    it (a chat request's content parts), the fields named in `raw_fields` at any depth as `Text`."""
     for name in type(model).model_fields:
         value = getattr(model, name)
         if isinstance(value, BaseModel):
@@ -196,7 +196,7 @@ def _restore_fields(model: BaseModel, raw_fields: tuple[str, ...], body, view: m
             for v in value:
                 if isinstance(v, BaseModel):
                     _restore_fields(v, raw_fields, body, view, long, path)
-        elif isinstance(value, (str, list)):
+        elif isinstance(value, (str, list, dict)):
             setattr(model, name, _restore(value, name in raw_fields, body, view, long, path))
 
 
@@ -206,6 +206,8 @@ def _restore(value, raw: bool, body, view: memoryview, long: list[tuple[int, int
     ran, past its request's end)."""
     if isinstance(value, list):
         return [_restore(v, raw, body, view, long, path) for v in value]
+    if isinstance(value, dict):  # its keys are never cut out (a string before a colon stays in the skeleton)
+        return {k: _restore(v, raw, body, view, long, path) for k, v in value.items()}
     if not isinstance(value, str) or not value.startswith(_MARK):
         return value
     start, end = long[int(value[len(_MARK):])]

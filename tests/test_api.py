@@ -334,6 +334,8 @@ def test_multipart_fields_are_strict_and_params_name_the_real_field(client):
 
 
 def test_openapi_documents_the_multipart_form(client):
+    """/openapi.json documents the multipart form, and the package's own version."""
+    assert client.get("/openapi.json").json()["info"]["version"] == vitserve.__version__
     body = client.get("/openapi.json").json()["paths"]["/v1/encode"]["post"]["requestBody"]["content"]
     form = body["multipart/form-data"]["schema"]
     assert form["properties"]["images"]["items"]["format"] == "binary" and {"dtype", "deepstack"} <= set(

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -271,6 +272,33 @@ def test_encode_checks_its_files_before_the_model_loads(tmp_path, inputs, output
     assert not (tmp_path / "out.safetensors").exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--fps", "0"], "--fps must be above 0 and at most 240 frames a second, not 0"),
+    (["--fps", "nan"], "--fps must be above 0 and at most 240 frames a second, not nan"),
+    (["--fps", "1000"], "--fps must be above 0 and at most 240 frames a second, not 1000"),
+    (["--num-frames", "0"], "--num-frames must be at least 1, not 0")])
+def test_encode_checks_its_sampling_before_the_model_loads(tmp_path, flags, message):
+    """A bad --fps or --num-frames was reported after the model had loaded: now one line, before anything loads."""
+    proc = vitserve("encode", "--model", "tiny-qwen2.5-vl", "--load-format", "dummy", str(ROOT / "examples/clip.mp4"),
+                    *flags, "-o", str(tmp_path / "out.safetensors"), timeout=60)
+    assert one_line(proc, f"vitserve encode: {message}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_encode_in_one_line(tmp_path):
+    """Ctrl-C while `vitserve encode` loads (SIGINT once it says it is loading): one line and exit 130, not a
+    traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "vitserve", "encode", "--model", "tiny-qwen2.5-vl", "--load-format",
+                             "dummy", *write_images(tmp_path), "-o", str(tmp_path / "out.safetensors")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = [proc.stdout.readline()]
+    assert "loading tiny-qwen2.5-vl" in lines[0], lines
+    proc.send_signal(signal.SIGINT)
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=60) == 130 and lines[-1] == "vitserve encode: interrupted\n", lines
+    assert "Traceback" not in "".join(lines) and not (tmp_path / "out.safetensors").exists()
+
+
 def test_an_image_whose_header_lies_past_the_first_bytes_is_accepted(tmp_path):
     """A JPEG whose metadata segments fill the first 64 KiB: its header is read from the whole file."""
     from vitserve.service.cli import HEADER_BYTES, check_encode_paths
@@ -407,3 +435,20 @@ def test_the_startup_log_says_what_serves():
                      ready.strip()), ready
     log = "".join(proc.log)
     assert "INFO vitserve.checkpoint[cpu]: weights to cpu as float32: " in log and "\r" not in log
+
+
+@pytest.mark.slow
+def test_the_startup_log_of_several_front_ends_says_what_serves():
+    """With --api-servers the core's ready line says as much: version, devices, dtype, attention, the decode workers
+    of all the front ends and the cache, then the front ends and the port."""
+    proc, url = start_server("--api-servers", "2", "--decode-workers", "2", "--cache-bytes", "64MiB", "--model",
+                             "tiny-qwen2.5-vl", timeout=120, capture_log=True)
+    try:
+        ready = next(line for line in proc.log if "ready in" in line)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    port = url.rsplit(":", 1)[1]
+    assert re.search(r"INFO vitserve.core: ready in [\d.]+ s: vitserve 0\.2\.\d+, tiny-qwen2.5-vl on cpu, one process "
+                     r"each \(float32, attention sdpa\), 2 decode processes, cache 64MiB per server, 2 front ends on "
+                     rf"port {port}$", ready.strip()), ready

@@ -7,6 +7,7 @@ backoff, then `VitserveError`s with no status; timeouts and broken connections n
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 import threading
@@ -20,12 +21,13 @@ from helpers import SERVED_REL_ERR, rel_err
 from PIL import Image
 from safetensors.torch import save
 
-from vitserve.client import AsyncClient, Client, EncodedImage, VitserveError
+from vitserve.client import AsyncClient, Client, EncodedImage, EncodedVideo, VitserveError
 from vitserve.consumers import vllm_multi_modal_data
+from vitserve.encoder.video import sniff
 from vitserve.service.launch import free_port, start_server
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SAMPLE, PORTRAIT = EXAMPLES / "sample.jpg", EXAMPLES / "portrait.png"
+SAMPLE, PORTRAIT, CLIP = EXAMPLES / "sample.jpg", EXAMPLES / "portrait.png", EXAMPLES / "clip.mp4"
 TINY = ("--model", "tiny-qwen2.5-vl", "--load-format", "dummy")
 
 
@@ -74,6 +76,94 @@ def test_many_images_are_split_at_the_servers_limit():
     with Client("http://vitserve", transport=httpx.MockTransport(server)) as c:
         items = c.encode([b"x"] * 7)
     assert sizes == [3, 3, 1] and len(items) == 7
+
+
+def multipart_kinds(request: httpx.Request) -> list[bool]:
+    """Whether each file part of a multipart request is a video (by its bytes, as the server tells them)."""
+    boundary = request.headers["content-type"].split("boundary=")[1].encode()
+    parts = [part.split(b"\r\n\r\n", 1) for part in request.content.split(b"--" + boundary)[1:-1]]
+    return [sniff(body[:512]) is not None for head, body in parts if b"filename=" in head]
+
+
+def mixed_reply(kinds: list[bool]) -> httpx.Response:
+    """A /v1/encode answer of images and videos in the order of `kinds` (whether each is a video)."""
+    tensors = {f"images.{i}.embeddings": torch.full((4, 8), float(i)) for i in range(len(kinds))}
+    timing = [{"frame_indices": [0, 1], "fps": 2.0, "timestamps": [0.5], "second_per_grid_t": 1.0} if video else None
+              for video in kinds]
+    body = save(tensors, metadata={"grid_thw": json.dumps([[1, 4, 4]] * len(kinds)), "videos": json.dumps(timing)})
+    return httpx.Response(200, content=body)
+
+
+def test_videos_are_split_at_the_servers_video_limit_in_order():
+    """encode() of 3 videos and 2 images against a server taking 2 images and 1 video a request: 3 requests, the
+    results in the order given (a video, an image, ...); embed of videos likewise, with modality video."""
+    sent = []
+
+    def server(request: httpx.Request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"max_images_per_request": 2, "max_videos_per_request": 1}]})
+        if request.url.path == "/v1/embeddings":
+            body = json.loads(request.content)
+            sent.append((body["modality"], len(body["input"]), body["num_frames"]))
+            return httpx.Response(200, json={"data": [{"embedding": base64.b64encode(bytes(32)).decode()}
+                                                      for _ in body["input"]]})
+        sent.append(multipart_kinds(request))
+        return mixed_reply(sent[-1])
+
+    clip, image = CLIP.read_bytes(), SAMPLE.read_bytes()
+    with Client("http://vitserve", transport=httpx.MockTransport(server)) as c:
+        items = c.encode([clip, image, clip, image, clip])
+        assert sent == [[True, False], [True, False], [True]]
+        assert [type(i) for i in items] == [EncodedVideo, EncodedImage] * 2 + [EncodedVideo]
+        assert [i.embeddings[0, 0].item() for i in items] == [0, 1, 0, 1, 0]
+        sent.clear()
+        vectors = c.embed([clip, clip], modality="video", num_frames=4)
+        assert sent == [("video", 1, 4)] * 2 and len(vectors) == 2
+        with pytest.raises(ValueError, match="modality is image or video"):
+            c.embed([clip], modality="audio")
+        with pytest.raises(ValueError, match=r"videos\[1\] is not a video"):
+            c.encode_videos([clip, image])
+
+    async def fetch():  # the async client splits and orders alike
+        async with AsyncClient("http://vitserve", transport=httpx.MockTransport(server)) as client:
+            return await client.encode([image, clip, clip])
+
+    sent.clear()
+    items = asyncio.run(fetch())
+    assert sent == [[False, True], [True]] and [type(i) for i in items] == [EncodedImage, EncodedVideo, EncodedVideo]
+
+
+def test_urls_and_data_uris_are_sent_not_opened():
+    """A URL goes to the server as it is (a JSON request: the server fetches it), a data URI as its bytes; the
+    answer's images-then-videos come back in the order given. Anything else is a TypeError that says what is
+    taken."""
+    sent = []
+
+    def server(request: httpx.Request):
+        if request.headers["content-type"].startswith("multipart/"):
+            sent.append(("multipart", multipart_kinds(request)))
+            return mixed_reply(sent[-1][1])
+        body = json.loads(request.content)
+        sent.append(("json", body))
+        return mixed_reply([False] * len(body["images"]) + [True] * len(body["videos"]))
+
+    image, clip = SAMPLE.read_bytes(), CLIP.read_bytes()
+    uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+    with Client("http://vitserve", max_images_per_request=8, transport=httpx.MockTransport(server)) as c:
+        one = c.encode(uri)
+        assert sent.pop() == ("multipart", [False]) and isinstance(one, EncodedImage)
+        c.video_batch = 4
+        items = c.encode(["https://example.com/clip.mp4?x=1", "https://example.com/cat", clip])
+        kind, body = sent.pop()
+        assert body["images"] == ["https://example.com/cat"]
+        assert body["videos"] == ["https://example.com/clip.mp4?x=1", base64.b64encode(clip).decode()]
+        assert [type(i) for i in items] == [EncodedVideo, EncodedImage, EncodedVideo]
+        assert [i.embeddings[0, 0].item() for i in items] == [1, 0, 2]
+        for bad in (5, None, {"image": image}):
+            with pytest.raises(TypeError, match="an image or a video is a path, an http"):
+                c.encode(bad)
+        with pytest.raises(ValueError, match="a data URI is data:<media type>;base64"):
+            c.encode("data:image/png,notbase64")
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +233,7 @@ def test_a_closed_port_is_retried_then_reported(monkeypatch):
         with pytest.raises(VitserveError) as e:
             client.encode([SAMPLE])
     assert (e.value.status, e.value.code) == (None, "unreachable") and "3 attempts" in e.value.message
+    assert f"the server at {url} " in e.value.message and "/v1/models" not in e.value.message  # whatever it asked
     assert isinstance(e.value.__cause__, httpx.ConnectError) and waits == [0.5, 1.0]  # 429/503's backoff
 
     async def fetch():

@@ -506,3 +506,49 @@ def test_text_sent_as_an_image_is_a_400_that_says_so(encoders):
         assert error.code == "text_input" and "encodes images" in error.message and "not text" in error.message
         assert error.message.startswith("input[0]: ") and error.param == "input[0]"
     assert junk.code == "undecodable_image"
+
+
+@pytest.mark.parametrize("stage", ["decode", "header"])
+def test_a_request_fails_at_its_first_bad_image_without_waiting_for_the_others(encoders, monkeypatch, stage):
+    """Issue 33: an image that fails (a truncated PNG: its decode fails; or one over the pixel limit, its header read
+    from its first bytes) fails its request at once, while another image of it is still being decoded (or its header
+    read by a decode worker): that one is held until the test ends, and the request's error comes first."""
+    import threading
+
+    from corpus import bomb_png
+    from corpus import encode as encode_image
+    from corpus import photo
+
+    from vitserve.service import decoder as decoder_module
+
+    enc, release, held = encoders["tiny-qwen2.5-vl"], threading.Event(), threading.Event()
+    slow = encode_image(photo(40, 30, 62), "JPEG", icc_profile=bytes(100_000))  # its header past the first 64 KB
+    bad = png(64, 64, 63)[:-200] if stage == "decode" else bomb_png()
+    target = "decode_and_resize" if stage == "decode" else "read_header"
+    real = getattr(decoder_module, target)
+
+    def holding(data, *args, **kwargs):
+        if bytes(data[:len(slow)]) == slow:
+            held.set()
+            release.wait(30)
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(decoder_module, target, holding)
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, decode_processes=False, decode_workers=2), encoders=enc)
+        await engine.start()
+        try:
+            with pytest.raises(Exception) as error:
+                await asyncio.wait_for(engine.decoder.decode([slow, bad], engine.model.preprocess_config), 10)
+            return error.value, held.is_set(), engine.decoder.budget.used
+        finally:
+            release.set()
+            await engine.stop()
+
+    error, slow_started, budget_left = asyncio.run(scenario())
+    assert not isinstance(error, asyncio.TimeoutError), "the request waited for its other image"
+    error = ServiceError.of(error)
+    assert error.param == "input[1]" and error.status == (400 if stage == "decode" else 413), error.message
+    assert slow_started or stage == "header"
+    assert budget_left == 0

@@ -113,6 +113,13 @@ def test_errors_stay_the_parsers_and_name_no_placeholder():
     assert e.value.errors()[0]["loc"] == (long,)
 
 
+def test_long_strings_in_a_dict_come_back_as_sent():
+    """A uuid over LONG bytes in `multi_modal_uuids` (a dict of lists) is the uuid sent, never a placeholder."""
+    uuid = "u" * (LONG + 100)
+    body = json.dumps({"images": ["QUJD", "QUJD"], "multi_modal_uuids": {"image": [uuid, None]}}).encode()
+    assert parse_body(EncodeRequest, body, 64, ("images",)).multi_modal_uuids == {"image": [uuid, None]}
+
+
 class Arriving:
     """A request whose body arrives in chunks (what read_json reads: its headers and stream)."""
 

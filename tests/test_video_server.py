@@ -19,6 +19,7 @@ from helpers import BF16_REL_ERR, SERVER_ON_GPU, assert_served, rel_err, serving
 from safetensors.torch import load as load_safetensors
 from videos import make_video
 
+from vitserve.client import Client, EncodedImage, EncodedVideo, VitserveError
 from vitserve.encoder import VisionEncoder
 
 pytest.importorskip("av")
@@ -81,15 +82,51 @@ def test_json_images_and_videos_match_the_library(server, library):
 
 
 def test_multipart_tells_videos_from_images_by_content(server, library):
-    """File parts named anything: the MP4 is a video, the JPEG an image, whatever the field or file names say."""
+    """File parts named anything: the MP4 is a video, the JPEG an image, whatever the field or file names say. The
+    answer keeps the files' order (a video, an image, a video), in JSON, in safetensors and through the client."""
     _, url = server
     jpeg = encode(photo(64, 64, 9), "JPEG")
-    files = [("images", ("clip.jpg", CLIP, "image/jpeg")), ("images", ("x.bin", jpeg, "application/octet-stream"))]
+    files = [("images", ("clip.jpg", CLIP, "image/jpeg")), ("images", ("x.bin", jpeg, "application/octet-stream")),
+             ("images", ("other", OTHER, "video/webm"))]
     r = httpx.post(url + "/v1/encode", files=files, data={"fps": "2"}, timeout=120)
     assert r.status_code == 200, r.text
     data = r.json()["data"]
-    assert [d["modality"] for d in data] == ["image", "video"]
-    assert_served(tensor(data[1]), library.encode_videos(CLIP, fps=2).embeddings)
+    assert [(d["modality"], d["index"]) for d in data] == [("video", 0), ("image", 0), ("video", 1)]
+    clips = [library.encode_videos(clip, fps=2) for clip in (CLIP, OTHER)]
+    assert_served(tensor(data[0]), clips[0].embeddings)
+    assert_served(tensor(data[2]), clips[1].embeddings)
+    assert_served(tensor(data[1]), library.encode(jpeg).embeddings)
+    r = httpx.post(url + "/v1/encode", files=files, data={"fps": "2"}, timeout=120,
+                   headers={"accept": "application/octet-stream"})
+    tensors = load_safetensors(r.content)
+    metadata = json.loads(r.content[8:8 + int.from_bytes(r.content[:8], "little")])["__metadata__"]
+    assert [t is None for t in json.loads(metadata["videos"])] == [False, True, False]
+    assert torch.equal(tensors["images.0.embeddings"], tensor(data[0]))
+    assert torch.equal(tensors["images.1.embeddings"], tensor(data[1]))
+    with Client(url) as client:
+        got = client.encode([CLIP, jpeg])
+    assert [type(item) for item in got] == [EncodedVideo, EncodedImage]
+    assert got[1].grid_thw == tuple(data[1]["grid_thw"]) and got[0].frame_indices == data[0]["frame_indices"]
+
+
+def test_the_client_splits_videos_embeds_them_and_sends_urls(server, library):
+    """Through the client, against a server of 3 videos a request: 4 videos and an image in one `encode` are two
+    requests, answered in order; `embed(modality="video")` is the mean of the video's tokens; a data URI is its
+    bytes; a URL reaches the server (which, without --allow-url-fetch, refuses it by its name)."""
+    _, url = server
+    jpeg = encode(photo(64, 64, 9), "JPEG")
+    with Client(url) as client:
+        items = client.encode([CLIP, CLIP, jpeg, OTHER, video_uri(CLIP)], layout="vllm")
+        vector = client.embed(CLIP, modality="video", fps=2)
+        with pytest.raises(VitserveError) as error:
+            client.encode(["https://example.com/clip.mp4"])
+    assert [type(i) for i in items] == [EncodedVideo, EncodedVideo, EncodedImage, EncodedVideo, EncodedVideo]
+    clip, other = library.encode_videos(CLIP), library.encode_videos(OTHER)
+    for i in (0, 1, 4):
+        assert_served(items[i].embeddings, torch.cat([clip.embeddings, *clip.deepstack], -1))
+    assert_served(items[3].embeddings, torch.cat([other.embeddings, *other.deepstack], -1))
+    assert_served(vector, library.encode_videos(CLIP, fps=2).embeddings.mean(0), exact=False)
+    assert (error.value.status, error.value.code, error.value.param) == (400, "url_fetch_disabled", "videos[0]")
 
 
 def test_embeddings_pool_a_video(server, library):

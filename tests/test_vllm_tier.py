@@ -328,6 +328,20 @@ def test_multipart_and_the_client_name_items_by_uuid(tier):
 
 
 @pytest.mark.slow
+def test_a_uuid_too_long_for_a_folder_is_named_as_sent(tier):
+    """A uuid of 5,000 characters (a string the JSON reader keeps out of the parsed skeleton) is refused with its own
+    first characters, not the reader's placeholder."""
+    url, _ = tier
+    uuid = "very-long-uuid-" + "x" * 5000
+    r = httpx.post(url + "/v1/encode", json={"images": [data_uri(encode(photo(32, 32, 1), "PNG"))],
+                                             "multi_modal_uuids": {"image": [uuid]}}, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "invalid_uuid" and error["param"] == "images[0]"
+    assert "very-long-uuid-xxx" in error["message"] and "vitserve-" not in error["message"]
+    assert len(error["message"]) < 1000
+
+
+@pytest.mark.slow
 def test_the_proxys_chat_request_is_answered_with_ec_transfer_params(tier):
     """The request vLLM's disaggregated-encoder proxy sends (a user message of media parts with uuids, text between)
     gets what the proxy reads of a producer: per identifier its modality, its indices among the media parts (the

@@ -33,28 +33,48 @@ import torch
 from .client import EncodedImage, EncodedVideo
 
 
-def _listed(items: EncodedImage | list[EncodedImage]) -> list[EncodedImage]:
-    return [items] if isinstance(items, EncodedImage) else list(items)
+def _listed(items: EncodedImage | list[EncodedImage], kind: str | None = None, helper: str = "this helper",
+            other: str = "") -> list[EncodedImage]:
+    """`items` (one result, or an iterable of them) as a list, each an EncodedImage or an EncodedVideo, and where
+    `kind` is given (`image`, `video`) of that kind only: else a TypeError that names the item, and `other`, the
+    helper that takes it."""
+    if isinstance(items, EncodedImage):
+        items = [items]
+    elif isinstance(items, (str, bytes, torch.Tensor, dict)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"{helper} takes vitserve's results (EncodedImage, EncodedVideo) or a list of them, not "
+                        f"{type(items).__name__}")
+    items = list(items)
+    for i, item in enumerate(items):
+        if not isinstance(item, EncodedImage):
+            raise TypeError(f"{helper}: items[{i}] is a {type(item).__name__}, not vitserve's result (EncodedImage, "
+                            "EncodedVideo)")
+        is_video = isinstance(item, EncodedVideo)
+        if kind is not None and is_video != (kind == "video"):
+            given = "a video (EncodedVideo)" if is_video else "an image (EncodedImage)"
+            raise TypeError(f"{helper} takes {kind}s: items[{i}] is {given}; {other}")
+    return items
 
 
-def _split(items) -> tuple[list[EncodedImage], list[EncodedVideo]]:
+def _split(items, helper: str) -> tuple[list[EncodedImage], list[EncodedVideo]]:
     """The images and the videos of a prompt's items, each in order."""
-    items = _listed(items)
+    items = _listed(items, helper=helper)
     return [i for i in items if not isinstance(i, EncodedVideo)], [i for i in items if isinstance(i, EncodedVideo)]
 
 
 def vllm_features(item: EncodedImage) -> torch.Tensor:
     """One image's features as vLLM and SGLang take them: [tokens, out_hidden x (1 + deepstack layers)]."""
+    if not isinstance(item, EncodedImage):
+        raise TypeError(f"vllm_features takes one result (EncodedImage, EncodedVideo), not {type(item).__name__}")
     return torch.cat([item.embeddings, *item.deepstack], dim=-1) if item.deepstack else item.embeddings
 
 
 def grid_tensor(items: EncodedImage | list[EncodedImage]) -> torch.Tensor:
-    return torch.tensor([list(item.grid_thw) for item in _listed(items)], dtype=torch.int64)
+    return torch.tensor([list(item.grid_thw) for item in _listed(items, helper="grid_tensor")], dtype=torch.int64)
 
 
 def vllm_multi_modal_data(items: EncodedImage | list[EncodedImage]) -> dict:
     """vLLM's offline `multi_modal_data` for the images and videos of one prompt, each in prompt order."""
-    images, videos = _split(items)
+    images, videos = _split(items, "vllm_multi_modal_data")
     out = {}
     if images:
         out["image"] = {"image_embeds": torch.cat([vllm_features(i) for i in images]),
@@ -67,6 +87,7 @@ def vllm_multi_modal_data(items: EncodedImage | list[EncodedImage]) -> dict:
 
 def second_per_grid_ts(videos: list[EncodedVideo]) -> torch.Tensor:
     """Qwen2.5-VL's seconds per temporal patch, one per video (float32)."""
+    videos = _listed(videos, "video", "second_per_grid_ts", "an image has no time")
     return torch.tensor([v.second_per_grid_t for v in videos], dtype=torch.float32)
 
 
@@ -77,14 +98,19 @@ def _saved(t: torch.Tensor) -> str:
 
 
 def vllm_image_embeds_part(item: EncodedImage) -> dict:
-    """One chat content part for vLLM's OpenAI server (`torch.save` + base64 of the features and the grid)."""
+    """One chat content part for vLLM's OpenAI server (`torch.save` + base64 of the features and the grid) for one
+    image."""
+    if not isinstance(item, EncodedImage) or isinstance(item, EncodedVideo):
+        given = "a video (EncodedVideo): vllm_multi_modal_data takes videos" if isinstance(item, EncodedVideo) else \
+            f"a {type(item).__name__}: one part per image, [vllm_image_embeds_part(i) for i in items]"
+        raise TypeError(f"vllm_image_embeds_part takes one image (EncodedImage), not {given}")
     return {"type": "image_embeds", "image_embeds": {"image_embeds": _saved(vllm_features(item)),
                                                      "image_grid_thw": _saved(grid_tensor([item])[0])}}
 
 
 def sglang_image_data(items: EncodedImage | list[EncodedImage]) -> list[dict]:
     """SGLang's `image_data` for the images of one prompt: their features concatenated, with their grids."""
-    items = _listed(items)
+    items = _listed(items, "image", "sglang_image_data", "send the videos as video_data (sglang_video_data)")
     return [{"format": "precomputed_embedding", "feature": torch.cat([vllm_features(i) for i in items]),
              "image_grid_thw": grid_tensor(items), "modality": "IMAGE"}]
 
@@ -92,7 +118,7 @@ def sglang_image_data(items: EncodedImage | list[EncodedImage]) -> list[dict]:
 def sglang_video_data(videos: EncodedVideo | list[EncodedVideo]) -> list[dict]:
     """SGLang's `video_data` for the videos of one prompt: features concatenated, grids, seconds per temporal
     patch."""
-    videos = _listed(videos)
+    videos = _listed(videos, "video", "sglang_video_data", "send the images as image_data (sglang_image_data)")
     return [{"format": "precomputed_embedding", "feature": torch.cat([vllm_features(v) for v in videos]),
              "video_grid_thw": grid_tensor(videos), "second_per_grid_ts": second_per_grid_ts(videos),
              "modality": "VIDEO"}]
@@ -103,10 +129,16 @@ def transformers_inputs(text_ids: list[int], items: EncodedImage | list[EncodedI
     image and one `config.video_token_id` per video (per video slice for Qwen3-VL), as a chat template writes them:
     each expanded to its token count, with `mm_token_type_ids`, the grids, Qwen2.5-VL's `second_per_grid_ts`, and
     placeholder pixels (what makes the model ask for the features)."""
-    images, videos = _split(items)
+    images, videos = _split(items, "transformers_inputs")
+    text_ids = [int(token) for token in text_ids]
     qwen3 = config.model_type.startswith("qwen3")
     parts = [v.num_tokens // v.grid_thw[0] for v in videos for _ in range(v.grid_thw[0])] if qwen3 else \
         [v.num_tokens for v in videos]
+    for token, kind, count in ((config.image_token_id, "image", len(images)),
+                               (config.video_token_id, "video" + " slice" * qwen3, len(parts))):
+        if text_ids.count(token) != count:
+            raise ValueError(f"transformers_inputs: text_ids hold {text_ids.count(token)} {kind} token(s) "
+                             f"({token}) for {count} {kind}(s) given")
     ids, kinds, image_iter, video_iter = [], [], iter(images), iter(parts)
     for token in text_ids:
         if token in (config.image_token_id, config.video_token_id):
@@ -147,7 +179,7 @@ def transformers_features(model, items: EncodedImage | list[EncodedImage]):
         deepstack = [tuple(i.deepstack[j].to(device, dtype) for i in group) for j in range(layers)]
         return output(pooler_output=embeds, **({"deepstack_features": deepstack} if layers else {}))
 
-    images, videos = _split(items)
+    images, videos = _split(items, "transformers_features")
 
     # named as the model's own: generate reads the signatures to pass (and drop) the pixel arguments
     def get_image_features(pixel_values=None, image_grid_thw=None, **kwargs):
