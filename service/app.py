@@ -32,7 +32,7 @@ from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answe
                       converted, embedding_payload, json_response, safetensors_parts)
 from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest
 from .settings import Settings
-from .sglang_tier import EncodeCall, Registration, SGLangTier
+from .sglang_tier import CALL_LIMITS, REGISTRATION_LIMITS, EncodeCall, Registration, SGLangTier, bounded
 from .vllm_tier import Item, Options, VLLMTier, chat_completion, chat_items, chat_options
 
 
@@ -110,7 +110,8 @@ def laid_out(embeddings, deepstack: list, layout: str):
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(settings)
     tier = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
-    sglang = SGLangTier(engine.dtype, settings.sglang_timeout) if settings.sglang_encoder else None
+    sglang = (SGLangTier(engine.dtype, settings.sglang_timeout, receivers=settings.sglang_receivers)
+              if settings.sglang_encoder else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -415,6 +416,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         async def serve():
             limit = settings.max_images_per_request + settings.max_videos_per_request
             call = await read_json(request, EncodeCall, 4 * limit, ("url",), engine.decoder.bodies)
+            bounded(call, CALL_LIMITS)
             request.state.sglang_req_id = call.req_id
             items = [decode_input(item.url, i, settings.allow_url_fetch, "mm_items", call.kind)
                      for i, item in enumerate(call.mm_items)]
@@ -431,8 +433,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
         async def serve():
             body = await read_json(request, Registration, 16)
+            bounded(body, REGISTRATION_LIMITS)
             request.state.sglang_req_id = body.req_id
-            sglang.register(body)
+            await sglang.register(body, request.client.host if request.client else None)
 
         return await sglang_call(request, serve)
 
