@@ -112,10 +112,20 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     tier = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
     sglang = (SGLangTier(engine.dtype, settings.sglang_timeout, receivers=settings.sglang_receivers)
               if settings.sglang_encoder else None)
+    if tier is not None:
+        engine.tiers["ec_storage"] = tier.stats
+    if sglang is not None:
+        engine.tiers["sglang"] = sglang.stats
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        if tier is not None:
+            log.info("vLLM encoder tier on: /v1/chat/completions, files in %s (up to %d bytes)",
+                     settings.ec_shared_storage, settings.ec_storage_bytes)
+        if sglang is not None:
+            log.info("SGLang encoder tier on: /encode and /scheduler_receive_url, features pushed to %s",
+                     settings.sglang_receivers or "any address but loopback, link-local and multicast ones")
         yield
         engine.drain()
         await engine.stop()

@@ -88,6 +88,13 @@ class ECStorage:
     def bytes(self) -> int:
         return self._bytes
 
+    def stats(self) -> dict:
+        """The folder's figures for /stats and /metrics: its bytes and files (and the limit), the files written
+        and evicted since start."""
+        with self._lock:
+            return {"limit_bytes": self.max_bytes, "bytes": self._bytes, "files": len(self._sizes),
+                    "writes": self.written, "evictions": self.evicted}
+
     def path(self, identifier: str) -> Path:
         return self.directory / check_identifier(identifier) / FILE_NAME
 

@@ -115,10 +115,15 @@ class VLLMTier:
         self.model_id = settings.ec_model_id or settings.model
         self.algorithm = settings.ec_hash_algorithm
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="vitserve-ec-io")
+        self.write_failures = 0
         mm_hash("image", self.model_id, self.algorithm, uuid="x", mm_processor_kwargs={"x": 1})  # the digest loads
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict:
+        """The tier's figures for /stats and /metrics: its storage's, and the writes that failed."""
+        return self.storage.stats() | {"write_failures": self.write_failures}
 
     def _identifier(self, item: Item, kwargs: dict | None) -> str:
         """Runs in the pool: an item's identifier (its base64 decoded and hashed where it has no uuid)."""
@@ -169,6 +174,7 @@ class VLLMTier:
         try:
             await asyncio.gather(*jobs)
         except (OSError, ValueError) as e:
+            self.write_failures += 1
             raise ServiceError(507, f"the encoder cache could not be written: {e}", "ec_write_failed") from None
 
     @staticmethod
