@@ -25,7 +25,7 @@ from ..encoder.preprocess import Base64Data
 from ..encoder.video import sniff
 
 from .engine import NOT_READY, Encoded, Engine, State
-from .errors import ClientDisconnected, EngineError, ServiceError, error_response
+from .errors import ClientDisconnected, EngineError, ServiceError, clip, error_response
 from .gate import Gate
 from .json_body import Text, read_json
 from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
@@ -34,13 +34,6 @@ from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest
 from .settings import Settings
 from .sglang_tier import CALL_LIMITS, REGISTRATION_LIMITS, EncodeCall, Registration, SGLangTier, bounded
 from .vllm_tier import Item, Options, VLLMTier, chat_completion, chat_items, chat_options
-
-
-CLIP = 200  # characters of a client's value that an error message repeats
-
-
-def clip(value: str) -> str:
-    return value if len(value) <= CLIP else value[:CLIP] + "..."
 
 
 log = logging.getLogger("vitserve.app")
@@ -239,8 +232,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             "x-cache-hits": str(result.cache_hits)})
         return response
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in (settings.model_name, settings.model):
+    def check_model(name: str | None, *others: str | None) -> None:
+        """`name` (a request's `model`) is the served model, its --model, or one of `others` (else a 404)."""
+        if name is not None and name not in (settings.model_name, settings.model, *others):
             raise ServiceError(404, f"model {clip(name)!r} is not served here; this server serves "
                                     f"{settings.model_name!r}", "model_not_found", "model")
 
@@ -371,6 +365,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                                     "--ec-shared-storage", "encoder_tier_off")
         limit = settings.max_images_per_request + settings.max_videos_per_request
         body = await read_json(request, ChatRequest, 4 * limit, ("url",), engine.decoder.bodies)
+        check_model(body.model, settings.ec_model_id)  # (the consumer's model string names it too)
         items, options = chat_items(body), chat_options(body)
         images, videos = [], []
         for item in items:
