@@ -57,6 +57,8 @@ MAX_RECEIVERS = 256  # receive_count, and an embedding_port list: the language s
 MAX_SOCKETS = 64  # persistent sockets (one per scheduler rank's address), least recently used closed beyond
 MAX_OPEN_SOCKETS = 128  # sockets open at once, kept or handing over a message (a 429 beyond)
 LINGER_MS = 5000  # how long a closed socket still sends what it holds
+HANDSHAKE_MS = 5000  # how long a receiver may take to answer ZMQ's handshake (one that does not speaks no ZMQ)
+KEPT_IDLE = 600.0  # seconds a kept socket may go unused before it is closed
 RESOLVE_TIMEOUT = 5.0  # seconds to resolve a receiver's host name
 MAX_REQ_ID = 512  # characters of a req_id
 MAX_HOST = 253  # characters of a host name (DNS's limit)
@@ -411,6 +413,8 @@ class SGLangTier:
         self.context = zmq.asyncio.Context()
         self.sockets: OrderedDict[str, object] = OrderedDict()  # kept, by address
         self.busy: dict[object, int] = {}  # every open socket: the messages it is handing over now
+        self.watches: dict[object, tuple] = {}  # every open socket's monitor and the task that reads it
+        self.used: dict[str, float] = {}  # when each kept socket last took a message
         self.counts: Counter[str] = Counter()  # deliveries, delivery_failures, delivery_timeouts, ...
 
     def stats(self) -> dict:
@@ -470,11 +474,16 @@ class SGLangTier:
 
     def _socket(self, target: str, keep: bool):
         """A PUSH socket connected to `target`: the kept one (`keep`), or a new one. Beyond `MAX_SOCKETS` kept,
-        the least recently used that sends nothing now are closed."""
+        the least recently used that sends nothing now are closed, and so is one unused for `KEPT_IDLE` seconds.
+        Each socket's monitor tells a failed handshake (a peer that speaks no ZMQ) from a connection to come."""
         zmq = self.zmq
+        now = time.monotonic()
+        for old in [t for t, s in self.sockets.items() if not self.busy[s] and now - self.used[t] > KEPT_IDLE]:
+            self._close(self.sockets.pop(old), LINGER_MS)
         sock = self.sockets.get(target) if keep else None
         if sock is not None:
             self.sockets.move_to_end(target)
+            self.used[target] = now
             return sock
         if len(self.busy) >= MAX_OPEN_SOCKETS:  # the idle kept ones go first
             idle = [t for t, s in self.sockets.items() if not self.busy[s]]
@@ -488,14 +497,20 @@ class SGLangTier:
         try:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # a message waits for a connection, not in a pipe to nowhere
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
             if target.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self.watches[sock] = (monitor, asyncio.ensure_future(monitor.recv_multipart()))
             sock.connect(target)
         except zmq.ZMQError as e:
             self._close(sock, 0)
             raise ServiceError(400, f"cannot connect to {target}: {e}", "invalid_receiver") from None
         if keep:
             self.sockets[target] = sock
+            self.used[target] = now
             idle = [t for t, s in self.sockets.items() if not self.busy[s] and s is not sock]
             for old in idle[:max(0, len(self.sockets) - MAX_SOCKETS)]:
                 self._close(self.sockets.pop(old), LINGER_MS)
@@ -503,33 +518,55 @@ class SGLangTier:
 
     def _close(self, sock, linger: int) -> None:
         self.busy.pop(sock, None)
+        monitor, failed = self.watches.pop(sock, (None, None))
+        if monitor is not None:
+            failed.cancel()
+            sock.disable_monitor()
+            monitor.close(linger=0)
         sock.close(linger=linger)
 
     async def _push(self, target: str, frames: list, keep: bool) -> None:
         """Hand the message to `target`'s socket (its frames by reference, not copied); a socket that cannot take it
-        within the timeout (no connection) is closed, a 502. A socket opened for this message alone is closed after
-        it, sending what it holds for up to `LINGER_MS`."""
+        within the timeout (no connection), or whose peer fails ZMQ's handshake (no ZMQ receiver: at once, not
+        retried until the timeout), is closed, a 502. A socket opened for this message alone is closed after it,
+        sending what it holds for up to `LINGER_MS`."""
         sock = self._socket(target, keep)
         self.busy[sock] += 1
+        send = asyncio.ensure_future(sock.send_multipart(frames, copy=False))
         try:
-            await asyncio.wait_for(sock.send_multipart(frames, copy=False), self.timeout)
+            failed = self.watches[sock][1]
+            await asyncio.wait((send, failed), timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not send.done():
+                send.cancel()
+                if failed.done():
+                    raise self._broken(target, sock, "delivery_failures", "no ZMQ there (a failed handshake)")
+                raise self._broken(target, sock, "delivery_timeouts", f"no connection within {self.timeout:g} s")
+            try:
+                send.result()
+            except self.zmq.ZMQError as e:
+                raise self._broken(target, sock, "delivery_failures", str(e)) from None
             self.counts["deliveries"] += 1
-        except (asyncio.TimeoutError, self.zmq.ZMQError) as e:
-            self.counts["delivery_timeouts" if isinstance(e, asyncio.TimeoutError) else "delivery_failures"] += 1
-            if self.sockets.get(target) is sock:
-                del self.sockets[target]
-            self._close(sock, 0)
-            why = f"no connection within {self.timeout:g} s" if isinstance(e, asyncio.TimeoutError) else str(e)
-            raise ServiceError(502, f"embedding delivery to {target} failed: {why}", "delivery_failed") from None
+        except BaseException:
+            send.cancel()
+            raise
         finally:
             if sock in self.busy:
                 self.busy[sock] -= 1
                 if not keep:
                     self._close(sock, LINGER_MS)
 
+    def _broken(self, target: str, sock, count: str, why: str) -> ServiceError:
+        """A delivery that failed: counted under `count`, its socket closed (a kept one forgotten); the 502."""
+        self.counts[count] += 1
+        if self.sockets.get(target) is sock:
+            del self.sockets[target]
+        self._close(sock, 0)
+        return ServiceError(502, f"embedding delivery to {target} failed: {why}", "delivery_failed")
+
     async def close(self) -> None:
         """Close every socket (what they still hold is sent for up to `LINGER_MS`), then the context."""
         for sock in list(self.busy):
             self._close(sock, LINGER_MS)
         self.sockets.clear()
+        await asyncio.sleep(0)  # the monitors' reads see their cancellation
         await asyncio.to_thread(self.context.term)

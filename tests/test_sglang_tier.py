@@ -542,3 +542,54 @@ def test_the_tier_pushes_only_where_its_fences_allow(qwen3, receivers):
     r = register(qwen3, "y" * 5000, address)
     assert r.status_code == 400 and "req_id" in r.json()["message"] and len(r.text) < 1000, r.text
     assert receive(sock, timeout=0.3) is None
+
+
+def test_a_port_that_speaks_no_zmq_fails_at_once_and_kept_sockets_expire(monkeypatch):
+    """A plain TCP listener (here one that answers like an HTTP server) fails ZMQ's handshake: the delivery is a
+    502 at once, not retried until the timeout; a kept socket unused for KEPT_IDLE seconds is closed."""
+    import socket as sockets
+    import threading
+
+    from vitserve.service import sglang_tier
+
+    listener = sockets.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def answer():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+
+    async def main():
+        tier = sglang_tier.SGLangTier("float32", timeout=60)
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            for keep in (True, False):
+                start = time.monotonic()
+                with pytest.raises(ServiceError) as e:
+                    await tier._push(f"tcp://127.0.0.1:{listener.getsockname()[1]}", [b"meta"], keep=keep)
+                assert e.value.status == 502 and "handshake" in e.value.message and time.monotonic() - start < 10
+                assert not tier.busy and not tier.sockets
+            assert tier.stats()["delivery_failures"] == 2
+            await tier._push(f"tcp://127.0.0.1:{port}", [b"meta"], keep=True)
+            assert pull.poll(5000) and pull.recv_multipart() == [b"meta"] and len(tier.sockets) == 1
+            monkeypatch.setattr(sglang_tier, "KEPT_IDLE", 0.0)
+            with pytest.raises(ServiceError):  # any socket opened sweeps the idle kept ones
+                await tier._push("tcp://bad host:1", [b"meta"], keep=False)
+            assert not tier.sockets and not tier.busy and tier.stats()["deliveries"] == 1
+        finally:
+            listener.close()
+            pull.close(linger=0)
+            await tier.close()
+            context.term()
+
+    asyncio.run(main())
