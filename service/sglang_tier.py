@@ -5,13 +5,17 @@ as SGLang's own `--encoder-only` server does (sglang.srt.disaggregation.encoder,
 * `POST /encode` (`EncodeCall`): one part of a request, one modality: its items encoded, then pushed to the part's
   receivers; the answer (`null`) comes once the message is handed to every receiver's socket.
 * `POST /scheduler_receive_url` (`Registration`): a receiver of a part (each tensor-parallel rank of the language
-  server, `receive_count` of them) says where it listens. It may come before, during or after the part's /encode.
+  server, `receive_count` of them) says where it listens, from that address itself. It may come before, during or
+  after the part's /encode.
 * Where /encode carries an `embedding_port` (SGLang's zmq_to_tokenizer backend, or its legacy direct one), the
   receivers are `prefill_host` at that port (or each of those ports), and nothing registers.
 
+SGLang sends no API key, so the tier fences itself (`ReceiverNetworks`): features go only to the allowed networks
+(`--sglang-receivers`; by default no loopback, link-local, metadata or multicast address), to the address checked.
 A part and its registrations pair up in this process (`Pairing`): an encoded part waits up to the timeout for its
-receivers, a registration whose part never comes is dropped after the timeout, and a bounded number of parts are
-pending at once.
+receivers; a registration whose part has not come is dropped after the timeout, and a bounded number of them wait
+at once (in all, and per host). The parts being encoded are bounded by admission (the gate admits /encode), the
+sockets open by `MAX_OPEN_SOCKETS`.
 
 The message is SGLang's: two frames, a pickle of its `EmbeddingData` without the tensor (`meta_frame`), then the
 features' raw bytes (`embedding_frame`): every item's tokens, one item after the other, in the model's dtype, with
