@@ -238,8 +238,10 @@ class ReceiverNetworks:
             except (OSError, asyncio.TimeoutError):
                 raise ServiceError(400, f"{param}: cannot resolve {host!r}", "invalid_receiver", param) from None
             addresses = [address_of(entry[4][0].split("%")[0]) for entry in found]
+            if not addresses:
+                raise ServiceError(400, f"{param}: {host!r} has no address", "invalid_receiver", param)
             refused = next((a for a in addresses if not self.allowed(a)), None)
-            if refused is not None or not addresses:
+            if refused is not None:
                 raise ServiceError(403, f"{param}: {host!r} resolves to {refused}, outside the networks features "
                                         "are pushed to (--sglang-receivers)", "receiver_not_allowed", param)
             ip = addresses[0]
@@ -418,7 +420,7 @@ class SGLangTier:
         self.sockets: OrderedDict[str, object] = OrderedDict()  # kept, by address
         self.busy: dict[object, int] = {}  # every open socket: the messages it is handing over now
         self.watches: dict[object, tuple] = {}  # every open socket's monitor and the task that reads it
-        self.used: dict[str, float] = {}  # when each kept socket last took a message
+        self.used: dict[object, float] = {}  # when each kept socket last took a message
         self.counts: Counter[str] = Counter()  # deliveries, delivery_failures, delivery_timeouts, ...
 
     def stats(self) -> dict:
@@ -482,12 +484,12 @@ class SGLangTier:
         Each socket's monitor tells a failed handshake (a peer that speaks no ZMQ) from a connection to come."""
         zmq = self.zmq
         now = time.monotonic()
-        for old in [t for t, s in self.sockets.items() if not self.busy[s] and now - self.used[t] > KEPT_IDLE]:
+        for old in [t for t, s in self.sockets.items() if not self.busy[s] and now - self.used[s] > KEPT_IDLE]:
             self._close(self.sockets.pop(old), LINGER_MS)
         sock = self.sockets.get(target) if keep else None
         if sock is not None:
             self.sockets.move_to_end(target)
-            self.used[target] = now
+            self.used[sock] = now
             return sock
         if len(self.busy) >= MAX_OPEN_SOCKETS:  # the idle kept ones go first
             idle = [t for t, s in self.sockets.items() if not self.busy[s]]
@@ -514,7 +516,7 @@ class SGLangTier:
             raise ServiceError(400, f"cannot connect to {target}: {e}", "invalid_receiver") from None
         if keep:
             self.sockets[target] = sock
-            self.used[target] = now
+            self.used[sock] = now
             idle = [t for t, s in self.sockets.items() if not self.busy[s] and s is not sock]
             for old in idle[:max(0, len(self.sockets) - MAX_SOCKETS)]:
                 self._close(self.sockets.pop(old), LINGER_MS)
@@ -522,6 +524,7 @@ class SGLangTier:
 
     def _close(self, sock, linger: int) -> None:
         self.busy.pop(sock, None)
+        self.used.pop(sock, None)
         monitor, failed = self.watches.pop(sock, (None, None))
         if monitor is not None:
             failed.cancel()
