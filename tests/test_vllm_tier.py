@@ -147,6 +147,32 @@ def test_an_image_pil_will_not_open_has_no_identifier_a_400(tmp_path, monkeypatc
         tier.close()
 
 
+def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
+    """What /stats and /metrics report of the encoder cache: bytes, files, writes, evictions, and the writes that
+    failed (an item too large for --ec-storage-bytes: a 507)."""
+    import asyncio
+
+    from vitserve.service.errors import ServiceError
+    from vitserve.service.settings import Settings
+    from vitserve.service.vllm_tier import VLLMTier
+
+    tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path), ec_storage_bytes=2000), "float32")
+    try:
+        tokens, deepstack = item(rows=6)  # a file of some 850 bytes: two fit
+        for name in ("a", "b", "c"):
+            asyncio.run(tier.write([name], [(tokens, deepstack)]))
+        stats = tier.stats()
+        size = (tmp_path / "c" / ec_storage.FILE_NAME).stat().st_size
+        assert 2000 // size == 2
+        assert stats == {"limit_bytes": 2000, "bytes": 2 * size, "files": 2, "writes": 3, "evictions": 1,
+                         "write_failures": 0}
+        with pytest.raises(ServiceError) as e:
+            asyncio.run(tier.write(["big"], [item(rows=100)]))
+        assert e.value.status == 507 and tier.stats()["write_failures"] == 1
+    finally:
+        tier.close()
+
+
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ec")
