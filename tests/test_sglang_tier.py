@@ -593,3 +593,12 @@ def test_a_port_that_speaks_no_zmq_fails_at_once_and_kept_sockets_expire(monkeyp
             context.term()
 
     asyncio.run(main())
+
+
+def test_sglang_receivers_takes_networks_and_addresses():
+    from vitserve.service.settings import Settings
+
+    assert Settings(model="tiny-qwen3-vl", sglang_receivers="10.0.0.0/8, fd00::/8,192.0.2.7").sglang_receivers
+    for bad in ("10.0.0.0/33", "localhost", "10.0.0.0/8,,", "*"):
+        with pytest.raises(ValueError, match="--sglang-receivers"):
+            Settings(model="tiny-qwen3-vl", sglang_receivers=bad)
