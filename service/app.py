@@ -28,22 +28,15 @@ from ..encoder.preprocess import Base64Data
 from ..encoder.video import sniff
 
 from .engine import NOT_READY, Encoded, Engine, State
-from .errors import ClientDisconnected, EngineError, ServiceError, error_response
+from .errors import ClientDisconnected, EngineError, ServiceError, clip, error_response
 from .gate import Gate
 from .json_body import Text, read_json
 from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
                       converted, embedding_payload, json_response, safetensors_parts)
 from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest, check_uuid_counts
 from .settings import Settings
-from .sglang_tier import EncodeCall, Registration, SGLangTier
+from .sglang_tier import CALL_LIMITS, REGISTRATION_LIMITS, EncodeCall, Registration, SGLangTier, bounded
 from .vllm_tier import Item, Options, VLLMTier, chat_completion, chat_items, chat_options
-
-
-CLIP = 200  # characters of a client's value that an error message repeats
-
-
-def clip(value: str) -> str:
-    return value if len(value) <= CLIP else value[:CLIP] + "..."
 
 
 log = logging.getLogger("vitserve.app")
@@ -130,11 +123,22 @@ def in_order(result: Encoded, order: list[bool]) -> Encoded:
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(settings)
     tier = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
-    sglang = SGLangTier(engine.dtype, settings.sglang_timeout) if settings.sglang_encoder else None
+    sglang = (SGLangTier(engine.dtype, settings.sglang_timeout, receivers=settings.sglang_receivers)
+              if settings.sglang_encoder else None)
+    if tier is not None:
+        engine.tiers["ec_storage"] = tier.stats
+    if sglang is not None:
+        engine.tiers["sglang"] = sglang.stats
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        if tier is not None:
+            log.info("vLLM encoder tier on: /v1/chat/completions, files in %s (up to %d bytes)",
+                     settings.ec_shared_storage, settings.ec_storage_bytes)
+        if sglang is not None:
+            log.info("SGLang encoder tier on: /encode and /scheduler_receive_url, features pushed to %s",
+                     settings.sglang_receivers or "any address but loopback, link-local and multicast ones")
         yield
         engine.drain()
         await engine.stop()
@@ -250,8 +254,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             "x-cache-hits": str(result.cache_hits)})
         return response
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in (settings.model_name, settings.model):
+    def check_model(name: str | None, *others: str | None) -> None:
+        """`name` (a request's `model`) is the served model, its --model, or one of `others` (else a 404)."""
+        if name is not None and name not in (settings.model_name, settings.model, *others):
             raise ServiceError(404, f"model {clip(name)!r} is not served here; this server serves "
                                     f"{settings.model_name!r}", "model_not_found", "model")
 
@@ -391,6 +396,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                                     "--ec-shared-storage", "encoder_tier_off")
         limit = settings.max_images_per_request + settings.max_videos_per_request
         body = await read_json(request, ChatRequest, 4 * limit, ("url",), engine.decoder.bodies)
+        check_model(body.model, settings.ec_model_id)  # (the consumer's model string names it too)
         items, options = chat_items(body), chat_options(body)
         images, videos = [], []
         for item in items:
@@ -446,6 +452,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         async def serve():
             limit = settings.max_images_per_request + settings.max_videos_per_request
             call = await read_json(request, EncodeCall, 4 * limit, ("url",), engine.decoder.bodies)
+            bounded(call, CALL_LIMITS)
             request.state.sglang_req_id = call.req_id
             items = [decode_input(item.url, i, settings.allow_url_fetch, "mm_items", call.kind)
                      for i, item in enumerate(call.mm_items)]
@@ -462,8 +469,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
         async def serve():
             body = await read_json(request, Registration, 16)
+            bounded(body, REGISTRATION_LIMITS)
             request.state.sglang_req_id = body.req_id
-            sglang.register(body)
+            await sglang.register(body, request.client.host if request.client else None)
 
         return await sglang_call(request, serve)
 

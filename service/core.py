@@ -334,12 +334,18 @@ class Core:
                      "evictions": int(self.metrics.registry.get_sample_value("vitserve_cache_evictions_total") or 0)}
             histogram = {str(k): v for k, v in sorted(self.batch_sizes.items())}
         batching = s.batching(total("decode_workers")) | {"api_servers": self.fronts}
+        tiers: dict[str, dict] = {}
+        for part in fronts:  # each front end's encoder tiers, summed
+            for name, figures in part.get("tiers", {}).items():
+                summed = tiers.setdefault(name, dict.fromkeys(figures, 0))
+                for key, value in figures.items():
+                    summed[key] = summed.get(key, 0) + value
         return {"version": __version__, "model": s.model_name, "state": self.state, "error": self.error,
                 "device": self.devices[0], "devices": devices, "latency": percentiles(recent),
                 "dtype": self.dtype, "family": self.model.config.family if self.model else None,
                 "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
                 "requests_in_flight": total("requests_in_flight"), "queue_depth": len(self.queue),
-                "batch_size_histogram": histogram, "spool": self.prefix and os.path.dirname(self.prefix),
+                "tiers": tiers, "batch_size_histogram": histogram, "spool": self.prefix and os.path.dirname(self.prefix),
                 "device_processes": True, "decode_workers_replaced": total("decode_workers_replaced"),
                 "cache": cache, "batching": batching, "api_servers": len(fronts),
                 "eager_runs": sum(r.get("eager_runs", 0) for r in runners), "memory": memory,

@@ -107,6 +107,13 @@ class ECStorage:
     def bytes(self) -> int:
         return self._bytes
 
+    def stats(self) -> dict:
+        """The folder's figures for /stats and /metrics: its bytes and files (and the limit), the files written
+        and evicted since start (`bytes` counts the writes in flight too: they hold their room)."""
+        with self._changed:
+            return {"limit_bytes": self.max_bytes, "bytes": self._bytes, "files": len(self._sizes),
+                    "writes": self.written, "evictions": self.evicted}
+
     def path(self, identifier: str) -> Path:
         return self.directory / check_identifier(identifier) / FILE_NAME
 

@@ -24,6 +24,7 @@ import math
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,6 +127,8 @@ class Engine:
         self.cache = EmbeddingCache(settings.cache_bytes, settings.model_name or "", self.metrics,
                                     per_client=settings.cache_scope == "api-key")
         self.in_flight = 0
+        self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
+        self.metrics.watch_tiers(lambda: {name: figures() for name, figures in self.tiers.items()})
         self.batch_sizes: dict[int, int] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -496,6 +499,7 @@ class Engine:
             return generate_latest(self.metrics.registry).decode()
         count = lambda name: int(self.metrics.registry.get_sample_value(name) or 0)  # noqa: E731
         return {"recent": self.metrics.recent(), "requests_in_flight": self.in_flight,
+                "tiers": {name: figures() for name, figures in self.tiers.items()},
                 "decode_workers": self.decoder.workers, "decode_workers_replaced": self.decoder.workers_replaced,
                 "memory": {"bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
                            "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used}},
@@ -523,6 +527,7 @@ class Engine:
                 "dtype": self.dtype, "family": self.model.config.family if self.model else None,
                 "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
                 "requests_in_flight": self.in_flight, "queue_depth": len(self.queue),
+                "tiers": {name: figures() for name, figures in self.tiers.items()},
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "spool": self.decoder.spool_prefix and os.path.dirname(self.decoder.spool_prefix),
                 "device_processes": any(isinstance(w.device, ProcessDevice) for w in self.workers),

@@ -10,6 +10,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 507: "insufficient_storage"}
 
 
+CLIP = 200  # characters of a client's value that an error message repeats
+
+
+def clip(value: str) -> str:
+    """A client's value as an error message repeats it: its first `CLIP` characters."""
+    return value if len(value) <= CLIP else value[:CLIP] + "..."
+
+
 class EngineError(Exception):
     """A request the engine could not serve, and why: `code` (machine-readable) and `param` (the bad input)."""
 

@@ -36,8 +36,12 @@ from .metrics import Metrics, outcome
 from .settings import Settings
 
 OPEN_PATHS = {"/health", "/ready", "/metrics"}  # no API key needed
-API_PATHS = {"/v1/embeddings", "/v1/encode", "/v1/models"}
-ENCODE_PATHS = {"/v1/embeddings", "/v1/encode"}  # admitted by the gate
+API_PATHS = {"/v1/embeddings", "/v1/encode", "/v1/models", "/v1/chat/completions"}
+TIER_PATHS = {"/encode", "/scheduler_receive_url"}  # SGLang's encoder tier: counted as the API paths are
+ENCODE_PATHS = {"/v1/embeddings", "/v1/encode", "/v1/chat/completions", "/encode"}  # admitted by the gate
+# paths whose bodies are a few fields: their own body limit (a registration is not admitted: an admitted /encode
+# waits for it)
+SMALL_BODIES = {"/scheduler_receive_url": 64 * 2**10}
 REQUEST_ID = re.compile(rb"[\w.:/+=@-]{1,128}")  # a client's x-request-id is echoed only when it looks like one
 
 access = logging.getLogger("vitserve.access")
@@ -61,8 +65,9 @@ FREE_BODY_BYTES = 2**20  # of each body, not counted
 
 
 def endpoint_label(path: str) -> str:
-    """The metrics label of a /v1/ path: its route, or "other" (a label per unknown path would grow without end)."""
-    return path if path in API_PATHS else "other"
+    """The metrics label of a /v1/ or tier path: its route, or "other" (a label per unknown path would grow without
+    end)."""
+    return path if path in API_PATHS or path in TIER_PATHS else "other"
 
 
 class Gate:
@@ -75,7 +80,8 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        headers, path, limit = dict(scope["headers"]), scope["path"], self.settings.payload_limit
+        headers, path = dict(scope["headers"]), scope["path"]
+        limit = min(self.settings.payload_limit, SMALL_BODIES.get(path, self.settings.payload_limit))
         given = headers.get(b"x-request-id", b"")
         request_id = given.decode() if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
@@ -183,7 +189,7 @@ class Gate:
         """The request's metrics and its access line (every request but the scrapes and probes, which would drown
         the log: /metrics, /health and /ready are logged at debug level)."""
         path, state = scope["path"], scope["state"]
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in TIER_PATHS:
             endpoint = endpoint_label(path)
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.request_seconds.labels(endpoint, outcome(status)).observe(seconds)

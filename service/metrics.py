@@ -69,6 +69,7 @@ class Metrics:
                                  "(--body-memory) and images being decoded (--decode-memory)", ["use"], registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the model is loaded, graphs captured and not draining", registry=r)
         self._runners = None
+        self._tiers = None
         self._recent = {phase: collections.deque(maxlen=RECENT) for phase in PHASES}
         self._lock = threading.Lock()
 
@@ -97,6 +98,51 @@ class Metrics:
             self.registry.unregister(self._runners)
         self._runners = _RunnerCollector(stats_by_device)
         self.registry.register(self._runners)
+
+
+    def watch_tiers(self, figures) -> None:
+        """The encoder tiers' figures (`figures()`: by tier, `TIER_SERIES`'s keys) read at scrape time."""
+        if self._tiers is not None:
+            self.registry.unregister(self._tiers)
+        self._tiers = _TierCollector(figures)
+        self.registry.register(self._tiers)
+
+
+# the encoder tiers' series: (tier, figure) -> (name, type, help, labels)
+TIER_SERIES = {
+    ("ec_storage", "limit_bytes"): ("vitserve_ec_limit_bytes", "gauge", "What --ec-shared-storage's files may take"),
+    ("ec_storage", "bytes"): ("vitserve_ec_bytes", "gauge", "Bytes of the encoder-cache files"),
+    ("ec_storage", "files"): ("vitserve_ec_files", "gauge", "Encoder-cache files (items)"),
+    ("ec_storage", "writes"): ("vitserve_ec_writes", "counter", "Encoder-cache files written"),
+    ("ec_storage", "evictions"): ("vitserve_ec_evictions", "counter", "Encoder-cache files removed for room"),
+    ("ec_storage", "write_failures"): ("vitserve_ec_write_failures", "counter",
+                                       "Requests whose encoder-cache files could not be written"),
+    ("sglang", "parts_encoding"): ("vitserve_sglang_parts_encoding", "gauge", "SGLang parts an /encode serves"),
+    ("sglang", "parts_waiting_for_encode"): ("vitserve_sglang_parts_waiting", "gauge",
+                                             "SGLang parts whose receivers registered, with no /encode yet"),
+    ("sglang", "sockets"): ("vitserve_sglang_sockets", "gauge", "ZMQ sockets open to SGLang's receivers"),
+    ("sglang", "deliveries"): ("vitserve_sglang_deliveries", "counter", "Messages handed to an SGLang receiver"),
+    ("sglang", "delivery_failures"): ("vitserve_sglang_delivery_failures", "counter",
+                                      "Messages an SGLang receiver's socket refused"),
+    ("sglang", "delivery_timeouts"): ("vitserve_sglang_delivery_timeouts", "counter",
+                                      "Messages no SGLang receiver took within --sglang-timeout"),
+    ("sglang", "registration_timeouts"): ("vitserve_sglang_registration_timeouts", "counter",
+                                          "SGLang parts whose receivers did not register within --sglang-timeout")}
+
+
+class _TierCollector:
+    def __init__(self, figures):
+        self.figures = figures
+
+    def collect(self):
+        for tier, values in self.figures().items():
+            for key, value in values.items():
+                if (tier, key) not in TIER_SERIES:
+                    continue
+                name, kind, help = TIER_SERIES[tier, key]
+                family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help)
+                family.add_metric([], value)
+                yield family
 
 
 def percentiles(recent: dict[str, list[float]]) -> dict:

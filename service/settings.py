@@ -29,6 +29,16 @@ GROUPS = ("model", "devices and kernels", "server", "batching", "limits", "decod
 EC_HASH_ALGORITHMS = ("blake3", "sha256", "sha512")  # service.vllm_hash.ALGORITHMS (a test keeps them equal)
 
 
+def _networks(value: str | None) -> bool:
+    """Whether `value` is None or comma-separated IP networks (CIDR) or addresses."""
+    import ipaddress
+
+    try:
+        return value is None or all(ipaddress.ip_network(n.strip(), strict=False) for n in value.split(","))
+    except ValueError:
+        return False
+
+
 def _setting(default, help: str, group: str, encode: bool = False, aliases: tuple[str, ...] = (),
              choices: tuple[str, ...] | None = None, metavar: str | None = None, size: bool = False):
     """A field; `encode`: `vitserve encode` reads it too (its other settings are the defaults). `choices` and
@@ -149,6 +159,10 @@ class Settings:
     sglang_timeout: float = _setting(180.0, "seconds an encoded /encode part waits for its receivers' "
                                             "registrations, and a registration for its part (SGLang's "
                                             "SGLANG_ENCODER_SEND_TIMEOUT)", "encoder tier", metavar="SECONDS")
+    sglang_receivers: str | None = _setting(None, "networks the SGLang tier pushes features to, comma-separated "
+                                                  "(CIDR or addresses, e.g. 10.0.0.0/8,fd00::/8); default: any "
+                                                  "address but loopback, link-local (cloud metadata) and multicast "
+                                                  "ones", "encoder tier", metavar="NETWORKS")
     max_header_bytes: int = _setting(64 * 2**10, "size of a request's line and headers (beyond, a 400 and the "
                                                  "connection closed)", "server", size=True)
     header_timeout: float = _setting(10.0, "seconds to receive a request's headers, from its first byte (beyond, "
@@ -214,6 +228,9 @@ class Settings:
                   (self.ec_hash_algorithm in EC_HASH_ALGORITHMS,
                    f"--ec-hash-algorithm must be one of {', '.join(EC_HASH_ALGORITHMS)}"),
                   (self.sglang_timeout > 0, "--sglang-timeout must be positive"),
+                  (_networks(self.sglang_receivers),
+                   f"--sglang-receivers must be comma-separated networks (CIDR) or addresses, got "
+                   f"{self.sglang_receivers!r}"),
                   (not self.sglang_encoder or self.api_servers <= 1,
                    "--sglang-encoder pairs each /encode part with its receivers' registrations in one process: it "
                    "takes one front end (--api-servers 1)"),

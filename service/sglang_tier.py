@@ -5,13 +5,17 @@ as SGLang's own `--encoder-only` server does (sglang.srt.disaggregation.encoder,
 * `POST /encode` (`EncodeCall`): one part of a request, one modality: its items encoded, then pushed to the part's
   receivers; the answer (`null`) comes once the message is handed to every receiver's socket.
 * `POST /scheduler_receive_url` (`Registration`): a receiver of a part (each tensor-parallel rank of the language
-  server, `receive_count` of them) says where it listens. It may come before, during or after the part's /encode.
+  server, `receive_count` of them) says where it listens, from that address itself. It may come before, during or
+  after the part's /encode.
 * Where /encode carries an `embedding_port` (SGLang's zmq_to_tokenizer backend, or its legacy direct one), the
   receivers are `prefill_host` at that port (or each of those ports), and nothing registers.
 
+SGLang sends no API key, so the tier fences itself (`ReceiverNetworks`): features go only to the allowed networks
+(`--sglang-receivers`; by default no loopback, link-local, metadata or multicast address), to the address checked.
 A part and its registrations pair up in this process (`Pairing`): an encoded part waits up to the timeout for its
-receivers, a registration whose part never comes is dropped after the timeout, and a bounded number of parts are
-pending at once.
+receivers; a registration whose part has not come is dropped after the timeout, and a bounded number of them wait
+at once (in all, and per host). The parts being encoded are bounded by admission (the gate admits /encode), the
+sockets open by `MAX_OPEN_SOCKETS`.
 
 The message is SGLang's: two frames, a pickle of its `EmbeddingData` without the tensor (`meta_frame`), then the
 features' raw bytes (`embedding_frame`): every item's tokens, one item after the other, in the model's dtype, with
@@ -25,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import io
+import ipaddress
 import math
 import pickle
 import re
+import socket
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Annotated, Literal
 
 import numpy as np
@@ -49,10 +55,25 @@ MODALITY = ("sglang.srt.managers.schedule_batch", "Modality")
 SGLANG_VERSION = "0.5.23"  # the release whose wire format this is (the same since 0.5.19)
 PROTOCOL = 4  # pickle protocol: SGLang's (Python's default)
 TIMEOUT = 180.0  # seconds: SGLang's SGLANG_ENCODER_SEND_TIMEOUT and SGLANG_ENCODER_REQ_TIMEOUT
-MAX_PENDING = 4096  # parts (req_ids) with registrations or an /encode in flight, at once
-MAX_RECEIVERS = 256  # receive_count: the language server's tensor-parallel size
+MAX_PENDING = 4096  # parts (req_ids) with registrations and no /encode yet, at once
+MAX_PENDING_PER_HOST = 256  # of those, the parts whose receivers are on one host
+MAX_RECEIVERS = 256  # receive_count, and an embedding_port list: the language server's tensor-parallel size
 MAX_SOCKETS = 64  # persistent sockets (one per scheduler rank's address), least recently used closed beyond
+MAX_OPEN_SOCKETS = 128  # sockets open at once, kept or handing over a message (a 429 beyond)
 LINGER_MS = 5000  # how long a closed socket still sends what it holds
+HANDSHAKE_MS = 5000  # how long a receiver may take to answer ZMQ's handshake (one that does not speaks no ZMQ)
+KEPT_IDLE = 600.0  # seconds a kept socket may go unused before it is closed
+RESOLVE_TIMEOUT = 5.0  # seconds to resolve a receiver's host name
+MAX_REQ_ID = 512  # characters of a req_id
+MAX_HOST = 253  # characters of a host name (DNS's limit)
+HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+# where features are never pushed unless --sglang-receivers lists the network: this host (loopback, unspecified),
+# link-local (cloud metadata services at 169.254.169.254 and fd00:ec2::254 among them), multicast and broadcast,
+# and the metadata addresses outside those ranges (Alibaba's, Azure's wire server)
+REFUSED = tuple(ipaddress.ip_network(n) for n in (
+    "127.0.0.0/8", "0.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32", "100.100.100.200/32",
+    "168.63.129.16/32", "::1/128", "::/128", "fe80::/10", "ff00::/8", "fd00:ec2::254/128"))
 
 
 class EmbeddingData:
@@ -114,13 +135,14 @@ class EncodeCall(BaseModel):
     `time_stats_json`, ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
-    req_id: str = Field(min_length=1, max_length=512)
+    req_id: str = Field(min_length=1, max_length=MAX_REQ_ID)
     num_parts: StrictInt = Field(gt=0)
     part_idx: StrictInt = Field(ge=0)
     modality: Annotated[Literal["IMAGE", "VIDEO"], BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
     mm_items: list[Annotated[MediaItem, BeforeValidator(_item)]] = Field(min_length=1)
-    prefill_host: str | None = None
-    embedding_port: Port | list[Port] | None = None  # null: the receivers register (zmq_to_scheduler)
+    prefill_host: str | None = Field(default=None, max_length=MAX_HOST)
+    embedding_port: Port | Annotated[list[Port], Field(min_length=1, max_length=MAX_RECEIVERS)] | None = None
+    # (null: the receivers register, zmq_to_scheduler)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -141,10 +163,23 @@ class Registration(BaseModel):
     brackets), and how many receivers the part has."""
 
     model_config = ConfigDict(extra="allow")
-    req_id: str = Field(min_length=1, max_length=512)
+    req_id: str = Field(min_length=1, max_length=MAX_REQ_ID)
     receive_count: StrictInt = Field(gt=0, le=MAX_RECEIVERS)
     receive_url: str = Field(max_length=300)
-    modality: str | None = None
+    modality: str | None = Field(default=None, max_length=16)
+
+
+def bounded(body: BaseModel, limits: dict[str, int]) -> None:
+    """A body's string fields within their lengths once its long strings are restored (read_json validates the body
+    with each string of over 4 KB standing as a short placeholder): a 400 naming the field, not echoing it."""
+    for name, limit in limits.items():
+        value = getattr(body, name)
+        if isinstance(value, str) and len(value) > limit:
+            raise ServiceError(400, f"{name}: at most {limit} characters, got {len(value)}", "invalid_request", name)
+
+
+CALL_LIMITS = {"req_id": MAX_REQ_ID, "prefill_host": MAX_HOST, "modality": 16}
+REGISTRATION_LIMITS = {"req_id": MAX_REQ_ID, "receive_url": 300, "modality": 16}
 
 
 ADDRESS = re.compile(r"\[(?P<v6>[0-9A-Fa-f:.]+)\]:(?P<p6>\d{1,5})|(?P<host>[A-Za-z0-9.\-]+):(?P<port>\d{1,5})")
@@ -155,14 +190,65 @@ def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def receiver_endpoint(address: str) -> str:
-    """The ZMQ endpoint of a registration's `host:port`; anything else is a 400."""
+def receiver_address(address: str) -> tuple[str, int]:
+    """The host and port of a registration's `host:port`; anything else is a 400."""
     match = ADDRESS.fullmatch(address)
     port = match and int(match["p6"] or match["port"])
     if not match or not 0 < port < 65536:
         raise ServiceError(400, f"receive_url must be host:port ([ipv6]:port), got {address[:100]!r}",
                            "invalid_receive_url", "receive_url")
-    return endpoint(match["v6"] or match["host"], port)
+    return match["v6"] or match["host"], port
+
+
+def address_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An IP literal as an address (an IPv4-mapped IPv6 one as its IPv4 address); None for a host name."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return ip.ipv4_mapped or ip if ip.version == 6 else ip
+
+
+class ReceiverNetworks:
+    """Where this server pushes features to (`--sglang-receivers`): an address in a listed network; with none
+    listed, any address but this host's, link-local (cloud metadata) and multicast ones (`REFUSED`). A host name is
+    resolved here (off the event loop, within `RESOLVE_TIMEOUT`), every address it has is checked, and the socket
+    connects to the address checked (never to the name, which could resolve elsewhere the next time)."""
+
+    def __init__(self, networks: str | None = None):
+        self.networks = [ipaddress.ip_network(n.strip(), strict=False) for n in (networks or "").split(",")
+                         if n.strip()]
+
+    def allowed(self, ip) -> bool:
+        if self.networks:
+            return any(ip.version == n.version and ip in n for n in self.networks)
+        return not any(ip.version == n.version and ip in n for n in REFUSED)
+
+    async def resolve(self, host: str, param: str) -> str:
+        """The address to push to for `host` (a 400 for a host that is no host name or cannot be resolved, a 403
+        for one outside the allowed networks); `param` names the field in errors."""
+        ip = address_of(host)
+        if ip is None:
+            if not HOST_NAME.fullmatch(host):
+                raise ServiceError(400, f"{param}: not a host name or IP address: {host[:100]!r}",
+                                   "invalid_receiver", param)
+            try:
+                found = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
+                    host, None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT)
+            except (OSError, asyncio.TimeoutError):
+                raise ServiceError(400, f"{param}: cannot resolve {host!r}", "invalid_receiver", param) from None
+            addresses = [address_of(entry[4][0].split("%")[0]) for entry in found]
+            if not addresses:
+                raise ServiceError(400, f"{param}: {host!r} has no address", "invalid_receiver", param)
+            refused = next((a for a in addresses if not self.allowed(a)), None)
+            if refused is not None:
+                raise ServiceError(403, f"{param}: {host!r} resolves to {refused}, outside the networks features "
+                                        "are pushed to (--sglang-receivers)", "receiver_not_allowed", param)
+            ip = addresses[0]
+        if not self.allowed(ip):
+            raise ServiceError(403, f"{param}: {ip} is outside the networks features are pushed to "
+                                    "(--sglang-receivers)", "receiver_not_allowed", param)
+        return str(ip)
 
 
 def embedding_frame(outputs: list, dtype: torch.dtype) -> tuple[memoryview, list[int]]:
@@ -210,47 +296,60 @@ def message(call: EncodeCall, result: Encoded, family: str, dtype: torch.dtype) 
 
 class Receivers:
     """The receivers registered for one part: their endpoints (in order), how many there are to be, whether an
-    /encode holds the part, and when an unheld entry is dropped."""
+    /encode holds the part, the host of the first receiver (what an unheld entry counts against), and when an
+    unheld entry is dropped."""
 
-    __slots__ = ("count", "endpoints", "held", "expires", "changed")
+    __slots__ = ("count", "endpoints", "held", "expires", "changed", "host")
 
-    def __init__(self, expires: float):
+    def __init__(self, expires: float, host: str | None = None):
         self.count: int | None = None
         self.endpoints: dict[str, None] = {}
-        self.held, self.expires, self.changed = False, expires, asyncio.Event()
+        self.held, self.expires, self.changed, self.host = False, expires, asyncio.Event(), host
 
     def complete(self) -> bool:
         return self.count is not None and len(self.endpoints) >= self.count
 
 
 class Pairing:
-    """Parts and their registrations, by `req_id`: at most `max_pending` at once (a 503 beyond); an entry no /encode
-    holds is dropped `timeout` seconds after it was made (by `clock`), one an /encode holds when the /encode ends."""
+    """Parts and their registrations, by `req_id`. A part an /encode holds is bounded by admission (every /encode
+    is admitted) and dropped when the /encode ends. A part with registrations and no /encode yet is unheld: at most
+    `max_pending` of them at once, `max_per_host` of them for receivers on one host (a 429 beyond either), each
+    dropped `timeout` seconds after it was made (by `clock`)."""
 
-    def __init__(self, timeout: float = TIMEOUT, max_pending: int = MAX_PENDING, clock=time.monotonic):
-        self.timeout, self.max_pending, self.clock = timeout, max_pending, clock
+    def __init__(self, timeout: float = TIMEOUT, max_pending: int = MAX_PENDING,
+                 max_per_host: int = MAX_PENDING_PER_HOST, clock=time.monotonic):
+        self.timeout, self.max_pending, self.max_per_host, self.clock = timeout, max_pending, max_per_host, clock
         self.entries: dict[str, Receivers] = {}
+        self.unheld: Counter[str] = Counter()  # unheld entries by their receivers' host
         self._swept = -math.inf
 
-    def _entry(self, req_id: str) -> Receivers:
+    def _sweep(self) -> float:
         now = self.clock()
         if now - self._swept >= 1.0:
             self._swept = now
             for key in [k for k, e in self.entries.items() if not e.held and e.expires <= now]:
-                del self.entries[key]
-        entry = self.entries.get(req_id)
-        if entry is None:
-            if len(self.entries) >= self.max_pending:
-                raise ServiceError(503, f"{self.max_pending} parts are pending already", "too_many_pending",
-                                   headers={"Retry-After": "1"})
-            entry = self.entries[req_id] = Receivers(now + self.timeout)
-        return entry
+                self._drop(key)
+        return now
 
-    def register(self, body: Registration) -> None:
-        """Record a receiver of `body.req_id`; a `receive_count` unlike the part's earlier one, or a receiver more
-        than it, is a 400."""
-        target = receiver_endpoint(body.receive_url)
-        entry = self._entry(body.req_id)
+    def _drop(self, req_id: str) -> None:
+        entry = self.entries.pop(req_id)
+        if not entry.held:
+            self.unheld[entry.host] -= 1
+            if not self.unheld[entry.host]:
+                del self.unheld[entry.host]
+
+    def register(self, body: Registration, target: str, host: str) -> None:
+        """Record receiver `target` (an endpoint on `host`) of `body.req_id`; a `receive_count` unlike the part's
+        earlier one, or a receiver more than it, is a 400; a new unheld part over the bounds a 429."""
+        now = self._sweep()
+        entry = self.entries.get(body.req_id)
+        if entry is None:
+            if sum(self.unheld.values()) >= self.max_pending or self.unheld[host] >= self.max_per_host:
+                raise ServiceError(429, f"{self.max_pending} parts (or {self.max_per_host} for receivers on one "
+                                        "host) wait for their /encode already", "too_many_pending", "req_id",
+                                   headers={"Retry-After": "1"})
+            entry = self.entries[body.req_id] = Receivers(now + self.timeout, host)
+            self.unheld[host] += 1
         if entry.count is None:
             entry.count = body.receive_count
         if body.receive_count != entry.count:
@@ -266,15 +365,25 @@ class Pairing:
     def hold(self, req_id: str) -> Receivers:
         """The entry of a part an /encode serves (made now, or found with what registered first); a part another
         /encode holds is a 400."""
-        entry = self._entry(req_id)
-        if entry.held:
+        now = self._sweep()
+        entry = self.entries.get(req_id)
+        if entry is None:
+            entry = self.entries[req_id] = Receivers(now + self.timeout)
+        elif entry.held:
             raise ServiceError(400, f"req_id {req_id[:100]!r} is being encoded already", "duplicate_req_id", "req_id")
+        else:
+            self._drop(req_id)
+            self.entries[req_id] = entry
         entry.held = True
         return entry
 
     def release(self, req_id: str, entry: Receivers) -> None:
         if self.entries.get(req_id) is entry:
             del self.entries[req_id]
+
+    @property
+    def held(self) -> int:
+        return len(self.entries) - sum(self.unheld.values())
 
     async def receivers(self, req_id: str, entry: Receivers) -> list[str]:
         """The part's receivers once all have registered; a 504 when they have not within the timeout."""
@@ -293,9 +402,12 @@ class Pairing:
 class SGLangTier:
     """One front end's SGLang encoder side: the pairing of parts with receivers, and the PUSH sockets the messages
     leave by (pyzmq, imported here: the `sglang` extra). A scheduler rank's socket is kept (one per address, at most
-    `MAX_SOCKETS`); an `embedding_port`'s is opened for its message."""
+    `MAX_SOCKETS`); an `embedding_port`'s is opened for its message; at most `MAX_OPEN_SOCKETS` are open at once.
+    Features go only to the allowed networks (`receivers`: `--sglang-receivers`, see `ReceiverNetworks`), and a
+    receiver registers itself: a registration comes from the address it names."""
 
-    def __init__(self, dtype: str, timeout: float = TIMEOUT, max_pending: int = MAX_PENDING):
+    def __init__(self, dtype: str, timeout: float = TIMEOUT, max_pending: int = MAX_PENDING,
+                 receivers: str | None = None):
         try:
             import zmq
             import zmq.asyncio
@@ -303,27 +415,54 @@ class SGLangTier:
             raise ImportError("--sglang-encoder pushes over ZMQ: pip install 'vitserve[sglang]' (pyzmq)") from None
         self.zmq, self.dtype, self.timeout = zmq, DTYPES[dtype], timeout  # the model's dtype: SGLang's choice
         self.pairing = Pairing(timeout, max_pending)
+        self.networks = ReceiverNetworks(receivers)
         self.context = zmq.asyncio.Context()
         self.sockets: OrderedDict[str, object] = OrderedDict()  # kept, by address
         self.busy: dict[object, int] = {}  # every open socket: the messages it is handing over now
+        self.watches: dict[object, tuple] = {}  # every open socket's monitor and the task that reads it
+        self.used: dict[object, float] = {}  # when each kept socket last took a message
+        self.counts: Counter[str] = Counter()  # deliveries, delivery_failures, delivery_timeouts, ...
 
-    def register(self, body: Registration) -> None:
-        self.pairing.register(body)
+    def stats(self) -> dict:
+        """The tier's figures for /stats and /metrics."""
+        return {"parts_encoding": self.pairing.held, "parts_waiting_for_encode": sum(self.pairing.unheld.values()),
+                "sockets": len(self.busy), **{k: self.counts[k] for k in (
+                    "deliveries", "delivery_failures", "delivery_timeouts", "registration_timeouts")}}
+
+    async def register(self, body: Registration, sender: str | None) -> None:
+        """Record a receiver of a part. It registers itself: `sender` (the registration's peer address) must be the
+        address its `receive_url` names (a 403 else), in the allowed networks."""
+        host, port = receiver_address(body.receive_url)
+        ip = await self.networks.resolve(host, "receive_url")
+        peer = address_of(sender or "")
+        if str(peer) != ip:
+            raise ServiceError(403, f"receive_url: a receiver registers itself, from its own address; {ip} is not "
+                                    f"the address this registration came from ({peer or 'unknown'})",
+                               "receiver_not_sender", "receive_url")
+        self.pairing.register(body, endpoint(ip, port), ip)
 
     async def serve(self, call: EncodeCall, encode, family) -> None:
         """Serve one /encode part: `encode()` (the part's items, an `Encoded`; its receivers may register
         meanwhile), then the message, built off the event loop when large, pushed to every receiver once all have
-        registered. `family()`: the model's family, once the items are encoded. A failure is raised (a
-        ServiceError where it is this tier's); nothing is pushed then."""
-        entry = self.pairing.hold(call.req_id) if call.embedding_port is None else None
+        registered. `family()`: the model's family, once the items are encoded. An `embedding_port`'s host is
+        checked before anything is encoded. A failure is raised (a ServiceError where it is this tier's); nothing is
+        pushed then."""
+        targets = None
+        if call.embedding_port is not None:
+            ip = await self.networks.resolve(call.prefill_host, "prefill_host")
+            ports = call.embedding_port if isinstance(call.embedding_port, list) else [call.embedding_port]
+            targets = [endpoint(ip, port) for port in dict.fromkeys(ports)]
+        entry = self.pairing.hold(call.req_id) if targets is None else None
         try:
             result = await encode()
             frames = await self._message(call, result, family())
-            if entry is not None:
-                targets, keep = await self.pairing.receivers(call.req_id, entry), True
-            else:
-                ports = call.embedding_port if isinstance(call.embedding_port, list) else [call.embedding_port]
-                targets, keep = [endpoint(call.prefill_host, port) for port in ports], False
+            keep = entry is not None
+            if keep:
+                try:
+                    targets = await self.pairing.receivers(call.req_id, entry)
+                except ServiceError:
+                    self.counts["registration_timeouts"] += 1
+                    raise
             sent = await asyncio.gather(*(self._push(target, frames, keep) for target in targets),
                                         return_exceptions=True)
             failed = next((e for e in sent if isinstance(e, BaseException)), None)
@@ -341,21 +480,43 @@ class SGLangTier:
 
     def _socket(self, target: str, keep: bool):
         """A PUSH socket connected to `target`: the kept one (`keep`), or a new one. Beyond `MAX_SOCKETS` kept,
-        the least recently used that sends nothing now are closed."""
+        the least recently used that sends nothing now are closed, and so is one unused for `KEPT_IDLE` seconds.
+        Each socket's monitor tells a failed handshake (a peer that speaks no ZMQ) from a connection to come."""
         zmq = self.zmq
+        now = time.monotonic()
+        for old in [t for t, s in self.sockets.items() if not self.busy[s] and now - self.used[s] > KEPT_IDLE]:
+            self._close(self.sockets.pop(old), LINGER_MS)
         sock = self.sockets.get(target) if keep else None
         if sock is not None:
             self.sockets.move_to_end(target)
+            self.used[sock] = now
             return sock
+        if len(self.busy) >= MAX_OPEN_SOCKETS:  # the idle kept ones go first
+            idle = [t for t, s in self.sockets.items() if not self.busy[s]]
+            for old in idle[:len(self.busy) - MAX_OPEN_SOCKETS + 1]:
+                self._close(self.sockets.pop(old), LINGER_MS)
+            if len(self.busy) >= MAX_OPEN_SOCKETS:
+                raise ServiceError(429, f"{MAX_OPEN_SOCKETS} deliveries are under way; retry shortly",
+                                   "too_many_deliveries", headers={"Retry-After": "1"})
         sock = self.context.socket(zmq.PUSH)
         self.busy[sock] = 0
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # a message waits for a connection, not in a pipe to nowhere
-        if target.startswith("tcp://["):
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(target)
+        try:
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # a message waits for a connection, not in a pipe to nowhere
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+            if target.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self.watches[sock] = (monitor, asyncio.ensure_future(monitor.recv_multipart()))
+            sock.connect(target)
+        except zmq.ZMQError as e:
+            self._close(sock, 0)
+            raise ServiceError(400, f"cannot connect to {target}: {e}", "invalid_receiver") from None
         if keep:
             self.sockets[target] = sock
+            self.used[sock] = now
             idle = [t for t, s in self.sockets.items() if not self.busy[s] and s is not sock]
             for old in idle[:max(0, len(self.sockets) - MAX_SOCKETS)]:
                 self._close(self.sockets.pop(old), LINGER_MS)
@@ -363,31 +524,56 @@ class SGLangTier:
 
     def _close(self, sock, linger: int) -> None:
         self.busy.pop(sock, None)
+        self.used.pop(sock, None)
+        monitor, failed = self.watches.pop(sock, (None, None))
+        if monitor is not None:
+            failed.cancel()
+            sock.disable_monitor()
+            monitor.close(linger=0)
         sock.close(linger=linger)
 
     async def _push(self, target: str, frames: list, keep: bool) -> None:
         """Hand the message to `target`'s socket (its frames by reference, not copied); a socket that cannot take it
-        within the timeout (no connection) is closed, a 502. A socket opened for this message alone is closed after
-        it, sending what it holds for up to `LINGER_MS`."""
+        within the timeout (no connection), or whose peer fails ZMQ's handshake (no ZMQ receiver: at once, not
+        retried until the timeout), is closed, a 502. A socket opened for this message alone is closed after it,
+        sending what it holds for up to `LINGER_MS`."""
         sock = self._socket(target, keep)
         self.busy[sock] += 1
+        send = asyncio.ensure_future(sock.send_multipart(frames, copy=False))
         try:
-            await asyncio.wait_for(sock.send_multipart(frames, copy=False), self.timeout)
-        except (asyncio.TimeoutError, self.zmq.ZMQError) as e:
-            if self.sockets.get(target) is sock:
-                del self.sockets[target]
-            self._close(sock, 0)
-            why = f"no connection within {self.timeout:g} s" if isinstance(e, asyncio.TimeoutError) else str(e)
-            raise ServiceError(502, f"embedding delivery to {target} failed: {why}", "delivery_failed") from None
+            failed = self.watches[sock][1]
+            await asyncio.wait((send, failed), timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not send.done():
+                send.cancel()
+                if failed.done():
+                    raise self._broken(target, sock, "delivery_failures", "no ZMQ there (a failed handshake)")
+                raise self._broken(target, sock, "delivery_timeouts", f"no connection within {self.timeout:g} s")
+            try:
+                send.result()
+            except self.zmq.ZMQError as e:
+                raise self._broken(target, sock, "delivery_failures", str(e)) from None
+            self.counts["deliveries"] += 1
+        except BaseException:
+            send.cancel()
+            raise
         finally:
             if sock in self.busy:
                 self.busy[sock] -= 1
                 if not keep:
                     self._close(sock, LINGER_MS)
 
+    def _broken(self, target: str, sock, count: str, why: str) -> ServiceError:
+        """A delivery that failed: counted under `count`, its socket closed (a kept one forgotten); the 502."""
+        self.counts[count] += 1
+        if self.sockets.get(target) is sock:
+            del self.sockets[target]
+        self._close(sock, 0)
+        return ServiceError(502, f"embedding delivery to {target} failed: {why}", "delivery_failed")
+
     async def close(self) -> None:
         """Close every socket (what they still hold is sent for up to `LINGER_MS`), then the context."""
         for sock in list(self.busy):
             self._close(sock, LINGER_MS)
         self.sockets.clear()
+        await asyncio.sleep(0)  # the monitors' reads see their cancellation
         await asyncio.to_thread(self.context.term)

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
+from pydantic import ConfigDict, ValidationError
 
 from ..encoder.preprocess import Base64Data, InvalidBase64, decode_base64
 from ..encoder.vision_encoder import DTYPES
 from .ec_storage import ECStorage, check_identifier
-from .errors import ServiceError
-from .schemas import ChatMediaURL, ChatRequest
+from .errors import ServiceError, clip
+from .schemas import MAX_PIXELS, ChatMediaURL, ChatRequest, VideoOptions
 from .vllm_hash import digest_shaped, hash_factors, mm_hash
 
 log = logging.getLogger("vitserve.ec")
@@ -49,17 +50,12 @@ class Item:
     param: str
 
 
-@dataclass
-class Options:
-    """A chat request's processing options (from its mm_processor_kwargs), as /v1/encode's body carries them."""
+class Options(VideoOptions):
+    """A chat request's processing options (from its mm_processor_kwargs), validated as /v1/encode's body fields
+    of the same names are."""
 
-    max_pixels: int | None = None
-    fps: float | None = None
-    num_frames: int | None = None
-    max_frames: int | None = None
-
-    def video_options(self) -> dict:
-        return {"fps": self.fps, "num_frames": self.num_frames, "max_frames": self.max_frames}
+    model_config = ConfigDict(extra="forbid")
+    max_pixels: int | None = MAX_PIXELS
 
 
 def chat_items(body: ChatRequest) -> list[Item]:
@@ -72,7 +68,7 @@ def chat_items(body: ChatRequest) -> list[Item]:
             if part.type == "text":
                 continue
             if part.type not in MEDIA_PARTS:
-                raise ServiceError(400, f"{param}: a {part.type!r} part; this encoder takes image_url and video_url",
+                raise ServiceError(400, f"{param}: a {clip(part.type)!r} part; this encoder takes image_url and video_url",
                                    "unsupported_content", param)
             media = getattr(part, part.type)
             url = media.url if isinstance(media, ChatMediaURL) else media
@@ -85,24 +81,36 @@ def chat_items(body: ChatRequest) -> list[Item]:
 
 
 def chat_options(body: ChatRequest) -> Options:
-    """The request's mm_processor_kwargs as this server's options; one it cannot apply, or media_io_kwargs (how
-    vLLM would load the media), is a 400: the features would not be the ones the consumer's identifier promises."""
+    """The request's mm_processor_kwargs as this server's options (top level, or in `images_kwargs` /
+    `videos_kwargs`), validated as /v1/encode validates them; one it cannot apply, or media_io_kwargs (how vLLM would
+    load the media), is a 400: the features would not be the ones the consumer's identifier promises."""
     if body.media_io_kwargs:
         raise ServiceError(400, "media_io_kwargs is not supported: this server loads media with its own settings",
                            "unsupported_media_io_kwargs", "media_io_kwargs")
-    kwargs = dict(body.mm_processor_kwargs or {})
+    kwargs, where = {}, {}
+    for key, value in (body.mm_processor_kwargs or {}).items():
+        if key not in ("images_kwargs", "videos_kwargs"):
+            kwargs[key], where[key] = value, f"mm_processor_kwargs.{clip(key)}"
     for scoped in ("images_kwargs", "videos_kwargs"):
-        kwargs |= kwargs.pop(scoped, None) or {}
+        given = (body.mm_processor_kwargs or {}).get(scoped)
+        if given is not None and not isinstance(given, dict):
+            raise ServiceError(400, f"mm_processor_kwargs.{scoped} must be an object", "invalid_mm_processor_kwargs",
+                               f"mm_processor_kwargs.{scoped}")
+        for key, value in (given or {}).items():
+            kwargs[key], where[key] = value, f"mm_processor_kwargs.{scoped}.{clip(key)}"
     unknown = sorted(set(kwargs) - PROCESSOR_OPTIONS)
     if unknown:
-        raise ServiceError(400, f"mm_processor_kwargs {', '.join(unknown)} not supported (this server applies "
+        listed = ", ".join(repr(clip(key)) for key in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise ServiceError(400, f"mm_processor_kwargs {listed} not supported (this server applies "
                                 f"{', '.join(sorted(PROCESSOR_OPTIONS))})", "unsupported_mm_processor_kwargs",
-                           "mm_processor_kwargs")
+                           where[unknown[0]])
     try:
-        return Options(**{k: v for k, v in kwargs.items() if v is not None})
-    except TypeError as e:
-        raise ServiceError(400, f"mm_processor_kwargs: {e}", "invalid_mm_processor_kwargs",
-                           "mm_processor_kwargs") from None
+        return Options.model_validate({k: v for k, v in kwargs.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False)[0]
+        field = first["loc"][0] if first["loc"] else None
+        param = where.get(field, "mm_processor_kwargs")
+        raise ServiceError(400, f"{param}: {first['msg']}", "invalid_mm_processor_kwargs", param) from None
 
 
 class VLLMTier:
@@ -115,10 +123,15 @@ class VLLMTier:
         self.model_id = settings.ec_model_id or settings.model
         self.algorithm = settings.ec_hash_algorithm
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="vitserve-ec-io")
+        self.write_failures = 0
         mm_hash("image", self.model_id, self.algorithm, uuid="x", mm_processor_kwargs={"x": 1})  # the digest loads
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict:
+        """The tier's figures for /stats and /metrics: its storage's, and the writes that failed."""
+        return self.storage.stats() | {"write_failures": self.write_failures}
 
     def _identifier(self, item: Item, kwargs: dict | None) -> str:
         """Runs in the pool: an item's identifier (its base64 decoded and hashed where it has no uuid)."""
@@ -181,6 +194,7 @@ class VLLMTier:
             raise ServiceError(409, f"the encoder cache holds another item under that identifier: {e}",
                                "ec_id_taken") from None
         except (OSError, ValueError) as e:
+            self.write_failures += 1
             raise ServiceError(507, f"the encoder cache could not be written: {e}", "ec_write_failed") from None
 
     @staticmethod

@@ -150,7 +150,8 @@ def test_sglangs_receiver_takes_what_vitserve_pushed(tmp_path, model, model_type
     address = f"127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
     messages = []
     try:
-        for _, url in serving("--model", model, "--load-format", "dummy", "--sglang-encoder"):
+        for _, url in serving("--model", model, "--load-format", "dummy", "--sglang-encoder",
+                              "--sglang-receivers", "127.0.0.1"):
             expected = reference(url, images=[image], videos=[video])
             for k, (modality, item) in enumerate((("IMAGE", image), ("VIDEO", video))):
                 req_id = f"rid_local_part_{k}"

@@ -22,7 +22,8 @@ from helpers import IMAGES, client_for, data_uri, png, serving
 
 from vitserve.service.engine import Encoded
 from vitserve.service.errors import ServiceError
-from vitserve.service.sglang_tier import EncodeCall, Pairing, Registration, embedding_frame, message
+from vitserve.service.sglang_tier import (EncodeCall, Pairing, ReceiverNetworks, Registration, embedding_frame,
+                                          endpoint, message, receiver_address)
 
 zmq = pytest.importorskip("zmq")
 
@@ -144,19 +145,25 @@ def registration(req_id="r_local_part_0", count=1, url="127.0.0.1:5000") -> Regi
     return Registration(req_id=req_id, receive_count=count, receive_url=url)
 
 
+def add(pairing: Pairing, body: Registration) -> None:
+    """`pairing.register` as the tier calls it: the receiver's endpoint and host from its `receive_url`."""
+    host, port = receiver_address(body.receive_url)
+    pairing.register(body, endpoint(host, port), host)
+
+
 def test_registrations_pair_with_their_part_in_either_order():
     async def main():
         pairing = Pairing(timeout=5)
-        pairing.register(registration("early", 2, "10.0.0.1:1"))
+        add(pairing, registration("early", 2, "10.0.0.1:1"))
         entry = pairing.hold("early")
         waiting = asyncio.ensure_future(pairing.receivers("early", entry))
         await asyncio.sleep(0.01)
         assert not waiting.done()
-        pairing.register(registration("early", 2, "[::1]:2"))
+        add(pairing, registration("early", 2, "[::1]:2"))
         assert await waiting == ["tcp://10.0.0.1:1", "tcp://[::1]:2"]
         pairing.release("early", entry)
         late = pairing.hold("late")
-        pairing.register(registration("late", 1, "host-a:3"))
+        add(pairing, registration("late", 1, "host-a:3"))
         assert await pairing.receivers("late", late) == ["tcp://host-a:3"]
         assert pairing.entries.keys() == {"late"}
 
@@ -165,14 +172,14 @@ def test_registrations_pair_with_their_part_in_either_order():
 
 def test_pairing_refuses_what_cannot_be_one_parts_receivers():
     pairing = Pairing(timeout=5)
-    pairing.register(registration("a", 1, "10.0.0.1:1"))
+    add(pairing, registration("a", 1, "10.0.0.1:1"))
     for bad, code in ((registration("a", 2, "10.0.0.1:1"), "inconsistent_receive_count"),
                       (registration("a", 1, "10.0.0.2:1"), "too_many_receivers"),
                       (registration("b", 1, "10.0.0.1"), "invalid_receive_url"),
                       (registration("b", 1, "::1:80"), "invalid_receive_url"),
                       (registration("b", 1, "10.0.0.1:70000"), "invalid_receive_url")):
         with pytest.raises(ServiceError) as e:
-            pairing.register(bad)
+            add(pairing, bad)
         assert e.value.status == 400 and e.value.code == code
     pairing.hold("c")
     with pytest.raises(ServiceError) as e:
@@ -181,18 +188,30 @@ def test_pairing_refuses_what_cannot_be_one_parts_receivers():
 
 
 def test_what_never_pairs_is_bounded_and_expires():
-    """A registration whose part never comes is dropped after the timeout; a part whose receivers never register
-    waits that long, then is a 504; beyond `max_pending` entries, a 503."""
+    """A registration whose part never comes is dropped after the timeout; beyond `max_pending` such parts, or
+    `max_per_host` for receivers on one host, a 429. Invented registrations never keep an /encode from its part (a
+    held part is bounded by admission), and a part whose receivers never register waits the timeout, then is a 504."""
     now = [1000.0]
-    pairing = Pairing(timeout=10, max_pending=2, clock=lambda: now[0])
-    pairing.register(registration("orphan"))
-    pairing.hold("held")
+    pairing = Pairing(timeout=10, max_pending=3, max_per_host=2, clock=lambda: now[0])
+    add(pairing, registration("orphan", url="10.0.0.1:1"))
+    add(pairing, registration("orphan2", url="10.0.0.1:2"))
     with pytest.raises(ServiceError) as e:
-        pairing.register(registration("third"))
-    assert e.value.status == 503 and e.value.code == "too_many_pending"
+        add(pairing, registration("third", url="10.0.0.1:3"))  # a third for one host
+    assert e.value.status == 429 and e.value.code == "too_many_pending"
+    add(pairing, registration("other", url="10.0.0.2:1"))
+    with pytest.raises(ServiceError) as e:
+        add(pairing, registration("fourth", url="10.0.0.3:1"))  # a fourth in all
+    assert e.value.status == 429 and e.value.code == "too_many_pending"
+    for k in range(5):  # the legitimate parts are served whatever waits
+        pairing.hold(f"held{k}")
+    add(pairing, registration("held0", url="10.0.0.3:1"))  # and their receivers register
+    assert pairing.held == 5 and sum(pairing.unheld.values()) == 3
+    pairing.hold("orphan")  # an /encode takes a waiting part: it no longer counts against the bounds
+    add(pairing, registration("fifth", url="10.0.0.3:1"))
     now[0] += 11
-    pairing.register(registration("third"))
-    assert pairing.entries.keys() == {"held", "third"}  # the orphan expired; a held part stays while held
+    add(pairing, registration("sixth", url="10.0.0.1:3"))
+    assert pairing.entries.keys() == {"orphan", "sixth", *(f"held{k}" for k in range(5))}  # the rest expired
+    assert dict(pairing.unheld) == {"10.0.0.1": 1}
 
     async def main():
         short = Pairing(timeout=0.05)
@@ -233,11 +252,83 @@ def test_a_receiver_that_cannot_be_reached_is_a_502_and_leaves_no_socket():
     asyncio.run(main())
 
 
+def test_features_go_only_to_the_allowed_networks():
+    """By default any address but this host's, link-local (cloud metadata) and multicast ones, a name checked by
+    every address it resolves to; with --sglang-receivers, only the listed networks. What is no host at all is a
+    400, a refused one a 403."""
+
+    async def check(networks: ReceiverNetworks, host: str):
+        try:
+            return await networks.resolve(host, "prefill_host")
+        except ServiceError as e:
+            assert e.param == "prefill_host"
+            return e.status, e.code
+
+    async def main():
+        default, listed = ReceiverNetworks(), ReceiverNetworks("127.0.0.0/8, fd00::/8,192.0.2.7")
+        refused = (403, "receiver_not_allowed")
+        for host in ("127.0.0.1", "127.9.9.9", "localhost", "0.0.0.0", "169.254.169.254", "::1", "::ffff:127.0.0.1",
+                     "fe80::1", "fd00:ec2::254", "100.100.100.200", "224.0.0.1"):
+            assert await check(default, host) == refused, host
+        assert await check(default, "10.0.0.5") == "10.0.0.5"
+        assert await check(default, "fd00::5") == "fd00::5"
+        assert await check(listed, "127.0.0.1") == "127.0.0.1" and await check(listed, "localhost") == "127.0.0.1"
+        assert await check(listed, "192.0.2.7") == "192.0.2.7"
+        assert await check(listed, "10.0.0.5") == refused and await check(listed, "192.0.2.8") == refused
+        for bad in ("bad host", "*", "", "a" * 300, "-x", "host:1"):
+            assert await check(default, bad) == (400, "invalid_receiver"), bad
+
+    asyncio.run(main())
+
+
+def test_deliveries_are_bounded_and_a_bad_address_leaves_no_socket(monkeypatch):
+    """At most MAX_OPEN_SOCKETS sockets at once (a 429 beyond, the idle kept ones closed first); an address ZMQ
+    cannot connect to is a 400 and leaves no socket open."""
+    from vitserve.service import sglang_tier
+
+    monkeypatch.setattr(sglang_tier, "MAX_OPEN_SOCKETS", 2)
+
+    async def main():
+        tier = sglang_tier.SGLangTier("float32", timeout=30)
+        try:
+            with pytest.raises(ServiceError) as e:
+                await tier._push("tcp://bad host:1", [b"meta"], keep=False)
+            assert e.value.status == 400 and e.value.code == "invalid_receiver" and not tier.busy
+            waiting = [asyncio.ensure_future(tier._push(f"tcp://192.0.2.1:{port}", [b"meta"], keep=False))
+                       for port in (1, 2)]
+            await asyncio.sleep(0.05)
+            assert len(tier.busy) == 2
+            with pytest.raises(ServiceError) as e:
+                await tier._push("tcp://192.0.2.1:3", [b"meta"], keep=False)
+            assert e.value.status == 429 and e.value.code == "too_many_deliveries" and len(tier.busy) == 2
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+            assert not tier.busy
+        finally:
+            await tier.close()
+
+    asyncio.run(main())
+
+
 def test_the_endpoints_need_the_flag(encoders):
     with client_for(encoders["tiny-qwen3-vl"]) as c:
         for path in ("/encode", "/scheduler_receive_url"):
             r = c.post(path, json={})
             assert r.status_code == 404 and r.json()["error"]["code"] == "encoder_tier_off"
+
+
+def test_by_default_nothing_goes_to_this_host_or_metadata_addresses(encoders):
+    """Without --sglang-receivers, a receiver on loopback or a metadata address is refused (403) before anything
+    is encoded or connected."""
+    with client_for(encoders["tiny-qwen3-vl"], sglang_encoder=True) as c:
+        for address in ("127.0.0.1:5000", "localhost:5000", "169.254.169.254:80", "[::1]:5000"):
+            r = c.post("/scheduler_receive_url", json={"req_id": "r", "receive_count": 1, "receive_url": address})
+            assert r.status_code == 403 and "--sglang-receivers" in r.json()["message"], r.text
+        for host in ("127.0.0.1", "169.254.169.254", "::1"):
+            r = c.post("/encode", json=encode_body("p_local_part_0", [data_uri(IMAGES[0])], embedding_port=5000)
+                       | {"prefill_host": host})
+            assert r.status_code == 403 and r.json()["status"] == "error", r.text
 
 
 # --- a real server and a real socket -------------------------------------------------------------------------------
@@ -246,13 +337,14 @@ def test_the_endpoints_need_the_flag(encoders):
 @pytest.fixture(scope="module")
 def qwen3():
     for _, url in serving("--model", "tiny-qwen3-vl", "--load-format", "dummy", "--sglang-encoder",
-                          "--sglang-timeout", "3"):
+                          "--sglang-timeout", "3", "--sglang-receivers", "127.0.0.0/8"):
         yield url
 
 
 @pytest.fixture(scope="module")
 def qwen25():
-    for _, url in serving("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--sglang-encoder"):
+    for _, url in serving("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--sglang-encoder",
+                          "--sglang-receivers", "127.0.0.1"):
         yield url
 
 
@@ -426,3 +518,87 @@ def test_errors_are_sglangs_json_and_push_nothing(qwen3, receivers):
     r = post_encode(qwen3, encode_body("lonely_local_part_0", [data_uri(IMAGES[0])]))
     assert r.status_code == 504 and r.json()["status"] == "error" and 3 <= time.monotonic() - start < 20
     assert receive(sock, timeout=0.5) is None
+
+
+@pytest.mark.slow
+def test_the_tier_pushes_only_where_its_fences_allow(qwen3, receivers):
+    """A registration names its own address (a receiver registering another is a 403, and the part's features
+    never reach it); a host outside --sglang-receivers is a 403; what is no host is a 400, not a 500; a req_id or
+    prefill_host over its length is a 400 that does not echo it, even past the JSON reader's 4 KB."""
+    sock, address = receivers()
+    port = int(address.rsplit(":", 1)[1])
+    r = register(qwen3, "fence_local_part_0", f"127.0.0.2:{port}")  # it comes from 127.0.0.1
+    assert r.status_code == 403 and r.json()["status"] == "error" and "registers itself" in r.json()["message"]
+    r = register(qwen3, "fence_local_part_0", "169.254.169.254:80")
+    assert r.status_code == 403 and "--sglang-receivers" in r.json()["message"]
+    item = data_uri(IMAGES[0])
+    for host, status in (("bad host", 400), ("*", 400), ("10.1.2.3", 403), ("169.254.169.254", 403)):
+        r = post_encode(qwen3, encode_body("fence_local_part_1", [item], embedding_port=port) | {"prefill_host": host})
+        assert r.status_code == status and r.json()["status"] == "error", (host, r.text)
+    for field in ("req_id", "prefill_host"):
+        body = encode_body("fence_local_part_2", [item], embedding_port=port) | {field: "x" * 5000}
+        r = post_encode(qwen3, body)
+        assert r.status_code == 400 and field in r.json()["message"] and len(r.text) < 1000, r.text
+    r = register(qwen3, "y" * 5000, address)
+    assert r.status_code == 400 and "req_id" in r.json()["message"] and len(r.text) < 1000, r.text
+    assert receive(sock, timeout=0.3) is None
+
+
+def test_a_port_that_speaks_no_zmq_fails_at_once_and_kept_sockets_expire(monkeypatch):
+    """A plain TCP listener (here one that answers like an HTTP server) fails ZMQ's handshake: the delivery is a
+    502 at once, not retried until the timeout; a kept socket unused for KEPT_IDLE seconds is closed."""
+    import socket as sockets
+    import threading
+
+    from vitserve.service import sglang_tier
+
+    listener = sockets.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def answer():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+
+    async def main():
+        tier = sglang_tier.SGLangTier("float32", timeout=60)
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            for keep in (True, False):
+                start = time.monotonic()
+                with pytest.raises(ServiceError) as e:
+                    await tier._push(f"tcp://127.0.0.1:{listener.getsockname()[1]}", [b"meta"], keep=keep)
+                assert e.value.status == 502 and "handshake" in e.value.message and time.monotonic() - start < 10
+                assert not tier.busy and not tier.sockets
+            assert tier.stats()["delivery_failures"] == 2
+            await tier._push(f"tcp://127.0.0.1:{port}", [b"meta"], keep=True)
+            assert pull.poll(5000) and pull.recv_multipart() == [b"meta"] and len(tier.sockets) == 1
+            monkeypatch.setattr(sglang_tier, "KEPT_IDLE", 0.0)
+            with pytest.raises(ServiceError):  # any socket opened sweeps the idle kept ones
+                await tier._push("tcp://bad host:1", [b"meta"], keep=False)
+            assert not tier.sockets and not tier.busy and tier.stats()["deliveries"] == 1
+        finally:
+            listener.close()
+            pull.close(linger=0)
+            await tier.close()
+            context.term()
+
+    asyncio.run(main())
+
+
+def test_sglang_receivers_takes_networks_and_addresses():
+    from vitserve.service.settings import Settings
+
+    assert Settings(model="tiny-qwen3-vl", sglang_receivers="10.0.0.0/8, fd00::/8,192.0.2.7").sglang_receivers
+    for bad in ("10.0.0.0/33", "localhost", "10.0.0.0/8,,", "*"):
+        with pytest.raises(ValueError, match="--sglang-receivers"):
+            Settings(model="tiny-qwen3-vl", sglang_receivers=bad)

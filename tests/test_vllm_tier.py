@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from corpus import encode, photo
-from helpers import b64_bf16, data_uri, serving, wait_until
+from helpers import IMAGES, b64_bf16, client_for, data_uri, serving, wait_until
 from safetensors.torch import load, load_file
 
 from vitserve.service import ec_storage
@@ -257,6 +257,32 @@ def test_a_uuid_never_names_another_items_file(tmp_path):
         tier.close()
 
 
+def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
+    """What /stats and /metrics report of the encoder cache: bytes, files, writes, evictions, and the writes that
+    failed (an item too large for --ec-storage-bytes: a 507)."""
+    import asyncio
+
+    from vitserve.service.errors import ServiceError
+    from vitserve.service.settings import Settings
+    from vitserve.service.vllm_tier import VLLMTier
+
+    tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path), ec_storage_bytes=2000), "float32")
+    try:
+        tokens, deepstack = item(rows=6)  # a file of some 850 bytes: two fit
+        for name in ("a", "b", "c"):
+            asyncio.run(tier.write([name], [(tokens, deepstack)]))
+        stats = tier.stats()
+        size = (tmp_path / "c" / ec_storage.FILE_NAME).stat().st_size
+        assert 2000 // size == 2
+        assert stats == {"limit_bytes": 2000, "bytes": 2 * size, "files": 2, "writes": 3, "evictions": 1,
+                         "write_failures": 0}
+        with pytest.raises(ServiceError) as e:
+            asyncio.run(tier.write(["big"], [item(rows=100)]))
+        assert e.value.status == 507 and tier.stats()["write_failures"] == 1
+    finally:
+        tier.close()
+
+
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ec")
@@ -355,7 +381,7 @@ def test_the_proxys_chat_request_is_answered_with_ec_transfer_params(tier):
              {"type": "text", "text": "what happens?"},
              {"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4")}, "uuid": "vid"},
              {"type": "image_url", "image_url": {"url": data_uri(image, "image/png")}, "uuid": "img"}]
-    body = {"model": "Qwen/Qwen3-VL-8B-Instruct", "messages": [{"role": "user", "content": parts}], "stream": False}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": parts}], "stream": False}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     params = r.json()["ec_transfer_params"]
@@ -384,3 +410,59 @@ def test_the_chat_endpoint_needs_the_encoder_tier():
     for _, url in serving("--model", MODEL, "--load-format", "dummy"):
         r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 404 and r.json()["error"]["code"] == "encoder_tier_off"
+
+
+def chat_body(kwargs=None, part_type="image_url", model=MODEL) -> dict:
+    part = {"type": part_type, "image_url": {"url": data_uri(IMAGES[0])}, "uuid": "x"}
+    return {"model": model, "messages": [{"role": "user", "content": [part]}]} | (
+        {"mm_processor_kwargs": kwargs} if kwargs is not None else {})
+
+
+@pytest.fixture(scope="module")
+def chat_client(encoders, tmp_path_factory):
+    with client_for(encoders[MODEL], ec_shared_storage=str(tmp_path_factory.mktemp("ec"))) as c:
+        yield c
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"max_pixels": "many"}, "mm_processor_kwargs.max_pixels"),
+    ({"max_pixels": [1]}, "mm_processor_kwargs.max_pixels"),
+    ({"max_pixels": {"a": 1}}, "mm_processor_kwargs.max_pixels"),
+    ({"images_kwargs": [1]}, "mm_processor_kwargs.images_kwargs"),
+    ({"images_kwargs": "max_pixels"}, "mm_processor_kwargs.images_kwargs"),
+    ({"videos_kwargs": {"fps": 0}}, "mm_processor_kwargs.videos_kwargs.fps"),
+    ({"fps": -1}, "mm_processor_kwargs.fps"),
+    ({"fps": "x"}, "mm_processor_kwargs.fps"),
+    ({"num_frames": -2}, "mm_processor_kwargs.num_frames"),
+    ({"num_frames": "four"}, "mm_processor_kwargs.num_frames"),
+    ({"max_frames": -1}, "mm_processor_kwargs.max_frames"),
+    ({"max_frames": 0.5}, "mm_processor_kwargs.max_frames"),
+    ({"fps": 2, "videos_kwargs": {"num_frames": 4}}, "mm_processor_kwargs")])
+def test_mm_processor_kwargs_are_validated_as_the_native_fields(chat_client, kwargs, param):
+    """What /v1/encode refuses of these options is a 400 naming the option here too, never a 500."""
+    r = chat_client.post("/v1/chat/completions", json=chat_body(kwargs))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_mm_processor_kwargs" and r.json()["error"]["param"] == param
+
+
+def test_mm_processor_kwargs_become_the_native_options():
+    from vitserve.service.schemas import ChatRequest
+    from vitserve.service.vllm_tier import chat_options
+
+    options = chat_options(ChatRequest.model_validate(chat_body({"max_pixels": 50176, "videos_kwargs": {
+        "num_frames": "4", "max_frames": 8}})))
+    assert (options.max_pixels, options.num_frames, options.max_frames, options.fps) == (50176, 4, 8, None)
+
+
+def test_a_chat_request_echoes_no_long_value(chat_client):
+    """A long part type, mm_processor_kwargs key or model comes back clipped (well past the JSON reader's 4 KB);
+    a model that is not the served one is a 404."""
+    long = "z" * 100_000
+    for body, status, code in ((chat_body(part_type=long), 400, "unsupported_content"),
+                               (chat_body({long: 1}), 400, "unsupported_mm_processor_kwargs"),
+                               (chat_body({"images_kwargs": {long: 1}}), 400, "unsupported_mm_processor_kwargs"),
+                               (chat_body(model=long), 404, "model_not_found"),
+                               (chat_body(model="another-model"), 404, "model_not_found")):
+        r = chat_client.post("/v1/chat/completions", json=body)
+        assert r.status_code == status and r.json()["error"]["code"] == code, r.text[:500]
+        assert len(r.content) < 1000, r.text[:500]
