@@ -69,19 +69,38 @@ class VideoTooLong(VideoTooLarge):
     code = "video_too_long"
 
 
+class VideoTooCostly(VideoTooLarge):
+    """A video whose decode work (`decode_work`) is over its limit."""
+
+    code = "decode_work"
+
+
 # codecs whose decoders are maintained FFmpeg ones, common in uploads; others are refused before decoding
 CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mpeg1video", "mjpeg", "theora", "prores")
+
+
+# a sampled frame's conversion to RGB and resize costs about this many decodes of it (H.264, VP9 and MPEG-4 at 720p
+# and an empty 2048x2048 H.264, on the CPU: 6-10)
+CONVERT_COST = 8
+
+
+def decode_work(width: int, height: int, decoded: int, kept: int) -> int:
+    """The work of decoding a video, in source pixels: `decoded` frames of width x height decoded (every frame up to
+    the last one sampled: decoding cannot skip), `kept` of them also converted and resized (CONVERT_COST times a
+    decode). About 0.5-1 G of it a second for a video's decode on one CPU core pair."""
+    return width * height * (decoded + CONVERT_COST * kept)
 
 
 @dataclass(frozen=True)
 class VideoLimits:
     """What a video may cost, checked from its header before its frames are decoded (and as they are):
     `max_seconds` of declared duration, `max_frame_pixels` per source frame, `max_bytes` of resized frames kept,
-    `codecs` allowed."""
+    `max_work` of decode work (`decode_work`; None: no limit), `codecs` allowed."""
 
     max_seconds: float = 3600.0
     max_frame_pixels: int = 8192 * 8192
     max_bytes: int = 4 * 2**30
+    max_work: int | None = None
     codecs: tuple[str, ...] = CODECS
 
     def check(self, info: VideoInfo) -> None:
@@ -439,10 +458,12 @@ def _video_stream(container):
     return container.streams.video[0]
 
 
-def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads: int = 0) -> Iterator[np.ndarray]:
+def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads: int = 0,
+                  max_work: int | None = None) -> Iterator[np.ndarray]:
     """The frames at `indices` (ascending; a repeated index gives its frame once, as transformers' reader does),
     each converted to RGB and resized to `size` as it is decoded; `threads`: FFmpeg's decoding threads (0: one per
-    core)."""
+    core). `max_work`: the decode work (`decode_work`, counted on the frames as they come) past which the video is
+    refused (VideoTooCostly) before another frame is converted: frames larger than the header said stop there."""
     av = _av()
     wanted = set(int(i) for i in indices)
     last = max(wanted)
@@ -450,10 +471,15 @@ def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads
     stream.thread_type = "AUTO"
     stream.codec_context.thread_count = threads
     height, width = size
+    work = 0
     try:
         for i, frame in enumerate(container.decode(stream)):
             if i > last:
                 return
+            work += decode_work(frame.width, frame.height, 1, i in wanted)
+            if max_work is not None and work > max_work:
+                raise VideoTooCostly(f"decoding the video takes more than its header declares (a frame of "
+                                     f"{frame.width}x{frame.height} at frame {i})")
             if i in wanted:
                 rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
                 yield resize(rgb, height, width).permute(1, 2, 0).numpy()
@@ -467,9 +493,19 @@ def _most_pixels(limits: VideoLimits) -> int:
     return 2 * limits.max_frame_pixels + 256 * 256
 
 
-def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, np.ndarray, tuple[int, int], int]:
+@dataclass(frozen=True)
+class VideoCost:
+    """What decoding a video takes, read from its header: `memory` in bytes (its resized sampled frames and one
+    decoded frame) and `work` (`decode_work`)."""
+
+    memory: int
+    work: int
+
+
+def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, np.ndarray, tuple[int, int],
+                                                                     VideoCost]:
     """From the header, before any frame is kept: the video's info (its limits checked), the frames to keep, their
-    size, and the bytes decoding it takes (the kept frames resized, and one decoded frame)."""
+    size, and what decoding it takes (its limits checked)."""
     info = probe(container, limits)
     limits.check(info)
     indices = sample_indices(info, cfg)
@@ -478,12 +514,17 @@ def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, 
     if len(kept) * height * width * 3 > limits.max_bytes:
         raise VideoTooLarge(f"{len(kept)} frames of {width}x{height} take {len(kept) * height * width * 3 >> 20} "
                             f"MiB; the limit is {limits.max_bytes >> 20} MiB (sample fewer or smaller frames)")
-    return info, kept, (height, width), (len(kept) * height * width + info.height * info.width) * 3
+    work = decode_work(info.width, info.height, int(kept[-1]) + 1, len(kept))
+    if limits.max_work is not None and work > limits.max_work:
+        raise VideoTooCostly(f"decoding {int(kept[-1]) + 1} frames of {info.width}x{info.height} and converting "
+                             f"{len(kept)} of them is {work / 1e9:.1f} G pixels of work; the limit is "
+                             f"{limits.max_work / 1e9:.1f} G (send a shorter or smaller video)")
+    return info, kept, (height, width), VideoCost((len(kept) * height * width + info.height * info.width) * 3, work)
 
 
-def video_bytes(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> int:
-    """The memory decoding this video takes (`load_video`'s frames and one decoded frame), read from its header
-    with the same checks `load_video` makes first: what a server reserves before it decodes the video."""
+def video_cost(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> VideoCost:
+    """What decoding this video takes (`load_video`'s frames and one decoded frame; its decode work), read from its
+    header with the same checks `load_video` makes first: what a server reserves before it decodes the video."""
     container = _open(source, _most_pixels(limits))
     try:
         return _plan(container, cfg, limits)[3]
@@ -497,11 +538,12 @@ def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
     side gives each a few)."""
     container = _open(source, _most_pixels(limits), cfg.decoder)
     try:
-        info, kept, (height, width), _ = _plan(container, cfg, limits)
+        info, kept, (height, width), cost = _plan(container, cfg, limits)
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
         n = 0
-        for n, frame in enumerate(decode_frames(container, kept, (height, width), threads), 1):
+        # a header that understates the work by over twice (frames larger than it says) is refused as it decodes
+        for n, frame in enumerate(decode_frames(container, kept, (height, width), threads, 2 * cost.work), 1):
             frames[n - 1] = frame
         if n < len(kept):
             raise VideoError(f"the video declares {info.total_frames} frames but ends before frame {int(kept[n])}")

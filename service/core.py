@@ -393,6 +393,8 @@ def front_settings(settings: Settings, fronts: int) -> Settings:
         max_concurrent_requests=share(settings.max_concurrent_requests),
         max_connections=share(settings.max_connections), body_memory=share(settings.body_memory),
         decode_memory=share(settings.decode_memory), url_fetch_memory=share(settings.url_fetch_memory),
+        video_decode_work=share(settings.video_decode_work),
+        video_decode_workers=settings.video_decode_workers and max(1, settings.video_decode_workers // fronts),
         ec_storage_bytes=share(settings.ec_storage_bytes))
 
 

@@ -95,12 +95,12 @@ def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: Preproc
     return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
 
 
-def measure_video(data, is_base64: bool, cfg, limits) -> int:
-    """Runs in a worker: the memory decoding a video takes, from its header (encoder.video.video_bytes: its limits
-    checked first)."""
-    from ..encoder.video import video_bytes
+def measure_video(data, is_base64: bool, cfg, limits):
+    """Runs in a worker: what decoding a video takes (a VideoCost: memory and decode work), from its header
+    (encoder.video.video_cost: its limits checked first)."""
+    from ..encoder.video import video_cost
 
-    return video_bytes(image_bytes(data, is_base64), cfg, limits)
+    return video_cost(image_bytes(data, is_base64), cfg, limits)
 
 
 VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)

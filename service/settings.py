@@ -103,9 +103,21 @@ class Settings:
                                          "video engines where they open, software elsewhere (frames within about a "
                                          "level of the software ones: docs/video.md)", "decoding", encode=True,
                                   choices=("cpu", "nvdec"))
-    video_decode_timeout: float = _setting(300.0, "seconds a decode worker may spend on one video (beyond, the "
-                                                  "worker is replaced and the video refused: 413 decode_timeout)",
-                                           "decoding", metavar="SECONDS")
+    video_decode_timeout: float = _setting(180.0, "seconds a decode worker may spend on one video (beyond, the "
+                                                  "worker is replaced and the video refused: 413 decode_timeout); "
+                                                  "the default fits --video-decode-work-per-request at 130 M a "
+                                                  "second, several times below a CPU's pace", "decoding",
+                                           metavar="SECONDS")
+    video_decode_work_per_request: int = _setting(24 * 10**9, "decode work one request's videos may take, read from "
+                                                              "their headers: source pixels decoded (every frame up "
+                                                              "to the last sampled one) plus 8x those of each "
+                                                              "sampled frame (413 decode_work beyond)", "limits",
+                                                  metavar="PIXELS")
+    video_decode_work: int = _setting(48 * 10**9, "decode work the videos being decoded may take on the whole "
+                                                  "server (as --video-decode-work-per-request counts it): videos "
+                                                  "beyond it wait their turn", "limits", metavar="PIXELS")
+    video_decode_workers: int = _setting(0, "decode workers that may decode videos at once; the others stay for "
+                                            "images (0: half of --decode-workers, at least 1)", "decoding")
     min_pixels: int | None = _setting(None, "override the resize minimum (pixels)", "decoding", encode=True)
     max_pixels: int | None = _setting(None, "override the resize maximum (pixels)", "decoding", encode=True)
     decode_workers: int = _setting(0, "decode + resize workers (0: one per CPU this process may use: its affinity "
@@ -223,6 +235,9 @@ class Settings:
                    and self.video_decode_timeout > 0 and (self.video_fps is None or self.video_fps > 0),
                    "--max-videos-per-request must be >= 0; --max-video-frames, --max-video-seconds, "
                    "--video-decode-timeout and --video-fps positive"),
+                  (min(self.video_decode_work_per_request, self.video_decode_work) > 0,
+                   "--video-decode-work-per-request and --video-decode-work must be positive"),
+                  (self.video_decode_workers >= 0, "--video-decode-workers must be >= 0"),
                   (all(p is None or p > 0 for p in (self.min_pixels, self.max_pixels)),
                    "--min-pixels and --max-pixels must be positive"),
                   (None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels,

@@ -200,13 +200,14 @@ def test_videos_on_cuda_graphs_match_transformers_tower(checkpoints, family):
 
 
 def test_the_memory_a_video_takes_is_known_from_its_header():
-    """video_bytes (what a server reserves before decoding) is what load_video keeps plus one decoded frame."""
+    """video_cost's memory (what a server reserves before decoding) is what load_video keeps plus one decoded
+    frame."""
     cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl")).with_request(fps=4)
     clip = make_video(30, 10, 160, 120)
     video = V.load_video(clip, cfg)
-    assert V.video_bytes(clip, cfg) == video.frames.nbytes + 160 * 120 * 3
+    assert V.video_cost(clip, cfg).memory == video.frames.nbytes + 160 * 120 * 3
     with pytest.raises(V.VideoTooLarge):
-        V.video_bytes(clip, cfg, V.VideoLimits(max_bytes=video.frames.nbytes - 1))
+        V.video_cost(clip, cfg, V.VideoLimits(max_bytes=video.frames.nbytes - 1))
 
 
 @pytest.fixture
