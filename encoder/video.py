@@ -258,22 +258,25 @@ class VideoInfo:
 
 def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
     """The indices of the frames to keep, as the family's `sample_frames` picks them (every frame when the config
-    does not sample)."""
+    does not sample), never more than `max_frames`: where the family's rule would keep more (every frame of a long
+    video, or a `num_frames` over it), `max_frames` frames floored to a temporal patch are spread evenly, as
+    `sample_frames` spreads a `num_frames`."""
     total, t = info.total_frames, cfg.temporal_patch_size
     if total <= 0:
         raise VideoTooShort("the video has no frames")
-    if not cfg.do_sample_frames:
-        return np.arange(total)
-    num_frames, fps = cfg.num_frames, cfg.fps
-    if cfg.family == "qwen3":
+    num_frames, fps = (cfg.num_frames, cfg.fps) if cfg.do_sample_frames else (None, None)
+    if cfg.family == "qwen3" and cfg.do_sample_frames:
+        if num_frames is not None:
+            num_frames = min(num_frames, cfg.max_frames)
         if num_frames is None and fps is not None:
             num_frames = int(total / (info.fps or 24) * fps)
             num_frames = min(max(num_frames, cfg.min_frames), cfg.max_frames, total)
         if num_frames is None:
             num_frames = min(max(total, cfg.min_frames), cfg.max_frames)
         return np.linspace(0, total - 1, num_frames).round().astype(int)
+    most = math.floor(cfg.max_frames / t) * t  # at most max_frames, in whole temporal patches
     if num_frames is not None:
-        num_frames = round(num_frames / t) * t
+        num_frames = min(round(num_frames / t) * t, most)
     elif fps is not None:
         if not info.fps:
             raise VideoError("the video declares no frame rate, so it cannot be sampled by fps: give num_frames")
@@ -281,6 +284,10 @@ def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
         num_frames = total / info.fps * fps
         num_frames = min(max(num_frames, cfg.min_frames), max_frames, total)
         num_frames = math.floor(num_frames / t) * t
+    elif total > cfg.max_frames:  # every frame, but at most max_frames of them
+        num_frames = most
+    if num_frames is not None and num_frames <= 0 and most <= 0:
+        raise VideoTooShort(f"max_frames {cfg.max_frames} is less than one temporal patch ({t} frames)")
     if num_frames is None:
         return np.arange(total)
     if num_frames <= 0:
@@ -513,7 +520,8 @@ def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, 
     height, width = frame_size(len(indices), info.height, info.width, cfg)
     if len(kept) * height * width * 3 > limits.max_bytes:
         raise VideoTooLarge(f"{len(kept)} frames of {width}x{height} take {len(kept) * height * width * 3 >> 20} "
-                            f"MiB; the limit is {limits.max_bytes >> 20} MiB (sample fewer or smaller frames)")
+                            f"MiB; the limit is {limits.max_bytes >> 20} MiB (sample fewer frames: max_frames, num_frames or fps; "
+                            "or smaller ones: max_pixels)")
     work = decode_work(info.width, info.height, int(kept[-1]) + 1, len(kept))
     if limits.max_work is not None and work > limits.max_work:
         raise VideoTooCostly(f"decoding {int(kept[-1]) + 1} frames of {info.width}x{info.height} and converting "

@@ -116,6 +116,52 @@ def test_qwen2_sampling_follows_its_rules():
     assert V.frame_size(6, 240, 320, cfg) == (280, 392)  # under min_pixels (128 x 28²): scaled up
 
 
+
+def qwen2_sample_frames():
+    """transformers' Qwen2VLVideoProcessor.sample_frames, the function itself read from its module's source (the
+    module imports torchvision, which does not load here)."""
+    import ast
+    import math
+    import types
+    from pathlib import Path
+
+    import transformers
+
+    path = Path(transformers.__file__).parent / "models" / "qwen2_vl" / "video_processing_qwen2_vl.py"
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen2VLVideoProcessor")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "sample_frames")
+    names = {"math": math, "torch": torch, "VideoMetadata": object}
+    exec(compile(ast.Module([fn], []), str(path), "exec"), names)
+    self = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4, max_frames=768)
+    return lambda total, rate, **kw: names["sample_frames"](
+        self, types.SimpleNamespace(total_num_frames=total, fps=rate), **kw).tolist()
+
+
+@pytest.mark.parametrize("family", ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"])
+def test_max_frames_caps_what_is_sampled(family):
+    """A request's max_frames (and so --max-video-frames, which the server passes as one) caps the frames sampled
+    whatever the rule: Qwen2's default (every frame: a one-minute 30 fps clip was 1800 frames), its fps and
+    num_frames, Qwen3's num_frames. The cap spreads its frames evenly: transformers' Qwen2 sample_frames given
+    num_frames=cap; under the cap every rule samples as transformers' does."""
+    sample_frames = qwen2_sample_frames()
+    cfg = V.VideoConfig.for_model(builtin_config(family))
+    minute = V.VideoInfo(1800, 30.0, 1280, 720, "h264")
+    if family.startswith("Qwen/Qwen2"):
+        assert V.sample_indices(minute, cfg).tolist() == sample_frames(1800, 30.0, num_frames=768)  # the default cap
+        assert V.sample_indices(V.VideoInfo(30, 10.0, 64, 64, "h264"), cfg).tolist() == list(range(30))  # uncapped
+        for request in ({"fps": 2}, {"num_frames": 100}):  # under the cap: transformers' own rule
+            assert V.sample_indices(minute, cfg.with_request(**request)).tolist() == sample_frames(1800, 30.0,
+                                                                                                   **request)
+    for request in ({}, {"fps": 2}, {"fps": 30}, {"num_frames": 100}):
+        for cap in (16, 100, 7):
+            got = V.sample_indices(minute, cfg.with_request(max_frames=cap, **request)).tolist()
+            assert len(got) <= cap, (request, cap)
+            if cfg.family == "qwen2" and request.get("fps") != 2:  # 2 fps: 120 frames, min(120, cap) by its rule
+                assert got == sample_frames(1800, 30.0, num_frames=cap // 2 * 2), (request, cap)
+    with pytest.raises(V.VideoTooShort, match="max_frames 1 is less than one temporal patch"):
+        V.sample_indices(minute, dataclasses.replace(cfg, max_frames=1, do_sample_frames=False))
+
 def test_layout_is_transformers_patchify():
     """Our rows of one video are transformers' Qwen3VLVideoProcessor.patchify of the same normalized frames, an odd
     frame count included (its last frame repeated)."""

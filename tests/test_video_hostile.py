@@ -7,6 +7,7 @@ average rate, the coded orientation). Nothing downloads."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 
@@ -88,16 +89,17 @@ def test_a_tiny_file_declaring_100000_frames_within_the_limits_fails_cleanly():
 
 
 def test_a_huge_declared_rate_does_not_slip_past_the_limits():
-    """100000 frames at 16384 fps last 6 s (within the time limit): Qwen2's default keeps every frame, so the
-    memory of 100000 resized frames is refused before decoding; Qwen3's default samples 2 fps (12 frames spread over
-    100000) and finds 1 of them: a VideoError."""
+    """100000 frames at 16384 fps last 6 s (within the time limit): Qwen2's default keeps every frame up to
+    max_frames (768 spread over 100000), Qwen3's samples 2 fps (12 spread over 100000): each finds 1 of them, a
+    VideoError; with max_frames raised to keep every frame, their memory is refused before decoding."""
     data = declare_mp4(make_video(8, 8, 64, 48), frames=100_000, fps=16384)
     info = declared(data)
     assert (info.total_frames, info.fps) == (100_000, 16384.0) and info.duration < 10
+    for cfg in (qwen2(), qwen3()):
+        with pytest.raises(V.VideoError, match="declares 100000 frames but ends before frame"):
+            V.load_video(data, cfg)
     with pytest.raises(V.VideoTooLarge, match="MiB; the limit is"):
-        V.load_video(data, qwen2())
-    with pytest.raises(V.VideoError, match="declares 100000 frames but ends before frame"):
-        V.load_video(data, qwen3())
+        V.load_video(data, dataclasses.replace(qwen2(), max_frames=100_000))
 
 
 def test_limits_refuse_a_frame_size_from_the_header_and_a_missing_one_as_undecodable():

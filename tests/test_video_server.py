@@ -159,3 +159,18 @@ def test_fast_preprocessing_serves_the_same_videos(library):
         assert torch.equal(tensor(r.json()["data"][1]), library.encode_videos(CLIP, num_frames=6).embeddings)
         decoder = "nvdec" if torch.cuda.is_available() else "cpu"
         assert f'vitserve_videos_decoded_total{{decoder="{decoder}"}} 1.0' in httpx.get(url + "/metrics").text
+
+
+def test_the_frame_caps_bound_what_a_qwen2_video_samples():
+    """Qwen2/2.5-VL samples every frame unless asked: --max-video-frames caps it (a 30-frame clip whose every frame
+    would take more than --decode-memory-per-request is served, 6 frames spread over it), and a request's
+    max_frames, the 413's advice, caps it further."""
+    for _, url in serving("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--max-video-frames", "6",
+                          "--decode-memory-per-request", str(4 * 2**20)):
+        grids = []
+        for extra in ({}, {"max_frames": 2}):
+            r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], **extra}, timeout=120)
+            assert r.status_code == 200, r.text
+            grids.append(r.json()["data"][0]["grid_thw"][0])
+            frames = r.json()["data"][0]["frame_indices"]
+        assert grids == [3, 1] and frames == [0, 15]
