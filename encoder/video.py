@@ -218,6 +218,17 @@ class VideoConfig:
         return dataclasses.replace(self, **kw) if kw else self
 
 
+# The video processor settings the published checkpoints ship, by VisionConfig.family: Qwen3-VL's
+# video_preprocessor_config.json; Qwen2/2.5-VL ship none, so transformers' video processor reads their
+# preprocessor_config.json's pixels. What dummy weights of a built-in hub id preprocess videos with.
+PUBLISHED = {
+    "qwen3_vl": {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "fps": 2, "min_frames": 4,
+                 "max_frames": 768, "do_sample_frames": True},
+    "qwen2_5_vl": {"min_pixels": 3136, "max_pixels": 12845056},
+    "qwen2_vl": {"min_pixels": 3136, "max_pixels": 12845056},
+}
+
+
 IMAGE_BRANDS = (b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1")
 
 

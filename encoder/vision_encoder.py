@@ -122,11 +122,24 @@ def load_configs(model: str, load_format: str = "auto", revision: str | None = N
     return cfg, pcfg.with_overrides(**overrides), ckpt
 
 
-def video_config_of(cfg: VisionConfig, ckpt, decoder: str = "cpu") -> video.VideoConfig:
-    """The video preprocessing of a checkpoint (its video processor settings over the family's defaults; the
-    defaults alone for dummy weights, `ckpt` None), decoded by `decoder` (video.DECODERS)."""
-    config = video.VideoConfig.for_model(cfg, checkpoint.read_video_config(ckpt) if ckpt is not None else None)
-    return dataclasses.replace(config, decoder=decoder)
+def video_config_of(cfg: VisionConfig, ckpt, decoder: str = "cpu", model: str | None = None) -> video.VideoConfig:
+    """The video preprocessing of a checkpoint (its video processor settings over the family's defaults), decoded
+    by `decoder` (video.DECODERS). Dummy weights (`ckpt` None) of a built-in hub id (`model`) take its published
+    checkpoints' settings (video.PUBLISHED), a tiny-* built-in the family's defaults alone."""
+    if ckpt is not None:
+        hf = checkpoint.read_video_config(ckpt)
+    else:
+        hf = video.PUBLISHED[cfg.family] if model is not None and _is_hub_builtin(model) else None
+    return dataclasses.replace(video.VideoConfig.for_model(cfg, hf), decoder=decoder)
+
+
+def _is_hub_builtin(model: str) -> bool:
+    """Whether `model` names a published checkpoint's built-in config (a hub id, not a tiny-* one)."""
+    try:
+        builtin_config(model)
+    except KeyError:
+        return False
+    return not model.lower().startswith("tiny-")
 
 
 class VisionEncoder:
@@ -190,7 +203,7 @@ class VisionEncoder:
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
-        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt, video_decoder))
+        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt, video_decoder, model))
         if capture:
             encoder.capture()
         return encoder

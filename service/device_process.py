@@ -307,7 +307,7 @@ def start_devices(settings: Settings, devices: list[str], dtype: str, prefix: st
     s = settings
     config, preprocess_config, ckpt = load_configs(s.model, s.load_format, s.revision, min_pixels=s.min_pixels,
                                                    max_pixels=s.max_pixels)
-    video_config = video_config_of(config, ckpt, s.video_decoder)
+    video_config = video_config_of(config, ckpt, s.video_decoder, s.model)
     processes = []
     try:
         for i, device in enumerate(devices):

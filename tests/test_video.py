@@ -306,3 +306,66 @@ def test_the_video_decoder_is_chosen():
     assert video_config_of(cfg, None).decoder == "cpu"
     with pytest.raises(ValueError, match="decoder"):
         V.VideoConfig.for_model(cfg).__class__(family="qwen3", patch_size=16, decoder="gpu")
+
+
+def test_a_hub_download_fetches_and_uses_the_video_processor_settings(checkpoints, tmp_path, monkeypatch):
+    """A Qwen3-VL checkpoint from the hub (a fake hub: huggingface_hub's download serving a checkpoint written by
+    save_pretrained, plus the published video_preprocessor_config.json): the download asks for the video
+    processor's settings beside the image's, and the videos are sized by them (a one-minute 720p clip at 2 fps:
+    transformers' grid [60, 20, 38], where preprocessor_config.json's pixels gave [60, 16, 30])."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from vitserve.encoder.vision_encoder import load_configs, video_config_of
+
+    repo = tmp_path / "repo"
+    shutil.copytree(checkpoints["qwen3_vl"][0], repo)
+    (repo / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
+         "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (repo / "video_preprocessor_config.json").write_text(json.dumps(V.PUBLISHED["qwen3_vl"]))
+    asked = []
+
+    def download(repo_id, filename, revision=None, cache_dir=None, local_files_only=False):
+        asked.append(filename)
+        if not (repo / filename).is_file():
+            raise EntryNotFoundError(f"{filename} is not in {repo_id}")
+        target = tmp_path / "cache" / filename
+        target.parent.mkdir(exist_ok=True)
+        shutil.copy(repo / filename, target)
+        return str(target)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    cfg, _, ckpt = load_configs("Qwen/Qwen3-VL-Fake", allow_download=True)
+    assert "video_preprocessor_config.json" in asked and Path(ckpt) == tmp_path / "cache"
+    vcfg = video_config_of(cfg, ckpt)
+    minute = V.VideoInfo(1800, 30.0, 1280, 720, "h264")
+    frames = len(V.sample_indices(minute, vcfg))
+    assert (frames // 2, *(side // vcfg.patch_size for side in V.frame_size(frames, 720, 1280, vcfg))) == (60, 20, 38)
+
+
+def test_dummy_weights_of_a_published_model_take_its_video_settings():
+    """--load-format dummy on a built-in hub id preprocesses videos as the published checkpoint does (a one-minute
+    720p clip: Qwen3-VL's [60, 20, 38], 11,400 tokens, not the class defaults' 180); a tiny-* model keeps the
+    processor class's defaults."""
+    from vitserve.encoder.vision_encoder import video_config_of
+
+    minute = V.VideoInfo(1800, 30.0, 1280, 720, "h264")
+
+    def grid(model):
+        cfg = builtin_config(model)
+        vcfg = video_config_of(cfg, None, model=model)
+        frames = len(V.sample_indices(minute, vcfg))
+        h, w = V.frame_size(frames, 720, 1280, vcfg)
+        return frames // 2, h // vcfg.patch_size, w // vcfg.patch_size
+
+    assert grid("Qwen/Qwen3-VL-8B-Instruct") == (60, 20, 38)
+    assert grid("qwen3-vl-8b-instruct") == (60, 20, 38)
+    assert video_config_of(builtin_config("Qwen/Qwen2.5-VL-7B-Instruct"), None,
+                           model="Qwen/Qwen2.5-VL-7B-Instruct").max_pixels == 12845056
+    assert video_config_of(builtin_config("tiny-qwen3-vl"), None, model="tiny-qwen3-vl") == \
+        V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl"))
