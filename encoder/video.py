@@ -155,6 +155,9 @@ class VideoConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or int(value) != value or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"the videos' min_pixels ({self.min_pixels}) must be <= their max_pixels "
+                             f"({self.max_pixels})")
 
     @property
     def factor(self) -> int:
@@ -207,14 +210,16 @@ class VideoConfig:
     def with_request(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
                      max_pixels: int | None = None) -> VideoConfig:
         """A request's sampling and size: `fps` or `num_frames` replaces the default rule (and samples); the others
-        only tighten."""
+        only tighten (a `max_pixels` under `min_pixels` is a ValueError, as for images)."""
         kw: dict[str, Any] = {}
         if fps is not None or num_frames is not None:
             kw.update(fps=fps, num_frames=num_frames, do_sample_frames=True)
         if max_frames is not None:
             kw["max_frames"] = min(self.max_frames, max_frames)
         if max_pixels is not None:
-            kw["max_pixels"] = max(self.min_pixels, min(self.max_pixels, max_pixels))
+            if max_pixels < self.min_pixels:
+                raise ValueError(f"max_pixels must be at least the videos' min_pixels ({self.min_pixels})")
+            kw["max_pixels"] = min(self.max_pixels, max_pixels)
         return dataclasses.replace(self, **kw) if kw else self
 
 

@@ -409,6 +409,9 @@ class Engine:
         if fps is None and num_frames is None and s.video_fps is not None:
             fps = s.video_fps
         cfg = self.model.video_config
+        if max_pixels is not None and max_pixels < cfg.min_pixels:
+            raise InputRejected(f"max_pixels must be at least this server's video min_pixels ({cfg.min_pixels})",
+                                "invalid_max_pixels", "max_pixels")
         return cfg.with_request(fps, num_frames, min(max_frames or s.max_video_frames, s.max_video_frames),
                                 max_pixels)
 

@@ -118,8 +118,16 @@ class Settings:
                                                   "beyond it wait their turn", "limits", metavar="PIXELS")
     video_decode_workers: int = _setting(0, "decode workers that may decode videos at once; the others stay for "
                                             "images (0: half of --decode-workers, at least 1)", "decoding")
-    min_pixels: int | None = _setting(None, "override the resize minimum (pixels)", "decoding", encode=True)
-    max_pixels: int | None = _setting(None, "override the resize maximum (pixels)", "decoding", encode=True)
+    min_pixels: int | None = _setting(None, "override the images' resize minimum (pixels; videos: "
+                                            "--video-min-pixels)", "decoding", encode=True)
+    max_pixels: int | None = _setting(None, "override the images' resize maximum (pixels; videos: "
+                                            "--video-max-pixels)", "decoding", encode=True)
+    video_min_pixels: int | None = _setting(None, "override the video processor's resize minimum (pixels: per frame "
+                                                  "for Qwen2/2.5-VL, every sampled frame together for Qwen3-VL)",
+                                            "decoding", encode=True)
+    video_max_pixels: int | None = _setting(None, "override the video processor's resize maximum (pixels: per frame "
+                                                  "for Qwen2/2.5-VL, every sampled frame together for Qwen3-VL)",
+                                            "decoding", encode=True)
     decode_workers: int = _setting(0, "decode + resize workers (0: one per CPU this process may use: its affinity "
                                       "and cgroup quota)", "decoding", aliases=("preprocess_workers",))
     decode_processes: bool = _setting(True, "run them as processes (false: threads)", "decoding",
@@ -240,6 +248,11 @@ class Settings:
                   (self.video_decode_workers >= 0, "--video-decode-workers must be >= 0"),
                   (all(p is None or p > 0 for p in (self.min_pixels, self.max_pixels)),
                    "--min-pixels and --max-pixels must be positive"),
+                  (all(p is None or p > 0 for p in (self.video_min_pixels, self.video_max_pixels)),
+                   "--video-min-pixels and --video-max-pixels must be positive"),
+                  (None in (self.video_min_pixels, self.video_max_pixels)
+                   or self.video_min_pixels <= self.video_max_pixels,
+                   "--video-min-pixels must not exceed --video-max-pixels"),
                   (None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels,
                    "--min-pixels must not exceed --max-pixels"),
                   (0 < self.port < 65536, "--port must be 1-65535"),
@@ -264,7 +277,9 @@ class Settings:
         wherever a device loads (a thread of the server, a device process, or `vitserve encode`)."""
         budgets = self.budget_list()
         return dict(load_format=self.load_format, revision=self.revision, min_pixels=self.min_pixels,
-                    max_pixels=self.max_pixels, attention_backend=self.attention_backend, preprocess=self.preprocess,
+                    max_pixels=self.max_pixels, video_min_pixels=self.video_min_pixels,
+                    video_max_pixels=self.video_max_pixels, attention_backend=self.attention_backend,
+                    preprocess=self.preprocess,
                     video_decoder=self.video_decoder,
                     **({} if budgets is None else {"budgets": budgets}))
 

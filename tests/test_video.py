@@ -369,3 +369,14 @@ def test_dummy_weights_of_a_published_model_take_its_video_settings():
                            model="Qwen/Qwen2.5-VL-7B-Instruct").max_pixels == 12845056
     assert video_config_of(builtin_config("tiny-qwen3-vl"), None, model="tiny-qwen3-vl") == \
         V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl"))
+
+
+def test_a_max_pixels_under_the_videos_minimum_is_refused_not_clamped():
+    """VideoConfig.with_request: a max_pixels under min_pixels is a ValueError (the server's 400), as for images;
+    at the minimum it applies."""
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl"))
+    with pytest.raises(ValueError, match=f"at least the videos' min_pixels \\({cfg.min_pixels}\\)"):
+        cfg.with_request(max_pixels=cfg.min_pixels - 1)
+    assert cfg.with_request(max_pixels=cfg.min_pixels).max_pixels == cfg.min_pixels
+    with pytest.raises(ValueError, match="min_pixels"):
+        dataclasses.replace(cfg, min_pixels=cfg.max_pixels + 1)
