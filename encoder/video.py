@@ -138,6 +138,7 @@ class VideoConfig:
     max_frames: int = 768
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
+    truncate_frames: bool = False  # a num_frames over the video's frames takes them all (else VideoTooShort)
     decoder: str = "cpu"        # one of DECODERS: how frames are decoded, not which frames or pixels
 
     def __post_init__(self) -> None:
@@ -208,10 +209,11 @@ class VideoConfig:
         return dataclasses.replace(self, **kw)
 
     def with_request(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
-                     max_pixels: int | None = None) -> VideoConfig:
+                     max_pixels: int | None = None, truncate_frames: bool = False) -> VideoConfig:
         """A request's sampling and size: `fps` or `num_frames` replaces the default rule (and samples); the others
-        only tighten (a `max_pixels` under `min_pixels` is a ValueError, as for images)."""
-        kw: dict[str, Any] = {}
+        only tighten (a `max_pixels` under `min_pixels` is a ValueError, as for images); `truncate_frames`: a
+        `num_frames` over a video's frames takes them all."""
+        kw: dict[str, Any] = {"truncate_frames": True} if truncate_frames else {}
         if fps is not None or num_frames is not None:
             kw.update(fps=fps, num_frames=num_frames, do_sample_frames=True)
         if max_frames is not None:
@@ -272,15 +274,25 @@ class VideoInfo:
         return self.total_frames / self.fps if self.fps else 0.0
 
 
+def plural_frames(n: int) -> str:
+    """ "1 frame", "2 frames"."""
+    return f"{n} frame" if n == 1 else f"{n} frames"
+
+
 def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
     """The indices of the frames to keep, as the family's `sample_frames` picks them (every frame when the config
     does not sample), never more than `max_frames`: where the family's rule would keep more (every frame of a long
     video, or a `num_frames` over it), `max_frames` frames floored to a temporal patch are spread evenly, as
-    `sample_frames` spreads a `num_frames`."""
+    `sample_frames` spreads a `num_frames`. A `num_frames` over the video's frames is a VideoTooShort, or with
+    `truncate_frames` every frame (floored to a temporal patch)."""
     total, t = info.total_frames, cfg.temporal_patch_size
     if total <= 0:
         raise VideoTooShort("the video has no frames")
     num_frames, fps = (cfg.num_frames, cfg.fps) if cfg.do_sample_frames else (None, None)
+    if num_frames is not None and num_frames < t:
+        raise VideoTooShort(f"num_frames {num_frames} is less than one temporal patch ({plural_frames(t)})")
+    if num_frames is not None and num_frames > total and cfg.truncate_frames:
+        num_frames = total if cfg.family == "qwen3" else math.floor(total / t) * t
     if cfg.family == "qwen3" and cfg.do_sample_frames:
         if num_frames is not None:
             num_frames = min(num_frames, cfg.max_frames)
@@ -303,13 +315,15 @@ def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
     elif total > cfg.max_frames:  # every frame, but at most max_frames of them
         num_frames = most
     if num_frames is not None and num_frames <= 0 and most <= 0:
-        raise VideoTooShort(f"max_frames {cfg.max_frames} is less than one temporal patch ({t} frames)")
+        raise VideoTooShort(f"max_frames {cfg.max_frames} is less than one temporal patch ({plural_frames(t)})")
     if num_frames is None:
         return np.arange(total)
     if num_frames <= 0:
-        raise VideoTooShort(f"the video has {total} frames, fewer than one temporal patch ({t})")
+        raise VideoTooShort(f"the video has {plural_frames(total)}, fewer than one temporal patch "
+                            f"({plural_frames(t)})")
     if num_frames > total:
-        raise VideoTooShort(f"{num_frames} frames asked of a video of {total}")
+        raise VideoTooShort(f"num_frames {num_frames} is more than the video's {plural_frames(total)} "
+                            "(truncate_frames takes them all)")
     return torch.arange(0, total, total / num_frames).int().numpy()
 
 
@@ -329,7 +343,7 @@ def frame_size(num_frames: int, height: int, width: int, cfg: VideoConfig) -> tu
         per_frame = max(min(cfg.max_video_tokens * f * f, cfg.max_pixels // num_frames), int(cfg.min_pixels * 1.05))
         max_pixels = per_frame * num_frames
     if num_frames < t:
-        raise VideoTooShort(f"{num_frames} frame(s) sampled: Qwen3-VL needs at least {t}")
+        raise VideoTooShort(f"{plural_frames(num_frames)} sampled: Qwen3-VL needs at least {t}")
     if height < f or width < f:
         scale = max(f / height, f / width)
         height, width = int(height * scale), int(width * scale)
@@ -385,6 +399,15 @@ class Video:
         indices += indices[-1:] * (-len(indices) % t)
         times = [i / fps for i in indices]
         return [(times[i] + times[i + t - 1]) / 2 for i in range(0, len(times), t)]
+
+
+def unavailable() -> str | None:
+    """Why this process cannot decode videos (PyAV missing, or broken), or None where it can; imports PyAV."""
+    try:
+        import av  # noqa: F401
+    except ImportError as e:
+        return f"PyAV cannot be imported ({e}): pip install 'vitserve[video]'"
+    return None
 
 
 def _av():
@@ -535,13 +558,13 @@ def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, 
     kept = np.unique(indices)
     height, width = frame_size(len(indices), info.height, info.width, cfg)
     if len(kept) * height * width * 3 > limits.max_bytes:
-        raise VideoTooLarge(f"{len(kept)} frames of {width}x{height} take {len(kept) * height * width * 3 >> 20} "
-                            f"MiB; the limit is {limits.max_bytes >> 20} MiB (sample fewer frames: max_frames, num_frames or fps; "
-                            "or smaller ones: max_pixels)")
+        raise VideoTooLarge(f"{plural_frames(len(kept))} of {width}x{height} take "
+                            f"{len(kept) * height * width * 3 >> 20} MiB; the limit is {limits.max_bytes >> 20} MiB "
+                            "(sample fewer frames: max_frames, num_frames or fps; or smaller ones: max_pixels)")
     work = decode_work(info.width, info.height, int(kept[-1]) + 1, len(kept))
     if limits.max_work is not None and work > limits.max_work:
-        raise VideoTooCostly(f"decoding {int(kept[-1]) + 1} frames of {info.width}x{info.height} and converting "
-                             f"{len(kept)} of them is {work / 1e9:.1f} G pixels of work; the limit is "
+        raise VideoTooCostly(f"decoding {plural_frames(int(kept[-1]) + 1)} of {info.width}x{info.height} and "
+                             f"converting {len(kept)} of them is {work / 1e9:.1f} G pixels of work; the limit is "
                              f"{limits.max_work / 1e9:.1f} G (send a shorter or smaller video)")
     return info, kept, (height, width), VideoCost((len(kept) * height * width + info.height * info.width) * 3, work)
 
@@ -570,7 +593,8 @@ def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
         for n, frame in enumerate(decode_frames(container, kept, (height, width), threads, 2 * cost.work), 1):
             frames[n - 1] = frame
         if n < len(kept):
-            raise VideoError(f"the video declares {info.total_frames} frames but ends before frame {int(kept[n])}")
+            raise VideoError(f"the video declares {plural_frames(info.total_frames)} but ends before frame "
+                             f"{int(kept[n])}")
         return Video(frames, kept, info, cfg.temporal_patch_size, decoder_used(container))
     finally:
         container.close()

@@ -276,14 +276,14 @@ class Decoder:
         limits = VideoLimits(max_seconds=s.max_video_seconds, max_frame_pixels=s.max_image_pixels,
                              max_bytes=s.decode_memory_per_request, max_work=s.video_decode_work_per_request)
         costs = await self._all([self._video_job(measure_video, data, owner, cfg, limits) for data in videos], field,
-                                names)
+                                names, "video")
         work, limit = sum(cost.work for cost in costs), s.video_decode_work_per_request
         if work > limit:
             raise InputTooLarge(f"decoding these {len(videos)} videos is {work / 1e9:.1f} G pixels of work; a request "
                                 f"may take {limit / 1e9:.1f} G (send fewer, shorter or smaller videos)", "decode_work",
                                 field)
         results = await self._all([self._decode_video(data, cfg, limits, cost, owner)
-                                   for data, cost in zip(videos, costs)], field, names)
+                                   for data, cost in zip(videos, costs)], field, names, "video")
         out = []
         for slices, grid, timing, decoder, seconds in results:
             self.metrics.videos.labels(decoder).inc()
@@ -292,7 +292,7 @@ class Decoder:
             out.append((slices, grid, timing))
         return out
 
-    async def _all(self, decodes: list, field: str, names: list[int]) -> list:
+    async def _all(self, decodes: list, field: str, names: list[int], kind: str = "image") -> list:
         """Run a request's decodes concurrently; their results in order, or the first failure as the request's
         rejection (naming `field[i]`, i from `names`), what the others decoded then discarded: it is not run."""
         jobs = [asyncio.ensure_future(decode) for decode in decodes]
@@ -309,7 +309,7 @@ class Decoder:
                 if error is None:
                     _discard_decoded(job.result())
             index, error = next((i, e) for i, e in zip(names, errors) if e is not None)
-            raise self.rejection(f"{field}[{index}]", error) from None
+            raise self.rejection(f"{field}[{index}]", error, kind=kind) from None
         return [job.result() for job in jobs]
 
     async def _video_job(self, fn, data, owner, *args):
@@ -343,7 +343,7 @@ class Decoder:
             self.budget.release(share)
 
     @staticmethod
-    def rejection(param: str, e: BaseException, data=None) -> Exception:
+    def rejection(param: str, e: BaseException, data=None, kind: str = "image") -> Exception:
         """The domain error a request gets for its image `param` that could not be decoded (`e`); `data`, where
         given, is what the client sent, told apart as text where it is no image and reads as text."""
         if data is not None and isinstance(e, (InvalidBase64, UndecodableImage)) and looks_like_text(data):
@@ -353,7 +353,7 @@ class Decoder:
                                  "modality video (/v1/embeddings)", "video_input", param)
         if isinstance(e, JobTimedOut):
             log.info("%s: %s", param, e)
-            return InputTooLarge(f"{param}: the image took longer than {e.seconds:g} s to decode", "decode_timeout",
+            return InputTooLarge(f"{param}: the {kind} took longer than {e.seconds:g} s to decode", "decode_timeout",
                                  param)
         if isinstance(e, ImageError):
             if str(e) != e.public:

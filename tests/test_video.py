@@ -380,3 +380,25 @@ def test_a_max_pixels_under_the_videos_minimum_is_refused_not_clamped():
     assert cfg.with_request(max_pixels=cfg.min_pixels).max_pixels == cfg.min_pixels
     with pytest.raises(ValueError, match="min_pixels"):
         dataclasses.replace(cfg, min_pixels=cfg.max_pixels + 1)
+
+
+def test_sampling_errors_name_what_is_at_fault():
+    """num_frames under a temporal patch names num_frames (not "the video has 48 frames"); counts read "1 frame";
+    a num_frames over the video's frames is a VideoTooShort saying so, or with truncate_frames every frame (floored
+    to a temporal patch for Qwen2, all of them for Qwen3, whose rule otherwise repeats frames)."""
+    qwen2 = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl"))
+    qwen3 = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl"))
+    clip = V.VideoInfo(48, 24.0, 64, 64, "h264")
+    for cfg in (qwen2, qwen3):
+        with pytest.raises(V.VideoTooShort, match=r"^num_frames 1 is less than one temporal patch \(2 frames\)$"):
+            V.sample_indices(clip, cfg.with_request(num_frames=1))
+    with pytest.raises(V.VideoTooShort, match=r"^the video has 1 frame, fewer than one temporal patch"):
+        V.sample_indices(V.VideoInfo(1, 10.0, 64, 64, "h264"), qwen2.with_request(fps=2))
+    with pytest.raises(V.VideoTooShort, match=r"^num_frames 60 is more than the video's 48 frames \(truncate_frames"):
+        V.sample_indices(clip, qwen2.with_request(num_frames=60))
+    short = V.VideoInfo(7, 24.0, 64, 64, "h264")
+    assert V.sample_indices(short, qwen2.with_request(num_frames=60, truncate_frames=True)).tolist() == \
+        [0, 1, 2, 3, 4, 5]
+    assert V.sample_indices(short, qwen3.with_request(num_frames=60, truncate_frames=True)).tolist() == \
+        list(range(7))
+    assert len(V.sample_indices(short, qwen3.with_request(num_frames=60))) == 60  # transformers' rule, repeating

@@ -110,6 +110,9 @@ def test_embeddings_pool_a_video(server, library):
     ({"videos": [video_uri(CLIP)], "fps": 2, "num_frames": 4}, 422, "invalid_request"),
     ({}, 422, "invalid_request"),
     ({"images": [base64.b64encode(CLIP).decode()]}, 400, "video_input"),
+    ({"videos": ["file:///tmp/clip.mp4"]}, 400, "invalid_url"),
+    ({"videos": [f"data:image/png;base64,{base64.b64encode(encode(photo(32, 32, 1), 'PNG')).decode()}"]}, 400,
+     "not_a_video"),
     ({"videos": ["%%%"]}, 400, "invalid_base64"),
 ])
 def test_bad_videos_get_a_4xx_and_their_neighbours_an_answer(server, body, status, code):
@@ -198,3 +201,20 @@ def test_video_frame_sizes_have_their_own_flags_and_a_request_under_the_minimum_
     error = r.json()["error"]
     assert r.status_code == 400 and (error["code"], error["param"]) == ("invalid_max_pixels", "max_pixels"), r.text
     assert "3136" in error["message"]
+
+
+def test_num_frames_errors_name_the_parameter_and_truncate_frames_caps_it(qwen2_server):
+    """num_frames 1 (under a temporal patch): a 400 naming num_frames; num_frames over a 4-frame clip's frames: a
+    400 saying so, or with truncate_frames (the batch user's opt-in) the clip's every frame."""
+    _, url = qwen2_server
+    short = make_video(4, 4, 64, 48)
+    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], "num_frames": 1}, timeout=120)
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["code"], error["param"]) == ("invalid_num_frames", "num_frames"), r.text
+    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(short)], "num_frames": 6}, timeout=120)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "video_too_short" and error["param"] == "videos[0]", r.text
+    assert "num_frames 6 is more than the video's 4 frames" in error["message"]
+    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(short)], "num_frames": 6, "truncate_frames": True},
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["data"][0]["frame_indices"] == [0, 1, 2, 3], r.text
