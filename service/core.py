@@ -205,7 +205,7 @@ class Core:
             with self.lock:
                 for item in message[1]:
                     work = WorkItem(item.image, item.grid, None, item.mean_pooling, item.param,
-                                    origin=(link, item.id, item.key))
+                                    origin=(link, item.id, item.key), modality=item.modality)
                     self.items[link.index, item.id] = work
                     items.append(work)
             self.queue.put(items)
@@ -253,6 +253,8 @@ class Core:
             self.fail(f"internal error in the core: {type(e).__name__}: {e}")
 
     def _done(self, worker, batch: list, outputs, error: EngineError | None, seconds: float) -> None:
+        from .metrics import count_items
+
         m = self.metrics
         if error is not None and error.code == "device_lost":
             self.fail(error.message)
@@ -260,7 +262,7 @@ class Core:
             m.inference_seconds.labels(worker.name).observe(seconds)
             m.batch_tokens.observe(sum(i.patches for i in batch) // self.model.config.merge_unit)
             m.batch_images.observe(len(batch))
-            m.images.labels(worker.name).inc(len(batch))
+            count_items(m, worker.name, batch)
             m.record("inference", seconds)
         by_link: dict[Link, list] = collections.defaultdict(list)
         settled = []

@@ -42,7 +42,8 @@ from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageT
 from . import spool
 from .budget import MemoryBudget
 from .bodies import SharedBodies
-from .decode import VIDEO_DECODE_THREADS, SharedText, decode_and_resize, decode_video, measure_video, read_header
+from .decode import (VIDEO_DECODE_THREADS, DecodedVideo, SharedText, decode_and_resize, decode_video, measure_video,
+                     read_header)
 from .decode_pool import DecodePool, JobTimedOut, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
 from .metrics import Metrics
@@ -129,10 +130,11 @@ def _is_video(data) -> bool:
 
 def _discard_decoded(result) -> None:
     """A decoded image or video nobody will run: its spooled pixels go (a header's answer holds none)."""
-    if not isinstance(result, tuple):
-        return
-    for image in result[0] if isinstance(result[0], list) else [result[0]]:
-        spool.discard(image)
+    if isinstance(result, DecodedVideo):
+        for piece in result.slices:
+            spool.discard(piece)
+    elif isinstance(result, tuple):
+        spool.discard(result[0])
 
 
 def _discard_result(job: asyncio.Future) -> None:
@@ -284,12 +286,14 @@ class Decoder:
                                 field)
         results = await self._all([self._decode_video(data, cfg, limits, cost, owner)
                                    for data, cost in zip(videos, costs)], field, names, "video")
-        out = []
-        for slices, grid, timing, decoder, seconds in results:
-            self.metrics.videos.labels(decoder).inc()
-            self.metrics.preprocess_seconds.observe(seconds)
-            self.metrics.record("decode", seconds)
-            out.append((slices, grid, timing))
+        out, m = [], self.metrics
+        for video in results:
+            m.videos.labels(video.decoder).inc()
+            m.video_frames.inc(len(video.timing["frame_indices"]))
+            m.video_seconds.inc(video.duration)
+            m.preprocess_seconds.observe(video.seconds)
+            m.record("decode", video.seconds)
+            out.append((video.slices, video.grid, video.timing))
         return out
 
     async def _all(self, decodes: list, field: str, names: list[int], kind: str = "image") -> list:
@@ -320,7 +324,9 @@ class Decoder:
 
     async def _decode_video(self, data, cfg, limits, cost, owner):
         """A video's decode, once the memory and the work its header declares (`cost`) are taken from the server's
-        budgets and one of the videos' workers is free; all given back when it is done."""
+        budgets and one of the videos' workers is free; all given back when it is done. Its wall time from there to
+        its frames back is observed in vitserve_decode_seconds, as an image's."""
+        start = time.perf_counter()
         share = await self.budget.acquire(cost.memory)
         try:
             work = await self.video_work.acquire(cost.work)
@@ -332,9 +338,11 @@ class Decoder:
                     self._videos += 1
                     try:
                         path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-                        return await self._run(decode_video, data, owner, cfg, limits, path or None, threads,
-                                               timeout=self.settings.video_decode_timeout,
-                                               lost=path and functools.partial(spool.clear, f"{path}-"))
+                        video = await self._run(decode_video, data, owner, cfg, limits, path or None, threads,
+                                                timeout=self.settings.video_decode_timeout,
+                                                lost=path and functools.partial(spool.clear, f"{path}-"))
+                        self.metrics.decode_seconds.observe(time.perf_counter() - start)
+                        return video
                     finally:
                         self._videos -= 1
             finally:

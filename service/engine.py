@@ -44,7 +44,7 @@ from .decoder import Decoder
 from .device_process import ProcessDevice, start_devices
 from .errors import ClientDisconnected, EngineError, InputRejected, InputTooLarge, NotReady, QueueFull
 from .logs import attention_text
-from .metrics import Metrics
+from .metrics import Metrics, count_items
 from .scheduler import ImageQueue, WorkItem
 from .settings import Settings, format_size, resolve_devices
 from .worker import DeviceWorker, LocalDevice, workers_stats
@@ -440,7 +440,8 @@ class Engine:
         decode_s = time.perf_counter() - start
         loop, items, owners = asyncio.get_running_loop(), [], []
         for j, (slices, (t, h, w), _) in enumerate(decoded):
-            items += [WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]") for s in slices]
+            items += [WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]", modality="video")
+                      for s in slices]
             owners += [j] * len(slices)
         results = await self._run(items, disconnected)
 
@@ -478,7 +479,7 @@ class Engine:
         m.inference_seconds.labels(worker.name).observe(seconds)
         m.batch_tokens.observe(sum(i.patches for i in batch) // self.model.config.merge_unit)
         m.batch_images.observe(len(batch))
-        m.images.labels(worker.name).inc(len(batch))
+        count_items(m, worker.name, batch)
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
         m.record("inference", seconds)
         for item, output in zip(batch, outputs):

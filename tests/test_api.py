@@ -484,3 +484,26 @@ def test_a_server_without_pyav_says_so(encoders, monkeypatch, caplog):
         assert c.get("/v1/models").json()["data"][0]["capabilities"] == {"images": True, "videos": False}
         assert c.get("/stats").json()["videos"]["available"] is False
         assert c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}).status_code == 200
+
+
+def test_videos_are_counted_as_videos(encoders):
+    """A video of 4 slices is not 4 images: it counts its slices, frames and seconds, and its decode is observed in
+    vitserve_decode_seconds as an image's is; an image beside it counts one image."""
+    pytest.importorskip("av")
+    from videos import make_video
+
+    clip = make_video(24, 12, 96, 64)  # 2 s
+    with client_for(encoders["tiny-qwen3-vl"]) as c:
+        def sample(name, **labels):
+            return c.app.state.engine.metrics.registry.get_sample_value(name, labels) or 0.0
+
+        before = [sample("vitserve_images_total", device="cpu"), sample("vitserve_decode_seconds_count")]
+        r = c.post("/v1/encode", json={"videos": ["data:video/mp4;base64," + base64.b64encode(clip).decode()],
+                                       "images": [data_uri(IMAGES[0])], "num_frames": 8})
+        assert r.status_code == 200, r.text
+        assert [item["grid_thw"][0] for item in r.json()["data"]][1] == 4
+        assert sample("vitserve_images_total", device="cpu") == before[0] + 1
+        assert sample("vitserve_video_slices_total", device="cpu") == 4
+        assert sample("vitserve_video_frames_total") == 8 and sample("vitserve_video_seconds_total") == 2.0
+        assert sample("vitserve_videos_decoded_total", decoder="cpu") == 1
+        assert sample("vitserve_decode_seconds_count") == before[1] + 2  # the image and the video
