@@ -7,6 +7,7 @@ backoff, then `VitserveError`s with no status; timeouts and broken connections n
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 import threading
@@ -201,3 +202,93 @@ def test_timeouts_and_broken_connections_are_reported_not_retried(monkeypatch):
     assert (e.value.status, e.value.code) == (None, "transport_error") and isinstance(e.value.__cause__,
                                                                                        httpx.TransportError)
     assert waits == []  # neither was retried: the request may have reached the server
+
+
+VIDEO = b"\x00\x00\x00\x18ftypisom" + bytes(40)  # an MP4's first bytes: a video by its signature
+
+
+def test_urls_and_data_uris_are_sent_as_they_are():
+    """An http(s) URL or a data URI is not a path (FileNotFoundError): a request holding one goes as JSON, the URL
+    and the data URI as given, bytes in base64, images and videos each in their field (a data URI by its media
+    type); bytes alone still go as multipart."""
+    bodies = []
+
+    def server(request: httpx.Request):
+        bodies.append(json.loads(request.content) if request.headers["content-type"] == "application/json"
+                      else "multipart")
+        body = bodies[-1]
+        return encode_reply(len(body["images"]) + len(body["videos"]) if body != "multipart" else 1)
+
+    clip = "data:video/mp4;base64," + base64.b64encode(VIDEO).decode()
+    with Client("http://vitserve", transport=httpx.MockTransport(server)) as c:
+        c.video_batch = c.batch = 8
+        c.encode(["https://example.com/cat.png", "data:image/png;base64,iVBO", b"img", clip])
+        c.encode("data:image/png;base64,iVBO")
+        c.encode(b"img")
+    assert bodies[0]["images"] == ["https://example.com/cat.png", "data:image/png;base64,iVBO",
+                                   base64.b64encode(b"img").decode()] and bodies[0]["videos"] == [clip]
+    assert bodies[1]["images"] == ["data:image/png;base64,iVBO"] and bodies[2] == "multipart"
+
+
+def test_images_and_videos_are_split_at_each_limit_and_answered_in_order():
+    """encode([clip] * 5) on a server taking 2 videos a request: 3 requests (was one, a 413), as encode_videos
+    splits; images and videos mixed come back in the order given, though the server answers a request's images
+    first; embed(..., modality="video") sends videos as such, split the same way."""
+    sent = []
+
+    def server(request: httpx.Request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"max_images_per_request": 3, "max_videos_per_request": 2}]})
+        if request.url.path == "/v1/embeddings":
+            body = json.loads(request.content)
+            sent.append(("embed", body.get("modality"), len(body["input"])))
+            return httpx.Response(200, json={"data": [{"embedding": base64.b64encode(
+                torch.zeros(2).numpy().tobytes()).decode()} for _ in body["input"]]})
+        parts = [p.split(b"\r\n\r\n", 1)[1].rsplit(b"\r\n", 1)[0] for p in request.content.split(b"--")
+                 if b'name="images"' in p]
+        sent.append([p[:3] == b"img" for p in parts])
+        ordered = [p for p in parts if p[:3] == b"img"] + [p for p in parts if p[:3] != b"img"]  # images first
+        tensors = {f"images.{i}.embeddings": torch.full((1, 2), float(p[-1])) for i, p in enumerate(ordered)}
+        return httpx.Response(200, content=save(tensors, metadata={"grid_thw": json.dumps([[1, 1, 1]] * len(parts))}))
+
+    inputs = [VIDEO + bytes([i]) if i % 2 else b"img" + bytes([i]) for i in range(9)]
+    with Client("http://vitserve", transport=httpx.MockTransport(server)) as c:
+        items = c.encode(inputs)
+        assert [int(item.embeddings[0, 0]) for item in items] == list(range(9))
+        assert len(c.encode([VIDEO] * 5)) == 5
+        c.embed([VIDEO] * 3, modality="video")
+    kinds = [[not image for image in request] for request in sent[:-2] if isinstance(request, list)]
+    assert all(sum(k) <= 2 and len(k) - sum(k) <= 3 for k in kinds) and sum(map(len, kinds)) == 14
+    assert [len(k) for k in kinds[-3:]] == [2, 2, 1]  # the five clips
+    assert sent[-2:] == [("embed", "video", 2), ("embed", "video", 1)]
+
+
+def test_a_bad_input_type_is_a_clear_type_error_and_a_down_server_names_the_call(monkeypatch):
+    """encode(5): a TypeError saying what an input is (not "'int' object is not iterable"); a server that is down
+    is reported for the call made (encode), not for the /v1/models the split asks first."""
+    with Client("http://vitserve", max_images_per_request=4, transport=httpx.MockTransport(lambda r: None)) as c:
+        with pytest.raises(TypeError, match="^give an image or a video .* or a list of them, not int$"):
+            c.encode(5)
+    no_sleep(monkeypatch)
+    url = f"http://127.0.0.1:{free_port()}"
+    with Client(url, retries=0) as client:
+        with pytest.raises(VitserveError) as e:
+            client.encode(SAMPLE)
+    assert e.value.message.startswith(f"encode: cannot connect to {url} (1 attempt)") and \
+        "/v1/models" not in e.value.message
+
+
+@pytest.mark.slow
+def test_videos_through_a_real_server(server):
+    """Five clips in one encode() (the server takes 4 a request) are all answered, each what encode_videos gives;
+    embed(clip, modality="video") is the mean of its tokens; a data URI is an input like its bytes."""
+    pytest.importorskip("av")
+    from videos import make_video
+
+    clip = make_video(8, 8, 64, 48)
+    with Client(server) as client:
+        alone = client.encode_videos(clip)
+        many = client.encode([clip] * 5)
+        assert len(many) == 5 and all(torch.equal(item.embeddings, alone.embeddings) for item in many)
+        vector = client.embed("data:video/mp4;base64," + base64.b64encode(clip).decode(), modality="video")
+        assert rel_err(vector, alone.embeddings.mean(0)) <= 1e-5

@@ -6,11 +6,13 @@
         items = client.encode(["examples/sample.jpg", "examples/portrait.png"])  # a list in: a list out
         vectors = client.embed(["examples/sample.jpg"])         # one pooled vector per image
         clip = client.encode_videos("clip.mp4", fps=2)          # an EncodedVideo: tokens, grid and timing
+        vector = client.embed("clip.mp4", modality="video")     # one pooled vector per video
 
-Token embeddings travel as one safetensors body (no base64). Images are paths, bytes or PIL images: one of them
-gives one result, a list (any iterable) a list of results. A request of more images than the server takes at once
-is split. Connection failures and 429 and 503 answers are retried (a bounded number of times, waiting as the
-answer's Retry-After says, else 0.5, 1, 2 s ...); every failure left raises `VitserveError`.
+Token embeddings travel as one safetensors body (no base64). Inputs are paths, bytes, PIL images, data URIs or
+http(s) URLs (fetched by the server, with --allow-url-fetch): one of them gives one result, a list (any iterable) a
+list of results. A request of more images or videos than the server takes at once is split. Connection failures
+and 429 and 503 answers are retried (a bounded number of times, waiting as the answer's Retry-After says, else 0.5,
+1, 2 s ...); every failure left raises `VitserveError`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any, Iterable
 import httpx
 import torch
 
-from .encoder.vision_encoder import EncodedImage, EncodedVideo, as_list, videos_list
+from .encoder.video import sniff
+from .encoder.vision_encoder import EncodedImage, EncodedVideo
 
 RETRIED = (429, 503)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # nothing was sent: safe to send again
@@ -55,19 +58,59 @@ def image_bytes(image: Any) -> bytes:
         buf = io.BytesIO()
         image.save(buf, "PNG")
         return buf.getvalue()
-    raise TypeError(f"an image is a path, bytes or a PIL image, not {type(image).__name__}")
+    raise TypeError(f"an image or a video is a path, a URL, a data URI, bytes or a PIL image, not "
+                    f"{type(image).__name__}")
 
 
-def _images(images) -> tuple[list[bytes], bool]:
-    """An image or an iterable of them as encoded bytes each, and whether it was one image."""
-    items, single = as_list(images)
-    return [image_bytes(x) for x in items], single
+def _payload(item: Any) -> bytes | str:
+    """What is sent for an input: an http(s) URL or a data URI as it is (the server reads it: a URL only with
+    --allow-url-fetch), anything else as its bytes (image_bytes)."""
+    if isinstance(item, str) and item.startswith(("http://", "https://", "data:")):
+        return item
+    return image_bytes(item)
 
 
-def _videos(videos) -> tuple[list[bytes], bool]:
-    """A video (a path or its bytes) or an iterable of them as bytes each, and whether it was one video."""
-    items, single = videos_list(videos)
-    return [image_bytes(x) for x in items], single
+def _inputs(items) -> tuple[list[bytes | str], bool]:
+    """One input (a path, a URL, a data URI, bytes or a PIL image) or an iterable of them as what is sent for
+    each, and whether it was one."""
+    if isinstance(items, (str, os.PathLike, bytes, bytearray, memoryview)) or hasattr(items, "save"):
+        return [_payload(items)], True
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"give an image or a video (a path, a URL, a data URI, bytes or a PIL image) or a list of "
+                        f"them, not {type(items).__name__}") from None
+    return [_payload(x) for x in items], False
+
+
+def _is_video(payload: bytes | str, modality: str | None) -> bool:
+    """Whether an input goes as a video: `modality` where the call says, else by its bytes (a video container's
+    signature) or its data URI's media type; a URL is an image unless the call says."""
+    if modality is not None:
+        return modality == "video"
+    if isinstance(payload, str):
+        return payload.startswith("data:video/")
+    return sniff(payload[:512]) is not None
+
+
+def _split(kinds: list[bool], image_limit: int, video_limit: int) -> list[list[int]]:
+    """The inputs' indices in requests, in order, each holding at most `image_limit` images and `video_limit`
+    videos (`kinds`: whether each is a video)."""
+    chunks, images, videos = [], 0, 0
+    for i, video in enumerate(kinds):
+        if not chunks or (videos >= video_limit if video else images >= image_limit):
+            chunks.append([])
+            images = videos = 0
+        chunks[-1].append(i)
+        videos, images = videos + video, images + (not video)
+    return chunks
+
+
+def _in_order(chunk: list[int], kinds: list[bool], answers: list) -> list:
+    """A request's answers in its inputs' order: the server answers its images first, then its videos."""
+    order = [i for i in chunk if not kinds[i]] + [i for i in chunk if kinds[i]]
+    by_input = dict(zip(order, answers))
+    return [by_input[i] for i in chunk]
 
 
 def _error(response: httpx.Response) -> VitserveError:
@@ -78,14 +121,14 @@ def _error(response: httpx.Response) -> VitserveError:
         return VitserveError(response.status_code, None, response.text[:500])
 
 
-def _no_answer(error: httpx.TransportError, url: str, attempts: int) -> VitserveError:
-    """A request that got no HTTP answer (status None)."""
+def _no_answer(error: httpx.TransportError, url: str, attempts: int, call: str) -> VitserveError:
+    """A request that got no HTTP answer (status None), for the client's method `call`."""
     if isinstance(error, CONNECT_ERRORS):
         tries = f"{attempts} attempt{'s' * (attempts > 1)}"
-        return VitserveError(None, "unreachable", f"cannot connect to {url} ({tries}): {error!r}")
+        return VitserveError(None, "unreachable", f"{call}: cannot connect to {url} ({tries}): {error!r}")
     if isinstance(error, httpx.TimeoutException):
-        return VitserveError(None, "timeout", f"no answer from {url} within the timeout: {error!r}")
-    return VitserveError(None, "transport_error", f"the connection to {url} broke: {error!r}")
+        return VitserveError(None, "timeout", f"{call}: no answer from {url} within the timeout: {error!r}")
+    return VitserveError(None, "transport_error", f"{call}: the connection to {url} broke: {error!r}")
 
 
 def _wait(outcome: httpx.Response | httpx.TransportError, attempt: int) -> float:
@@ -96,16 +139,21 @@ def _wait(outcome: httpx.Response | httpx.TransportError, attempt: int) -> float
         return min(30.0, 0.5 * 2**attempt)
 
 
-def _encode_request(images: list[bytes], dtype: str, deepstack: bool, layout: str,
+def _encode_request(items: list[bytes | str], videos: list[bool], dtype: str, deepstack: bool, layout: str,
                     max_pixels: int | None, **video) -> dict:
-    """A multipart /v1/encode request (the server tells videos from images by their bytes); `video`: fps,
-    num_frames, max_frames where given."""
-    fields = {"dtype": dtype, "deepstack": str(deepstack).lower(), "layout": layout}
-    for name, value in dict(video, max_pixels=max_pixels).items():
-        if value is not None:
-            fields[name] = str(value)
-    return dict(files=[("images", (f"{i}", data, "application/octet-stream")) for i, data in enumerate(images)],
-                data=fields, headers={"accept": "application/octet-stream"})
+    """A /v1/encode request: multipart where every input is bytes (the server tells videos from images by their
+    bytes), else JSON (URLs and data URIs as they are, bytes in base64, each in `images` or `videos`); `video`: fps,
+    num_frames, max_frames where given. The answer is safetensors either way."""
+    fields = {"dtype": dtype, "deepstack": deepstack, "layout": layout, **dict(video, max_pixels=max_pixels)}
+    fields = {name: value for name, value in fields.items() if value is not None}
+    headers = {"accept": "application/octet-stream"}
+    if all(isinstance(x, bytes) for x in items):
+        form = {name: str(value).lower() if isinstance(value, bool) else str(value) for name, value in fields.items()}
+        return dict(files=[("images", (f"{i}", data, "application/octet-stream")) for i, data in enumerate(items)],
+                    data=form, headers=headers)
+    text = [x if isinstance(x, str) else base64.b64encode(x).decode() for x in items]
+    return dict(json={**fields, "images": [t for t, v in zip(text, videos) if not v],
+                      "videos": [t for t, v in zip(text, videos) if v]}, headers=headers)
 
 
 def _encoded(response: httpx.Response) -> list[EncodedImage]:
@@ -131,11 +179,15 @@ def _metadata(body: bytes) -> dict:
     return json.loads(body[8:8 + size]).get("__metadata__", {})
 
 
-def _embed_request(images: list[bytes], pooling: str, normalize: bool, max_pixels: int | None) -> dict:
-    body = {"input": [base64.b64encode(data).decode() for data in images], "pooling": pooling, "normalize": normalize,
-            "encoding_format": "base64"}
-    if max_pixels is not None:
-        body["max_pixels"] = max_pixels
+def _embed_request(items: list[bytes | str], pooling: str, normalize: bool, max_pixels: int | None,
+                   modality: str = "image", **video) -> dict:
+    body = {"input": [x if isinstance(x, str) else base64.b64encode(x).decode() for x in items], "pooling": pooling,
+            "normalize": normalize, "encoding_format": "base64"}
+    if modality != "image":
+        body["modality"] = modality
+    for name, value in dict(video, max_pixels=max_pixels).items():
+        if value is not None:
+            body[name] = value
     return dict(json=body)
 
 
@@ -160,16 +212,24 @@ class _Base:
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
 
+    def _needs_limits(self, kinds: list[bool]) -> bool:
+        """Whether the server's limits must be asked before these inputs (`kinds`: which are videos) are split."""
+        return self.batch is None or (any(kinds) and self.video_batch is None)
+
+    def _learn(self, model: dict) -> None:
+        self.batch = self.batch or model.get("max_images_per_request") or 64
+        self.video_batch = model.get("max_videos_per_request") or 1
+
     def _retry_in(self, outcome: httpx.Response | httpx.TransportError, attempt: int) -> float | None:
         """Seconds to wait before sending again after `outcome` (the answer, or the error of a request that got
         none), or None when it is final: connection failures, 429 and 503 are retried, `retries` times at most."""
         retried = isinstance(outcome, CONNECT_ERRORS) or getattr(outcome, "status_code", None) in RETRIED
         return _wait(outcome, attempt) if retried and attempt < self.retries else None
 
-    def _final(self, outcome: httpx.Response | httpx.TransportError, path: str, attempts: int) -> httpx.Response:
-        """The answer; VitserveError for an error answer, or for none."""
+    def _final(self, outcome: httpx.Response | httpx.TransportError, attempts: int, call: str) -> httpx.Response:
+        """The answer; VitserveError for an error answer, or for none (naming the method called, `call`)."""
         if isinstance(outcome, httpx.TransportError):
-            raise _no_answer(outcome, self.base_url + path, attempts) from outcome
+            raise _no_answer(outcome, self.base_url, attempts, call) from outcome
         if outcome.status_code >= 400:
             raise _error(outcome)
         return outcome
@@ -177,7 +237,11 @@ class _Base:
 
 class Client(_Base):
     """`base_url` of the server; `api_key` if it has one; `timeout` seconds per request; `retries` of a failed
-    connection, a 429 or a 503; `max_images_per_request`: the split (default: what the server reports)."""
+    connection, a 429 or a 503; `max_images_per_request`: the split (default: what the server reports).
+
+    Inputs are paths, bytes, PIL images, data URIs, or http(s) URLs (which the server fetches, with
+    --allow-url-fetch); `encode` takes images and videos side by side (told apart by their bytes or media type)
+    and splits them at the server's limits of each."""
 
     def __init__(self, base_url: str = "http://localhost:8000", api_key: str | None = None, timeout: float = 120.0,
                  retries: int = 3, max_images_per_request: int | None = None,
@@ -194,7 +258,7 @@ class Client(_Base):
     def close(self) -> None:
         self.http.close()
 
-    def _send(self, method: str, path: str, **request) -> httpx.Response:
+    def _send(self, method: str, path: str, call: str, **request) -> httpx.Response:
         attempt = 0
         while True:
             try:
@@ -203,56 +267,55 @@ class Client(_Base):
                 outcome = e
             wait = self._retry_in(outcome, attempt)
             if wait is None:
-                return self._final(outcome, path, attempt + 1)
+                return self._final(outcome, attempt + 1, call)
             time.sleep(wait)
             attempt += 1
 
     def model(self) -> dict:
-        """The served model: id, family, embedding_dim, deepstack_layers, max_images_per_request, ready."""
-        return self._send("GET", "/v1/models").json()["data"][0]
+        """The served model: id, family, embedding_dim, deepstack_layers, max_images_per_request,
+        max_videos_per_request, capabilities, ready."""
+        return self._send("GET", "/v1/models", "model").json()["data"][0]
 
-    def _size(self) -> int:
-        if self.batch is None:
-            self.batch = self.model().get("max_images_per_request") or 64
-        return self.batch
+    def _split(self, kinds: list[bool], call: str) -> list[list[int]]:
+        if self._needs_limits(kinds):
+            self._learn(self._send("GET", "/v1/models", call).json()["data"][0])
+        return _split(kinds, self.batch, self.video_batch or 1)
+
+    def _encode(self, inputs, modality: str | None, call: str, *options, **video) -> list:
+        items, single = _inputs(inputs)
+        kinds = [_is_video(x, modality) for x in items]
+        out = []
+        for chunk in self._split(kinds, call):
+            reply = self._send("POST", "/v1/encode", call, **_encode_request(
+                [items[i] for i in chunk], [kinds[i] for i in chunk], *options, **video))
+            out += _in_order(chunk, kinds, _encoded(reply))
+        return out[0] if single else out
 
     def encode(self, images, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
-               max_pixels: int | None = None) -> EncodedImage | list[EncodedImage]:
-        """Token embeddings (+ Qwen3 deepstack) of one image (a path, bytes or a PIL image) as an EncodedImage, or
-        of a list of them as a list, in order."""
-        data, single = _images(images)
-        out = []
-        for chunk in _chunks(data, self._size()):
-            out += _encoded(self._send("POST", "/v1/encode", **_encode_request(chunk, dtype, deepstack, layout,
-                                                                               max_pixels)))
-        return out[0] if single else out
+               max_pixels: int | None = None) -> EncodedImage | list[EncodedImage | EncodedVideo]:
+        """Token embeddings (+ Qwen3 deepstack) of one input as an EncodedImage (an EncodedVideo for a video, at
+        the server's default sampling), or of a list of them as a list, in order."""
+        return self._encode(images, None, "encode", dtype, deepstack, layout, max_pixels)
 
     def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
                       max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
                       layout: str = "tokens", max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
-        """Token embeddings (+ Qwen3 deepstack) and timing of one video (a path or its bytes) as an EncodedVideo,
-        or of a list of them as a list, in order; sampled at `fps` or as `num_frames` (else the server's
-        default), at most `max_frames`."""
-        data, single = _videos(videos)
-        out = []
-        for chunk in _chunks(data, self._video_size()):
-            out += _encoded(self._send("POST", "/v1/encode", **_encode_request(
-                chunk, dtype, deepstack, layout, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames)))
-        return out[0] if single else out
+        """Token embeddings (+ Qwen3 deepstack) and timing of one video as an EncodedVideo, or of a list of them as
+        a list, in order; sampled at `fps` or as `num_frames` (else the server's default), at most `max_frames`."""
+        return self._encode(videos, "video", "encode_videos", dtype, deepstack, layout, max_pixels, fps=fps,
+                            num_frames=num_frames, max_frames=max_frames)
 
-    def _video_size(self) -> int:
-        if self.video_batch is None:
-            self.video_batch = self.model().get("max_videos_per_request") or 1
-        return self.video_batch
-
-    def embed(self, images, pooling: str = "mean", normalize: bool = False,
-              max_pixels: int | None = None) -> torch.Tensor | list[torch.Tensor]:
-        """The vector (`pooling="none"`: the token matrix), float32, of one image, or a list of them for a list."""
-        data, single = _images(images)
+    def embed(self, images, pooling: str = "mean", normalize: bool = False, max_pixels: int | None = None,
+              modality: str = "image", fps: float | None = None, num_frames: int | None = None,
+              max_frames: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """The vector (`pooling="none"`: the token matrix), float32, of one input, or a list of them for a list;
+        `modality="video"`: the inputs are videos (one vector each, sampled as for `encode_videos`)."""
+        items, single = _inputs(images)
         out = []
-        for chunk in _chunks(data, self._size()):
-            out += _embedded(self._send("POST", "/v1/embeddings", **_embed_request(chunk, pooling, normalize,
-                                                                                   max_pixels)))
+        for chunk in self._split([modality == "video"] * len(items), "embed"):
+            out += _embedded(self._send("POST", "/v1/embeddings", "embed", **_embed_request(
+                [items[i] for i in chunk], pooling, normalize, max_pixels, modality, fps=fps, num_frames=num_frames,
+                max_frames=max_frames)))
         return out[0] if single else out
 
 
@@ -275,7 +338,7 @@ class AsyncClient(_Base):
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def _send(self, method: str, path: str, **request) -> httpx.Response:
+    async def _send(self, method: str, path: str, call: str, **request) -> httpx.Response:
         attempt = 0
         while True:
             try:
@@ -284,44 +347,44 @@ class AsyncClient(_Base):
                 outcome = e
             wait = self._retry_in(outcome, attempt)
             if wait is None:
-                return self._final(outcome, path, attempt + 1)
+                return self._final(outcome, attempt + 1, call)
             await asyncio.sleep(wait)
             attempt += 1
 
     async def model(self) -> dict:
-        return (await self._send("GET", "/v1/models")).json()["data"][0]
+        return (await self._send("GET", "/v1/models", "model")).json()["data"][0]
 
-    async def _size(self) -> int:
-        if self.batch is None:
-            self.batch = (await self.model()).get("max_images_per_request") or 64
-        return self.batch
+    async def _split(self, kinds: list[bool], call: str) -> list[list[int]]:
+        if self._needs_limits(kinds):
+            self._learn((await self._send("GET", "/v1/models", call)).json()["data"][0])
+        return _split(kinds, self.batch, self.video_batch or 1)
+
+    async def _encode(self, inputs, modality: str | None, call: str, *options, **video) -> list:
+        items, single = _inputs(inputs)
+        kinds = [_is_video(x, modality) for x in items]
+        chunks = await self._split(kinds, call)
+        replies = await asyncio.gather(*(self._send("POST", "/v1/encode", call, **_encode_request(
+            [items[i] for i in chunk], [kinds[i] for i in chunk], *options, **video)) for chunk in chunks))
+        out = [item for chunk, reply in zip(chunks, replies) for item in _in_order(chunk, kinds, _encoded(reply))]
+        return out[0] if single else out
 
     async def encode(self, images, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
-                     max_pixels: int | None = None) -> EncodedImage | list[EncodedImage]:
-        (data, single), size = _images(images), await self._size()
-        replies = await asyncio.gather(*(self._send("POST", "/v1/encode", **_encode_request(c, dtype, deepstack,
-                                                                                            layout, max_pixels))
-                                         for c in _chunks(data, size)))
-        out = [item for reply in replies for item in _encoded(reply)]
-        return out[0] if single else out
+                     max_pixels: int | None = None) -> EncodedImage | list[EncodedImage | EncodedVideo]:
+        return await self._encode(images, None, "encode", dtype, deepstack, layout, max_pixels)
 
     async def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
                             max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
                             layout: str = "tokens", max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
-        if self.video_batch is None:
-            self.video_batch = (await self.model()).get("max_videos_per_request") or 1
-        (data, single), size = _videos(videos), self.video_batch
-        replies = await asyncio.gather(*(self._send("POST", "/v1/encode", **_encode_request(
-            c, dtype, deepstack, layout, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames))
-            for c in _chunks(data, size)))
-        out = [item for reply in replies for item in _encoded(reply)]
-        return out[0] if single else out
+        return await self._encode(videos, "video", "encode_videos", dtype, deepstack, layout, max_pixels, fps=fps,
+                                  num_frames=num_frames, max_frames=max_frames)
 
-    async def embed(self, images, pooling: str = "mean", normalize: bool = False,
-                    max_pixels: int | None = None) -> torch.Tensor | list[torch.Tensor]:
-        (data, single), size = _images(images), await self._size()
-        replies = await asyncio.gather(*(self._send("POST", "/v1/embeddings", **_embed_request(c, pooling, normalize,
-                                                                                               max_pixels))
-                                         for c in _chunks(data, size)))
+    async def embed(self, images, pooling: str = "mean", normalize: bool = False, max_pixels: int | None = None,
+                    modality: str = "image", fps: float | None = None, num_frames: int | None = None,
+                    max_frames: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+        items, single = _inputs(images)
+        chunks = await self._split([modality == "video"] * len(items), "embed")
+        replies = await asyncio.gather(*(self._send("POST", "/v1/embeddings", "embed", **_embed_request(
+            [items[i] for i in chunk], pooling, normalize, max_pixels, modality, fps=fps, num_frames=num_frames,
+            max_frames=max_frames)) for chunk in chunks))
         out = [item for reply in replies for item in _embedded(reply)]
         return out[0] if single else out
