@@ -23,10 +23,10 @@ The server runs with the embedding cache off (the same image is sent over and ov
 largest clip and --max-video-frames that fits the long clip, then --server-flags. Every phase is bounded
 (--request-timeout per request, a deadline per phase) so a hung server fails a phase instead of hanging the run.
 
-What the tower sees depends on the video processor settings. Dummy weights take the processor classes' defaults,
-which the published checkpoints do not ship: Qwen3-VL's class default fits all sampled frames together into 768·32²
-pixels (the 30 s clip: 60 frames of 64x128), its published config into 25165824 (60 frames of 480x832).
-`--video-config published` (or a JSON file or text of settings) writes the model once as a checkpoint directory
+What the tower sees depends on the video processor settings. Dummy weights of a built-in hub id take the published
+checkpoints' (encoder.video.PUBLISHED); a tiny-* model the processor classes' defaults: Qwen3-VL's class default fits
+all sampled frames together into 768·32² pixels (the 30 s clip: 60 frames of 64x128), its published config into
+25165824 (60 frames of 480x832). `--video-config published` (or a JSON file or text of settings) writes the model once as a checkpoint directory
 (config, those settings, the same seeded dummy weights as safetensors in --dtype, under the temp dir; about 1.2 GB
 for Qwen3-VL-8B's tower in bf16) that the server, the engine and transformers all load.
 
@@ -126,16 +126,10 @@ def make_clip(c: dict, directory: Path, preset: str, photo: str = "sample.jpg") 
 
 
 # ---- a checkpoint whose video processor is a published one ----------------------------------------------------------
-# The video processor settings the published checkpoints ship (Qwen3-VL's video_preprocessor_config.json; Qwen2/2.5-VL
-# have none, so transformers' video processor takes their preprocessor_config.json's pixels). Dummy weights run with
-# the processor classes' defaults instead: Qwen3-VL's fit every sampled frame together into 768·32² pixels (a 30 s
-# clip at 2 fps: 60 frames of 64x128), the published config into 25165824.
-PUBLISHED_VIDEO = {
-    "qwen3_vl": {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "fps": 2, "min_frames": 4,
-                 "max_frames": 768, "do_sample_frames": True},
-    "qwen2_5_vl": {"min_pixels": 3136, "max_pixels": 12845056},
-    "qwen2_vl": {"min_pixels": 3136, "max_pixels": 12845056},
-}
+# The video processor settings the published checkpoints ship (encoder.video.PUBLISHED, what dummy weights of a
+# built-in hub id take too); a tiny-* model runs with the processor classes' defaults instead: Qwen3-VL's fit every
+# sampled frame together into 768·32² pixels (a 30 s clip at 2 fps: 60 frames of 64x128), the published config into
+# 25165824.
 
 
 def with_video_config(args) -> None:
@@ -152,7 +146,9 @@ def with_video_config(args) -> None:
 
     cfg = builtin_config(args.model)
     if args.video_config == "published":
-        video = PUBLISHED_VIDEO[cfg.family]
+        from vitserve.encoder.video import PUBLISHED
+
+        video = PUBLISHED[cfg.family]
     else:
         video = json.loads(Path(args.video_config).read_text() if Path(args.video_config).is_file()
                            else args.video_config)

@@ -20,8 +20,6 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from video import PUBLISHED_VIDEO  # noqa: E402
-
 from vitserve.encoder import video as V  # noqa: E402
 from vitserve.encoder.config import builtin_config  # noqa: E402
 
@@ -36,7 +34,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = builtin_config(args.model)
-    base = V.VideoConfig.for_model(cfg).from_hf(PUBLISHED_VIDEO[cfg.family]).with_request(fps=args.fps)
+    base = V.VideoConfig.for_model(cfg).from_hf(V.PUBLISHED[cfg.family]).with_request(fps=args.fps)
     rows = []
     clips = [p for p in Path(args.clip_dir).glob("*.mp4") if p.stat().st_size <= args.largest_mb * 1e6]
     for clip in sorted(clips, key=lambda p: p.stat().st_size):

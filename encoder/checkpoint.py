@@ -51,7 +51,8 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, allow_download:
 def resolve_checkpoint(model: str, revision: str | None = None, allow_download: bool | None = None,
                        cache_dir: str | None = None) -> Path:
     """A local checkpoint directory, or the snapshot directory of a hub id in the local HF cache. When downloads are
-    allowed (default: unless HF_HUB_OFFLINE is set), fetch config, index and only the shards holding vision tensors."""
+    allowed (default: unless HF_HUB_OFFLINE is set), fetch config, the processors' settings (images' and videos'),
+    index and only the shards holding vision tensors."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -61,7 +62,8 @@ def resolve_checkpoint(model: str, revision: str | None = None, allow_download: 
         allow_download = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("1", "true", "yes")
     fetch = lambda name: _hub_file(model, name, revision, allow_download, cache_dir)  # noqa: E731
     config = fetch("config.json")
-    fetch("preprocessor_config.json")
+    for name in ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"):
+        fetch(name)  # the image's and the video's processor settings, where transformers looks for them
     index = fetch(INDEX_FILE)
     shards = [SINGLE_FILE] if index is None else \
         sorted(set(_vision_weight_map(json.loads(index.read_text())["weight_map"]).values()))

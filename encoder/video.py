@@ -69,19 +69,38 @@ class VideoTooLong(VideoTooLarge):
     code = "video_too_long"
 
 
+class VideoTooCostly(VideoTooLarge):
+    """A video whose decode work (`decode_work`) is over its limit."""
+
+    code = "decode_work"
+
+
 # codecs whose decoders are maintained FFmpeg ones, common in uploads; others are refused before decoding
 CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mpeg1video", "mjpeg", "theora", "prores")
+
+
+# a sampled frame's conversion to RGB and resize costs about this many decodes of it (H.264, VP9 and MPEG-4 at 720p
+# and an empty 2048x2048 H.264, on the CPU: 6-10)
+CONVERT_COST = 8
+
+
+def decode_work(width: int, height: int, decoded: int, kept: int) -> int:
+    """The work of decoding a video, in source pixels: `decoded` frames of width x height decoded (every frame up to
+    the last one sampled: decoding cannot skip), `kept` of them also converted and resized (CONVERT_COST times a
+    decode). About 0.5-1 G of it a second for a video's decode on one CPU core pair."""
+    return width * height * (decoded + CONVERT_COST * kept)
 
 
 @dataclass(frozen=True)
 class VideoLimits:
     """What a video may cost, checked from its header before its frames are decoded (and as they are):
     `max_seconds` of declared duration, `max_frame_pixels` per source frame, `max_bytes` of resized frames kept,
-    `codecs` allowed."""
+    `max_work` of decode work (`decode_work`; None: no limit), `codecs` allowed."""
 
     max_seconds: float = 3600.0
     max_frame_pixels: int = 8192 * 8192
     max_bytes: int = 4 * 2**30
+    max_work: int | None = None
     codecs: tuple[str, ...] = CODECS
 
     def check(self, info: VideoInfo) -> None:
@@ -119,6 +138,7 @@ class VideoConfig:
     max_frames: int = 768
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
+    truncate_frames: bool = False  # a num_frames over the video's frames takes them all (else VideoTooShort)
     decoder: str = "cpu"        # one of DECODERS: how frames are decoded, not which frames or pixels
 
     def __post_init__(self) -> None:
@@ -136,6 +156,9 @@ class VideoConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or int(value) != value or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"the videos' min_pixels ({self.min_pixels}) must be <= their max_pixels "
+                             f"({self.max_pixels})")
 
     @property
     def factor(self) -> int:
@@ -186,17 +209,31 @@ class VideoConfig:
         return dataclasses.replace(self, **kw)
 
     def with_request(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
-                     max_pixels: int | None = None) -> VideoConfig:
+                     max_pixels: int | None = None, truncate_frames: bool = False) -> VideoConfig:
         """A request's sampling and size: `fps` or `num_frames` replaces the default rule (and samples); the others
-        only tighten."""
-        kw: dict[str, Any] = {}
+        only tighten (a `max_pixels` under `min_pixels` is a ValueError, as for images); `truncate_frames`: a
+        `num_frames` over a video's frames takes them all."""
+        kw: dict[str, Any] = {"truncate_frames": True} if truncate_frames else {}
         if fps is not None or num_frames is not None:
             kw.update(fps=fps, num_frames=num_frames, do_sample_frames=True)
         if max_frames is not None:
             kw["max_frames"] = min(self.max_frames, max_frames)
         if max_pixels is not None:
-            kw["max_pixels"] = max(self.min_pixels, min(self.max_pixels, max_pixels))
+            if max_pixels < self.min_pixels:
+                raise ValueError(f"max_pixels must be at least the videos' min_pixels ({self.min_pixels})")
+            kw["max_pixels"] = min(self.max_pixels, max_pixels)
         return dataclasses.replace(self, **kw) if kw else self
+
+
+# The video processor settings the published checkpoints ship, by VisionConfig.family: Qwen3-VL's
+# video_preprocessor_config.json; Qwen2/2.5-VL ship none, so transformers' video processor reads their
+# preprocessor_config.json's pixels. What dummy weights of a built-in hub id preprocess videos with.
+PUBLISHED = {
+    "qwen3_vl": {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "fps": 2, "min_frames": 4,
+                 "max_frames": 768, "do_sample_frames": True},
+    "qwen2_5_vl": {"min_pixels": 3136, "max_pixels": 12845056},
+    "qwen2_vl": {"min_pixels": 3136, "max_pixels": 12845056},
+}
 
 
 IMAGE_BRANDS = (b"avif", b"avis", b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1")
@@ -237,24 +274,37 @@ class VideoInfo:
         return self.total_frames / self.fps if self.fps else 0.0
 
 
+def plural_frames(n: int) -> str:
+    """ "1 frame", "2 frames"."""
+    return f"{n} frame" if n == 1 else f"{n} frames"
+
+
 def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
     """The indices of the frames to keep, as the family's `sample_frames` picks them (every frame when the config
-    does not sample)."""
+    does not sample), never more than `max_frames`: where the family's rule would keep more (every frame of a long
+    video, or a `num_frames` over it), `max_frames` frames floored to a temporal patch are spread evenly, as
+    `sample_frames` spreads a `num_frames`. A `num_frames` over the video's frames is a VideoTooShort, or with
+    `truncate_frames` every frame (floored to a temporal patch)."""
     total, t = info.total_frames, cfg.temporal_patch_size
     if total <= 0:
         raise VideoTooShort("the video has no frames")
-    if not cfg.do_sample_frames:
-        return np.arange(total)
-    num_frames, fps = cfg.num_frames, cfg.fps
-    if cfg.family == "qwen3":
+    num_frames, fps = (cfg.num_frames, cfg.fps) if cfg.do_sample_frames else (None, None)
+    if num_frames is not None and num_frames < t:
+        raise VideoTooShort(f"num_frames {num_frames} is less than one temporal patch ({plural_frames(t)})")
+    if num_frames is not None and num_frames > total and cfg.truncate_frames:
+        num_frames = total if cfg.family == "qwen3" else math.floor(total / t) * t
+    if cfg.family == "qwen3" and cfg.do_sample_frames:
+        if num_frames is not None:
+            num_frames = min(num_frames, cfg.max_frames)
         if num_frames is None and fps is not None:
             num_frames = int(total / (info.fps or 24) * fps)
             num_frames = min(max(num_frames, cfg.min_frames), cfg.max_frames, total)
         if num_frames is None:
             num_frames = min(max(total, cfg.min_frames), cfg.max_frames)
         return np.linspace(0, total - 1, num_frames).round().astype(int)
+    most = math.floor(cfg.max_frames / t) * t  # at most max_frames, in whole temporal patches
     if num_frames is not None:
-        num_frames = round(num_frames / t) * t
+        num_frames = min(round(num_frames / t) * t, most)
     elif fps is not None:
         if not info.fps:
             raise VideoError("the video declares no frame rate, so it cannot be sampled by fps: give num_frames")
@@ -262,12 +312,18 @@ def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
         num_frames = total / info.fps * fps
         num_frames = min(max(num_frames, cfg.min_frames), max_frames, total)
         num_frames = math.floor(num_frames / t) * t
+    elif total > cfg.max_frames:  # every frame, but at most max_frames of them
+        num_frames = most
+    if num_frames is not None and num_frames <= 0 and most <= 0:
+        raise VideoTooShort(f"max_frames {cfg.max_frames} is less than one temporal patch ({plural_frames(t)})")
     if num_frames is None:
         return np.arange(total)
     if num_frames <= 0:
-        raise VideoTooShort(f"the video has {total} frames, fewer than one temporal patch ({t})")
+        raise VideoTooShort(f"the video has {plural_frames(total)}, fewer than one temporal patch "
+                            f"({plural_frames(t)})")
     if num_frames > total:
-        raise VideoTooShort(f"{num_frames} frames asked of a video of {total}")
+        raise VideoTooShort(f"num_frames {num_frames} is more than the video's {plural_frames(total)} "
+                            "(truncate_frames takes them all)")
     return torch.arange(0, total, total / num_frames).int().numpy()
 
 
@@ -287,7 +343,7 @@ def frame_size(num_frames: int, height: int, width: int, cfg: VideoConfig) -> tu
         per_frame = max(min(cfg.max_video_tokens * f * f, cfg.max_pixels // num_frames), int(cfg.min_pixels * 1.05))
         max_pixels = per_frame * num_frames
     if num_frames < t:
-        raise VideoTooShort(f"{num_frames} frame(s) sampled: Qwen3-VL needs at least {t}")
+        raise VideoTooShort(f"{plural_frames(num_frames)} sampled: Qwen3-VL needs at least {t}")
     if height < f or width < f:
         scale = max(f / height, f / width)
         height, width = int(height * scale), int(width * scale)
@@ -343,6 +399,15 @@ class Video:
         indices += indices[-1:] * (-len(indices) % t)
         times = [i / fps for i in indices]
         return [(times[i] + times[i + t - 1]) / 2 for i in range(0, len(times), t)]
+
+
+def unavailable() -> str | None:
+    """Why this process cannot decode videos (PyAV missing, or broken), or None where it can; imports PyAV."""
+    try:
+        import av  # noqa: F401
+    except ImportError as e:
+        return f"PyAV cannot be imported ({e}): pip install 'vitserve[video]'"
+    return None
 
 
 def _av():
@@ -439,10 +504,12 @@ def _video_stream(container):
     return container.streams.video[0]
 
 
-def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads: int = 0) -> Iterator[np.ndarray]:
+def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads: int = 0,
+                  max_work: int | None = None) -> Iterator[np.ndarray]:
     """The frames at `indices` (ascending; a repeated index gives its frame once, as transformers' reader does),
     each converted to RGB and resized to `size` as it is decoded; `threads`: FFmpeg's decoding threads (0: one per
-    core)."""
+    core). `max_work`: the decode work (`decode_work`, counted on the frames as they come) past which the video is
+    refused (VideoTooCostly) before another frame is converted: frames larger than the header said stop there."""
     av = _av()
     wanted = set(int(i) for i in indices)
     last = max(wanted)
@@ -450,10 +517,15 @@ def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads
     stream.thread_type = "AUTO"
     stream.codec_context.thread_count = threads
     height, width = size
+    work = 0
     try:
         for i, frame in enumerate(container.decode(stream)):
             if i > last:
                 return
+            work += decode_work(frame.width, frame.height, 1, i in wanted)
+            if max_work is not None and work > max_work:
+                raise VideoTooCostly(f"decoding the video takes more than its header declares (a frame of "
+                                     f"{frame.width}x{frame.height} at frame {i})")
             if i in wanted:
                 rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
                 yield resize(rgb, height, width).permute(1, 2, 0).numpy()
@@ -467,23 +539,39 @@ def _most_pixels(limits: VideoLimits) -> int:
     return 2 * limits.max_frame_pixels + 256 * 256
 
 
-def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, np.ndarray, tuple[int, int], int]:
+@dataclass(frozen=True)
+class VideoCost:
+    """What decoding a video takes, read from its header: `memory` in bytes (its resized sampled frames and one
+    decoded frame) and `work` (`decode_work`)."""
+
+    memory: int
+    work: int
+
+
+def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, np.ndarray, tuple[int, int],
+                                                                     VideoCost]:
     """From the header, before any frame is kept: the video's info (its limits checked), the frames to keep, their
-    size, and the bytes decoding it takes (the kept frames resized, and one decoded frame)."""
+    size, and what decoding it takes (its limits checked)."""
     info = probe(container, limits)
     limits.check(info)
     indices = sample_indices(info, cfg)
     kept = np.unique(indices)
     height, width = frame_size(len(indices), info.height, info.width, cfg)
     if len(kept) * height * width * 3 > limits.max_bytes:
-        raise VideoTooLarge(f"{len(kept)} frames of {width}x{height} take {len(kept) * height * width * 3 >> 20} "
-                            f"MiB; the limit is {limits.max_bytes >> 20} MiB (sample fewer or smaller frames)")
-    return info, kept, (height, width), (len(kept) * height * width + info.height * info.width) * 3
+        raise VideoTooLarge(f"{plural_frames(len(kept))} of {width}x{height} take "
+                            f"{len(kept) * height * width * 3 >> 20} MiB; the limit is {limits.max_bytes >> 20} MiB "
+                            "(sample fewer frames: max_frames, num_frames or fps; or smaller ones: max_pixels)")
+    work = decode_work(info.width, info.height, int(kept[-1]) + 1, len(kept))
+    if limits.max_work is not None and work > limits.max_work:
+        raise VideoTooCostly(f"decoding {plural_frames(int(kept[-1]) + 1)} of {info.width}x{info.height} and "
+                             f"converting {len(kept)} of them is {work / 1e9:.1f} G pixels of work; the limit is "
+                             f"{limits.max_work / 1e9:.1f} G (send a shorter or smaller video)")
+    return info, kept, (height, width), VideoCost((len(kept) * height * width + info.height * info.width) * 3, work)
 
 
-def video_bytes(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> int:
-    """The memory decoding this video takes (`load_video`'s frames and one decoded frame), read from its header
-    with the same checks `load_video` makes first: what a server reserves before it decodes the video."""
+def video_cost(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> VideoCost:
+    """What decoding this video takes (`load_video`'s frames and one decoded frame; its decode work), read from its
+    header with the same checks `load_video` makes first: what a server reserves before it decodes the video."""
     container = _open(source, _most_pixels(limits))
     try:
         return _plan(container, cfg, limits)[3]
@@ -497,14 +585,16 @@ def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
     side gives each a few)."""
     container = _open(source, _most_pixels(limits), cfg.decoder)
     try:
-        info, kept, (height, width), _ = _plan(container, cfg, limits)
+        info, kept, (height, width), cost = _plan(container, cfg, limits)
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
         n = 0
-        for n, frame in enumerate(decode_frames(container, kept, (height, width), threads), 1):
+        # a header that understates the work by over twice (frames larger than it says) is refused as it decodes
+        for n, frame in enumerate(decode_frames(container, kept, (height, width), threads, 2 * cost.work), 1):
             frames[n - 1] = frame
         if n < len(kept):
-            raise VideoError(f"the video declares {info.total_frames} frames but ends before frame {int(kept[n])}")
+            raise VideoError(f"the video declares {plural_frames(info.total_frames)} but ends before frame "
+                             f"{int(kept[n])}")
         return Video(frames, kept, info, cfg.temporal_patch_size, decoder_used(container))
     finally:
         container.close()

@@ -122,11 +122,28 @@ def load_configs(model: str, load_format: str = "auto", revision: str | None = N
     return cfg, pcfg.with_overrides(**overrides), ckpt
 
 
-def video_config_of(cfg: VisionConfig, ckpt, decoder: str = "cpu") -> video.VideoConfig:
-    """The video preprocessing of a checkpoint (its video processor settings over the family's defaults; the
-    defaults alone for dummy weights, `ckpt` None), decoded by `decoder` (video.DECODERS)."""
-    config = video.VideoConfig.for_model(cfg, checkpoint.read_video_config(ckpt) if ckpt is not None else None)
-    return dataclasses.replace(config, decoder=decoder)
+def video_config_of(cfg: VisionConfig, ckpt, decoder: str = "cpu", model: str | None = None,
+                    min_pixels: int | None = None, max_pixels: int | None = None) -> video.VideoConfig:
+    """The video preprocessing of a checkpoint (its video processor settings over the family's defaults), decoded
+    by `decoder` (video.DECODERS), its resize bounds overridden by `min_pixels` / `max_pixels` where given (as the
+    family's processor counts them: per frame, or every sampled frame together). Dummy weights (`ckpt` None) of a
+    built-in hub id (`model`) take its published checkpoints' settings (video.PUBLISHED), a tiny-* built-in the
+    family's defaults alone."""
+    if ckpt is not None:
+        hf = checkpoint.read_video_config(ckpt)
+    else:
+        hf = video.PUBLISHED[cfg.family] if model is not None and _is_hub_builtin(model) else None
+    overrides = {k: v for k, v in dict(min_pixels=min_pixels, max_pixels=max_pixels).items() if v is not None}
+    return dataclasses.replace(video.VideoConfig.for_model(cfg, hf), decoder=decoder, **overrides)
+
+
+def _is_hub_builtin(model: str) -> bool:
+    """Whether `model` names a published checkpoint's built-in config (a hub id, not a tiny-* one)."""
+    try:
+        builtin_config(model)
+    except KeyError:
+        return False
+    return not model.lower().startswith("tiny-")
 
 
 class VisionEncoder:
@@ -175,13 +192,16 @@ class VisionEncoder:
                         min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
                         cache_dir: str | None = None, budgets=DEFAULT_BUDGETS, capture: bool = True,
                         attention_backend: str = "auto", preprocess: str = "exact",
-                        video_decoder: str = "cpu") -> VisionEncoder:
+                        video_decoder: str = "cpu", video_min_pixels: int | None = None,
+                        video_max_pixels: int | None = None) -> VisionEncoder:
         """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
         `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
         `attention_backend`: one of encoder.attention.BACKENDS; `auto` takes the fastest that runs on this device and
         dtype (exact SDPA on the CPU and in float32). `preprocess`: "exact" (bit-identical to transformers' PIL
         image processor, on the host) or "fast" (transformers' torchvision processor, on the device: preprocess_fast).
         `video_decoder`: "cpu" (FFmpeg's software decoders, as transformers decodes) or "nvdec" (video.DECODERS).
+        `min_pixels` / `max_pixels` override the images' resize bounds, `video_min_pixels` / `video_max_pixels` the
+        videos' (as the family's video processor counts them).
         On CUDA in half precision the graphs of every patch budget are captured before this returns."""
         device, dtype = parse_device(device), parse_dtype(dtype)
         cfg, pcfg, ckpt = load_configs(model, load_format, revision, allow_download, min_pixels, max_pixels, cache_dir)
@@ -190,7 +210,7 @@ class VisionEncoder:
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
-        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt, video_decoder))
+        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt, video_decoder, model, video_min_pixels, video_max_pixels))
         if capture:
             encoder.capture()
         return encoder

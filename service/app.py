@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import math
+import re
 import time
 from contextlib import asynccontextmanager
 
@@ -67,6 +68,9 @@ def where(loc: tuple) -> str:
     return out
 
 
+URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,15})://")  # file://, ftp://...: a URL, never base64
+
+
 def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "input",
                  kind: str = "image") -> Base64Data | str:
     """A data URI, bare base64, or (when enabled) an http(s) URL left for the fetcher; `kind`: image or video (the
@@ -79,10 +83,19 @@ def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "in
             raise ServiceError(400, f"{param}: {kind} URLs are disabled on this server; send a data URI or base64",
                                "url_fetch_disabled", param)
         return str(item)
+    if scheme := URL_SCHEME.match(head):
+        raise ServiceError(400, f"{param}: {scheme[1]}:// URLs are not read; send a data URI or base64"
+                                + (", or an http(s) URL" if allow_url else ""), "invalid_url", param)
     start = 0
     if head.startswith("data:"):
         comma = head.find(",", 0, 1024)  # a data URI's header is short
         media = head[5:comma if comma >= 0 else 1024].split(";")
+        if kind == "image" and media[0].startswith("video/"):
+            raise ServiceError(400, f"{param}: this is a video, not an image: send it in `videos` (/v1/encode) or "
+                                    "with modality video (/v1/embeddings)", "video_input", param)
+        if kind == "video" and media[0].startswith("image/"):
+            raise ServiceError(400, f"{param}: this is an image, not a video: send it in `images` (/v1/encode) or "
+                                    "without modality video (/v1/embeddings)", "not_a_video", param)
         if comma < 0 or not media[0].startswith(f"{kind}/") or "base64" not in media[1:]:
             raise ServiceError(400, f"{param}: expected data:{kind}/<type>;base64,<data>, got media type "
                                     f"{clip(';'.join(media))!r}", "invalid_media_type", param)
@@ -205,6 +218,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     async def encode_videos(request: Request, videos: list, field: str, options: dict, mean_pooling: bool = False,
                             max_pixels: int | None = None) -> Encoded:
+        if engine.videos_unavailable:  # the server's condition, not the request's fault
+            raise ServiceError(501, f"this server cannot decode videos: {engine.videos_unavailable}",
+                               "videos_unavailable", field)
         if len(videos) > settings.max_videos_per_request:
             raise ServiceError(413, f"{len(videos)} videos in one request; the limit is "
                                     f"{settings.max_videos_per_request}", "too_many_videos", field)
@@ -484,7 +500,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             "embedding_dim": cfg.out_hidden_size if cfg else None, "ready": engine.state is State.READY,
             "deepstack_layers": len(cfg.deepstack_visual_indexes) if cfg else None,
             "max_images_per_request": settings.max_images_per_request,
-            "max_videos_per_request": settings.max_videos_per_request}]}
+            "max_videos_per_request": settings.max_videos_per_request,
+            "capabilities": {"images": True, "videos": engine.videos_unavailable is None}}]}
 
     @app.get("/health")
     async def health():

@@ -207,7 +207,7 @@ class Core:
             with self.lock:
                 for item in message[1]:
                     work = WorkItem(item.image, item.grid, None, item.mean_pooling, item.param,
-                                    origin=(link, item.id, item.key))
+                                    origin=(link, item.id, item.key), modality=item.modality)
                     self.items[link.index, item.id] = work
                     items.append(work)
             self.queue.put(items)
@@ -255,6 +255,8 @@ class Core:
             self.fail(f"internal error in the core: {type(e).__name__}: {e}")
 
     def _done(self, worker, batch: list, outputs, error: EngineError | None, seconds: float) -> None:
+        from .metrics import count_items
+
         m = self.metrics
         if error is not None and error.code == "device_lost":
             self.fail(error.message)
@@ -262,7 +264,7 @@ class Core:
             m.inference_seconds.labels(worker.name).observe(seconds)
             m.batch_tokens.observe(sum(i.patches for i in batch) // self.model.config.merge_unit)
             m.batch_images.observe(len(batch))
-            m.images.labels(worker.name).inc(len(batch))
+            count_items(m, worker.name, batch)
             m.record("inference", seconds)
         by_link: dict[Link, list] = collections.defaultdict(list)
         settled = []
@@ -401,6 +403,8 @@ def front_settings(settings: Settings, fronts: int) -> Settings:
         max_concurrent_requests=share(settings.max_concurrent_requests),
         max_connections=share(settings.max_connections), body_memory=share(settings.body_memory),
         decode_memory=share(settings.decode_memory), url_fetch_memory=share(settings.url_fetch_memory),
+        video_decode_work=share(settings.video_decode_work),
+        video_decode_workers=settings.video_decode_workers and max(1, settings.video_decode_workers // fronts),
         ec_storage_bytes=share(settings.ec_storage_bytes))
 
 

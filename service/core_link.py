@@ -38,6 +38,7 @@ class Item:
     mean_pooling: bool
     param: str
     key: bytes | None
+    modality: str = "image"  # or "video": a video's slice
 
 
 @dataclass
@@ -103,7 +104,8 @@ class CoreLink:
         for item in items:
             item.id = next(self.ids)
             self.items[item.id] = item
-            records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key))
+            records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key,
+                                item.modality))
         self.send(("submit", records))
 
     def drop(self, items: list) -> None:

@@ -95,12 +95,12 @@ def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: Preproc
     return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
 
 
-def measure_video(data, is_base64: bool, cfg, limits) -> int:
-    """Runs in a worker: the memory decoding a video takes, from its header (encoder.video.video_bytes: its limits
-    checked first)."""
-    from ..encoder.video import video_bytes
+def measure_video(data, is_base64: bool, cfg, limits):
+    """Runs in a worker: what decoding a video takes (a VideoCost: memory and decode work), from its header
+    (encoder.video.video_cost: its limits checked first)."""
+    from ..encoder.video import video_cost
 
-    return video_bytes(image_bytes(data, is_base64), cfg, limits)
+    return video_cost(image_bytes(data, is_base64), cfg, limits)
 
 
 VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)
@@ -117,12 +117,25 @@ def _video_worker() -> None:
         torch.set_num_threads(1)
 
 
+@dataclass
+class DecodedVideo:
+    """A video decoded by a worker: its slices (uint8 [T, h, w, 3] each, or their spool files), its grid (slices,
+    h / p, w / p), its timing (frame_indices, fps, timestamps, second_per_grid_t: what its answer carries), the
+    decoder that decoded it, the seconds the worker took, and the video's declared duration in seconds."""
+
+    slices: list
+    grid: tuple
+    timing: dict
+    decoder: str
+    seconds: float
+    duration: float
+
+
 def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None,
-                 threads: int = VIDEO_DECODE_THREADS) -> tuple[list, tuple, dict, str, float]:
-    """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its slices (uint8 [T, h, w, 3] each,
-    in spool files `spool_path`-0, -1, ... where given and it can), its grid (slices, h / p, w / p), its timing
-    (frame_indices, fps, timestamps, second_per_grid_t), the decoder that decoded it and the seconds it took (encoder.video.load_video: the
-    limits are checked from the header first, frames decoded one at a time and resized as they come)."""
+                 threads: int = VIDEO_DECODE_THREADS) -> DecodedVideo:
+    """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its DecodedVideo, the slices in
+    spool files `spool_path`-0, -1, ... where given and it can (encoder.video.load_video: the limits are checked from
+    the header first, frames decoded one at a time and resized as they come)."""
     from ..encoder.video import load_video
 
     _video_worker()
@@ -134,4 +147,4 @@ def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = No
     timing = {"frame_indices": video.indices.tolist(), "fps": video.info.fps, "timestamps": video.timestamps,
               "second_per_grid_t": video.second_per_grid_t}
     grid = (len(slices), h // cfg.patch_size, w // cfg.patch_size)
-    return out, grid, timing, video.decoder, time.perf_counter() - start
+    return DecodedVideo(out, grid, timing, video.decoder, time.perf_counter() - start, video.info.duration)

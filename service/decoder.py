@@ -42,7 +42,8 @@ from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageT
 from . import spool
 from .budget import MemoryBudget
 from .bodies import SharedBodies
-from .decode import VIDEO_DECODE_THREADS, SharedText, decode_and_resize, decode_video, measure_video, read_header
+from .decode import (VIDEO_DECODE_THREADS, DecodedVideo, SharedText, decode_and_resize, decode_video, measure_video,
+                     read_header)
 from .decode_pool import DecodePool, JobTimedOut, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
 from .metrics import Metrics
@@ -128,9 +129,12 @@ def _is_video(data) -> bool:
 
 
 def _discard_decoded(result) -> None:
-    """A decoded image or video nobody will run: its spooled pixels go."""
-    for image in result[0] if isinstance(result[0], list) else [result[0]]:
-        spool.discard(image)
+    """A decoded image or video nobody will run: its spooled pixels go (a header's answer holds none)."""
+    if isinstance(result, DecodedVideo):
+        for piece in result.slices:
+            spool.discard(piece)
+    elif isinstance(result, tuple):
+        spool.discard(result[0])
 
 
 def _discard_result(job: asyncio.Future) -> None:
@@ -151,7 +155,7 @@ class Decoder:
         self.pool: DecodePool | None = None
         self.threads: ThreadPoolExecutor | None = None
         if settings.decode_processes:
-            self.pool = DecodePool(workers, on_orphan=lambda result: spool.discard(result[0]), on_broken=on_broken,
+            self.pool = DecodePool(workers, on_orphan=_discard_decoded, on_broken=on_broken,
                                    timeout=settings.decode_timeout)
         else:
             self.threads = ThreadPoolExecutor(workers, thread_name_prefix="vitserve-decode")
@@ -170,6 +174,9 @@ class Decoder:
         self._videos = 0  # videos being decoded now
         self._cpus = settings.decode_worker_count()
         self.budget = MemoryBudget(settings.decode_memory)
+        self.video_work = MemoryBudget(settings.video_decode_work)  # decode work, not bytes: the same waiting rules
+        # the workers videos may hold at once: the others stay for images, whatever videos come
+        self.video_slots = asyncio.Semaphore(settings.video_decode_workers or max(1, workers // 2))
 
     @property
     def workers_replaced(self) -> int:
@@ -255,8 +262,11 @@ class Decoder:
         """Decode, sample and resize videos concurrently in the decode workers (decode.decode_video, under
         `--video-decode-timeout`); per video its (slices, grid, timing). Each one's first bytes must be a video
         container's (video.sniff: an image sent as a video is told so); each may keep at most the per-request decode
-        memory of resized frames, and takes what it keeps from the server's decode memory while it decodes. The first bad
-        video fails the request (only it)."""
+        memory of resized frames, and takes what it keeps from the server's decode memory while it decodes. Their
+        decode work (encoder.video.decode_work), read from their headers first, is held to
+        --video-decode-work-per-request and taken from --video-decode-work while they decode; at most
+        --video-decode-workers workers hold videos at once (headers read or frames decoded), so that images always
+        find the others. The first bad video fails the request (only it)."""
         from ..encoder.video import VideoLimits, sniff
 
         names = list(range(len(videos))) if names is None else names
@@ -271,17 +281,27 @@ class Decoder:
                                     "in images)", "not_a_video", param)
         s = self.settings
         limits = VideoLimits(max_seconds=s.max_video_seconds, max_frame_pixels=s.max_image_pixels,
-                             max_bytes=s.decode_memory_per_request)
-        results = await self._all([self._decode_video(data, cfg, limits, owner) for data in videos], field, names)
-        out = []
-        for slices, grid, timing, decoder, seconds in results:
-            self.metrics.videos.labels(decoder).inc()
-            self.metrics.preprocess_seconds.observe(seconds)
-            self.metrics.record("decode", seconds)
-            out.append((slices, grid, timing))
+                             max_bytes=s.decode_memory_per_request, max_work=s.video_decode_work_per_request)
+        costs = await self._all([self._video_job(measure_video, data, owner, cfg, limits) for data in videos], field,
+                                names, "video")
+        work, limit = sum(cost.work for cost in costs), s.video_decode_work_per_request
+        if work > limit:
+            raise InputTooLarge(f"decoding these {len(videos)} videos is {work / 1e9:.1f} G pixels of work; a request "
+                                f"may take {limit / 1e9:.1f} G (send fewer, shorter or smaller videos)", "decode_work",
+                                field)
+        results = await self._all([self._decode_video(data, cfg, limits, cost, owner)
+                                   for data, cost in zip(videos, costs)], field, names, "video")
+        out, m = [], self.metrics
+        for video in results:
+            m.videos.labels(video.decoder).inc()
+            m.video_frames.inc(len(video.timing["frame_indices"]))
+            m.video_seconds.inc(video.duration)
+            m.preprocess_seconds.observe(video.seconds)
+            m.record("decode", video.seconds)
+            out.append((video.slices, video.grid, video.timing))
         return out
 
-    async def _all(self, decodes: list, field: str, names: list[int]) -> list:
+    async def _all(self, decodes: list, field: str, names: list[int], kind: str = "image") -> list:
         """Run a request's decodes concurrently; their results in order, or at the first failure the request's
         rejection (naming `field[i]`, i from `names`; where several have failed by then, the first in the request's
         order): the decodes still running are dropped and what the others decoded discarded, as it is not run."""
@@ -291,7 +311,7 @@ class Decoder:
             failed = next(((i, job.exception()) for i, job in zip(names, jobs)
                            if job.done() and job.exception() is not None), None)
             if failed is not None:
-                raise self.rejection(f"{field}[{failed[0]}]", failed[1]) from None
+                raise self.rejection(f"{field}[{failed[0]}]", failed[1], kind=kind) from None
         except BaseException:  # one failed, or the request was cancelled: what was decoded goes, the rest is dropped
             for job in jobs:
                 job.cancel()
@@ -299,26 +319,42 @@ class Decoder:
             raise
         return [job.result() for job in jobs]
 
-    async def _decode_video(self, data, cfg, limits, owner):
-        """A video's header read by a worker first (its limits checked, the memory its decode takes), then that
-        memory taken from the server's decode budget while a worker decodes it."""
-        cost = await self._run(measure_video, data, owner, cfg, limits, timeout=self.settings.video_decode_timeout)
-        share = await self.budget.acquire(cost)
-        # FFmpeg's threads for this video: the workers' cores shared among the videos decoding (a lone video gets
-        # them all; many get VIDEO_DECODE_THREADS each, as the workers decode them side by side)
-        threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
-        self._videos += 1
+    async def _video_job(self, fn, data, owner, *args):
+        """fn(video, *args) in a decode worker once one of the videos' workers (--video-decode-workers) is free,
+        under --video-decode-timeout."""
+        async with self.video_slots:
+            return await self._run(fn, data, owner, *args, timeout=self.settings.video_decode_timeout)
+
+    async def _decode_video(self, data, cfg, limits, cost, owner):
+        """A video's decode, once the memory and the work its header declares (`cost`) are taken from the server's
+        budgets and one of the videos' workers is free; all given back when it is done. Its wall time from there to
+        its frames back is observed in vitserve_decode_seconds, as an image's."""
+        start = time.perf_counter()
+        share = await self.budget.acquire(cost.memory)
         try:
-            path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-            return await self._run(decode_video, data, owner, cfg, limits, path or None, threads, timeout=self.
-                                   settings.video_decode_timeout, lost=path and functools.partial(spool.clear,
-                                                                                                 f"{path}-"))
+            work = await self.video_work.acquire(cost.work)
+            try:
+                async with self.video_slots:
+                    # FFmpeg's threads for this video: the workers' cores shared among the videos decoding (a lone
+                    # video gets them all; many get VIDEO_DECODE_THREADS each, as the workers decode them side by side)
+                    threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
+                    self._videos += 1
+                    try:
+                        path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
+                        video = await self._run(decode_video, data, owner, cfg, limits, path or None, threads,
+                                                timeout=self.settings.video_decode_timeout,
+                                                lost=path and functools.partial(spool.clear, f"{path}-"))
+                        self.metrics.decode_seconds.observe(time.perf_counter() - start)
+                        return video
+                    finally:
+                        self._videos -= 1
+            finally:
+                self.video_work.release(work)
         finally:
-            self._videos -= 1
             self.budget.release(share)
 
     @staticmethod
-    def rejection(param: str, e: BaseException, data=None) -> Exception:
+    def rejection(param: str, e: BaseException, data=None, kind: str = "image") -> Exception:
         """The domain error a request gets for its image `param` that could not be decoded (`e`); `data`, where
         given, is what the client sent, told apart as text where it is no image and reads as text."""
         if data is not None and isinstance(e, (InvalidBase64, UndecodableImage)) and looks_like_text(data):
@@ -328,7 +364,7 @@ class Decoder:
                                  "modality video (/v1/embeddings)", "video_input", param)
         if isinstance(e, JobTimedOut):
             log.info("%s: %s", param, e)
-            return InputTooLarge(f"{param}: the image took longer than {e.seconds:g} s to decode", "decode_timeout",
+            return InputTooLarge(f"{param}: the {kind} took longer than {e.seconds:g} s to decode", "decode_timeout",
                                  param)
         if isinstance(e, ImageError):
             if str(e) != e.public:

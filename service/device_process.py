@@ -307,7 +307,8 @@ def start_devices(settings: Settings, devices: list[str], dtype: str, prefix: st
     s = settings
     config, preprocess_config, ckpt = load_configs(s.model, s.load_format, s.revision, min_pixels=s.min_pixels,
                                                    max_pixels=s.max_pixels)
-    video_config = video_config_of(config, ckpt, s.video_decoder)
+    video_config = video_config_of(config, ckpt, s.video_decoder, s.model, s.video_min_pixels,
+                                   s.video_max_pixels)
     processes = []
     try:
         for i, device in enumerate(devices):

@@ -36,6 +36,7 @@ from ..encoder import VisionEncoder
 from ..encoder.config import VisionConfig
 from ..encoder.preprocess import ImageError, PreprocessConfig
 from ..encoder.video import VideoConfig
+from ..encoder.video import unavailable as video_unavailable
 
 from . import fetch
 from .budget import MemoryBudget
@@ -44,7 +45,7 @@ from .decoder import Decoder
 from .device_process import ProcessDevice, start_devices
 from .errors import ClientDisconnected, EngineError, InputRejected, InputTooLarge, NotReady, QueueFull
 from .logs import attention_text
-from .metrics import Metrics
+from .metrics import Metrics, count_items
 from .scheduler import ImageQueue, WorkItem
 from .settings import Settings, format_size, resolve_devices
 from .worker import DeviceWorker, LocalDevice, workers_stats
@@ -115,6 +116,9 @@ class Engine:
         self.state, self.error = State.LOADING, None
         self.started, self.load_seconds = time.time(), 0.0
         self.decoder = Decoder(settings, self.metrics, on_broken=self.fail)
+        self.videos_unavailable = video_unavailable()  # why videos cannot be decoded here (None: they can)
+        if self.videos_unavailable:
+            log.warning("videos cannot be decoded here: %s; video requests are answered 501", self.videos_unavailable)
         if settings.preprocess == "fast" and any(d.startswith("cuda") for d in self.devices):
             from ..encoder.preprocess_fast import nvjpeg_available
 
@@ -408,7 +412,7 @@ class Engine:
         return results.result()
 
     def video_config(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
-                     max_pixels: int | None = None) -> VideoConfig:
+                     max_pixels: int | None = None, truncate_frames: bool = False) -> VideoConfig:
         """The model's video preprocessing with a request's sampling (else --video-fps where set), within the
         server's limits: at most --max-video-frames frames (a larger num_frames is refused, 413)."""
         s = self.settings
@@ -418,8 +422,14 @@ class Engine:
         if fps is None and num_frames is None and s.video_fps is not None:
             fps = s.video_fps
         cfg = self.model.video_config
+        if num_frames is not None and num_frames < cfg.temporal_patch_size:
+            raise InputRejected(f"num_frames must be at least {cfg.temporal_patch_size} (one temporal patch), got "
+                                f"{num_frames}", "invalid_num_frames", "num_frames")
+        if max_pixels is not None and max_pixels < cfg.min_pixels:
+            raise InputRejected(f"max_pixels must be at least this server's video min_pixels ({cfg.min_pixels})",
+                                "invalid_max_pixels", "max_pixels")
         return cfg.with_request(fps, num_frames, min(max_frames or s.max_video_frames, s.max_video_frames),
-                                max_pixels)
+                                max_pixels, truncate_frames)
 
     async def encode_videos(self, videos: list, options: dict, mean_pooling: bool = False,
                             disconnected: asyncio.Future | None = None, field: str = "videos",
@@ -439,7 +449,8 @@ class Engine:
         decode_s = time.perf_counter() - start
         loop, items, owners = asyncio.get_running_loop(), [], []
         for j, (slices, (t, h, w), _) in enumerate(decoded):
-            items += [WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]") for s in slices]
+            items += [WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]", modality="video")
+                      for s in slices]
             owners += [j] * len(slices)
         results = await self._run(items, disconnected)
 
@@ -477,7 +488,7 @@ class Engine:
         m.inference_seconds.labels(worker.name).observe(seconds)
         m.batch_tokens.observe(sum(i.patches for i in batch) // self.model.config.merge_unit)
         m.batch_images.observe(len(batch))
-        m.images.labels(worker.name).inc(len(batch))
+        count_items(m, worker.name, batch)
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
         m.record("inference", seconds)
         for item, output in zip(batch, outputs):
@@ -533,6 +544,7 @@ class Engine:
                 "device_processes": any(isinstance(w.device, ProcessDevice) for w in self.workers),
                 "decode_workers_replaced": self.decoder.workers_replaced, "cache": self.cache.stats(),
                 "batching": batching, "eager_runs": sum(r.get("eager_runs", 0) for r in runners),
+                "videos": {"available": self.videos_unavailable is None, "reason": self.videos_unavailable},
                 "memory": {"bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
                            "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used}},
                 "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners)}

@@ -7,7 +7,8 @@ from fastapi.responses import JSONResponse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                408: "timeout_error", 409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 507: "insufficient_storage"}
+               429: "rate_limit_error", 500: "server_error", 501: "server_error", 503: "service_unavailable",
+               507: "insufficient_storage"}
 
 
 CLIP = 200  # characters of a client's value that an error message repeats

@@ -33,7 +33,7 @@ import uuid
 from .budget import MemoryBudget
 from .errors import EngineError, ServiceError, error_response
 from .metrics import Metrics, outcome
-from .settings import Settings
+from .settings import Settings, format_size
 
 OPEN_PATHS = {"/health", "/ready", "/metrics"}  # no API key needed
 API_PATHS = {"/v1/embeddings", "/v1/encode", "/v1/models", "/v1/chat/completions"}
@@ -45,6 +45,11 @@ SMALL_BODIES = {"/scheduler_receive_url": 64 * 2**10}
 REQUEST_ID = re.compile(rb"[\w.:/+=@-]{1,128}")  # a client's x-request-id is echoed only when it looks like one
 
 access = logging.getLogger("vitserve.access")
+
+
+def payload_message(limit: int) -> str:
+    """A 413 payload_too_large's words: the flag that sets the limit, in the unit it takes."""
+    return f"request body over --payload-limit ({format_size(limit)}, {limit} bytes)"
 
 
 class PayloadTooLarge(Exception):
@@ -112,7 +117,7 @@ class Gate:
             scope["state"]["client"] = matches.index(True)  # which key: the cache's scope (--cache-scope api-key)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            return await error_response(413, f"request body over the {limit}-byte limit", "payload_too_large")(
+            return await error_response(413, payload_message(limit), "payload_too_large")(
                 scope, receive, send)
         seen, charged, started, body_done = 0, 0, [False], [False]
         deadline = time.monotonic() + self.settings.body_timeout
@@ -177,7 +182,7 @@ class Gate:
             except PayloadTooLarge:
                 if started[0]:
                     raise
-                await error_response(413, f"request body over the {limit}-byte limit", "payload_too_large")(
+                await error_response(413, payload_message(limit), "payload_too_large")(
                     scope, receive, send)
             except BodyTimeout:
                 if started[0]:

@@ -24,6 +24,14 @@ def outcome(status: int) -> str:
     return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
 
 
+def count_items(metrics: Metrics, device: str, batch: list) -> None:
+    """A batch's items counted by modality: images, and video slices."""
+    slices = sum(item.modality == "video" for item in batch)
+    metrics.images.labels(device).inc(len(batch) - slices)
+    if slices:
+        metrics.video_slices.labels(device).inc(slices)
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -32,15 +40,22 @@ class Metrics:
         self.build = Info("vitserve_build", "The running vitserve: version, python, torch, model", registry=r)
         self.requests = Counter("vitserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"],
                                 registry=r)
-        self.images = Counter("vitserve_images", "Images encoded", ["device"], registry=r)
+        self.images = Counter("vitserve_images", "Images encoded (video slices apart)", ["device"], registry=r)
         self.videos = Counter("vitserve_videos_decoded", "Videos decoded, by the decoder that decoded them (cpu, or "
                               "nvdec with --preprocess fast where the GPU's video engines open)", ["decoder"], registry=r)
+        self.video_slices = Counter("vitserve_video_slices", "Video slices (a temporal patch of frames each) encoded",
+                                    ["device"], registry=r)
+        self.video_frames = Counter("vitserve_video_frames", "Frames sampled from videos (decoded, converted and "
+                                    "resized)", registry=r)
+        self.video_seconds = Counter("vitserve_video_seconds", "Seconds of video decoded (their declared durations)",
+                                     registry=r)
         self.queue_seconds = Histogram("vitserve_queue_seconds", "Time an image waited for its batch",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.preprocess_seconds = Histogram("vitserve_preprocess_seconds", "Decode + resize work per image, in its "
                                             "decode worker", buckets=LATENCY_BUCKETS, registry=r)
-        self.decode_seconds = Histogram("vitserve_decode_seconds", "Wall time from handing an image to the decode pool "
-                                        "to getting its pixels back (pool queueing included)",
+        self.decode_seconds = Histogram("vitserve_decode_seconds", "Wall time from handing an image (or a video, its "
+                                        "header read) to the decode pool to getting its pixels back (pool queueing "
+                                        "included)",
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.inference_seconds = Histogram("vitserve_inference_seconds", "Device time per batch (incl. copies)",
                                            ["device"], buckets=LATENCY_BUCKETS, registry=r)
@@ -55,7 +70,7 @@ class Metrics:
                                         registry=r)
         self.batch_tokens = Histogram("vitserve_batch_tokens", "Vision tokens per batch", buckets=TOKEN_BUCKETS,
                                       registry=r)
-        self.batch_images = Histogram("vitserve_batch_images", "Images per batch", buckets=(1, 2, 4, 8, 16, 32, 64),
+        self.batch_images = Histogram("vitserve_batch_images", "Items (images and video slices) per batch", buckets=(1, 2, 4, 8, 16, 32, 64),
                                       registry=r)
         self.dropped = Counter("vitserve_dropped_images", "Images dropped because their client went away (being decoded "
                                "or waiting for a batch)",

@@ -41,6 +41,7 @@ class WorkItem:
     queue_s: float = 0.0
     inference_s: float = 0.0
     cancelled: bool = False  # its client went away (`ImageQueue.drop`): a batch taking it drops it
+    modality: str = "image"  # or "video": a video's slice (counted apart in the metrics)
 
     @property
     def patches(self) -> int:

@@ -31,6 +31,8 @@ class VideoOptions(BaseModel):
                                                                    "(instead of fps; at most --max-video-frames)")
     max_frames: int | None = Field(default=None, gt=0, description="at most this many frames a video (and at most "
                                                                    "--max-video-frames)")
+    truncate_frames: bool = Field(default=False, description="a num_frames over a video's frames takes them all "
+                                                             "instead of a 400 (TEI's truncate, for frames)")
 
     @model_validator(mode="after")
     def one_rate(self):
@@ -39,7 +41,8 @@ class VideoOptions(BaseModel):
         return self
 
     def video_options(self) -> dict:
-        return {"fps": self.fps, "num_frames": self.num_frames, "max_frames": self.max_frames}
+        return {"fps": self.fps, "num_frames": self.num_frames, "max_frames": self.max_frames,
+                "truncate_frames": self.truncate_frames}
 
 
 class EmbeddingRequest(VideoOptions):

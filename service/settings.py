@@ -113,11 +113,31 @@ class Settings:
                                          "video engines where they open, software elsewhere (frames within about a "
                                          "level of the software ones: docs/video.md)", "decoding", encode=True,
                                   choices=("cpu", "nvdec"))
-    video_decode_timeout: float = _setting(300.0, "seconds a decode worker may spend on one video (beyond, the "
-                                                  "worker is replaced and the video refused: 413 decode_timeout)",
-                                           "decoding", metavar="SECONDS")
-    min_pixels: int | None = _setting(None, "override the resize minimum (pixels)", "decoding", encode=True)
-    max_pixels: int | None = _setting(None, "override the resize maximum (pixels)", "decoding", encode=True)
+    video_decode_timeout: float = _setting(180.0, "seconds a decode worker may spend on one video (beyond, the "
+                                                  "worker is replaced and the video refused: 413 decode_timeout); "
+                                                  "the default fits --video-decode-work-per-request at 130 M a "
+                                                  "second, several times below a CPU's pace", "decoding",
+                                           metavar="SECONDS")
+    video_decode_work_per_request: int = _setting(24 * 10**9, "decode work one request's videos may take, read from "
+                                                              "their headers: source pixels decoded (every frame up "
+                                                              "to the last sampled one) plus 8x those of each "
+                                                              "sampled frame (413 decode_work beyond)", "limits",
+                                                  metavar="PIXELS")
+    video_decode_work: int = _setting(48 * 10**9, "decode work the videos being decoded may take on the whole "
+                                                  "server (as --video-decode-work-per-request counts it): videos "
+                                                  "beyond it wait their turn", "limits", metavar="PIXELS")
+    video_decode_workers: int = _setting(0, "decode workers that may decode videos at once; the others stay for "
+                                            "images (0: half of --decode-workers, at least 1)", "decoding")
+    min_pixels: int | None = _setting(None, "override the images' resize minimum (pixels; videos: "
+                                            "--video-min-pixels)", "decoding", encode=True)
+    max_pixels: int | None = _setting(None, "override the images' resize maximum (pixels; videos: "
+                                            "--video-max-pixels)", "decoding", encode=True)
+    video_min_pixels: int | None = _setting(None, "override the video processor's resize minimum (pixels: per frame "
+                                                  "for Qwen2/2.5-VL, every sampled frame together for Qwen3-VL)",
+                                            "decoding", encode=True)
+    video_max_pixels: int | None = _setting(None, "override the video processor's resize maximum (pixels: per frame "
+                                                  "for Qwen2/2.5-VL, every sampled frame together for Qwen3-VL)",
+                                            "decoding", encode=True)
     decode_workers: int = _setting(0, "decode + resize workers (0: one per CPU this process may use: its affinity "
                                       "and cgroup quota)", "decoding", aliases=("preprocess_workers",))
     decode_processes: bool = _setting(True, "run them as processes (false: threads)", "decoding",
@@ -236,12 +256,21 @@ class Settings:
                    "takes one front end (--api-servers 1)"),
                   (self.payload_limit > 0 and self.max_image_pixels > 0 and self.max_images_per_request > 0,
                    "--payload-limit, --max-image-pixels and --max-images-per-request must be positive"),
-                  (self.max_videos_per_request >= 0 and self.max_video_frames > 0 and self.max_video_seconds > 0
-                   and self.video_decode_timeout > 0 and (self.video_fps is None or self.video_fps > 0),
-                   "--max-videos-per-request must be >= 0; --max-video-frames, --max-video-seconds, "
-                   "--video-decode-timeout and --video-fps positive"),
+                  (self.max_videos_per_request >= 0, "--max-videos-per-request must be >= 0"),
+                  (self.max_video_frames > 0, "--max-video-frames must be positive"),
+                  (self.max_video_seconds > 0, "--max-video-seconds must be positive"),
+                  (self.video_decode_timeout > 0, "--video-decode-timeout must be positive"),
+                  (self.video_fps is None or self.video_fps > 0, "--video-fps must be positive (frames a second)"),
+                  (self.video_decode_work_per_request > 0, "--video-decode-work-per-request must be positive"),
+                  (self.video_decode_work > 0, "--video-decode-work must be positive"),
+                  (self.video_decode_workers >= 0, "--video-decode-workers must be >= 0"),
                   (all(p is None or p > 0 for p in (self.min_pixels, self.max_pixels)),
                    "--min-pixels and --max-pixels must be positive"),
+                  (all(p is None or p > 0 for p in (self.video_min_pixels, self.video_max_pixels)),
+                   "--video-min-pixels and --video-max-pixels must be positive"),
+                  (None in (self.video_min_pixels, self.video_max_pixels)
+                   or self.video_min_pixels <= self.video_max_pixels,
+                   "--video-min-pixels must not exceed --video-max-pixels"),
                   (None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels,
                    "--min-pixels must not exceed --max-pixels"),
                   (0 < self.port < 65536, "--port must be 1-65535"),
@@ -266,7 +295,9 @@ class Settings:
         wherever a device loads (a thread of the server, a device process, or `vitserve encode`)."""
         budgets = self.budget_list()
         return dict(load_format=self.load_format, revision=self.revision, min_pixels=self.min_pixels,
-                    max_pixels=self.max_pixels, attention_backend=self.attention_backend, preprocess=self.preprocess,
+                    max_pixels=self.max_pixels, video_min_pixels=self.video_min_pixels,
+                    video_max_pixels=self.video_max_pixels, attention_backend=self.attention_backend,
+                    preprocess=self.preprocess,
                     video_decoder=self.video_decoder,
                     **({} if budgets is None else {"budgets": budgets}))
 

@@ -393,8 +393,8 @@ class Pairing:
             try:
                 await asyncio.wait_for(entry.changed.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                have = f"{len(entry.endpoints)} of {entry.count}" if entry.count else "none"
-                raise ServiceError(504, f"req_id {req_id[:100]!r}: {have} receivers registered within "
+                have = f"{len(entry.endpoints)} of {entry.count} receivers" if entry.count else "no receiver"
+                raise ServiceError(504, f"req_id {req_id[:100]!r}: {have} registered within "
                                         f"{self.timeout:g} s", "registration_timeout") from None
         return list(entry.endpoints)
 

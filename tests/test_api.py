@@ -129,6 +129,9 @@ def test_unknown_paths_share_one_metrics_label(client):
     (data_uri(IMAGES[0], "text/plain"), 400, "invalid_media_type"),
     ("data:image/png," + base64.b64encode(IMAGES[0]).decode(), 400, "invalid_media_type"),
     ("https://example.com/cat.png", 400, "url_fetch_disabled"),
+    ("file:///etc/passwd", 400, "invalid_url"),  # a URL, not "not valid base64"
+    ("ftp://example.com/cat.png", 400, "invalid_url"),
+    ("data:video/mp4;base64,AAAAIGZ0eXBpc29t", 400, "video_input"),  # a video without modality video: the hint
     ("", 400, "invalid_image"),
 ])
 def test_bad_inputs_are_4xx(client, item, status, code):
@@ -176,6 +179,7 @@ def test_limits_are_413(encoders):
                     max_image_pixels=100 * 100) as c:
         r = c.post("/v1/embeddings", json={"input": [data_uri(png(200, 200))]})
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        assert r.json()["error"]["message"] == "request body over --payload-limit (4KiB, 4096 bytes)"
         r = c.post("/v1/embeddings", json={"input": [data_uri(png(8, 8))] * 3})
         assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_images"
         big = io.BytesIO()
@@ -461,3 +465,47 @@ def test_a_body_that_finds_no_room_in_time_is_429():
     gate.bodies.used = 2 * 2**20
     assert client.post("/v1/encode", content=(b"x" * 2**18 for _ in range(8))).status_code == 200
     assert gate.bodies.used == 2 * 2**20  # each share given back
+
+
+def test_a_server_without_pyav_says_so(encoders, monkeypatch, caplog):
+    """Without PyAV (an import that fails, as on an install without the `video` extra) a video request is the
+    server's condition, a 501 videos_unavailable that names the extra, not the client's 400 "cannot decode the
+    image"; the startup log, /v1/models' capabilities and /stats say so too, and images are still served."""
+    monkeypatch.setitem(__import__("sys").modules, "av", None)  # `import av` raises ImportError
+    video = "data:video/mp4;base64," + base64.b64encode(b"\x00\x00\x00\x20ftypisom" + bytes(600)).decode()
+    with caplog.at_level(logging.WARNING, logger="vitserve.engine"):
+        c = client_for(encoders["tiny-qwen3-vl"])
+    with c:
+        assert "videos cannot be decoded here" in caplog.text
+        for path, body in (("/v1/encode", {"videos": [video]}),
+                           ("/v1/embeddings", {"input": [video], "modality": "video"})):
+            r = c.post(path, json=body)
+            error = r.json()["error"]
+            assert (r.status_code, error["code"], error["type"]) == (501, "videos_unavailable", "server_error"), r.text
+            assert "pip install 'vitserve[video]'" in error["message"]
+        assert c.get("/v1/models").json()["data"][0]["capabilities"] == {"images": True, "videos": False}
+        assert c.get("/stats").json()["videos"]["available"] is False
+        assert c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}).status_code == 200
+
+
+def test_videos_are_counted_as_videos(encoders):
+    """A video of 4 slices is not 4 images: it counts its slices, frames and seconds, and its decode is observed in
+    vitserve_decode_seconds as an image's is; an image beside it counts one image."""
+    pytest.importorskip("av")
+    from videos import make_video
+
+    clip = make_video(24, 12, 96, 64)  # 2 s
+    with client_for(encoders["tiny-qwen3-vl"]) as c:
+        def sample(name, **labels):
+            return c.app.state.engine.metrics.registry.get_sample_value(name, labels) or 0.0
+
+        before = [sample("vitserve_images_total", device="cpu"), sample("vitserve_decode_seconds_count")]
+        r = c.post("/v1/encode", json={"videos": ["data:video/mp4;base64," + base64.b64encode(clip).decode()],
+                                       "images": [data_uri(IMAGES[0])], "num_frames": 8})
+        assert r.status_code == 200, r.text
+        assert [item["grid_thw"][0] for item in r.json()["data"]][1] == 4
+        assert sample("vitserve_images_total", device="cpu") == before[0] + 1
+        assert sample("vitserve_video_slices_total", device="cpu") == 4
+        assert sample("vitserve_video_frames_total") == 8 and sample("vitserve_video_seconds_total") == 2.0
+        assert sample("vitserve_videos_decoded_total", decoder="cpu") == 1
+        assert sample("vitserve_decode_seconds_count") == before[1] + 2  # the image and the video

@@ -292,3 +292,19 @@ def test_timeouts_and_broken_connections_are_reported_not_retried(monkeypatch):
     assert (e.value.status, e.value.code) == (None, "transport_error") and isinstance(e.value.__cause__,
                                                                                        httpx.TransportError)
     assert waits == []  # neither was retried: the request may have reached the server
+
+
+@pytest.mark.slow
+def test_videos_through_a_real_server(server):
+    """Five clips in one encode() (the server takes 4 a request) are all answered, each what encode_videos gives;
+    embed(clip, modality="video") is the mean of its tokens; a data URI is an input like its bytes."""
+    pytest.importorskip("av")
+    from videos import make_video
+
+    clip = make_video(8, 8, 64, 48)
+    with Client(server) as client:
+        alone = client.encode_videos(clip)
+        many = client.encode([clip] * 5)
+        assert len(many) == 5 and all(torch.equal(item.embeddings, alone.embeddings) for item in many)
+        vector = client.embed("data:video/mp4;base64," + base64.b64encode(clip).decode(), modality="video")
+        assert rel_err(vector, alone.embeddings.mean(0)) <= SERVED_REL_ERR

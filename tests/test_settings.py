@@ -99,6 +99,10 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys):
     (dict(log_format="xml"), "--log-format must be text or json"),
     (dict(min_pixels=1000, max_pixels=10), "--min-pixels must not exceed --max-pixels"),
     (dict(url_fetch_timeout=0), "--url-fetch-timeout must be positive"),
+    (dict(video_fps=0), "^--video-fps must be positive"),  # one flag named, not five
+    (dict(max_video_frames=0), "^--max-video-frames must be positive$"),
+    (dict(video_decode_work=0), "^--video-decode-work must be positive$"),
+    (dict(video_min_pixels=1000, video_max_pixels=10), "--video-min-pixels must not exceed --video-max-pixels"),
     (dict(port=0), "--port must be 1-65535")])
 def test_bad_values_are_rejected(values, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

@@ -219,6 +219,7 @@ def test_what_never_pairs_is_bounded_and_expires():
         with pytest.raises(ServiceError) as e:
             await short.receivers("lonely", entry)
         assert e.value.status == 504 and e.value.code == "registration_timeout"
+        assert "'lonely': no receiver registered within 0.05 s" in e.value.message  # not "none receivers"
 
     asyncio.run(main())
 

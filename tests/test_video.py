@@ -145,6 +145,52 @@ def test_qwen2_sampling_follows_its_rules():
     assert V.frame_size(6, 240, 320, cfg) == (280, 392)  # under min_pixels (128 x 28²): scaled up
 
 
+
+def qwen2_sample_frames():
+    """transformers' Qwen2VLVideoProcessor.sample_frames, the function itself read from its module's source (the
+    module imports torchvision, which does not load here)."""
+    import ast
+    import math
+    import types
+    from pathlib import Path
+
+    import transformers
+
+    path = Path(transformers.__file__).parent / "models" / "qwen2_vl" / "video_processing_qwen2_vl.py"
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen2VLVideoProcessor")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "sample_frames")
+    names = {"math": math, "torch": torch, "VideoMetadata": object}
+    exec(compile(ast.Module([fn], []), str(path), "exec"), names)
+    self = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4, max_frames=768)
+    return lambda total, rate, **kw: names["sample_frames"](
+        self, types.SimpleNamespace(total_num_frames=total, fps=rate), **kw).tolist()
+
+
+@pytest.mark.parametrize("family", ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"])
+def test_max_frames_caps_what_is_sampled(family):
+    """A request's max_frames (and so --max-video-frames, which the server passes as one) caps the frames sampled
+    whatever the rule: Qwen2's default (every frame: a one-minute 30 fps clip was 1800 frames), its fps and
+    num_frames, Qwen3's num_frames. The cap spreads its frames evenly: transformers' Qwen2 sample_frames given
+    num_frames=cap; under the cap every rule samples as transformers' does."""
+    sample_frames = qwen2_sample_frames()
+    cfg = V.VideoConfig.for_model(builtin_config(family))
+    minute = V.VideoInfo(1800, 30.0, 1280, 720, "h264")
+    if family.startswith("Qwen/Qwen2"):
+        assert V.sample_indices(minute, cfg).tolist() == sample_frames(1800, 30.0, num_frames=768)  # the default cap
+        assert V.sample_indices(V.VideoInfo(30, 10.0, 64, 64, "h264"), cfg).tolist() == list(range(30))  # uncapped
+        for request in ({"fps": 2}, {"num_frames": 100}):  # under the cap: transformers' own rule
+            assert V.sample_indices(minute, cfg.with_request(**request)).tolist() == sample_frames(1800, 30.0,
+                                                                                                   **request)
+    for request in ({}, {"fps": 2}, {"fps": 30}, {"num_frames": 100}):
+        for cap in (16, 100, 7):
+            got = V.sample_indices(minute, cfg.with_request(max_frames=cap, **request)).tolist()
+            assert len(got) <= cap, (request, cap)
+            if cfg.family == "qwen2" and request.get("fps") != 2:  # 2 fps: 120 frames, min(120, cap) by its rule
+                assert got == sample_frames(1800, 30.0, num_frames=cap // 2 * 2), (request, cap)
+    with pytest.raises(V.VideoTooShort, match="max_frames 1 is less than one temporal patch"):
+        V.sample_indices(minute, dataclasses.replace(cfg, max_frames=1, do_sample_frames=False))
+
 def test_layout_is_transformers_patchify():
     """Our rows of one video are transformers' Qwen3VLVideoProcessor.patchify of the same normalized frames, an odd
     frame count included (its last frame repeated)."""
@@ -229,13 +275,14 @@ def test_videos_on_cuda_graphs_match_transformers_tower(checkpoints, family):
 
 
 def test_the_memory_a_video_takes_is_known_from_its_header():
-    """video_bytes (what a server reserves before decoding) is what load_video keeps plus one decoded frame."""
+    """video_cost's memory (what a server reserves before decoding) is what load_video keeps plus one decoded
+    frame."""
     cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl")).with_request(fps=4)
     clip = make_video(30, 10, 160, 120)
     video = V.load_video(clip, cfg)
-    assert V.video_bytes(clip, cfg) == video.frames.nbytes + 160 * 120 * 3
+    assert V.video_cost(clip, cfg).memory == video.frames.nbytes + 160 * 120 * 3
     with pytest.raises(V.VideoTooLarge):
-        V.video_bytes(clip, cfg, V.VideoLimits(max_bytes=video.frames.nbytes - 1))
+        V.video_cost(clip, cfg, V.VideoLimits(max_bytes=video.frames.nbytes - 1))
 
 
 @pytest.fixture
@@ -288,3 +335,99 @@ def test_the_video_decoder_is_chosen():
     assert video_config_of(cfg, None).decoder == "cpu"
     with pytest.raises(ValueError, match="decoder"):
         V.VideoConfig.for_model(cfg).__class__(family="qwen3", patch_size=16, decoder="gpu")
+
+
+def test_a_hub_download_fetches_and_uses_the_video_processor_settings(checkpoints, tmp_path, monkeypatch):
+    """A Qwen3-VL checkpoint from the hub (a fake hub: huggingface_hub's download serving a checkpoint written by
+    save_pretrained, plus the published video_preprocessor_config.json): the download asks for the video
+    processor's settings beside the image's, and the videos are sized by them (a one-minute 720p clip at 2 fps:
+    transformers' grid [60, 20, 38], where preprocessor_config.json's pixels gave [60, 16, 30])."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from vitserve.encoder.vision_encoder import load_configs, video_config_of
+
+    repo = tmp_path / "repo"
+    shutil.copytree(checkpoints["qwen3_vl"][0], repo)
+    (repo / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
+         "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (repo / "video_preprocessor_config.json").write_text(json.dumps(V.PUBLISHED["qwen3_vl"]))
+    asked = []
+
+    def download(repo_id, filename, revision=None, cache_dir=None, local_files_only=False):
+        asked.append(filename)
+        if not (repo / filename).is_file():
+            raise EntryNotFoundError(f"{filename} is not in {repo_id}")
+        target = tmp_path / "cache" / filename
+        target.parent.mkdir(exist_ok=True)
+        shutil.copy(repo / filename, target)
+        return str(target)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    cfg, _, ckpt = load_configs("Qwen/Qwen3-VL-Fake", allow_download=True)
+    assert "video_preprocessor_config.json" in asked and Path(ckpt) == tmp_path / "cache"
+    vcfg = video_config_of(cfg, ckpt)
+    minute = V.VideoInfo(1800, 30.0, 1280, 720, "h264")
+    frames = len(V.sample_indices(minute, vcfg))
+    assert (frames // 2, *(side // vcfg.patch_size for side in V.frame_size(frames, 720, 1280, vcfg))) == (60, 20, 38)
+
+
+def test_dummy_weights_of_a_published_model_take_its_video_settings():
+    """--load-format dummy on a built-in hub id preprocesses videos as the published checkpoint does (a one-minute
+    720p clip: Qwen3-VL's [60, 20, 38], 11,400 tokens, not the class defaults' 180); a tiny-* model keeps the
+    processor class's defaults."""
+    from vitserve.encoder.vision_encoder import video_config_of
+
+    minute = V.VideoInfo(1800, 30.0, 1280, 720, "h264")
+
+    def grid(model):
+        cfg = builtin_config(model)
+        vcfg = video_config_of(cfg, None, model=model)
+        frames = len(V.sample_indices(minute, vcfg))
+        h, w = V.frame_size(frames, 720, 1280, vcfg)
+        return frames // 2, h // vcfg.patch_size, w // vcfg.patch_size
+
+    assert grid("Qwen/Qwen3-VL-8B-Instruct") == (60, 20, 38)
+    assert grid("qwen3-vl-8b-instruct") == (60, 20, 38)
+    assert video_config_of(builtin_config("Qwen/Qwen2.5-VL-7B-Instruct"), None,
+                           model="Qwen/Qwen2.5-VL-7B-Instruct").max_pixels == 12845056
+    assert video_config_of(builtin_config("tiny-qwen3-vl"), None, model="tiny-qwen3-vl") == \
+        V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl"))
+
+
+def test_a_max_pixels_under_the_videos_minimum_is_refused_not_clamped():
+    """VideoConfig.with_request: a max_pixels under min_pixels is a ValueError (the server's 400), as for images;
+    at the minimum it applies."""
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl"))
+    with pytest.raises(ValueError, match=f"at least the videos' min_pixels \\({cfg.min_pixels}\\)"):
+        cfg.with_request(max_pixels=cfg.min_pixels - 1)
+    assert cfg.with_request(max_pixels=cfg.min_pixels).max_pixels == cfg.min_pixels
+    with pytest.raises(ValueError, match="min_pixels"):
+        dataclasses.replace(cfg, min_pixels=cfg.max_pixels + 1)
+
+
+def test_sampling_errors_name_what_is_at_fault():
+    """num_frames under a temporal patch names num_frames (not "the video has 48 frames"); counts read "1 frame";
+    a num_frames over the video's frames is a VideoTooShort saying so, or with truncate_frames every frame (floored
+    to a temporal patch for Qwen2, all of them for Qwen3, whose rule otherwise repeats frames)."""
+    qwen2 = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl"))
+    qwen3 = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl"))
+    clip = V.VideoInfo(48, 24.0, 64, 64, "h264")
+    for cfg in (qwen2, qwen3):
+        with pytest.raises(V.VideoTooShort, match=r"^num_frames 1 is less than one temporal patch \(2 frames\)$"):
+            V.sample_indices(clip, cfg.with_request(num_frames=1))
+    with pytest.raises(V.VideoTooShort, match=r"^the video has 1 frame, fewer than one temporal patch"):
+        V.sample_indices(V.VideoInfo(1, 10.0, 64, 64, "h264"), qwen2.with_request(fps=2))
+    with pytest.raises(V.VideoTooShort, match=r"^num_frames 60 is more than the video's 48 frames \(truncate_frames"):
+        V.sample_indices(clip, qwen2.with_request(num_frames=60))
+    short = V.VideoInfo(7, 24.0, 64, 64, "h264")
+    assert V.sample_indices(short, qwen2.with_request(num_frames=60, truncate_frames=True)).tolist() == \
+        [0, 1, 2, 3, 4, 5]
+    assert V.sample_indices(short, qwen3.with_request(num_frames=60, truncate_frames=True)).tolist() == \
+        list(range(7))
+    assert len(V.sample_indices(short, qwen3.with_request(num_frames=60))) == 60  # transformers' rule, repeating

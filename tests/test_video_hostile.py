@@ -7,6 +7,7 @@ average rate, the coded orientation). Nothing downloads."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 
@@ -88,16 +89,17 @@ def test_a_tiny_file_declaring_100000_frames_within_the_limits_fails_cleanly():
 
 
 def test_a_huge_declared_rate_does_not_slip_past_the_limits():
-    """100000 frames at 16384 fps last 6 s (within the time limit): Qwen2's default keeps every frame, so the
-    memory of 100000 resized frames is refused before decoding; Qwen3's default samples 2 fps (12 frames spread over
-    100000) and finds 1 of them: a VideoError."""
+    """100000 frames at 16384 fps last 6 s (within the time limit): Qwen2's default keeps every frame up to
+    max_frames (768 spread over 100000), Qwen3's samples 2 fps (12 spread over 100000): each finds 1 of them, a
+    VideoError; with max_frames raised to keep every frame, their memory is refused before decoding."""
     data = declare_mp4(make_video(8, 8, 64, 48), frames=100_000, fps=16384)
     info = declared(data)
     assert (info.total_frames, info.fps) == (100_000, 16384.0) and info.duration < 10
+    for cfg in (qwen2(), qwen3()):
+        with pytest.raises(V.VideoError, match="declares 100000 frames but ends before frame"):
+            V.load_video(data, cfg)
     with pytest.raises(V.VideoTooLarge, match="MiB; the limit is"):
-        V.load_video(data, qwen2())
-    with pytest.raises(V.VideoError, match="declares 100000 frames but ends before frame"):
-        V.load_video(data, qwen3())
+        V.load_video(data, dataclasses.replace(qwen2(), max_frames=100_000))
 
 
 def test_limits_refuse_a_frame_size_from_the_header_and_a_missing_one_as_undecodable():
@@ -115,14 +117,71 @@ def test_limits_refuse_a_frame_size_from_the_header_and_a_missing_one_as_undecod
 
 def test_a_frame_larger_than_the_header_mid_stream_is_refused_as_it_decodes():
     """Two MPEG-TS streams end to end: a header of 64x48, then a new SPS of 1024x1024. Under a 128x128 limit the
-    large frames are refused by the decoder (a VideoError), never decoded: FFmpeg says so at the first of them, or,
-    decoding with many threads, drops them and the stream ends early; without it every frame decodes, each resized
-    to the size the header gave."""
-    data = make_video(6, 6, 64, 48, container="mpegts") + make_video(6, 6, 1024, 1024, container="mpegts")
+    large frames are refused by the decoder (a VideoError), never decoded; within it they are refused as they
+    come, for the decode work they take past twice what the header declared (VideoTooCostly), before one of them is
+    converted; the first stream alone decodes. (FFmpeg says so at the first large frame, or, decoding with many
+    threads, drops them and the stream ends early.)"""
+    small = make_video(6, 6, 64, 48, container="mpegts")
+    data = small + make_video(6, 6, 1024, 1024, container="mpegts")
     with pytest.raises(V.VideoError, match="could not be decoded|declares 12 frames but ends before frame"):
         V.load_video(data, qwen2(), V.VideoLimits(max_frame_pixels=128 * 128))
-    video = V.load_video(data, qwen2())
-    assert video.info.total_frames == len(video.frames) == 12 and len({f.shape for f in video.frames}) == 1
+    with pytest.raises(V.VideoTooCostly, match="a frame of 1024x1024 at frame 6"):
+        V.load_video(data, qwen2())
+    assert len(V.load_video(small, qwen2()).frames) == 6
+
+
+# 1b. decode work: a small file that takes minutes of CPU to decode
+
+
+def black_video(count: int, width: int, height: int) -> bytes:
+    """`count` black frames of width x height in H.264: a few hundred bytes a frame, whatever their size."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("h264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        black = av.VideoFrame.from_ndarray(np.zeros((height, width, 3), np.uint8), format="rgb24")
+        for _ in range(count):
+            out.mux(stream.encode(black))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
+def test_a_video_bomb_is_refused_from_its_header_for_its_decode_work(monkeypatch):
+    """400 frames of 4096x4096 declared by a 3 KB file (the issue's 62 KB bomb held a worker 288 s): every frame is
+    decoded up to the last one sampled and each sampled one converted, which no other limit prices. Its decode work
+    is refused from the header, in under a second, no frame decoded; the same file within a larger budget is not."""
+    data = declare_mp4(make_video(8, 8, 64, 48), frames=400, width=4096, height=4096)
+    assert len(data) < 4096
+    monkeypatch.setattr(V, "decode_frames", pytest.fail)
+    work = V.decode_work(4096, 4096, 400, 400)  # Qwen2's default keeps every frame
+    with pytest.raises(V.VideoTooCostly, match="decoding 400 frames of 4096x4096") as caught:
+        timed(V.video_cost, data, qwen2(), V.VideoLimits(max_work=work - 1))
+    assert caught.value.seconds < 1.0 and caught.value.code == "decode_work"
+    assert V.video_cost(data, qwen2(), V.VideoLimits(max_work=work)).work == work
+    with pytest.raises(V.VideoTooCostly):
+        V.load_video(data, qwen2(), V.VideoLimits(max_work=work - 1))
+
+
+@pytest.mark.parametrize("request_", [{}, {"num_frames": 4}], ids=["every frame", "4 frames"])
+def test_the_decode_work_from_the_header_is_what_decoding_counts(request_):
+    """What video_cost declares is what decode_frames counts as it decodes an honest video (1024x1024, 12 frames:
+    decoding stops at the last sampled one): a limit of exactly that decodes it, one less is refused as it
+    decodes."""
+    data, cfg = black_video(12, 1024, 1024), qwen2(**request_)
+    cost = V.video_cost(data, cfg)
+    kept = np.unique(V.sample_indices(declared(data), cfg))
+    assert cost.work == V.decode_work(1024, 1024, int(kept[-1]) + 1, len(kept))
+    for limit, fits in ((cost.work, True), (cost.work - 1, False)):
+        container = V._open(data)
+        try:
+            frames = V.decode_frames(container, kept, (28, 28), max_work=limit)
+            if fits:
+                assert len(list(frames)) == len(kept)
+            else:
+                with pytest.raises(V.VideoTooCostly):
+                    list(frames)
+        finally:
+            container.close()
 
 
 # 2. streams that never end

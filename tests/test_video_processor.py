@@ -38,7 +38,7 @@ def test_matches_transformers_video_processor(tmp_path, model, clip):
     path.write_bytes(data)
     cfg = V.VideoConfig.for_model(builtin_config(model))
     processor_class = Qwen3VLVideoProcessor if cfg.family == "qwen3" else Qwen2VLVideoProcessor
-    small = 64 * cfg.factor ** 2 * (1 if cfg.family == "qwen2" else 4)
+    small = max(64 * cfg.factor ** 2 * (1 if cfg.family == "qwen2" else 4), cfg.min_pixels)  # (under it: refused)
     for request in ({"fps": 2.0}, {"num_frames": 6}, {"fps": 2.0, "max_pixels": small}):
         for cap in (False, True):
             ours_cfg = dataclasses.replace(cfg, cap_pixels_per_frame=cap).with_request(**request)

@@ -149,6 +149,9 @@ def test_embeddings_pool_a_video(server, library):
     ({"videos": [video_uri(CLIP)], "fps": 2, "num_frames": 4}, 422, "invalid_request"),
     ({}, 422, "invalid_request"),
     ({"images": [base64.b64encode(CLIP).decode()]}, 400, "video_input"),
+    ({"videos": ["file:///tmp/clip.mp4"]}, 400, "invalid_url"),
+    ({"videos": [f"data:image/png;base64,{base64.b64encode(encode(photo(32, 32, 1), 'PNG')).decode()}"]}, 400,
+     "not_a_video"),
     ({"videos": ["%%%"]}, 400, "invalid_base64"),
 ])
 def test_bad_videos_get_a_4xx_and_their_neighbours_an_answer(server, body, status, code):
@@ -204,3 +207,59 @@ def test_fast_preprocessing_serves_the_same_videos(library):
         else:
             assert_served(tensor(r.json()["data"][1]), library.encode_videos(CLIP, num_frames=6).embeddings)
         assert f'vitserve_videos_decoded_total{{decoder="{decoder}"}} 1.0' in httpx.get(url + "/metrics").text
+
+
+
+@pytest.fixture(scope="module")
+def qwen2_server():
+    """Qwen2.5-VL with the videos' limits and sizes set by flags: 6 frames at most, 4 MiB of frames a request,
+    frames of 3136 to 12544 pixels (16·28²; the images keep theirs)."""
+    yield from serving("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--max-video-frames", "6",
+                       "--decode-memory-per-request", str(4 * 2**20), "--video-min-pixels", "3136",
+                       "--video-max-pixels", "12544")
+
+
+def test_the_frame_caps_bound_what_a_qwen2_video_samples(qwen2_server):
+    """Qwen2/2.5-VL samples every frame unless asked: --max-video-frames caps it (a 30-frame clip whose every frame
+    would take more than --decode-memory-per-request at the default sizes is served, 6 frames spread over it), and a
+    request's max_frames, the 413's advice, caps it further."""
+    _, url = qwen2_server
+    grids = []
+    for extra in ({}, {"max_frames": 2}):
+        r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        grids.append(r.json()["data"][0]["grid_thw"][0])
+        frames = r.json()["data"][0]["frame_indices"]
+    assert grids == [3, 1] and frames == [0, 15]
+
+
+def test_video_frame_sizes_have_their_own_flags_and_a_request_under_the_minimum_is_refused(qwen2_server):
+    """--video-max-pixels sizes the frames (160x120 = 19200 pixels down to 112x84: grid 6x8, where the processor's
+    default minimum of 128·28² scaled them up to 20x28) while an image keeps the images' bounds; a request's
+    max_pixels under --video-min-pixels is a 400 naming max_pixels, as for images, not a silent clamp."""
+    _, url = qwen2_server
+    image = f"data:image/png;base64,{base64.b64encode(encode(photo(160, 120, 3), 'PNG')).decode()}"
+    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], "images": [image]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [item["grid_thw"] for item in r.json()["data"]] == [[1, 8, 12], [3, 6, 8]]
+    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], "max_pixels": 3000}, timeout=120)
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["code"], error["param"]) == ("invalid_max_pixels", "max_pixels"), r.text
+    assert "3136" in error["message"]
+
+
+def test_num_frames_errors_name_the_parameter_and_truncate_frames_caps_it(qwen2_server):
+    """num_frames 1 (under a temporal patch): a 400 naming num_frames; num_frames over a 4-frame clip's frames: a
+    400 saying so, or with truncate_frames (the batch user's opt-in) the clip's every frame."""
+    _, url = qwen2_server
+    short = make_video(4, 4, 64, 48)
+    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], "num_frames": 1}, timeout=120)
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["code"], error["param"]) == ("invalid_num_frames", "num_frames"), r.text
+    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(short)], "num_frames": 6}, timeout=120)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "video_too_short" and error["param"] == "videos[0]", r.text
+    assert "num_frames 6 is more than the video's 4 frames" in error["message"]
+    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(short)], "num_frames": 6, "truncate_frames": True},
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["data"][0]["frame_indices"] == [0, 1, 2, 3], r.text
