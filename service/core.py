@@ -40,6 +40,7 @@ import time
 from .core_link import SCRAPE_SECONDS, Done, Status, error_record
 from .errors import EngineError
 from .settings import Settings
+from .signals import StopSignals
 
 log = logging.getLogger("vitserve.core")
 
@@ -397,11 +398,14 @@ def front_settings(settings: Settings, fronts: int) -> Settings:
 
 
 def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> None:
-    """A front end's process: this server's app on the shared socket, with the core behind its engine."""
+    """A front end's process: this server's app on the shared socket, with the core behind its engine. Signals are
+    the core's: it drains the front end with a Status record, and one whose core is gone exits."""
     from .engine import Engine
     from .server import run_server
     from .logs import configure_logging
+    from .signals import leave_to_owner
 
+    leave_to_owner()
     import torch
 
     configure_logging(settings.log_format, settings.log_level, bar=False, source=f"api{index}")
@@ -436,11 +440,11 @@ def serve(settings: Settings, fronts: int) -> int:
         threading.Thread(target=core.serve_link, args=(link,), name=f"vitserve-link{link.index}", daemon=True).start()
     threading.Thread(target=core.load, name="vitserve-load", daemon=True).start()
 
-    stopping = threading.Event()
-    signals = []
+    stopping, forced, stops = threading.Event(), threading.Event(), StopSignals()
 
     def on_signal(sig, frame):
-        signals.append(sig)
+        if stops.add():
+            forced.set()
         stopping.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -460,14 +464,11 @@ def serve(settings: Settings, fronts: int) -> int:
             core.fail(f"the process serving {dead.name} exited (exit code {dead.exitcode}); the server is restarting")
             code = 1
             break
-    if code == 0:  # drained: every front end answers what it admitted, then the devices stop
+    if code == 0:  # drained: every front end hears it, answers what it admitted and exits; then the devices stop
         core.set_state("draining")
         core.metrics.ready.set(0)
-        for link in core.links:
-            if link.process.is_alive():
-                os.kill(link.process.pid, signal.SIGTERM)
         while any(link.process.is_alive() for link in core.links):
-            if len(signals) > 1:  # a second signal: now
+            if forced.is_set():  # another signal, later: now
                 return _abandon(core)
             time.sleep(0.05)
         if any(link.process.exitcode for link in core.links):

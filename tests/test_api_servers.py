@@ -16,6 +16,7 @@ import torch
 from helpers import children, data_uri, png, rel_err, wait_until
 
 from vitserve.encoder import VisionEncoder
+from vitserve.service import launch
 from vitserve.service.settings import Settings
 from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
 
@@ -30,6 +31,25 @@ def direct():
 def front(line: str) -> str | None:
     """Which front end logged an access line ("api0", "api1"), None for another line."""
     return line.split("vitserve.access[")[1].split("]")[0] if "vitserve.access[" in line else None
+
+
+def roles(pid: int) -> dict[str, list[int]]:
+    """A server's processes by role: front ends and device processes (spawned; a front end has children, its decode
+    pool's), the decode pools' fork servers, and the decode workers they forked."""
+    out: dict[str, list[int]] = {"front end": [], "device": [], "fork server": [], "decode worker": []}
+
+    def walk(p: int, forked: bool) -> None:
+        command, kids = Path(f"/proc/{p}/cmdline").read_bytes(), children(p)
+        if b"forkserver" in command:
+            out["decode worker" if forked else "fork server"].append(p)
+        elif b"spawn_main" in command:
+            out["front end" if kids else "device"].append(p)
+        for kid in kids:
+            walk(kid, b"forkserver" in command)
+
+    for kid in children(pid):
+        walk(kid, False)
+    return out
 
 
 def posts(url: str, bodies: list[dict], connections: int = 8) -> list[httpx.Response]:
@@ -109,18 +129,25 @@ def test_sigterm_drains_every_front_end_then_exits_0_without_leftovers(direct):
     proc, url = start_server("--api-servers", "2", "--cache-bytes", "0", "--max-batch-wait-ms", "400")
     try:
         spool = glob.glob(f"/dev/shm/vitserve-{proc.pid}-*-lock")
-        held = hold_device(url)
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i % 8])]},
-                                   timeout=60) for i in range(8)]
-            wait_until(lambda: metric(url, "vitserve_queue_depth") == 8, 30, "8 images queued")
-            proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: refuses(url), 10, "the drain to begin")
-            replies = [f.result() for f in futures]
+        decoded = metric(url, "vitserve_preprocess_seconds_count")
+        (device,) = roles(proc.pid)["device"]
+        os.kill(device, signal.SIGSTOP)  # the requests wait for the device, however fast it would run them
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i % 8])]},
+                                       timeout=60) for i in range(8)]
+                wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 8, 30,
+                           "8 images decoded (each queued, or taken by the held device)")
+                proc.send_signal(signal.SIGTERM)
+                wait_until(lambda: refuses(url), 10, "the drain to begin")
+                assert not any(f.done() for f in futures)
+                os.kill(device, signal.SIGCONT)
+                replies = [f.result() for f in futures]
+        finally:
+            os.kill(device, signal.SIGCONT)
         for i, r in enumerate(replies):
             assert r.status_code == 200, r.text
             assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), expected[i % 8]) <= 1e-5
-        assert held.result().status_code == 200
         assert proc.wait(timeout=60) == 0
         with pytest.raises(OSError):  # the port is free: nobody listens any more
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2)
@@ -132,6 +159,52 @@ def test_sigterm_drains_every_front_end_then_exits_0_without_leftovers(direct):
             proc.kill()
         output = log_of(proc)
     assert "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("fronts", ["1", "2"])
+def test_sigterm_to_the_whole_group_answers_everything_admitted(direct, fronts):
+    """systemd (KillMode=control-group), `kill -- -PGID` and timeout(1) signal every process of the server, timeout
+    its main process twice: the decode workers, their fork servers, the device processes and the front ends leave
+    the signal to the server, whose drain answers every admitted request, those being decoded included."""
+    unique = [png(40 + 8 * i, 56, 100 + i) for i in range(16)]
+    want = [r.embeddings.mean(0) for r in direct.encode(unique)]
+    proc, url = launch.start_server("--model", MODEL, "--load-format", "dummy", "--api-servers", fronts,
+                                    "--device-processes", "--decode-workers", "2", "--cache-bytes", "0", timeout=60,
+                                    capture_log=True, start_new_session=True)
+    try:
+        parts = roles(proc.pid)
+        assert len(parts["front end"]) == (int(fronts) if fronts != "1" else 0) and len(parts["device"]) == 1
+        assert parts["decode worker"] and parts["fork server"]
+        held = parts["device"] + parts["decode worker"]
+        for pid in held:  # the images wait in the decode workers and for the device when the signal comes
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(16) as pool:
+                futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(x)]}, timeout=60)
+                           for x in unique]
+                wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 16, 30,
+                           "16 requests admitted")
+                os.killpg(proc.pid, signal.SIGTERM)  # every process of the group
+                proc.send_signal(signal.SIGTERM)  # and the main one again, as timeout(1) does
+                wait_until(lambda: refuses(url), 10, "the drain to begin")
+                for pid in held:
+                    os.kill(pid, signal.SIGCONT)
+                replies = [f.result() for f in futures]
+        finally:
+            for pid in held:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        for r, w in zip(replies, want):
+            assert r.status_code == 200, r.text
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), w) <= 1e-5
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = log_of(proc)
+    assert "Traceback" not in output and "decode worker died" not in output, output
 
 
 @pytest.mark.parametrize("victim", ["front end", "device"])
