@@ -78,8 +78,10 @@ class CoreLink:
         self.thread = threading.Thread(target=self._read, name="vitserve-core-link", daemon=True)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the core's records from now on, and tell it this front end is up."""
         self.loop = loop
         self.thread.start()
+        self.send(("up",))
 
     def send(self, message) -> None:
         try:

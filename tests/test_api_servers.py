@@ -1,5 +1,6 @@
 """Several front ends on one port (`--api-servers`), as a real server: one queue and one cache for all of them,
-/metrics and /stats of the whole server, drain on SIGTERM, and a front end's or a device's death failing it."""
+/metrics and /stats of the whole server, drain on SIGTERM, a front end's death (started again) and a device's (the
+server fails)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import glob
 import os
 import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from helpers import children, data_uri, png, rel_err, wait_until
 
 from vitserve.encoder import VisionEncoder
 from vitserve.service import launch
+from vitserve.service.core import Restarts
 from vitserve.service.settings import Settings
 from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
 
@@ -207,16 +210,101 @@ def test_sigterm_to_the_whole_group_answers_everything_admitted(direct, fronts):
     assert "Traceback" not in output and "decode worker died" not in output, output
 
 
-@pytest.mark.parametrize("victim", ["front end", "device"])
-def test_a_front_end_or_device_that_dies_fails_the_server(victim):
+def connections(pid: int, port: int) -> int:
+    """Established TCP connections on `port` that process `pid` has accepted."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()  # sl, local address:port, remote, state (01: established), ..., inode (10th)
+            count += int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in inodes
+    return count
+
+
+def test_a_front_end_that_dies_is_started_again_while_the_other_serves(direct):
+    """A front end killed with requests in flight on both (their decode workers held): the other's are answered
+    (they waited on the image the dead one was decoding: the core lets that claim go and they compute it), the dead
+    one's connections are cut, and the core starts it again on the same socket; the server serves on and drains to
+    exit 0."""
+    image = IMAGES[2]
+    want = direct.encode([image])[0].embeddings.mean(0)
+    proc, url = start_server("--api-servers", "2")
+    port = int(url.rsplit(":", 1)[1])
+
+    def post():
+        try:
+            return httpx.post(url + "/v1/embeddings", json={"input": [data_uri(image)]}, timeout=60)
+        except httpx.TransportError as e:  # a connection of the killed front end
+            return e
+
+    try:
+        parts = roles(proc.pid)
+        fronts, held = parts["front end"], parts["decode worker"]
+        for pid in held:  # the first request decodes the image for all of them, and nothing decodes
+            os.kill(pid, signal.SIGSTOP)
+        pool, futures = ThreadPoolExecutor(32), []
+        try:
+            futures.append(pool.submit(post))
+            wait_until(lambda: metric(url, "vitserve_cache_misses_total") == 1, 30, "the image claimed")
+            (victim,) = [f for f in fronts if connections(f, port)]  # the front end computing the image
+            (survivor,) = [f for f in fronts if f != victim]
+            while not connections(survivor, port) and len(futures) < 32:  # requests until the other has some
+                futures.append(pool.submit(post))
+                wait_until(lambda: sum(connections(f, port) for f in fronts) == len(futures), 30, "accepted")
+            accepted = {f: connections(f, port) for f in fronts}
+            assert accepted[survivor], accepted
+            wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == len(futures), 30,
+                       "every request admitted")
+            time.sleep(0.5)  # their cache lookups answered: the survivor's wait on the victim's claim
+            os.kill(victim, signal.SIGKILL)
+        finally:
+            for pid in held:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        replies = [f.result() for f in futures]
+        pool.shutdown()
+        answered = [r for r in replies if isinstance(r, httpx.Response)]
+        assert len(answered) == accepted[survivor] and len(replies) - len(answered) == accepted[victim], \
+            (accepted, replies)
+        for r in answered:
+            assert r.status_code == 200, r.text
+            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), want) <= 1e-5
+        wait_until(lambda: httpx.get(url + "/stats").json()["api_servers_replaced"] == 1, 30, "a new front end")
+        wait_until(lambda: httpx.get(url + "/stats").json()["api_servers"] == 2, 60, "the new front end up")
+        assert posts(url, [{"input": [data_uri(x)]} for x in IMAGES], connections=4)[-1].status_code == 200
+        assert httpx.get(url + "/ready").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = log_of(proc)
+    assert "exited (exit code -9); starting it again" in output and "Traceback" not in output, output
+
+
+def test_a_front_end_that_does_not_come_up_is_tried_again_then_fails_the_server():
+    restarts = Restarts((1.0, 4.0))
+    assert [restarts.after(0, up=False) for _ in range(3)] == [1.0, 4.0, None]  # then the server fails
+    assert restarts.after(1, up=False) == 1.0  # counted per front end
+    assert restarts.after(1, up=True) == 0.0 and restarts.after(1, up=False) == 1.0  # one that was up: at once
+
+
+def test_a_device_that_dies_fails_the_server():
     proc, url = start_server("--api-servers", "2", "--cache-bytes", "0")
     try:
         assert httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30).status_code == 200
         kids = [p for p in children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        fronts = [p for p in kids if children(p)]  # a front end has decode workers; a device process none
-        devices = [p for p in kids if p not in fronts]
-        assert len(fronts) == 2 and len(devices) == 1, (kids, fronts)
-        os.kill((fronts if victim == "front end" else devices)[0], signal.SIGKILL)
+        (device,) = roles(proc.pid)["device"]
+        os.kill(device, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b"Z" not in Path(f"/proc/{p}/stat").read_bytes()
                                    .split(b")")[1][:3] for p in kids), 30, "every child gone")
