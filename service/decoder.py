@@ -5,7 +5,8 @@ bounded in bytes and steps, microseconds whatever the bytes hold; where the head
 worker reads it from the whole image): its format must be allowed, its pixels under `--max-image-pixels`, and the
 memory its decode takes (estimated from the size and mode, alpha and palette expansion included) counts against the
 request's limit (`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, a `MemoryBudget`:
-an image waits until its share fits, so large images queue instead of overcommitting the host). Where the probe saw
+an image waits until its share fits, in its request's turn, round-robin by request, so large images queue instead of
+overcommitting the host and one request's many large images take one turn at a time). Where the probe saw
 the image's end, only the bytes up to it are decoded (what follows, junk or a phone's motion video, stays behind).
 An image of a request body in a body file (bodies.py) goes to its worker as where it lies there (`SharedText`): no
 byte of it crosses the worker's socket. No byte of an image is touched on the event loop. The decode pool hands
@@ -300,7 +301,7 @@ class Decoder:
         """A video's header read by a worker first (its limits checked, the memory its decode takes), then that
         memory taken from the server's decode budget while a worker decodes it."""
         cost = await self._run(measure_video, data, owner, cfg, limits, timeout=self.settings.video_decode_timeout)
-        share = await self.budget.acquire(cost)
+        share = await self.budget.acquire(cost, owner)
         # FFmpeg's threads for this video: the workers' cores shared among the videos decoding (a lone video gets
         # them all; many get VIDEO_DECODE_THREADS each, as the workers decode them side by side)
         threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
@@ -341,7 +342,7 @@ class Decoder:
         return InputRejected(f"{param}: cannot decode the image", "undecodable_image", param)
 
     async def _decode(self, data, end: int | None, cfg: PreprocessConfig, cost: int, owner):
-        share = await self.budget.acquire(cost)
+        share = await self.budget.acquire(cost, owner)
         try:
             for attempt in (1, 2):
                 try:
