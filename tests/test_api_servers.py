@@ -36,9 +36,12 @@ def front(line: str) -> str | None:
     return line.split("vitserve.access[")[1].split("]")[0] if "vitserve.access[" in line else None
 
 
-def roles(pid: int) -> dict[str, list[int]]:
-    """A server's processes by role: front ends and device processes (spawned; a front end has children, its decode
-    pool's), the decode pools' fork servers, and the decode workers they forked."""
+def roles(pid: int, url: str, fronts: int = 2) -> dict[str, list[int]]:
+    """A server's processes by role, once each of its `fronts` front ends is up (answers its part of /stats; the
+    first ready one answers /ready while another still starts): front ends and device processes (spawned; a front
+    end has children, its decode pool's), the decode pools' fork servers, and the decode workers they forked."""
+    if fronts > 1:
+        wait_until(lambda: httpx.get(url + "/stats").json()["api_servers"] == fronts, 60, "every front end up")
     out: dict[str, list[int]] = {"front end": [], "device": [], "fork server": [], "decode worker": []}
 
     def walk(p: int, forked: bool) -> None:
@@ -133,7 +136,7 @@ def test_sigterm_drains_every_front_end_then_exits_0_without_leftovers(direct):
     try:
         spool = glob.glob(f"/dev/shm/vitserve-{proc.pid}-*-lock")
         decoded = metric(url, "vitserve_preprocess_seconds_count")
-        (device,) = roles(proc.pid)["device"]
+        (device,) = roles(proc.pid, url)["device"]
         os.kill(device, signal.SIGSTOP)  # the requests wait for the device, however fast it would run them
         try:
             with ThreadPoolExecutor(8) as pool:
@@ -175,7 +178,7 @@ def test_sigterm_to_the_whole_group_answers_everything_admitted(direct, fronts):
                                     "--device-processes", "--decode-workers", "2", "--cache-bytes", "0", timeout=60,
                                     capture_log=True, start_new_session=True)
     try:
-        parts = roles(proc.pid)
+        parts = roles(proc.pid, url, int(fronts))
         assert len(parts["front end"]) == (int(fronts) if fronts != "1" else 0) and len(parts["device"]) == 1
         assert parts["decode worker"] and parts["fork server"]
         held = parts["device"] + parts["decode worker"]
@@ -245,7 +248,7 @@ def test_a_front_end_that_dies_is_started_again_while_the_other_serves(direct):
             return e
 
     try:
-        parts = roles(proc.pid)
+        parts = roles(proc.pid, url)
         fronts, held = parts["front end"], parts["decode worker"]
         for pid in held:  # the first request decodes the image for all of them, and nothing decodes
             os.kill(pid, signal.SIGSTOP)
@@ -303,7 +306,7 @@ def test_a_device_that_dies_fails_the_server():
     try:
         assert httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30).status_code == 200
         kids = [p for p in children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        (device,) = roles(proc.pid)["device"]
+        (device,) = roles(proc.pid, url)["device"]
         os.kill(device, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b"Z" not in Path(f"/proc/{p}/stat").read_bytes()
