@@ -181,6 +181,10 @@ def test_sigterm_to_the_whole_group_answers_everything_admitted(direct, fronts):
         parts = roles(proc.pid, url, int(fronts))
         assert len(parts["front end"]) == (int(fronts) if fronts != "1" else 0) and len(parts["device"]) == 1
         assert parts["decode worker"] and parts["fork server"]
+        for pid in parts["device"] + parts["decode worker"] + parts["fork server"]:  # SIGTERM and SIGINT ignored
+            ignored = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                               if line.startswith("SigIgn:")).split()[1], 16)
+            assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1, pid
         held = parts["device"] + parts["decode worker"]
         for pid in held:  # the images wait in the decode workers and for the device when the signal comes
             os.kill(pid, signal.SIGSTOP)
