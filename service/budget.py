@@ -64,11 +64,14 @@ class MemoryBudget:
                 return
 
     def _grant(self) -> None:
-        """Grant what fits, owner by owner in turn order (see the class docstring)."""
-        now, changed = time.monotonic(), True
-        while changed:  # from the first owner again after each change of the order
-            changed = False
-            for owner, waiters in self._owners.items():
+        """Grant what fits, owner by owner in turn order (see the class docstring). A pass grants each owner's next
+        waiter where it fits (what one skipped still does not fit after: `used` only grows here), and passes repeat
+        while one grants: a call costs a pass over the owners per waiter of one owner it grants, not per grant."""
+        now, granted = time.monotonic(), True
+        while granted:
+            granted = False
+            for owner in list(self._owners):
+                waiters = self._owners[owner]
                 while waiters and waiters[0][2].done():  # cancelled: its task has not run yet to take it out
                     waiters.popleft()
                 if waiters and self.used + waiters[0][0] > self.limit:
@@ -80,7 +83,6 @@ class MemoryBudget:
                     self.used += cost
                     future.set_result(None)
                     self._owners.move_to_end(owner)  # its next waiter waits for its next turn
+                    granted = True
                 if not waiters:
                     del self._owners[owner]
-                changed = True
-                break
