@@ -23,6 +23,11 @@ class MemoryBudget:
         # owner -> its waiters (cost, since, future), the owners in turn order
         self._owners: collections.OrderedDict[object, collections.deque] = collections.OrderedDict()
 
+    @property
+    def waiting(self) -> int:
+        """Users waiting for their share."""
+        return sum(len(waiters) for waiters in self._owners.values())
+
     def try_acquire(self, cost: int) -> bool:
         """Take `cost` if it fits now, ahead of no waiter; else take nothing."""
         if self.used + cost <= self.limit and not self._owners:
