@@ -320,6 +320,45 @@ def test_a_device_that_dies_fails_the_server():
             proc.kill()
 
 
+def test_front_ends_whose_core_is_killed_answer_503_and_exit():
+    """The core killed (SIGKILL, the OOM killer) with requests waiting for the device: each front end answers them
+    503 `core_lost` at once, instead of waiting for answers that never come, and exits, its decode workers with it:
+    nothing is left holding the port for the restarted server."""
+    proc, url = start_server("--api-servers", "2", "--cache-bytes", "0")
+    parts = roles(proc.pid, url)
+    everyone = [pid for pids in parts.values() for pid in pids]
+    (device,) = parts["device"]
+    gone = False
+    try:
+        os.kill(device, signal.SIGSTOP)  # the images wait for the device
+        decoded = metric(url, "vitserve_preprocess_seconds_count")
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i])]},
+                                   timeout=60) for i in range(8)]
+            wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 8, 30,
+                       "8 images decoded")
+            proc.kill()
+            proc.wait(timeout=10)
+            os.kill(device, signal.SIGCONT)  # its server gone, it exits on its own
+            replies = [f.result() for f in futures]
+        for r in replies:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "core_lost", r.text
+        wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b") Z" not in Path(f"/proc/{p}/stat").read_bytes()
+                                   for p in everyone), 30, "every process of the server gone")
+        gone = True
+        with pytest.raises(OSError):  # nobody listens any more
+            socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in [] if gone else everyone:  # left behind: this test's own processes, still running
+            try:
+                if b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+
 def test_api_servers_default_and_checks(monkeypatch):
     assert Settings(model=MODEL, device="cpu").api_server_count() == 1  # the CPU: one front end
     assert Settings(model=MODEL, device="cpu", api_servers=3).api_server_count() == 3
