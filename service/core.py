@@ -19,7 +19,9 @@ another computes it waits for that answer (single flight, as in one process).
 
 Lifecycle: the core is ready when every device is; each front end mirrors the core's state on /ready. On SIGTERM
 the core tells every front end to drain (each stops accepting and answers what it admitted), waits for them to
-exit, then stops the devices. A front end or a device process that dies fails the whole server (exit 1, for a
+exit, then stops the devices. A front end that dies is started again on the same socket while the others serve
+(its images leave the queue, the cache keys it was computing are let go); one that dies before it is up is tried
+again after 1 s and 4 s, then the server fails. A device process that dies fails the whole server (exit 1, for a
 supervisor to restart it), as a single process would.
 """
 
@@ -40,6 +42,7 @@ import time
 from .core_link import SCRAPE_SECONDS, Done, Status, error_record
 from .errors import EngineError
 from .settings import Settings
+from .signals import StopSignals
 
 log = logging.getLogger("vitserve.core")
 
@@ -54,6 +57,7 @@ class FileCache:
         self.limit, self.metrics, self.bytes = limit, metrics, 0
         self.entries: collections.OrderedDict[bytes, object] = collections.OrderedDict()
         self.claims: dict[bytes, list] = {}  # key being computed -> who waits for it: (link, lookup id, index)
+        self.owners: dict[bytes, object] = {}  # key being computed -> the link of the front end computing it
 
     def get(self, key: bytes):
         output = self.entries.get(key)
@@ -84,14 +88,17 @@ class FileCache:
 
 
 class Link:
-    """The core's end of one front end's pipe: sends from any thread, one reader thread."""
+    """The core's end of one front end's pipe: sends from any thread, one reader thread. `up`: the front end said it
+    has started. A front end started again gets a new Link (same index)."""
 
     def __init__(self, index: int, conn, process):
         self.index, self.conn, self.process = index, conn, process
         self.lock = threading.Lock()
-        self.open = True
+        self.open, self.up = True, False
 
     def send(self, message) -> None:
+        if not self.open:
+            return
         try:
             with self.lock:
                 self.conn.send(message)
@@ -117,7 +124,8 @@ class Core:
         self.state, self.error, self.model = "loading", None, None
         self.workers: list = []
         self.links: list[Link] = []
-        self.items: dict[tuple[int, int], object] = {}  # (front end, item id) -> its WorkItem, while queued or run
+        self.items: dict[tuple[Link, int], object] = {}  # (front end's link, item id) -> its WorkItem, while queued
+        self.replaced = 0  # front ends that died and were started again
         self.batch_sizes: dict[int, int] = {}
         self.lock = threading.Lock()  # the cache, the claims and the items (the readers' and the workers' threads)
         self.scrapes: dict[int, dict] = {}
@@ -183,6 +191,18 @@ class Core:
             self.cache.clear()
         spool.clear(self.prefix)
 
+    def lost(self, link: Link) -> None:
+        """A front end is gone: its images leave the queue (nobody would read their answers), and the cache keys it
+        was computing are let go (whoever waits on one computes it)."""
+        link.open = False
+        with self.lock:
+            dropped = [self.items.pop(key) for key in [key for key in self.items if key[0] is link]]
+            settled = [m for key in [k for k, owner in self.cache.owners.items() if owner is link]
+                       for m in self._settle(key, None)]
+        self.queue.drop(dropped)
+        for waiter, record in settled:
+            waiter.send(record)
+
     # -- one front end's records, on its reader thread
     def serve_link(self, link: Link) -> None:
         link.send(Status(self.state, self.error, self.model, [w.name for w in self.workers]))
@@ -208,7 +228,7 @@ class Core:
                 for item in message[1]:
                     work = WorkItem(item.image, item.grid, None, item.mean_pooling, item.param,
                                     origin=(link, item.id, item.key), modality=item.modality)
-                    self.items[link.index, item.id] = work
+                    self.items[link, item.id] = work
                     items.append(work)
             self.queue.put(items)
         elif kind == "lookup":
@@ -223,17 +243,20 @@ class Core:
                         answers.append("wait")
                     else:
                         self.cache.claims[key] = []
+                        self.cache.owners[key] = link
                         answers.append(None)
             link.send(("looked", lookup, answers))
         elif kind == "drop":
             with self.lock:
-                dropped = [w for w in (self.items.pop((link.index, i), None) for i in message[1]) if w]
+                dropped = [w for w in (self.items.pop((link, i), None) for i in message[1]) if w]
             self.queue.drop(dropped)
         elif kind == "release":
             with self.lock:
                 settled = [m for key in message[1] for m in self._settle(key, None)]
             for waiter, record in settled:
                 waiter.send(record)
+        elif kind == "up":
+            link.up = True
         elif kind == "scrape":
             threading.Thread(target=self._scrape, args=(link, message[1], message[2]), daemon=True).start()
         elif kind == "collected":
@@ -244,6 +267,7 @@ class Core:
     def _settle(self, key: bytes, output) -> list:
         """Under the lock: the claim on `key` ends with `output` (kept by the cache) or None (waiters compute);
         the records to send its waiters (after the lock: a send may wait for a full pipe)."""
+        self.cache.owners.pop(key, None)
         return [(link, ("settled", lookup, i, output)) for link, lookup, i in self.cache.claims.pop(key, ())]
 
     # -- a device's batch, on its worker's thread
@@ -273,7 +297,7 @@ class Core:
                 self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
             for n, item in enumerate(batch):
                 link, id, key = item.origin
-                self.items.pop((link.index, id), None)
+                self.items.pop((link, id), None)
                 m.queue_seconds.observe(item.queue_s)
                 m.record("queue", item.queue_s)
                 output = None if error is not None else outputs[n]
@@ -291,6 +315,10 @@ class Core:
                 by_link[link].append(Done(id, output, keep=keep, queue_s=item.queue_s, inference_s=seconds))
         for link, answers in by_link.items():
             link.send(("done", answers))
+            if not link.open:  # its front end is gone: nobody maps these files
+                for done in answers:
+                    if done.output is not None and not done.keep:
+                        done.output.discard()
         for waiter, record in settled:
             waiter.send(record)
 
@@ -349,6 +377,7 @@ class Core:
                 "requests_in_flight": total("requests_in_flight"), "queue_depth": len(self.queue),
                 "tiers": tiers, "batch_size_histogram": histogram, "spool": self.prefix and os.path.dirname(self.prefix),
                 "device_processes": True, "decode_workers_replaced": total("decode_workers_replaced"),
+                "api_servers_replaced": self.replaced,
                 "cache": cache, "batching": batching, "api_servers": len(fronts),
                 "eager_runs": sum(r.get("eager_runs", 0) for r in runners), "memory": memory,
                 "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners)}
@@ -409,11 +438,14 @@ def front_settings(settings: Settings, fronts: int) -> Settings:
 
 
 def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> None:
-    """A front end's process: this server's app on the shared socket, with the core behind its engine."""
+    """A front end's process: this server's app on the shared socket, with the core behind its engine. Signals are
+    the core's: it drains the front end with a Status record, and one whose core is gone exits."""
     from .engine import Engine
     from .server import run_server
     from .logs import configure_logging
+    from .signals import leave_to_owner
 
+    leave_to_owner()
     import torch
 
     configure_logging(settings.log_format, settings.log_level, bar=False, source=f"api{index}")
@@ -423,9 +455,42 @@ def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> No
     os._exit(code)
 
 
+RESTART_DELAYS = (1.0, 4.0)  # seconds before a front end that died before it was up starts again; then: failed
+
+
+class Restarts:
+    """When a front end that died starts again: at once where it had come up, else after each of `delays` in turn
+    (a start that fails may pass: memory, processes); never once those are spent."""
+
+    def __init__(self, delays: tuple[float, ...] = RESTART_DELAYS):
+        self.delays = delays
+        self.failed: collections.Counter[int] = collections.Counter()  # front end -> failed starts in a row
+
+    def after(self, index: int, up: bool) -> float | None:
+        """Seconds before front end `index`, which died (`up`: after it had come up), starts again; None: never."""
+        if up:
+            self.failed[index] = 0
+            return 0.0
+        self.failed[index] += 1
+        return self.delays[self.failed[index] - 1] if self.failed[index] <= len(self.delays) else None
+
+
+def start_front(core: Core, index: int, settings: Settings, sock: socket.socket, context) -> Link:
+    """Start front end `index` on the listening socket, and the core's reader of its records."""
+    parent, child = context.Pipe()
+    # not a daemon: a front end has decode workers of its own; one whose core is gone exits (its link ends)
+    process = context.Process(target=serve_front, args=(index, settings, sock, child), name=f"vitserve-api{index}")
+    process.start()
+    child.close()
+    link = Link(index, parent, process)
+    threading.Thread(target=core.serve_link, args=(link,), name=f"vitserve-link{index}", daemon=True).start()
+    return link
+
+
 def serve(settings: Settings, fronts: int) -> int:
     """`vitserve serve` with several front ends: bind the port, start the core and the front ends, and supervise
-    them until SIGTERM (drained: exit 0) or a failure (exit 1)."""
+    them until SIGTERM (drained: exit 0) or a failure (exit 1). A front end that dies is started again (`Restarts`)
+    while the others serve; the core keeps the listening socket for that until it drains."""
     core = Core(settings, fronts)
     if core.prefix is None:
         raise ValueError("--api-servers above 1 needs a spool directory (/dev/shm or --spool-dir)")
@@ -436,53 +501,57 @@ def serve(settings: Settings, fronts: int) -> int:
     sock.set_inheritable(True)
     context = multiprocessing.get_context("spawn")
     share = front_settings(settings, fronts)
-    for i in range(fronts):
-        parent, child = context.Pipe()
-        # not a daemon: a front end has decode workers of its own; one whose core is gone exits (its link ends)
-        process = context.Process(target=serve_front, args=(i, share, sock, child), name=f"vitserve-api{i}")
-        process.start()
-        child.close()
-        core.links.append(Link(i, parent, process))
-    sock.close()  # the front ends hold it: once they have all closed it, the port is free
-    for link in core.links:
-        threading.Thread(target=core.serve_link, args=(link,), name=f"vitserve-link{link.index}", daemon=True).start()
+    core.links = [start_front(core, i, share, sock, context) for i in range(fronts)]
     threading.Thread(target=core.load, name="vitserve-load", daemon=True).start()
 
-    stopping = threading.Event()
-    signals = []
+    stopping, forced, stops = threading.Event(), threading.Event(), StopSignals()
 
     def on_signal(sig, frame):
-        signals.append(sig)
+        if stops.add():
+            forced.set()
         stopping.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    code = 0
+    code, restarts, due = 0, Restarts(), {}  # due: front end -> when it starts again
     while True:
         if stopping.wait(0.2):
             break
         if core.failed.is_set():
             code = 1
             break
-        if dead := next((link.process for link in core.links if not link.process.is_alive()), None):
-            core.fail(f"front end {dead.name} exited (exit code {dead.exitcode}); the server is restarting")
-            code = 1
-            break
+        now = time.monotonic()
+        for link in list(core.links):
+            if link.index in due or link.process.is_alive():
+                continue
+            core.lost(link)
+            delay = restarts.after(link.index, link.up)
+            if delay is None:
+                core.fail(f"front end {link.index} exited (exit code {link.process.exitcode}) before it was up, "
+                          f"{len(restarts.delays) + 1} times in a row; the server is restarting")
+                break
+            log.warning("front end %d exited (exit code %s); starting it again%s", link.index,
+                        link.process.exitcode, f" in {delay:g} s" if delay else "")
+            due[link.index] = now + delay
+        for index, when in list(due.items()):
+            if when <= now and not core.failed.is_set():
+                del due[index]
+                core.links[index] = start_front(core, index, share, sock, context)
+                core.replaced += 1
         if dead := next((w.device.process for w in core.workers if not w.device.process.is_alive()), None):
             core.fail(f"the process serving {dead.name} exited (exit code {dead.exitcode}); the server is restarting")
             code = 1
             break
-    if code == 0:  # drained: every front end answers what it admitted, then the devices stop
+    if code == 0:  # drained: every front end hears it, answers what it admitted and exits; then the devices stop
+        sock.close()  # the front ends hold it: once they have all closed it, the port is free
         core.set_state("draining")
         core.metrics.ready.set(0)
-        for link in core.links:
-            if link.process.is_alive():
-                os.kill(link.process.pid, signal.SIGTERM)
-        while any(link.process.is_alive() for link in core.links):
-            if len(signals) > 1:  # a second signal: now
+        live = [link for link in core.links if link.process.is_alive()]
+        while any(link.process.is_alive() for link in live):
+            if forced.is_set():  # another signal, later: now
                 return _abandon(core)
             time.sleep(0.05)
-        if any(link.process.exitcode for link in core.links):
+        if any(link.process.exitcode for link in live):
             code = 1
         core.stop()
         return code

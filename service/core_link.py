@@ -79,15 +79,21 @@ class CoreLink:
         self.thread = threading.Thread(target=self._read, name="vitserve-core-link", daemon=True)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the core's records from now on, and tell it this front end is up."""
         self.loop = loop
         self.thread.start()
+        self.send(("up",))
 
     def send(self, message) -> None:
         try:
             with self.lock:
                 self.conn.send(message)
         except (OSError, ValueError):
-            raise Unavailable("the server's core is gone; it is restarting", "core_lost") from None
+            raise self.lost_error() from None
+
+    @staticmethod
+    def lost_error() -> Unavailable:
+        return Unavailable("the server's core is gone; it is restarting", "core_lost")
 
     # -- from the event loop
     async def lookup(self, keys: list[bytes]) -> list:
@@ -131,7 +137,7 @@ class CoreLink:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
-                self.loop.call_soon_threadsafe(self.engine.fail, "the server's core went away")
+                self.loop.call_soon_threadsafe(self._gone)
                 return
             try:
                 self._handle(message)
@@ -173,6 +179,20 @@ class CoreLink:
             return None
 
     # -- on the event loop
+    def _gone(self) -> None:
+        """The core is gone: what waits on it (images, cache lookups and waits, scrapes) gets a 503 `core_lost` now,
+        so that this front end's requests end and it exits, failed, instead of waiting for answers that never come."""
+        error = self.lost_error()
+        futures = [item.future for item in self.items.values()] + list(self.scrapes.values())
+        for answered, waits in self.lookups.values():
+            futures += [answered, *waits.values()]
+        self.items.clear()
+        self.lookups.clear()
+        for future in futures:
+            if future is not None and not future.done():
+                future.set_exception(error)
+        self.engine.fail("the server's core went away")
+
     def _done(self, answers: list, errors: list) -> None:
         for done, output in answers:
             item = self.items.pop(done.id, None)

@@ -18,10 +18,11 @@ import functools
 import logging
 import multiprocessing
 import pickle
-import signal
 import socket
 import struct
 from typing import Callable
+
+from .signals import leave_to_owner
 
 log = logging.getLogger("vitserve.decode")
 _BYTES = (bytes, bytearray, memoryview)  # payloads sent as they are
@@ -59,8 +60,8 @@ def _read(sock: socket.socket, n: int) -> bytes:
 
 def _serve(sock: socket.socket) -> None:
     """A worker: run each job it is sent, fn(payload, *args), and answer (True, result) or (False, exception),
-    until the server hangs up."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server hangs up on us
+    until the server hangs up (SIGTERM and SIGINT are the server's: it hangs up on us)."""
+    leave_to_owner()
     while True:
         try:
             call_size, payload_size = struct.unpack("!II", _read(sock, 8))
@@ -155,15 +156,16 @@ class FairQueue:
 
 
 class DecodePool:
-    """`workers` processes forked from a clean fork server that has imported only `preload` (what they run:
-    numpy and PIL, no torch): none inherits CUDA or threads. Use from one event loop: `start`, `submit`, `close`.
+    """`workers` processes forked from a clean fork server that has imported only `preload` (what they run: numpy and
+    PIL, no torch; and SIGTERM and SIGINT left to the server): none inherits CUDA or threads. Use from one event
+    loop: `start`, `submit`, `close`.
     `on_orphan(result)`: a result whose caller is gone (a spooled image's file to remove); `on_broken(reason)`: the
     last worker died and none could be started in its place. `timeout`: seconds a job may run (None: no limit);
     `grace`: seconds a cancelled job may still run before its worker is killed."""
 
-    def __init__(self, workers: int, preload: str = "vitserve.service.decode", on_orphan: Callable = lambda result: None,
-                 on_broken: Callable[[str], None] = lambda reason: None, timeout: float | None = None,
-                 grace: float = 1.0):
+    def __init__(self, workers: int, preload: str = "vitserve.service.forkserver_preload",
+                 on_orphan: Callable = lambda result: None, on_broken: Callable[[str], None] = lambda reason: None,
+                 timeout: float | None = None, grace: float = 1.0):
         self.size, self.timeout, self.grace = workers, timeout, grace
         self.on_orphan, self.on_broken = on_orphan, on_broken
         self._context = multiprocessing.get_context("forkserver")

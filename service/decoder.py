@@ -5,7 +5,8 @@ bounded in bytes and steps, microseconds whatever the bytes hold; where the head
 worker reads it from the whole image): its format must be allowed, its pixels under `--max-image-pixels`, and the
 memory its decode takes (estimated from the size and mode, alpha and palette expansion included) counts against the
 request's limit (`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, a `MemoryBudget`:
-an image waits until its share fits, so large images queue instead of overcommitting the host). Where the probe saw
+an image waits until its share fits, in its request's turn, round-robin by request, so large images queue instead of
+overcommitting the host and one request's many large images take one turn at a time). Where the probe saw
 the image's end, only the bytes up to it are decoded (what follows, junk or a phone's motion video, stays behind).
 An image of a request body in a body file (bodies.py) goes to its worker as where it lies there (`SharedText`): no
 byte of it crosses the worker's socket. No byte of an image is touched on the event loop. The decode pool hands
@@ -330,9 +331,9 @@ class Decoder:
         budgets and one of the videos' workers is free; all given back when it is done. Its wall time from there to
         its frames back is observed in vitserve_decode_seconds, as an image's."""
         start = time.perf_counter()
-        share = await self.budget.acquire(cost.memory)
+        share = await self.budget.acquire(cost.memory, owner)
         try:
-            work = await self.video_work.acquire(cost.work)
+            work = await self.video_work.acquire(cost.work, owner)
             try:
                 async with self.video_slots:
                     # FFmpeg's threads for this video: the workers' cores shared among the videos decoding (a lone
@@ -380,7 +381,7 @@ class Decoder:
         return InputRejected(f"{param}: cannot decode the image", "undecodable_image", param)
 
     async def _decode(self, data, end: int | None, cfg: PreprocessConfig, cost: int, owner):
-        share = await self.budget.acquire(cost)
+        share = await self.budget.acquire(cost, owner)
         try:
             for attempt in (1, 2):
                 try:

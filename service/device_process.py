@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import queue
-import signal
 import threading
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from . import spool
 from .errors import Unavailable
 from .logs import configure_logging
 from .settings import Settings, resolve_devices
+from .signals import leave_to_owner
 from .worker import BATCHES_IN_FLIGHT, STOP, pipeline
 
 
@@ -139,7 +139,7 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
     # lines named by the device; a progress bar only where this is the one device (two would draw over each other)
     configure_logging(settings.log_format, settings.log_level, bar=None if len(resolve_devices(settings)[0]) == 1
                       else False, source=device)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops this process
+    leave_to_owner()  # a group's SIGTERM or Ctrl-C: the server drains, then stops this process
     try:
         if parse_device(device).type == "cuda":  # a clear error where CUDA is missing
             torch.cuda.set_device(device)

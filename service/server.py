@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 
 from .settings import Settings
+from .signals import StopSignals
 
 
 def run_server(settings: Settings, engine, sockets=None) -> int:
@@ -19,21 +19,24 @@ def run_server(settings: Settings, engine, sockets=None) -> int:
     from .http import connection_limit, guarded_h11
 
     app = create_app(settings, engine)
+    stops = StopSignals()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            """First SIGTERM/SIGINT: not ready, stop accepting, answer everything in flight, exit 0. A second: exit
-            now. (Unlike uvicorn's own handler, the signal is not re-raised after a graceful shutdown.)"""
-            if sig == signal.SIGINT and engine.core is not None:  # a front end: Ctrl-C reaches the whole group,
-                return  # and the core drains it with SIGTERM
+            """First SIGTERM/SIGINT: not ready, stop accepting, answer everything in flight, exit 0. Another one a
+            second or more later: exit now (StopSignals). (Unlike uvicorn's own handler, the signal is not re-raised
+            after a graceful shutdown.) A front end leaves signals to its core, which tells it to drain."""
+            if engine.core is not None:
+                return
             engine.drain()
-            if self.should_exit:
+            if stops.add():
                 self.force_exit = True
             self.should_exit = True
 
         async def on_tick(self, counter: int) -> bool:
-            """Exit once the engine has failed (a model that did not load, a lost device): for a restart."""
-            return await super().on_tick(counter) or engine.state is State.FAILED
+            """Exit once the engine drains (a signal; in a front end, its core's word), answering what it admitted,
+            or has failed (a model that did not load, a lost device): for a restart."""
+            return await super().on_tick(counter) or engine.state in (State.DRAINING, State.FAILED)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             log_level=settings.log_level, access_log=False,

@@ -1,5 +1,6 @@
 """Several front ends on one port (`--api-servers`), as a real server: one queue and one cache for all of them,
-/metrics and /stats of the whole server, drain on SIGTERM, and a front end's or a device's death failing it."""
+/metrics and /stats of the whole server, drain on SIGTERM, a front end's death (started again) and a device's (the
+server fails)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import glob
 import os
 import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from helpers import SERVED_DEVICE, assert_served, children, data_uri, png, rel_err, wait_until
+from helpers import SERVED_DEVICE, assert_served, children, data_uri, png, wait_until
 
 from vitserve.encoder import VisionEncoder
+from vitserve.service import launch
+from vitserve.service.core import Restarts
 from vitserve.service.settings import Settings
 from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
 
@@ -30,6 +34,28 @@ def direct():
 def front(line: str) -> str | None:
     """Which front end logged an access line ("api0", "api1"), None for another line."""
     return line.split("vitserve.access[")[1].split("]")[0] if "vitserve.access[" in line else None
+
+
+def roles(pid: int, url: str, fronts: int = 2) -> dict[str, list[int]]:
+    """A server's processes by role, once each of its `fronts` front ends is up (answers its part of /stats; the
+    first ready one answers /ready while another still starts): front ends and device processes (spawned; a front
+    end has children, its decode pool's), the decode pools' fork servers, and the decode workers they forked."""
+    if fronts > 1:
+        wait_until(lambda: httpx.get(url + "/stats").json()["api_servers"] == fronts, 60, "every front end up")
+    out: dict[str, list[int]] = {"front end": [], "device": [], "fork server": [], "decode worker": []}
+
+    def walk(p: int, forked: bool) -> None:
+        command, kids = Path(f"/proc/{p}/cmdline").read_bytes(), children(p)
+        if b"forkserver" in command:
+            out["decode worker" if forked else "fork server"].append(p)
+        elif b"spawn_main" in command:
+            out["front end" if kids else "device"].append(p)
+        for kid in kids:
+            walk(kid, b"forkserver" in command)
+
+    for kid in children(pid):
+        walk(kid, False)
+    return out
 
 
 def posts(url: str, bodies: list[dict], connections: int = 8) -> list[httpx.Response]:
@@ -110,18 +136,25 @@ def test_sigterm_drains_every_front_end_then_exits_0_without_leftovers(direct):
     proc, url = start_server("--api-servers", "2", "--cache-bytes", "0", "--max-batch-wait-ms", "400")
     try:
         spool = glob.glob(f"/dev/shm/vitserve-{proc.pid}-*-lock")
-        held = hold_device(url)
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i % 8])]},
-                                   timeout=60) for i in range(8)]
-            wait_until(lambda: metric(url, "vitserve_queue_depth") == 8, 30, "8 images queued")
-            proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: refuses(url), 10, "the drain to begin")
-            replies = [f.result() for f in futures]
+        decoded = metric(url, "vitserve_preprocess_seconds_count")
+        (device,) = roles(proc.pid, url)["device"]
+        os.kill(device, signal.SIGSTOP)  # the requests wait for the device, however fast it would run them
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i % 8])]},
+                                       timeout=60) for i in range(8)]
+                wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 8, 30,
+                           "8 images decoded (each queued, or taken by the held device)")
+                proc.send_signal(signal.SIGTERM)
+                wait_until(lambda: refuses(url), 10, "the drain to begin")
+                assert not any(f.done() for f in futures)
+                os.kill(device, signal.SIGCONT)
+                replies = [f.result() for f in futures]
+        finally:
+            os.kill(device, signal.SIGCONT)
         for i, r in enumerate(replies):
             assert r.status_code == 200, r.text
-            assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), expected[i % 8]) <= 1e-5
-        assert held.result().status_code == 200
+            assert_served(torch.tensor(r.json()["data"][0]["embedding"]), expected[i % 8], exact=False)
         assert proc.wait(timeout=60) == 0
         with pytest.raises(OSError):  # the port is free: nobody listens any more
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2)
@@ -135,22 +168,196 @@ def test_sigterm_drains_every_front_end_then_exits_0_without_leftovers(direct):
     assert "Traceback" not in output, output
 
 
-@pytest.mark.parametrize("victim", ["front end", "device"])
-def test_a_front_end_or_device_that_dies_fails_the_server(victim):
+@pytest.mark.parametrize("fronts", ["1", "2"])
+def test_sigterm_to_the_whole_group_answers_everything_admitted(direct, fronts):
+    """systemd (KillMode=control-group), `kill -- -PGID` and timeout(1) signal every process of the server, timeout
+    its main process twice: the decode workers, their fork servers, the device processes and the front ends leave
+    the signal to the server, whose drain answers every admitted request, those being decoded included."""
+    unique = [png(40 + 8 * i, 56, 100 + i) for i in range(16)]
+    want = [r.embeddings.mean(0) for r in direct.encode(unique)]
+    proc, url = launch.start_server("--model", MODEL, "--load-format", "dummy", "--api-servers", fronts,
+                                    "--device-processes", "--decode-workers", "2", "--cache-bytes", "0", timeout=60,
+                                    capture_log=True, start_new_session=True)
+    try:
+        parts = roles(proc.pid, url, int(fronts))
+        assert len(parts["front end"]) == (int(fronts) if fronts != "1" else 0) and len(parts["device"]) == 1
+        assert parts["decode worker"] and parts["fork server"]
+        for pid in parts["device"] + parts["decode worker"] + parts["fork server"]:  # SIGTERM and SIGINT ignored
+            ignored = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                               if line.startswith("SigIgn:")).split()[1], 16)
+            assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1, pid
+        held = parts["device"] + parts["decode worker"]
+        for pid in held:  # the images wait in the decode workers and for the device when the signal comes
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(16) as pool:
+                futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(x)]}, timeout=60)
+                           for x in unique]
+                wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 16, 30,
+                           "16 requests admitted")
+                os.killpg(proc.pid, signal.SIGTERM)  # every process of the group
+                proc.send_signal(signal.SIGTERM)  # and the main one again, as timeout(1) does
+                wait_until(lambda: refuses(url), 10, "the drain to begin")
+                for pid in held:
+                    os.kill(pid, signal.SIGCONT)
+                replies = [f.result() for f in futures]
+        finally:
+            for pid in held:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        for r, w in zip(replies, want):
+            assert r.status_code == 200, r.text
+            assert_served(torch.tensor(r.json()["data"][0]["embedding"]), w, exact=False)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = log_of(proc)
+    assert "Traceback" not in output and "decode worker died" not in output, output
+
+
+def connections(pid: int, port: int) -> int:
+    """Established TCP connections on `port` that process `pid` has accepted."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()  # sl, local address:port, remote, state (01: established), ..., inode (10th)
+            count += int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in inodes
+    return count
+
+
+def test_a_front_end_that_dies_is_started_again_while_the_other_serves(direct):
+    """A front end killed with requests in flight on both (their decode workers held): the other's are answered
+    (they waited on the image the dead one was decoding: the core lets that claim go and they compute it), the dead
+    one's connections are cut, and the core starts it again on the same socket; the server serves on and drains to
+    exit 0."""
+    image = IMAGES[2]
+    want = direct.encode([image])[0].embeddings.mean(0)
+    proc, url = start_server("--api-servers", "2")
+    port = int(url.rsplit(":", 1)[1])
+
+    def post():
+        try:
+            return httpx.post(url + "/v1/embeddings", json={"input": [data_uri(image)]}, timeout=60)
+        except httpx.TransportError as e:  # a connection of the killed front end
+            return e
+
+    try:
+        parts = roles(proc.pid, url)
+        fronts, held = parts["front end"], parts["decode worker"]
+        for pid in held:  # the first request decodes the image for all of them, and nothing decodes
+            os.kill(pid, signal.SIGSTOP)
+        pool, futures = ThreadPoolExecutor(32), []
+        try:
+            futures.append(pool.submit(post))
+            wait_until(lambda: metric(url, "vitserve_cache_misses_total") == 1, 30, "the image claimed")
+            (victim,) = [f for f in fronts if connections(f, port)]  # the front end computing the image
+            (survivor,) = [f for f in fronts if f != victim]
+            while not connections(survivor, port) and len(futures) < 32:  # requests until the other has some
+                futures.append(pool.submit(post))
+                wait_until(lambda: sum(connections(f, port) for f in fronts) == len(futures), 30, "accepted")
+            accepted = {f: connections(f, port) for f in fronts}
+            assert accepted[survivor], accepted
+            wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == len(futures), 30,
+                       "every request admitted")
+            time.sleep(0.5)  # their cache lookups answered: the survivor's wait on the victim's claim
+            os.kill(victim, signal.SIGKILL)
+        finally:
+            for pid in held:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        replies = [f.result() for f in futures]
+        pool.shutdown()
+        answered = [r for r in replies if isinstance(r, httpx.Response)]
+        assert len(answered) == accepted[survivor] and len(replies) - len(answered) == accepted[victim], \
+            (accepted, replies)
+        for r in answered:
+            assert r.status_code == 200, r.text
+            assert_served(torch.tensor(r.json()["data"][0]["embedding"]), want, exact=False)
+        wait_until(lambda: httpx.get(url + "/stats").json()["api_servers_replaced"] == 1, 30, "a new front end")
+        wait_until(lambda: httpx.get(url + "/stats").json()["api_servers"] == 2, 60, "the new front end up")
+        assert posts(url, [{"input": [data_uri(x)]} for x in IMAGES], connections=4)[-1].status_code == 200
+        assert httpx.get(url + "/ready").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = log_of(proc)
+    assert "exited (exit code -9); starting it again" in output and "Traceback" not in output, output
+
+
+def test_a_front_end_that_does_not_come_up_is_tried_again_then_fails_the_server():
+    restarts = Restarts((1.0, 4.0))
+    assert [restarts.after(0, up=False) for _ in range(3)] == [1.0, 4.0, None]  # then the server fails
+    assert restarts.after(1, up=False) == 1.0  # counted per front end
+    assert restarts.after(1, up=True) == 0.0 and restarts.after(1, up=False) == 1.0  # one that was up: at once
+
+
+def test_a_device_that_dies_fails_the_server():
     proc, url = start_server("--api-servers", "2", "--cache-bytes", "0")
     try:
         assert httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30).status_code == 200
         kids = [p for p in children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        fronts = [p for p in kids if children(p)]  # a front end has decode workers; a device process none
-        devices = [p for p in kids if p not in fronts]
-        assert len(fronts) == 2 and len(devices) == 1, (kids, fronts)
-        os.kill((fronts if victim == "front end" else devices)[0], signal.SIGKILL)
+        (device,) = roles(proc.pid, url)["device"]
+        os.kill(device, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b"Z" not in Path(f"/proc/{p}/stat").read_bytes()
                                    .split(b")")[1][:3] for p in kids), 30, "every child gone")
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_front_ends_whose_core_is_killed_answer_503_and_exit():
+    """The core killed (SIGKILL, the OOM killer) with requests waiting for the device: each front end answers them
+    503 `core_lost` at once, instead of waiting for answers that never come, and exits, its decode workers with it:
+    nothing is left holding the port for the restarted server."""
+    proc, url = start_server("--api-servers", "2", "--cache-bytes", "0")
+    parts = roles(proc.pid, url)
+    everyone = [pid for pids in parts.values() for pid in pids]
+    (device,) = parts["device"]
+    gone = False
+    try:
+        os.kill(device, signal.SIGSTOP)  # the images wait for the device
+        decoded = metric(url, "vitserve_preprocess_seconds_count")
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i])]},
+                                   timeout=60) for i in range(8)]
+            wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 8, 30,
+                       "8 images decoded")
+            proc.kill()
+            proc.wait(timeout=10)
+            os.kill(device, signal.SIGCONT)  # its server gone, it exits on its own
+            replies = [f.result() for f in futures]
+        for r in replies:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "core_lost", r.text
+        wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b") Z" not in Path(f"/proc/{p}/stat").read_bytes()
+                                   for p in everyone), 30, "every process of the server gone")
+        gone = True
+        with pytest.raises(OSError):  # nobody listens any more
+            socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in [] if gone else everyone:  # left behind: this test's own processes, still running
+            try:
+                if b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
 
 
 def test_api_servers_default_and_checks(monkeypatch):

@@ -350,6 +350,66 @@ def test_the_decode_budget_queues_what_does_not_fit_and_lets_small_images_pass()
     assert asyncio.run(scenario()) == ["first 60", "small 30", "big 60", "huge 500"]
 
 
+def test_the_decode_budget_is_shared_by_request_not_by_arrival():
+    """A request with many images that each take the whole budget (progressive JPEGs) takes one share per turn:
+    another request's image waits for one of them, not for all, even once every waiter is past its patience."""
+    from vitserve.service.budget import MemoryBudget
+
+    async def scenario():
+        budget = MemoryBudget(100, patience=0)
+        heavy, light, order, held = object(), object(), [], []
+
+        async def take(name, cost, owner):
+            held.append(await budget.acquire(cost, owner))
+            order.append(name)
+
+        await take("heavy 0", 100, heavy)
+        waiting = [asyncio.ensure_future(take(f"heavy {i}", 100, heavy)) for i in range(1, 5)]
+        await asyncio.sleep(0)
+        waiting.append(asyncio.ensure_future(take("light", 10, light)))
+        await asyncio.sleep(0.01)  # every waiter past its patience
+        while len(order) < 6:  # each decode, done in the order they started, gives its share back
+            budget.release(held.pop(0))
+            await asyncio.sleep(0)
+        await asyncio.gather(*waiting)
+        budget.release(held.pop(0))
+        assert budget.used == 0 and not held
+        return order
+
+    assert asyncio.run(scenario()) == ["heavy 0", "heavy 1", "light", "heavy 2", "heavy 3", "heavy 4"]
+
+
+def test_the_decoder_takes_decode_memory_in_the_requests_turn(encoders):
+    """With room for one image's decode at a time, a request sent while another's five images wait for that room
+    decodes after one of them, not after all five: the decoder takes each image's share in its request's turn."""
+    enc = encoders["tiny-qwen2.5-vl"]
+
+    async def scenario():
+        engine = Engine(Settings(model=enc.name, decode_workers=1, decode_processes=False, decode_memory=1),
+                        encoders=enc)
+        await engine.start()
+        decoder, cfg = engine.decoder, engine.model.preprocess_config
+        budget = decoder.budget
+        budget.patience = 0  # every waiter past its patience at once: where arrival order was the rule
+        decoded = lambda: engine.metrics.registry.get_sample_value("vitserve_decode_seconds_count")  # noqa: E731
+        try:
+            room = await budget.acquire(1)  # taken, as by an image being decoded
+            heavy = asyncio.ensure_future(decoder.decode([b64(png(64, 64, seed)) for seed in range(5)], cfg))
+            await until(lambda: budget.waiting == 5, 10, "the five images waiting")
+            light = asyncio.ensure_future(decoder.decode([b64(png(48, 48, 9))], cfg))
+            await until(lambda: budget.waiting == 6, 10, "the other request's image waiting")
+            budget.release(room)
+            await light
+            # the heavy request's first image, this one, and at most its next, which may end as this one returns
+            assert decoded() <= 3
+            await heavy
+            assert decoded() == 6
+        finally:
+            await engine.stop()
+
+    asyncio.run(scenario())
+
+
 def test_decode_memory_is_estimated_from_the_header_alone():
     import io as _io
 
