@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test suite on a GPU machine: `pytest` with CUDA present, as a user's checkout runs it. Servers started by the
+# tests run on cuda:0 in bfloat16 there (`--device auto`) and are held to the bf16 bound against the CPU library
+# (tests/helpers.py: assert_served, SERVED_REL_ERR). Files run side by side (pytest-xdist, one file per worker).
+#   ../shared/tools/gpu-wheels av==18.1.0 httptools pybase64 blake3 pyzmq openai distro jiter sniffio websockets \
+#     httpx2 httpcore2 truststore transformers==5.24.0 huggingface_hub tokenizers [nvidia-cudnn-frontend]
+#   then on the device (carry .whl): bash bench/gpu_suite.sh         (WORKERS=6, LIMIT=400 s, TESTS=tests)
+# Results under ${OUT:-out}/: junit.xml and log.txt; the failures and the summary line are printed.
+set -u
+out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$SITE$PWD
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+timeout -s INT -k 20 "${LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -n "${WORKERS:-6}" \
+  --dist loadfile --timeout 200 -o addopts="-ra" --junitxml="$out/junit.xml" ${TESTS:-tests} > "$out/log.txt" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$out/log.txt" | cut -c1-300 | tail -60
