@@ -250,13 +250,16 @@ class GraphRunner:
 
     def _segment_means(self, rows: torch.Tensor, offsets: list[int]) -> torch.Tensor:
         """Float32 mean of rows[a:b] for each consecutive pair of `offsets`, in a fixed handful of device calls
-        whatever the number of images (each call from a GPU thread gives up the GIL and waits to get it back)."""
+        whatever the number of images (each call from a GPU thread gives up the GIL and waits to get it back). One
+        product of the images' weights [n, rows] with the rows, not a scatter: CUDA's index_add adds with atomics in
+        no fixed order, so the same image's mean changed in its last bits from one request to the next."""
         counts = np.diff(offsets)
         segment = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
         weight = np.repeat((1.0 / counts).astype(np.float32), counts)
         segment_d, weight_d = (self._upload(torch.from_numpy(x)) for x in (segment, weight))
-        sums = torch.zeros(len(counts), rows.shape[1], dtype=torch.float32, device=rows.device)
-        return sums.index_add_(0, segment_d, rows[:offsets[-1]].float() * weight_d[:, None])
+        images = torch.arange(len(counts), device=rows.device)
+        weights = (segment_d[None, :] == images[:, None]).float() * weight_d[None, :]
+        return weights @ rows[:offsets[-1]].float()
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device without making the host wait (through pinned memory on CUDA)."""

@@ -73,3 +73,22 @@ def test_dummy_weights_are_the_same_on_every_device(name):
     ours = cuda.tower.state_dict()
     for key, weight in cpu.tower.state_dict().items():
         assert torch.equal(ours[key].cpu(), weight), key
+
+
+def test_pooled_means_are_the_same_run_after_run():
+    """An image's pooled mean is computed without atomics: the same batch gives the same vectors bit for bit every
+    time (a scatter's atomic adds, in no fixed order, changed their last bits from one request to the next)."""
+    import numpy as np
+
+    enc = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", load_format="dummy",
+                                        budgets=(1024, 4096))
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(448, 448), (224, 336), (672, 448)]]
+    first = None
+    for _ in range(20):
+        means = [tokens for tokens, _ in enc.outputs(enc.launch(images, mean_pooling=[True] * 3))]
+        if first is None:
+            first = means
+        assert all(torch.equal(a, b) for a, b in zip(means, first))
+        tokens = [t for t, _ in enc.outputs(enc.launch(images))]
+        assert all(torch.allclose(m, t.float().mean(0), rtol=1e-4, atol=1e-5) for m, t in zip(first, tokens))
