@@ -24,6 +24,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # where the server runs on the CPU, as the library does, the two are equal.
 SERVER_ON_GPU = torch.cuda.is_available()
 SERVED_DEVICE = "cuda:0" if SERVER_ON_GPU else "cpu"  # the `device` label of such a server's series
+SERVED_DTYPE = torch.bfloat16 if SERVER_ON_GPU else torch.float32  # its dtype (what the encoder tiers hand on)
 BF16_REL_ERR = 2e-2
 SERVED_REL_ERR = BF16_REL_ERR if SERVER_ON_GPU else 1e-5  # such a server (or `vitserve encode`) vs a float32 reference
 

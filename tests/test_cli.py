@@ -442,7 +442,7 @@ def test_the_startup_log_of_several_front_ends_says_what_serves():
     """With --api-servers the core's ready line says as much: version, devices, dtype, attention, the decode workers
     of all the front ends and the cache, then the front ends and the port."""
     proc, url = start_server("--api-servers", "2", "--decode-workers", "2", "--cache-bytes", "64MiB", "--model",
-                             "tiny-qwen2.5-vl", timeout=120, capture_log=True)
+                             "tiny-qwen2.5-vl", "--device", "cpu", timeout=120, capture_log=True)
     try:
         ready = next(line for line in proc.log if "ready in" in line)
     finally:

@@ -172,7 +172,8 @@ def test_a_client_that_leaves_mid_decode_frees_its_worker():
     at once, not after the gone request's 6 s of decoding. The test stops the worker (SIGSTOP) once it decodes, so the
     first image outlasts the grace however fast this CPU is (a fast one finished it within the grace: no kill)."""
     proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--decode-workers", "1",
-                             "--decode-timeout", "60", timeout=60, capture_log=True)
+                             "--decode-timeout", "60", "--api-servers", "1",  # the decode pool is the main process's
+                             timeout=60, capture_log=True)
     try:
         [worker] = _decode_workers(proc.pid)
         body = ('{"input": [' + ",".join(['"' + data_uri(slow_jpeg(), "image/jpeg") + '"'] * 3) + "]}").encode()

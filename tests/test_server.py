@@ -66,9 +66,10 @@ def hold_device(url: str) -> Future:
 def test_concurrent_mixed_sizes_then_sigterm_with_requests_in_flight(direct):
     """Requests of mixed sizes share batches and each gets its own answer; SIGTERM with requests waiting answers them
     all, refuses new ones and exits 0. Both steps hold the device busy first, so that the requests are really in
-    flight together on a machine of any speed (an idle device launches at once)."""
+    flight together on a machine of any speed (an idle device launches at once; the device is the CPU, which runs
+    a batch as it launches it, wherever the test runs: a GPU's would be done before the queue fills)."""
     expected = [r.embeddings.mean(0) for r in direct.encode(IMAGES)]
-    proc, url = start_server("--max-batch-wait-ms", "400", "--cache-bytes", "0")  # repeated images: encoded anew
+    proc, url = start_server("--device", "cpu", "--max-batch-wait-ms", "400", "--cache-bytes", "0")  # encoded anew
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
             assert client.get("/health").json() == {"status": "ok"}

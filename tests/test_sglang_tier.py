@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import IMAGES, client_for, data_uri, png, serving
+from helpers import IMAGES, SERVED_DTYPE, client_for, data_uri, png, serving
 
 from vitserve.service.engine import Encoded
 from vitserve.service.errors import ServiceError
@@ -425,9 +425,9 @@ def test_a_part_reaches_its_receiver_whichever_comes_first(qwen3, receivers):
     for req_id in ("first_local_part_0", "second_local_part_0"):
         meta = decode(receive(sock))
         assert meta.req_id == req_id and (meta.num_parts, meta.part_idx) == (1, 0)
-        assert meta.modality is SGLangModality.IMAGE and meta.dtype is torch.float32
+        assert meta.modality is SGLangModality.IMAGE and meta.dtype is SERVED_DTYPE
         assert meta.grid_dim.tolist() == [x["grid_thw"] for x in expected]
-        assert torch.equal(meta.embedding, torch.cat([x["tensor"] for x in expected]))
+        assert torch.equal(meta.embedding.float(), torch.cat([x["tensor"] for x in expected]))
         assert meta.video_timestamps is None and meta.second_per_grid_ts is None
 
 
@@ -482,7 +482,8 @@ def test_a_qwen25_video_carries_its_seconds_per_temporal_patch(qwen25, receivers
     meta = decode(receive(sock))
     assert meta.video_timestamps is None and meta.second_per_grid_ts.dtype == torch.float32
     assert meta.second_per_grid_ts.tolist() == [pytest.approx(expected["second_per_grid_t"])]
-    assert meta.grid_dim.tolist() == [expected["grid_thw"]] and torch.equal(meta.embedding, expected["tensor"])
+    assert meta.grid_dim.tolist() == [expected["grid_thw"]]
+    assert torch.equal(meta.embedding.float(), expected["tensor"])
 
 
 @pytest.mark.slow
@@ -494,7 +495,7 @@ def test_an_embedding_port_is_pushed_to_without_registration(qwen3, receivers):
     assert r.status_code == 200
     meta = decode(receive(sock))
     assert meta.req_id == "tok_local_part_0"
-    assert torch.equal(meta.embedding, reference(qwen3, [data_uri(IMAGES[0])])[0]["tensor"])
+    assert torch.equal(meta.embedding.float(), reference(qwen3, [data_uri(IMAGES[0])])[0]["tensor"])
 
 
 @pytest.mark.slow
