@@ -62,6 +62,7 @@ MAX_SOCKETS = 64  # persistent sockets (one per scheduler rank's address), least
 MAX_OPEN_SOCKETS = 128  # sockets open at once, kept or handing over a message (a 429 beyond)
 LINGER_MS = 5000  # how long a closed socket still sends what it holds
 HANDSHAKE_MS = 5000  # how long a receiver may take to answer ZMQ's handshake (one that does not speaks no ZMQ)
+ZAP_DOMAIN = b"vitserve"  # set on every socket: libzmq then refuses peers that speak no ZMTP 3 (see _socket)
 KEPT_IDLE = 600.0  # seconds a kept socket may go unused before it is closed
 RESOLVE_TIMEOUT = 5.0  # seconds to resolve a receiver's host name
 MAX_REQ_ID = 512  # characters of a req_id
@@ -481,7 +482,7 @@ class SGLangTier:
     def _socket(self, target: str, keep: bool):
         """A PUSH socket connected to `target`: the kept one (`keep`), or a new one. Beyond `MAX_SOCKETS` kept,
         the least recently used that sends nothing now are closed, and so is one unused for `KEPT_IDLE` seconds.
-        Each socket's monitor tells a failed handshake (a peer that speaks no ZMQ) from a connection to come."""
+        Each socket's monitor (`_watch`) tells a peer that speaks no ZMQ from a connection to come."""
         zmq = self.zmq
         now = time.monotonic()
         for old in [t for t, s in self.sockets.items() if not self.busy[s] and now - self.used[s] > KEPT_IDLE]:
@@ -504,12 +505,18 @@ class SGLangTier:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # a message waits for a connection, not in a pipe to nowhere
             sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+            # libzmq takes a peer whose first bytes are not ZMTP 3's greeting (an HTTP server's answer among them)
+            # for a ZMTP 1.0 one and sends to it; with a ZAP domain it refuses ZMTP 1.0 and 2.0 peers, so with
+            # IMMEDIATE a message goes only to a peer that completed ZMTP 3's handshake. This context has no ZAP
+            # handler: ZMTP 3 peers are not authenticated (SGLang's receivers speak ZMTP 3, mechanism NULL).
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
             if target.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
-            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                               | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-            self.watches[sock] = (monitor, asyncio.ensure_future(monitor.recv_multipart()))
+            self.watches[sock] = (monitor, asyncio.ensure_future(self._watch(monitor)))
             sock.connect(target)
         except zmq.ZMQError as e:
             self._close(sock, 0)
@@ -522,6 +529,23 @@ class SGLangTier:
                 self._close(self.sockets.pop(old), LINGER_MS)
         return sock
 
+    async def _watch(self, monitor) -> int:
+        """Read a socket's monitor until its peer proves to speak no ZMQ: a failed handshake, or a connection closed
+        before ZMQ's handshake completed on it (a peer refused as ZMTP 1.0 or 2.0 is only disconnected, and never
+        reconnected to); returns that event. A connection closed after a completed handshake is a receiver gone
+        for now: the socket reconnects."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        zmq, shaken = self.zmq, False
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                shaken = True
+            elif event == zmq.EVENT_DISCONNECTED and shaken:
+                shaken = False
+            else:
+                return event
+
     def _close(self, sock, linger: int) -> None:
         self.busy.pop(sock, None)
         self.used.pop(sock, None)
@@ -533,10 +557,10 @@ class SGLangTier:
         sock.close(linger=linger)
 
     async def _push(self, target: str, frames: list, keep: bool) -> None:
-        """Hand the message to `target`'s socket (its frames by reference, not copied); a socket that cannot take it
-        within the timeout (no connection), or whose peer fails ZMQ's handshake (no ZMQ receiver: at once, not
-        retried until the timeout), is closed, a 502. A socket opened for this message alone is closed after it,
-        sending what it holds for up to `LINGER_MS`."""
+        """Hand the message to `target`'s socket (its frames by reference, not copied), which sends only to a peer
+        that completed ZMTP 3's handshake; a socket that cannot take it within the timeout (no connection), or whose
+        peer speaks no ZMQ (`_watch`: at once, not retried until the timeout), is closed, a 502. A socket opened for
+        this message alone is closed after it, sending what it holds for up to `LINGER_MS`."""
         sock = self._socket(target, keep)
         self.busy[sock] += 1
         send = asyncio.ensure_future(sock.send_multipart(frames, copy=False))

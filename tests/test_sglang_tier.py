@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import enum
 import io
 import pickle
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import IMAGES, SERVED_DTYPE, client_for, data_uri, png, serving
+from helpers import IMAGES, SERVED_DTYPE, client_for, data_uri, png, serving, wait_until
 
 from vitserve.service.engine import Encoded
 from vitserve.service.errors import ServiceError
@@ -546,50 +549,135 @@ def test_the_tier_pushes_only_where_its_fences_allow(qwen3, receivers):
     assert receive(sock, timeout=0.3) is None
 
 
-def test_a_port_that_speaks_no_zmq_fails_at_once_and_kept_sockets_expire(monkeypatch):
-    """A plain TCP listener (here one that answers like an HTTP server) fails ZMQ's handshake: the delivery is a
-    502 at once, not retried until the timeout; a kept socket unused for KEPT_IDLE seconds is closed."""
-    import socket as sockets
-    import threading
+HTTP_400 = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n"
 
-    from vitserve.service import sglang_tier
 
-    listener = sockets.socket()
+@contextlib.contextmanager
+def tcp_peer(read_first: bool, answer: bytes | None, close: bool):
+    """A plain TCP port that speaks no ZMQ (its port): on each connection it reads what comes first (ZMQ's greeting)
+    or not, answers `answer` (None: nothing) and closes the connection or holds it open until it stops."""
+    listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
+    held = []
 
-    def answer():
+    def serve():
         while True:
             try:
                 conn, _ = listener.accept()
             except OSError:
                 return
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            held.append(conn)
+            with contextlib.suppress(OSError):
+                if read_first:
+                    conn.recv(64)
+                if answer:
+                    conn.sendall(answer)
+                if close:
+                    conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        listener.close()
+        thread.join(5)
+        for conn in held:
             conn.close()
 
-    threading.Thread(target=answer, daemon=True).start()
+
+@contextlib.contextmanager
+def http_port():
+    """An HTTP server's port as SGLang's is (uvicorn with uvicorn[standard]'s parser, in a thread): it answers ZMQ's
+    greeting with a 400 and closes the connection."""
+    import uvicorn
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, http="httptools", lifespan="off", log_config=None))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 30, "uvicorn to start")
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+NOT_ZMQ = {  # a port where no ZMQ receiver listens, as each can behave
+    "answers_and_holds": lambda: tcp_peer(read_first=False, answer=HTTP_400, close=False),
+    "reads_answers_and_holds": lambda: tcp_peer(read_first=True, answer=HTTP_400, close=False),
+    "answers_and_closes": lambda: tcp_peer(read_first=False, answer=HTTP_400, close=True),
+    "reads_answers_and_closes": lambda: tcp_peer(read_first=True, answer=HTTP_400, close=True),
+    "silent": lambda: tcp_peer(read_first=True, answer=None, close=False),
+    "http_server": http_port,
+}
+
+
+@pytest.mark.parametrize("peer", [pytest.param(p, marks=pytest.mark.slow) if p == "http_server" else p
+                                  for p in NOT_ZMQ])
+def test_a_port_that_speaks_no_zmq_takes_nothing_and_is_a_502_at_once(peer, monkeypatch):
+    """A port where no ZMQ receiver listens never takes a message. libzmq takes a peer whose first bytes are not
+    ZMTP 3's greeting (an HTTP server's answer) for a ZMTP 1.0 one and would send to it; the tier refuses it: every
+    push is a 502 at once (not retried until the timeout), counted as a failure and never as a delivery, and leaves
+    no socket. A silent port fails ZMQ's handshake once HANDSHAKE_MS passes."""
+    from vitserve.service import sglang_tier
+
+    monkeypatch.setattr(sglang_tier, "HANDSHAKE_MS", 300)
+
+    async def main(port):
+        tier = sglang_tier.SGLangTier("float32", timeout=20)
+        try:
+            for keep in (True, False) * 3:
+                start = time.monotonic()
+                with pytest.raises(ServiceError) as e:
+                    await tier._push(f"tcp://127.0.0.1:{port}", [b"meta", b"x" * 100], keep=keep)
+                assert e.value.status == 502 and e.value.code == "delivery_failed", e.value.message
+                assert "handshake" in e.value.message and time.monotonic() - start < 10
+                assert not tier.busy and not tier.sockets and not tier.watches
+            assert tier.stats()["delivery_failures"] == 6 and tier.stats()["deliveries"] == 0
+        finally:
+            await tier.close()
+
+    with NOT_ZMQ[peer]() as port:
+        asyncio.run(main(port))
+
+
+def test_a_kept_socket_outlives_its_receivers_restart_and_expires_when_unused(monkeypatch):
+    """A receiver that goes away after ZMQ's handshake is not a port without ZMQ: its kept socket reconnects and
+    delivers to it once it is back. A kept socket unused for KEPT_IDLE seconds is closed."""
+    from vitserve.service import sglang_tier
 
     async def main():
         tier = sglang_tier.SGLangTier("float32", timeout=60)
         context = zmq.Context()
         pull = context.socket(zmq.PULL)
         port = pull.bind_to_random_port("tcp://127.0.0.1")
+        target = f"tcp://127.0.0.1:{port}"
         try:
-            for keep in (True, False):
-                start = time.monotonic()
-                with pytest.raises(ServiceError) as e:
-                    await tier._push(f"tcp://127.0.0.1:{listener.getsockname()[1]}", [b"meta"], keep=keep)
-                assert e.value.status == 502 and "handshake" in e.value.message and time.monotonic() - start < 10
-                assert not tier.busy and not tier.sockets
-            assert tier.stats()["delivery_failures"] == 2
-            await tier._push(f"tcp://127.0.0.1:{port}", [b"meta"], keep=True)
-            assert pull.poll(5000) and pull.recv_multipart() == [b"meta"] and len(tier.sockets) == 1
+            await tier._push(target, [b"meta"], keep=True)
+            assert pull.poll(5000) and pull.recv_multipart() == [b"meta"] and list(tier.sockets) == [target]
+            kept = tier.sockets[target]
+            pull.close(linger=0)
+            await asyncio.sleep(0.3)  # the kept socket sees the disconnection
+            pull = context.socket(zmq.PULL)
+            pull.bind(target)
+            await tier._push(target, [b"again"], keep=True)
+            assert pull.poll(5000) and pull.recv_multipart() == [b"again"] and tier.sockets[target] is kept
             monkeypatch.setattr(sglang_tier, "KEPT_IDLE", 0.0)
             with pytest.raises(ServiceError):  # any socket opened sweeps the idle kept ones
                 await tier._push("tcp://bad host:1", [b"meta"], keep=False)
-            assert not tier.sockets and not tier.busy and tier.stats()["deliveries"] == 1
+            assert not tier.sockets and not tier.busy and tier.stats()["deliveries"] == 2
         finally:
-            listener.close()
             pull.close(linger=0)
             await tier.close()
             context.term()
