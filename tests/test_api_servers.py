@@ -58,6 +58,15 @@ def roles(pid: int, url: str, fronts: int = 2) -> dict[str, list[int]]:
     return out
 
 
+def resume(pids: list[int]) -> None:
+    """SIGCONT to each process held with SIGSTOP that is still there."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def posts(url: str, bodies: list[dict], connections: int = 8) -> list[httpx.Response]:
     """Each body on a new connection (the kernel spreads connections over the front ends), `connections` at once."""
     with ThreadPoolExecutor(connections) as pool:
@@ -202,11 +211,7 @@ def test_sigterm_to_the_whole_group_answers_everything_admitted(direct, fronts):
                     os.kill(pid, signal.SIGCONT)
                 replies = [f.result() for f in futures]
         finally:
-            for pid in held:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            resume(held)
         for r, w in zip(replies, want):
             assert r.status_code == 200, r.text
             assert_served(torch.tensor(r.json()["data"][0]["embedding"]), w, exact=False)
@@ -273,11 +278,7 @@ def test_a_front_end_that_dies_is_started_again_while_the_other_serves(direct):
             time.sleep(0.5)  # their cache lookups answered: the survivor's wait on the victim's claim
             os.kill(victim, signal.SIGKILL)
         finally:
-            for pid in held:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            resume(held)
         replies = [f.result() for f in futures]
         pool.shutdown()
         answered = [r for r in replies if isinstance(r, httpx.Response)]
