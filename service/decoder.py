@@ -320,11 +320,24 @@ class Decoder:
             raise
         return [job.result() for job in jobs]
 
+    @staticmethod
+    async def _tried_twice(run):
+        """`run()`, a job of a decode worker, once more where its worker died (the OOM killer, a crash): an item under
+        which two die is the one that kills them (WorkerDied)."""
+        for attempt in (1, 2):
+            try:
+                return await run()
+            except WorkerDied:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _video_job(self, fn, data, owner, *args):
         """fn(video, *args) in a decode worker once one of the videos' workers (--video-decode-workers) is free,
         under --video-decode-timeout."""
         async with self.video_slots:
-            return await self._run(fn, data, owner, *args, timeout=self.settings.video_decode_timeout)
+            return await self._tried_twice(lambda: self._run(fn, data, owner, *args,
+                                                             timeout=self.settings.video_decode_timeout))
 
     async def _decode_video(self, data, cfg, limits, cost, owner):
         """A video's decode, once the memory and the work its header declares (`cost`) are taken from the server's
@@ -340,11 +353,14 @@ class Decoder:
                     # video gets them all; many get VIDEO_DECODE_THREADS each, as the workers decode them side by side)
                     threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
                     self._videos += 1
-                    try:
+                    def run():
                         path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-                        video = await self._run(decode_video, data, owner, cfg, limits, path or None, threads,
-                                                timeout=self.settings.video_decode_timeout,
-                                                lost=path and functools.partial(spool.clear, f"{path}-"))
+                        return self._run(decode_video, data, owner, cfg, limits, path or None, threads,
+                                         timeout=self.settings.video_decode_timeout,
+                                         lost=path and functools.partial(spool.clear, f"{path}-"))
+
+                    try:
+                        video = await self._tried_twice(run)
                         self.metrics.decode_seconds.observe(time.perf_counter() - start)
                         return video
                     finally:
@@ -372,32 +388,29 @@ class Decoder:
                 log.info("%s: %s", param, e)  # the decoder's own words: for the log, not the client
             return (InputTooLarge if isinstance(e, ImageTooLarge) else InputRejected)(f"{param}: {e.public}", e.code,
                                                                                      param)
-        if isinstance(e, WorkerDied):  # twice: this image kills decode workers
-            return InputRejected(f"{param}: the image crashed the decoder", "undecodable_image", param)
+        if isinstance(e, WorkerDied):  # twice: this image or video kills decode workers
+            return InputRejected(f"{param}: the {kind} crashed the decoder", f"undecodable_{kind}", param)
         if isinstance(e, PoolUnavailable):  # not about this image
             return Unavailable(f"{e}; the server is restarting", "decode_unavailable")
         # anything else the decoder raised is still about this client's bytes
         log.info("%s: cannot decode: %s: %s", param, type(e).__name__, e)
-        return InputRejected(f"{param}: cannot decode the image", "undecodable_image", param)
+        return InputRejected(f"{param}: cannot decode the {kind}", f"undecodable_{kind}", param)
 
     async def _decode(self, data, end: int | None, cfg: PreprocessConfig, cost: int, owner):
+        def run():
+            path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
+            return self._run(decode_and_resize, data, owner, self.settings.max_image_pixels, cfg, path or None,
+                             self.fast, self.jpeg_on_device, end=end,
+                             lost=path and functools.partial(spool.remove, path))
+
         share = await self.budget.acquire(cost, owner)
         try:
-            for attempt in (1, 2):
-                try:
-                    start = time.perf_counter()
-                    path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-                    result = await self._run(decode_and_resize, data, owner, self.settings.max_image_pixels, cfg,
-                                             path or None, self.fast, self.jpeg_on_device, end=end,
-                                             lost=path and functools.partial(spool.remove, path))
-                    self.metrics.decode_seconds.observe(time.perf_counter() - start)
-                    return result
-                except WorkerDied:
-                    if attempt == 2:
-                        raise
+            start = time.perf_counter()
+            result = await self._tried_twice(run)
+            self.metrics.decode_seconds.observe(time.perf_counter() - start)
+            return result
         finally:
             self.budget.release(share)
-        raise AssertionError("unreachable")
 
     async def _run(self, fn, data, owner, *args, end: int | None = None, timeout: float | None = None,
                    lost: Callable[[], None] | None = None):

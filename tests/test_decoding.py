@@ -612,3 +612,44 @@ def test_a_request_fails_at_its_first_bad_image_without_waiting_for_the_others(e
     assert error.param == "input[1]" and error.status == (400 if stage == "decode" else 413), error.message
     assert slow_started or stage == "header"
     assert budget_left == 0
+
+
+def test_a_video_whose_worker_dies_is_tried_again_then_refused_as_the_videos_fault(encoders, tmp_path):
+    """A decode worker that dies under a video (the OOM killer, a crash) costs the video one more try, on another
+    worker: the request is answered. A video under which two die is a 400 `undecodable_video` that says the video
+    crashed the decoder (it was told `undecodable_image`, "the image crashed the decoder")."""
+    pytest.importorskip("av")
+    from videos import make_video
+
+    enc = encoders["tiny-qwen3-vl"]
+    clip = make_video(240, 30, 640, 480)  # decodes long enough to be caught at it
+
+    async def scenario(kills: int):
+        engine = Engine(Settings(model=enc.name, decode_workers=2, spool_dir=str(tmp_path)), encoders=enc)
+        await engine.start()
+        decoder = engine.decoder
+        try:
+            task = asyncio.ensure_future(decoder.decode_videos([clip], engine.video_config(num_frames=4)))
+            for _ in range(kills):
+                busy = []
+
+                def on_video():  # the worker decoding it (not the one reading its header first)
+                    busy[:] = [link.process for link in decoder.pool._links
+                               if link.job is not None and b"decode_video" in link.job.call]
+                    return busy
+
+                await until(on_video, what="a worker decoding the video")
+                os.kill(busy[0].pid, signal.SIGKILL)
+                await until(lambda: not busy[0].is_alive(), what="the worker gone")
+            try:
+                return await task, decoder.pool.replaced
+            except InputRejected as e:
+                return e, decoder.pool.replaced
+        finally:
+            await engine.stop()
+
+    (video,), replaced = asyncio.run(scenario(1))
+    assert replaced == 1 and video[1] == (2, *video[1][1:])  # 4 frames: 2 slices
+    error, replaced = asyncio.run(scenario(2))
+    assert isinstance(error, InputRejected) and replaced == 2
+    assert (error.code, error.param) == ("undecodable_video", "videos[0]") and "video crashed" in error.message
