@@ -18,13 +18,10 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from .errors import InputRejected, InputTooLarge, QueueFull
+from .errors import InputRejected, InputTooLarge, QueueFull, clip
 from .settings import Settings
 
 MAX_REDIRECTS = 3
-CLIP = 200  # characters of a client's URL that an error repeats
-
-
 class FetchBudget:
     """Bytes held by fetches in flight across the server (`--url-fetch-memory`)."""
 
@@ -54,7 +51,7 @@ class Allowance:
         self.held = 0
 
 
-def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+def embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     """The IPv4 address an IPv6 one carries (mapped, 6to4, Teredo client, NAT64), if any."""
     if address.ipv4_mapped:
         return address.ipv4_mapped
@@ -68,12 +65,8 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | No
 
 
 def public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    inner = _embedded_ipv4(address) if address.version == 6 else None
+    inner = embedded_ipv4(address) if address.version == 6 else None
     return all(a.is_global and not a.is_multicast and not a.is_reserved for a in (address, *filter(None, [inner])))
-
-
-def clip(text: str) -> str:
-    return text if len(text) <= CLIP else text[:CLIP] + "..."
 
 
 async def resolve_public(url: str, param: str) -> tuple[str, str, int]:
