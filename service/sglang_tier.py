@@ -45,6 +45,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, m
 from ..encoder.vision_encoder import DTYPES
 from .engine import Encoded
 from .errors import ServiceError
+from .fetch import embedded_ipv4
 from .outputs import OFF_LOOP_BYTES, answer_bytes, converted, raw_view
 
 # the pickle's class paths, as SGLang's receiver looks them up (and its unpickler allows them): EmbeddingData moved
@@ -221,9 +222,15 @@ class ReceiverNetworks:
                          if n.strip()]
 
     def allowed(self, ip) -> bool:
-        if self.networks:
-            return any(ip.version == n.version and ip in n for n in self.networks)
-        return not any(ip.version == n.version and ip in n for n in REFUSED)
+        """`ip` may be pushed to; an IPv6 address that carries an IPv4 one (6to4, Teredo, NAT64) only where both may."""
+        inner = embedded_ipv4(ip) if ip.version == 6 else None
+        for address in (ip, *filter(None, [inner])):
+            if self.networks:
+                if not any(address.version == n.version and address in n for n in self.networks):
+                    return False
+            elif any(address.version == n.version and address in n for n in REFUSED):
+                return False
+        return True
 
     async def resolve(self, host: str, param: str) -> str:
         """The address to push to for `host` (a 400 for a host that is no host name or cannot be resolved, a 403
@@ -241,15 +248,14 @@ class ReceiverNetworks:
             addresses = [address_of(entry[4][0].split("%")[0]) for entry in found]
             if not addresses:
                 raise ServiceError(400, f"{param}: {host!r} has no address", "invalid_receiver", param)
-            refused = next((a for a in addresses if not self.allowed(a)), None)
-            if refused is not None:
-                raise ServiceError(403, f"{param}: {host!r} resolves to {refused}, outside the networks features "
-                                        "are pushed to (--sglang-receivers)", "receiver_not_allowed", param)
-            ip = addresses[0]
-        if not self.allowed(ip):
-            raise ServiceError(403, f"{param}: {ip} is outside the networks features are pushed to "
+        else:
+            addresses = [ip]
+        refused = next((a for a in addresses if not self.allowed(a)), None)
+        if refused is not None:
+            named = f"{refused} is" if ip is not None else f"{host!r} resolves to {refused},"
+            raise ServiceError(403, f"{param}: {named} outside the networks features are pushed to "
                                     "(--sglang-receivers)", "receiver_not_allowed", param)
-        return str(ip)
+        return str(addresses[0])
 
 
 def embedding_frame(outputs: list, dtype: torch.dtype) -> tuple[memoryview, list[int]]:

@@ -324,9 +324,10 @@ def test_the_endpoints_need_the_flag(encoders):
 
 def test_by_default_nothing_goes_to_this_host_or_metadata_addresses(encoders):
     """Without --sglang-receivers, a receiver on loopback or a metadata address is refused (403) before anything
-    is encoded or connected."""
+    is encoded or connected, also as an IPv6 address that carries it (6to4, NAT64)."""
     with client_for(encoders["tiny-qwen3-vl"], sglang_encoder=True) as c:
-        for address in ("127.0.0.1:5000", "localhost:5000", "169.254.169.254:80", "[::1]:5000"):
+        for address in ("127.0.0.1:5000", "localhost:5000", "169.254.169.254:80", "[::1]:5000",
+                        "[2002:7f00:1::1]:5000", "[64:ff9b::a9fe:a9fe]:80"):
             r = c.post("/scheduler_receive_url", json={"req_id": "r", "receive_count": 1, "receive_url": address})
             assert r.status_code == 403 and "--sglang-receivers" in r.json()["message"], r.text
         for host in ("127.0.0.1", "169.254.169.254", "::1"):
