@@ -209,8 +209,8 @@ class Core:
         while True:
             try:
                 message = link.conn.recv()
-            except (EOFError, OSError):
-                link.open = False
+            except (EOFError, OSError):  # the front end is gone, and every record it sent has been handled
+                self.lost(link)
                 return
             try:
                 self._handle(link, message)
@@ -523,8 +523,7 @@ def serve(settings: Settings, fronts: int) -> int:
         now = time.monotonic()
         for link in list(core.links):
             if link.index in due or link.process.is_alive():
-                continue
-            core.lost(link)
+                continue  # its reader thread lets go of what it held (Core.lost) once it has read all it sent
             delay = restarts.after(link.index, link.up)
             if delay is None:
                 core.fail(f"front end {link.index} exited (exit code {link.process.exitcode}) before it was up, "
