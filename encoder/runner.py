@@ -251,8 +251,8 @@ class GraphRunner:
     def _segment_means(self, rows: torch.Tensor, offsets: list[int]) -> torch.Tensor:
         """Float32 mean of rows[a:b] for each consecutive pair of `offsets`, in a fixed handful of device calls
         whatever the number of images (each call from a GPU thread gives up the GIL and waits to get it back). One
-        product of the images' weights [n, rows] with the rows, not a scatter: CUDA's index_add adds with atomics in
-        no fixed order, so the same image's mean changed in its last bits from one request to the next."""
+        product of the images' weights [n, rows] with the rows, not a scatter (CUDA's index_add adds with atomics in
+        no fixed order): the same batch gives the same means bit for bit, run after run."""
         counts = np.diff(offsets)
         segment = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
         weight = np.repeat((1.0 / counts).astype(np.float32), counts)

@@ -79,15 +79,14 @@ class VideoTooCostly(VideoTooLarge):
 CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mpeg1video", "mjpeg", "theora", "prores")
 
 
-# a sampled frame's conversion to RGB and resize costs about this many decodes of it (H.264, VP9 and MPEG-4 at 720p
-# and an empty 2048x2048 H.264, on the CPU: 6-10)
+# a sampled frame's conversion to RGB and resize counts as this many decodes of it (docs/video.md: the decode work)
 CONVERT_COST = 8
 
 
 def decode_work(width: int, height: int, decoded: int, kept: int) -> int:
     """The work of decoding a video, in source pixels: `decoded` frames of width x height decoded (every frame up to
     the last one sampled: decoding cannot skip), `kept` of them also converted and resized (CONVERT_COST times a
-    decode). About 0.5-1 G of it a second for a video's decode on one CPU core pair."""
+    decode)."""
     return width * height * (decoded + CONVERT_COST * kept)
 
 

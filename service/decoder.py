@@ -324,13 +324,10 @@ class Decoder:
     async def _tried_twice(run):
         """`run()`, a job of a decode worker, once more where its worker died (the OOM killer, a crash): an item under
         which two die is the one that kills them (WorkerDied)."""
-        for attempt in (1, 2):
-            try:
-                return await run()
-            except WorkerDied:
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return await run()
+        except WorkerDied:
+            return await run()
 
     async def _video_job(self, fn, data, owner, *args):
         """fn(video, *args) in a decode worker once one of the videos' workers (--video-decode-workers) is free,
@@ -343,7 +340,6 @@ class Decoder:
         """A video's decode, once the memory and the work its header declares (`cost`) are taken from the server's
         budgets and one of the videos' workers is free; all given back when it is done. Its wall time from there to
         its frames back is observed in vitserve_decode_seconds, as an image's."""
-        start = time.perf_counter()
         share = await self.budget.acquire(cost.memory, owner)
         try:
             work = await self.video_work.acquire(cost.work, owner)
@@ -360,6 +356,7 @@ class Decoder:
                                          lost=path and functools.partial(spool.clear, f"{path}-"))
 
                     try:
+                        start = time.perf_counter()
                         video = await self._tried_twice(run)
                         self.metrics.decode_seconds.observe(time.perf_counter() - start)
                         return video
