@@ -9,7 +9,4 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && SITE=$SITE/tmp/site/nvidia_cutlass_dsl/dsl_packages:
   export PATH=/tmp/site/bin:$PATH
 fi
-# the checkout itself, editable and without dependencies: the `vitserve` command and its metadata, as a user's
-# `pip install -e .` gives them (tests run the documented commands)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
 export PYTHONUNBUFFERED=1

@@ -9,6 +9,9 @@
 set -u
 out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
+# the checkout itself, editable and without dependencies: the `vitserve` command and its metadata, as a user's
+# `pip install -e .` gives them (the docs tests run the documented commands)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
 export PYTHONPATH=$SITE$PWD
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 timeout -s INT -k 20 "${LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -n "${WORKERS:-6}" \
