@@ -132,7 +132,7 @@ class Engine:
                                     per_client=settings.cache_scope == "api-key")
         self.in_flight = 0
         self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
-        self.metrics.watch_tiers(lambda: {name: figures() for name, figures in self.tiers.items()})
+        self.metrics.watch_tiers(self.tier_figures)
         self.batch_sizes: dict[int, int] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -510,7 +510,7 @@ class Engine:
             return generate_latest(self.metrics.registry).decode()
         count = lambda name: int(self.metrics.registry.get_sample_value(name) or 0)  # noqa: E731
         return {"recent": self.metrics.recent(), "requests_in_flight": self.in_flight,
-                "tiers": {name: figures() for name, figures in self.tiers.items()},
+                "tiers": self.tier_figures(),
                 "decode_workers": self.decoder.workers, "decode_workers_replaced": self.decoder.workers_replaced,
                 "memory": {"bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
                            "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used}},
@@ -529,6 +529,10 @@ class Engine:
 
         return generate_latest(self.metrics.registry)
 
+    def tier_figures(self) -> dict:
+        """Each encoder tier's figures (/stats' `tiers`, the vitserve_ec_* and vitserve_sglang_* series)."""
+        return {name: figures() for name, figures in self.tiers.items()}
+
     def stats(self) -> dict:
         s = self.settings
         devices, runners = workers_stats(self.workers)
@@ -538,7 +542,7 @@ class Engine:
                 "dtype": self.dtype, "family": self.model.config.family if self.model else None,
                 "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
                 "requests_in_flight": self.in_flight, "queue_depth": len(self.queue),
-                "tiers": {name: figures() for name, figures in self.tiers.items()},
+                "tiers": self.tier_figures(),
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "spool": self.decoder.spool_prefix and os.path.dirname(self.decoder.spool_prefix),
                 "device_processes": any(isinstance(w.device, ProcessDevice) for w in self.workers),

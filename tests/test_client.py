@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import SERVED_REL_ERR, rel_err
+from helpers import SERVED_REL_ERR, data_uri, rel_err
 from PIL import Image
 from safetensors.torch import save
 
@@ -148,7 +148,7 @@ def test_urls_and_data_uris_are_sent_not_opened():
         return mixed_reply([False] * len(body["images"]) + [True] * len(body["videos"]))
 
     image, clip = SAMPLE.read_bytes(), CLIP.read_bytes()
-    uri = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+    uri = data_uri(image, "image/jpeg")
     with Client("http://vitserve", max_images_per_request=8, transport=httpx.MockTransport(server)) as c:
         one = c.encode(uri)
         assert sent.pop() == ("multipart", [False]) and isinstance(one, EncodedImage)
@@ -306,5 +306,5 @@ def test_videos_through_a_real_server(server):
         alone = client.encode_videos(clip)
         many = client.encode([clip] * 5)
         assert len(many) == 5 and all(torch.equal(item.embeddings, alone.embeddings) for item in many)
-        vector = client.embed("data:video/mp4;base64," + base64.b64encode(clip).decode(), modality="video")
+        vector = client.embed(data_uri(clip, "video/mp4"), modality="video")
         assert rel_err(vector, alone.embeddings.mean(0)) <= SERVED_REL_ERR
