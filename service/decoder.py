@@ -305,7 +305,9 @@ class Decoder:
     async def _all(self, decodes: list, field: str, names: list[int], kind: str = "image") -> list:
         """Run a request's decodes concurrently; their results in order, or at the first failure the request's
         rejection (naming `field[i]`, i from `names`; where several have failed by then, the first in the request's
-        order): the decodes still running are dropped and what the others decoded discarded, as it is not run."""
+        order): the decodes still running are dropped and what the others decoded discarded, as it is not run. The
+        error goes on once the dropped decodes have unwound (a cancelled decode stops at its next await), so their
+        memory and work are back in the server's budgets by then."""
         jobs = [asyncio.ensure_future(decode) for decode in decodes]
         try:
             await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
@@ -317,6 +319,8 @@ class Decoder:
             for job in jobs:
                 job.cancel()
                 job.add_done_callback(_discard_result)
+            if jobs:
+                await asyncio.wait(jobs)
             raise
         return [job.result() for job in jobs]
 

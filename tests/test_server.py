@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from helpers import SERVED_REL_ERR, children, data_uri, png, rel_err, wait_until
+from helpers import SERVED_REL_ERR, SERVER_ON_GPU, children, data_uri, png, rel_err, wait_until
 
 from vitserve.encoder import VisionEncoder
 from vitserve.service import launch
@@ -321,10 +321,12 @@ def test_idle_connections_are_closed_by_the_client_not_under_it():
 def test_json_logs_are_pure_json_and_a_half_sent_body_is_one_info_line():
     """With --log-format json every line the server writes is one JSON object (its own, uvicorn's, third-party
     ones); each request logs one access line with its request id, a 4xx too; a client that hangs up halfway through
-    its body is one INFO line, not a traceback; no logger is named uvicorn.error."""
+    its body is one INFO line, not a traceback; no logger is named uvicorn.error; with two front ends each one's
+    loggers say which it is (`vitserve.app[api1]`)."""
     import json
+    import re
 
-    proc, url = start_server("--log-format", "json", "--log-level", "info")
+    proc, url = start_server("--log-format", "json", "--log-level", "info", "--api-servers", "2")
     try:
         port = int(url.rsplit(":", 1)[1])
         for _ in range(3):  # half a body, then gone
@@ -334,18 +336,22 @@ def test_json_logs_are_pure_json_and_a_half_sent_body_is_one_info_line():
         ok = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, headers={"x-request-id": "r-1"})
         bad = httpx.post(url + "/v1/embeddings", json={"input": ["%%%"]})
         assert ok.status_code == 200 and bad.status_code == 400
-        wait_until(lambda: sum('"vitserve.app"' in line for line in proc.log) >= 3, 10, "the disconnects logged")
+        wait_until(lambda: sum('"vitserve.app[api' in line for line in proc.log) >= 3, 10, "the disconnects logged")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     lines = [line for line in log_of(proc).splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # raises on any line that is not JSON
     assert not any("Traceback" in line for line in lines)
-    assert not any("CUDA" in r["message"] for r in records)  # a CPU server captures no graphs: it says nothing of them
-    assert {r["logger"] for r in records}.isdisjoint({"uvicorn.error", "uvicorn"}), {r["logger"] for r in records}
-    gone = [r for r in records if r["logger"] == "vitserve.app" and "disconnected" in r["message"]]
+    if not SERVER_ON_GPU:  # a CPU server captures no graphs: it says nothing of them
+        assert not any("CUDA" in r["message"] for r in records)
+    front_ends = [r for r in records if r["logger"].startswith(("vitserve.app", "vitserve.access"))]
+    assert {re.fullmatch(r"vitserve\.\w+\[(api\d)\]", r["logger"])[1] for r in front_ends} <= {"api0", "api1"}
+    loggers = {re.sub(r"\[.*\]$", "", r["logger"]) for r in records}
+    assert loggers.isdisjoint({"uvicorn.error", "uvicorn"}), loggers
+    gone = [r for r in front_ends if r["logger"].startswith("vitserve.app") and "disconnected" in r["message"]]
     assert len(gone) == 3 and all(r["level"] == "INFO" for r in gone)
-    access = [r for r in records if r["logger"] == "vitserve.access"]
+    access = [r for r in front_ends if r["logger"].startswith("vitserve.access")]
     mine = [r for r in access if r.get("request_id") == "r-1"]
     assert len(mine) == 1 and mine[0]["status"] == 200 and mine[0]["images"] == 1 and mine[0]["tokens"] > 0
     assert any(r["status"] == 400 and r["request_id"] == bad.headers["x-request-id"] for r in access)
