@@ -2,9 +2,13 @@
 # nvidia-cudnn-frontend, for the service and the cuDNN attention backend) installed under /tmp/site, which $SITE
 # (empty without wheels) puts first on a PYTHONPATH; PYTHONUNBUFFERED for live logs. The CuTe DSL behind
 # flash-attn-4 finds its packages through a .pth file, which a --target install does not run: its folder joins $SITE.
+# A warm machine keeps /tmp/site between calls: wheels installed there by an earlier call (those too large to travel
+# with .whl, e.g. fa4's, docs/decisions.md) stay on the path of a call that carries no .whl.
 SITE=
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+if [ -d /tmp/site ]; then
   SITE=/tmp/site:
   [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && SITE=$SITE/tmp/site/nvidia_cutlass_dsl/dsl_packages:
   export PATH=/tmp/site/bin:$PATH

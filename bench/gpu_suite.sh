@@ -5,6 +5,8 @@
 #   ../shared/tools/gpu-wheels av==18.1.0 httptools pybase64 blake3 pyzmq openai distro jiter sniffio websockets \
 #     httpx2 httpcore2 truststore transformers==5.24.0 huggingface_hub tokenizers [nvidia-cudnn-frontend]
 #   then on the device (carry .whl): bash bench/gpu_suite.sh         (WORKERS=6, LIMIT=400 s, TESTS=tests)
+# With fa4 (over one call's 64 MiB: installed into /tmp/site by earlier calls, docs/decisions.md) its kernels are
+# compiled once per shape into its on-disk cache (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED), not in every server.
 # Results under ${OUT:-out}/: junit.xml and log.txt; the failures and the summary line are printed.
 set -u
 out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
@@ -12,7 +14,7 @@ source "$(dirname "$0")/gpu_env.sh"
 # the checkout itself, editable and without dependencies: the `vitserve` command and its metadata, as a user's
 # `pip install -e .` gives them (the docs tests run the documented commands)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
-export PYTHONPATH=$SITE$PWD
+export PYTHONPATH=$SITE$PWD FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=${FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED:-1}
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 timeout -s INT -k 20 "${LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -n "${WORKERS:-6}" \
   --dist loadfile --timeout 200 -o addopts="-ra" --junitxml="$out/junit.xml" ${TESTS:-tests} > "$out/log.txt" 2>&1
