@@ -591,6 +591,8 @@ def test_a_request_fails_at_its_first_bad_image_without_waiting_for_the_others(e
         if bytes(data[:len(slow)]) == slow:
             held.set()
             release.wait(30)
+        elif stage == "decode":  # the bad image fails while the slow one is being decoded, however threads start
+            held.wait(10)
         return real(data, *args, **kwargs)
 
     monkeypatch.setattr(decoder_module, target, holding)
