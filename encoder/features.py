@@ -96,10 +96,13 @@ class Features:
 
     @classmethod
     def of(cls, output, grid: Sequence[int] | None = None, timing: dict | None = None) -> Features:
-        """An item's Features from the engine's output for it, `(tokens, deepstack list)`, or a Features (as it is,
-        where no grid or timing is given)."""
+        """An item's Features from the engine's output for it, `(tokens, deepstack list)`, or from a Features (the
+        grid and timing given replace its own)."""
         if isinstance(output, Features):
-            return output if grid is None and timing is None else cls(output.tokens, output.deepstack, grid, timing)
+            if grid is None and timing is None:
+                return output
+            return cls(output.tokens, output.deepstack, output.grid if grid is None else grid,
+                       output.timing if timing is None else timing)
         tokens, deepstack = output
         return cls(tokens, list(deepstack), grid, timing)
 

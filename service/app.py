@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import logging
 import math
 import re
 import time
 from contextlib import asynccontextmanager
-
-import torch
-import torch.nn.functional as F
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,8 +28,8 @@ from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, ServiceError, clip, error_response
 from .gate import Gate
 from .json_body import Text, read_json
-from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, answered, b64, converted,
-                      embedding_payload, json_response, laid_out, safetensors_parts)
+from .outputs import (OFF_LOOP_BYTES, PartsResponse, answer_bytes, answered, embedding_data, encode_data,
+                      json_response, laid_out, safetensors_parts)
 from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest, check_uuid_counts
 from .settings import Settings
 from .sglang_tier import CALL_LIMITS, REGISTRATION_LIMITS, EncodeCall, Registration, SGLangTier, bounded
@@ -282,15 +278,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             result = await encode_images(request, items, "input", mean, body.max_pixels)
 
         def build() -> Response:
-            data, tokens = [], request.state.tokens
-            for i, item in enumerate(answered(result)):
-                embeddings = item.tokens
-                if body.normalize:
-                    embeddings = F.normalize(converted(embeddings, torch.float32), dim=-1)
-                entry = {"object": "embedding", "index": i}
-                if not mean:
-                    entry |= {"shape": list(embeddings.shape), "grid_thw": item.grid}
-                data.append(entry | {"embedding": embedding_payload(embeddings, body.encoding_format)})
+            tokens = request.state.tokens
+            data = embedding_data(answered(result), body.normalize, body.encoding_format, mean)
             return json_response({"object": "list", "data": data, "model": settings.model_name,
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
@@ -338,7 +327,6 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         def build() -> Response:
             tokens = request.state.tokens
             answers = [laid_out(item, body.layout) for item in answered(result)]
-            counts = {"image": itertools.count(), "video": itertools.count()}  # an item's place among its kind
             if "application/octet-stream" in request.headers.get("accept", ""):
                 metadata = {"model": settings.model_name, "grid_thw": json.dumps(result.grids), "dtype": body.dtype,
                             "tokens": str(tokens), "layout": body.layout}
@@ -348,15 +336,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                     metadata["ec_ids"] = json.dumps(ids)
                 return PartsResponse(safetensors_parts(answers, body.dtype, metadata, body.deepstack),
                                      media_type="application/octet-stream")
-            data = []
-            for i, item in enumerate(answers):
-                modality = "video" if item.timing else "image"
-                entry = {"index": next(counts[modality]), "modality": modality,
-                         "grid_thw": item.grid, "shape": list(item.tokens.shape), "dtype": body.dtype,
-                         "embeddings": b64(converted(item.tokens, OUT[body.dtype])),
-                         "deepstack": [b64(converted(d, OUT[body.dtype])) for d in item.deepstack]
-                         if item.deepstack and body.deepstack else None}
-                data.append(entry | (item.timing or {}) | ({"ec_id": ids[i]} if ids is not None else {}))
+            data = encode_data(answers, body.dtype, body.deepstack, ids)
             return json_response({"object": "list", "model": settings.model_name, "layout": body.layout,
                                   "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                                   "cache_hits": result.cache_hits})

@@ -22,12 +22,14 @@ base64 release the GIL.
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import struct
 
 import pybase64
 import torch
+import torch.nn.functional as F
 from pydantic_core import to_json
 from starlette.responses import Response
 
@@ -56,6 +58,38 @@ def laid_out(item: Features, layout: str) -> Features:
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """`raw_view` as a flat byte memoryview (its len is its byte count): a body piece that keeps the tensor alive."""
     return memoryview(raw_view(t))
+
+
+def embedding_data(items: list[Features], normalize: bool, encoding: str, mean: bool) -> list[dict]:
+    """/v1/embeddings' `data`: per item its index, its shape and grid (tokens; a pooled vector has neither), and its
+    `embedding` (`embedding_payload`; L2-normalized per row in float32 where asked)."""
+    data = []
+    for i, item in enumerate(items):
+        embeddings = item.tokens
+        if normalize:
+            embeddings = F.normalize(converted(embeddings, torch.float32), dim=-1)
+        entry = {"object": "embedding", "index": i}
+        if not mean:
+            entry |= {"shape": list(embeddings.shape), "grid_thw": item.grid}
+        data.append(entry | {"embedding": embedding_payload(embeddings, encoding)})
+    return data
+
+
+def encode_data(items: list[Features], dtype: str, deepstack: bool, ids: list[str] | None) -> list[dict]:
+    """/v1/encode's `data`, of items in the answer's layout already (`laid_out`): per item its index among its kind,
+    modality, grid, shape, dtype, its tokens and (where asked and any) deepstack features as base64 of `dtype`'s
+    raw bytes, a video's timing, and with the vLLM tier its `ec_id`."""
+    counts = {"image": itertools.count(), "video": itertools.count()}  # an item's place among its kind
+    out, data = OUTPUT_DTYPES[dtype], []
+    for i, item in enumerate(items):
+        modality = "video" if item.timing else "image"
+        entry = {"index": next(counts[modality]), "modality": modality,
+                 "grid_thw": item.grid, "shape": list(item.tokens.shape), "dtype": dtype,
+                 "embeddings": b64(converted(item.tokens, out)),
+                 "deepstack": [b64(converted(d, out)) for d in item.deepstack] if item.deepstack and deepstack
+                 else None}
+        data.append(entry | (item.timing or {}) | ({"ec_id": ids[i]} if ids is not None else {}))
+    return data
 
 
 def answer_bytes(items: list[Features]) -> int:

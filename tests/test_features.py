@@ -132,5 +132,6 @@ def test_of_builds_an_item_from_the_engines_output():
     features = Features.of((tokens, deep), [1, 6, 2], None)
     assert features.tokens is tokens and features.deepstack == deep and features.grid == [1, 6, 2]
     assert Features.of(features) is features
-    assert Features.of(features, [1, 2, 2]).grid == [1, 2, 2]
+    timed = Features.of(features, None, {"fps": 2.0})
+    assert Features.of(timed, [1, 2, 2]).grid == [1, 2, 2] and Features.of(timed, [1, 2, 2]).timing == {"fps": 2.0}
     assert isinstance(features.rows(torch.float32), Rows)
