@@ -275,27 +275,29 @@ def embedding_frame(items: list[Features], dtype: torch.dtype) -> tuple[memoryvi
     return memoryview(out.reshape(-1)), [count, width]
 
 
-def meta_frame(call: EncodeCall, result: Encoded, family: str, dtype: torch.dtype, shape: list[int]) -> bytes:
+def meta_frame(call: EncodeCall, items: list[Features], family: str, dtype: torch.dtype, shape: list[int]) -> bytes:
     """SGLang's `EmbeddingData` of a part, without its tensor (`embedding` None; `dtype` and `shape` say what the
     second frame holds), pickled: the part's `req_id` as given, its grids (int64 `[items, 3]`, in patches) and
     modality, and for videos the metadata SGLang's prompt needs: Qwen3-VL's `video_timestamps` (per video, a time in
     seconds per temporal patch), Qwen2.5-VL's `second_per_grid_ts` (float32, per video); None where it does not
     apply, as SGLang's encoder sends them."""
-    videos = [v for v in (result.videos or []) if v is not None]
+    videos = [item.timing for item in items if item.timing is not None]
     timestamps = [[float(t) for t in v["timestamps"]] for v in videos] if videos and family == "qwen3_vl" else None
     seconds = (torch.tensor([float(v["second_per_grid_t"]) for v in videos], dtype=torch.float32)
                if videos and family == "qwen2_5_vl" else None)
     return dumps(EmbeddingData({
         "req_id": call.req_id, "num_parts": call.num_parts, "part_idx": call.part_idx,
-        "grid_dim": torch.tensor(result.grids, dtype=torch.int64).reshape(-1, 3), "modality": Modality[call.modality],
+        "grid_dim": torch.tensor([list(item.grid) for item in items], dtype=torch.int64).reshape(-1, 3),
+        "modality": Modality[call.modality],
         "embedding": None, "send_time": None, "dtype": dtype, "shape": shape, "_mr_ptr": None, "error_msg": None,
         "error_code": None, "video_timestamps": timestamps, "second_per_grid_ts": seconds}))
 
 
 def message(call: EncodeCall, result: Encoded, family: str, dtype: torch.dtype) -> list:
     """A part's two frames: its `EmbeddingData` pickled, and its features' bytes."""
-    features, shape = embedding_frame(answered(result), dtype)
-    return [meta_frame(call, result, family, dtype, shape), features]
+    items = answered(result)
+    features, shape = embedding_frame(items, dtype)
+    return [meta_frame(call, items, family, dtype, shape), features]
 
 
 class Receivers:
