@@ -49,6 +49,13 @@ from vitserve.service.outputs import OUTPUT_DTYPES, b64, render_json, safetensor
 # an older tree (PYTHONPATH and cwd at its checkout) converted with `Tensor.to`, and named the connection privately
 converted = getattr(outputs, "converted", torch.Tensor.to)
 CountedConnection = getattr(protocol, "CountedConnection", None) or getattr(protocol, "_Counted")
+try:  # the answer builders take each item's Features; an older tree took (tokens, deepstack) pairs
+    from vitserve.encoder.features import Features  # noqa: E402
+
+    def answer_items(outputs: list) -> list:
+        return [Features(*output) for output in outputs]
+except ImportError:
+    answer_items = list
 
 TOKENS, WIDTH, DEEPSTACK = 196, 4096, 3  # Qwen3-VL-8B, one 448² image
 
@@ -69,7 +76,7 @@ def median_ms(fn, repeat: int) -> tuple[float, float]:
 def build_pieces(outputs: list, dtype: str, body: str) -> list:
     """The pieces the /v1/encode route answers `outputs` with (its `build`, without the request around it)."""
     if body == "safetensors":
-        return safetensors_parts(outputs, dtype, {"model": "bench", "dtype": dtype})
+        return safetensors_parts(answer_items(outputs), dtype, {"model": "bench", "dtype": dtype})
     out = OUTPUT_DTYPES[dtype]
     data = [{"index": i, "shape": list(e.shape), "dtype": dtype, "embeddings": b64(converted(e, out)),
              "deepstack": [b64(converted(d, out)) for d in ds]} for i, (e, ds) in enumerate(outputs)]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from vitserve.encoder.features import Features
 from vitserve.service.ec_storage import ECStorage
 
 ITEMS = {"qwen3-vl-8b 1344x1344": (1764, 4096, 3), "qwen2.5-vl-7b 1344x1344": (2304, 3584, 0)}
@@ -73,7 +74,7 @@ def main():
             for writers in (1, 2, 4, 8):
                 storage = ECStorage(root / f"w{writers}", 64 * size, writers=writers)
                 results[f"ECStorage.write, {writers} writer{'s' * (writers > 1)}"] = timed(
-                    lambda i: storage.write(f"item{i}", parts[0], parts[1:]), args.repeats)
+                    lambda i: storage.write(f"item{i}", Features(parts[0], parts[1:])), args.repeats)
                 shutil.rmtree(root / f"w{writers}")
         finally:
             shutil.rmtree(root, ignore_errors=True)

@@ -12,6 +12,7 @@ from PIL import Image
 
 from . import checkpoint, preprocess_fast, video
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
+from .features import Features
 from .preprocess import (PREPROCESS_MODES, ImageError, PreprocessConfig, load_image, normalize_lut, preprocess,
                          resize_rgb, target_size)
 from .preprocess_fast import fast_lut
@@ -303,12 +304,10 @@ class VisionEncoder:
         outputs = iter(self.runner.collect(self.runner.launch_images(flat, self.video_lut)) if flat else [])
         results = []
         for v, parts in zip(decoded, slices):
-            mine = [next(outputs) for _ in parts]
-            tokens = torch.cat([o[0] for o in mine])
-            deepstack = [torch.cat(layer) for layer in zip(*(o[1] for o in mine))]
+            joined = Features.join([next(outputs) for _ in parts])
             p = self.config.patch_size
-            results.append(EncodedVideo(tokens, (len(parts), v.frames.shape[1] // p, v.frames.shape[2] // p),
-                                        deepstack, v.indices.tolist(), v.info.fps, v.timestamps,
+            results.append(EncodedVideo(joined.tokens, (len(parts), v.frames.shape[1] // p, v.frames.shape[2] // p),
+                                        joined.deepstack, v.indices.tolist(), v.info.fps, v.timestamps,
                                         v.second_per_grid_t))
         return results[0] if single else results
 

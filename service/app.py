@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import logging
 import math
 import re
 import time
 from contextlib import asynccontextmanager
-
-import torch
-import torch.nn.functional as F
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,8 +28,8 @@ from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, ServiceError, clip, error_response
 from .gate import Gate
 from .json_body import Text, read_json
-from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
-                      converted, embedding_payload, json_response, safetensors_parts)
+from .outputs import (OFF_LOOP_BYTES, PartsResponse, answer_bytes, answered, embedding_data, encode_data,
+                      json_response, laid_out, safetensors_parts)
 from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest, check_uuid_counts
 from .settings import Settings
 from .sglang_tier import CALL_LIMITS, REGISTRATION_LIMITS, EncodeCall, Registration, SGLangTier, bounded
@@ -105,15 +101,6 @@ def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "in
     if isinstance(item, str):
         return Base64Data(item, start)  # decoded by a decode worker
     return Base64Data(item.view, start, item.shared)  # (read by it in place, where the body is shared)
-
-
-def laid_out(embeddings, deepstack: list, layout: str):
-    """An image's (tokens, deepstack list) in a consumer's layout. `vllm`: one tensor, the deepstack features after
-    the tokens on the width (`cat([tokens, ds0, ds1, ...], -1)`, in deepstack_visual_indexes order), as vLLM's and
-    SGLang's Qwen3-VL take precomputed embeddings; the same as `tokens` for towers without deepstack."""
-    if layout == "vllm" and deepstack:
-        return concatenated([embeddings, *deepstack]), []
-    return embeddings, deepstack
 
 
 def request_order(order: list[bool]) -> list[int]:
@@ -259,7 +246,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         """The response `build()` makes (in a thread for an answer of `OFF_LOOP_BYTES` or more: its conversions
         and base64 are bytes work), timed as the serialize phase; every phase in the headers (ms)."""
         start = time.perf_counter()
-        response = await asyncio.to_thread(build) if answer_bytes(result.outputs) >= OFF_LOOP_BYTES else build()
+        response = await asyncio.to_thread(build) if answer_bytes(answered(result)) >= OFF_LOOP_BYTES else build()
         seconds = time.perf_counter() - start
         engine.metrics.serialize_seconds.observe(seconds)
         engine.metrics.record("serialize", seconds)
@@ -291,14 +278,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             result = await encode_images(request, items, "input", mean, body.max_pixels)
 
         def build() -> Response:
-            data, tokens = [], request.state.tokens
-            for i, ((embeddings, _deepstack), grid) in enumerate(zip(result.outputs, result.grids)):
-                if body.normalize:
-                    embeddings = F.normalize(converted(embeddings, torch.float32), dim=-1)
-                item = {"object": "embedding", "index": i}
-                if not mean:
-                    item |= {"shape": list(embeddings.shape), "grid_thw": grid}
-                data.append(item | {"embedding": embedding_payload(embeddings, body.encoding_format)})
+            tokens = request.state.tokens
+            data = embedding_data(answered(result), body.normalize, body.encoding_format, mean)
             return json_response({"object": "list", "data": data, "model": settings.model_name,
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
@@ -345,9 +326,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
         def build() -> Response:
             tokens = request.state.tokens
-            outputs = [laid_out(embeddings, deepstack, body.layout) for embeddings, deepstack in result.outputs]
-            timing = result.videos or [None] * len(outputs)
-            counts = {"image": itertools.count(), "video": itertools.count()}  # an item's place among its kind
+            answers = [laid_out(item, body.layout) for item in answered(result)]
             if "application/octet-stream" in request.headers.get("accept", ""):
                 metadata = {"model": settings.model_name, "grid_thw": json.dumps(result.grids), "dtype": body.dtype,
                             "tokens": str(tokens), "layout": body.layout}
@@ -355,17 +334,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                     metadata["videos"] = json.dumps(result.videos)
                 if ids is not None:
                     metadata["ec_ids"] = json.dumps(ids)
-                return PartsResponse(safetensors_parts(outputs, body.dtype, metadata, body.deepstack),
+                return PartsResponse(safetensors_parts(answers, body.dtype, metadata, body.deepstack),
                                      media_type="application/octet-stream")
-            data = []
-            for i, ((embeddings, deepstack), grid, video) in enumerate(zip(outputs, result.grids, timing)):
-                modality = "video" if video else "image"
-                item = {"index": next(counts[modality]), "modality": modality,
-                        "grid_thw": grid, "shape": list(embeddings.shape), "dtype": body.dtype,
-                        "embeddings": b64(converted(embeddings, OUT[body.dtype])),
-                        "deepstack": [b64(converted(d, OUT[body.dtype])) for d in deepstack]
-                        if deepstack and body.deepstack else None}
-                data.append(item | (video or {}) | ({"ec_id": ids[i]} if ids is not None else {}))
+            data = encode_data(answers, body.dtype, body.deepstack, ids)
             return json_response({"object": "list", "model": settings.model_name, "layout": body.layout,
                                   "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                                   "cache_hits": result.cache_hits})
@@ -393,7 +364,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         following within milliseconds (a failure is logged and counted)."""
         if ids is None:
             return await answer(request, result, build)
-        files = asyncio.ensure_future(tier.write(ids, result.outputs))
+        files = asyncio.ensure_future(tier.write(ids, answered(result)))
         if not wait:
             files.add_done_callback(tier.written)
             return await answer(request, result, build)

@@ -101,6 +101,7 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     from ..encoder.video import VideoUnavailable, sniff
 
     from .logs import attention_text
+    from ..encoder.features import Features
     from .outputs import OUTPUT_DTYPES, safetensors_body
     from .settings import resolve_devices
 
@@ -130,7 +131,7 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     if clips:  # per input, null for an image: what an LLM needs to place a video's tokens
         metadata["videos"] = json.dumps([video_metadata(r) if is_video else None
                                          for r, is_video in zip(results, videos)])
-    body = safetensors_body([(r.embeddings, r.deepstack or []) for r in results], name, metadata)
+    body = safetensors_body([Features(r.embeddings, r.deepstack or [], r.grid_thw) for r in results], name, metadata)
     with open(args.output, "wb") as f:
         f.write(body)
     tokens = sum(r.num_tokens for r in results)

@@ -13,9 +13,9 @@ one tensor `ec_cache`, the item's encoder output in the consumer's dtype (`--ec-
 * confined: the directory is held open and the items' folders are reached through it without following links; only
   folders and files this server's user owns are written into, counted or removed.
 * permissions: files get `file_mode`, folders the same with search (x) wherever it can be read.
-* fast: the rows are written straight from the tensors' memory (gathered writes: a row is its tokens' row, then
-  each deepstack feature's, so nothing is concatenated first), split over `writers` threads that write their parts
-  of the file side by side (the kernel copies; the GIL is released).
+* fast: the rows are written straight from the tensors' memory (gathered writes of `Features.rows`, each row its
+  parts' pieces in the packed order, so nothing is concatenated first), split over `writers` threads that write
+  their parts of the file side by side (the kernel copies; the GIL is released).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .outputs import SAFETENSORS_DTYPES, converted, raw_view, safetensors_header
+from ..encoder.features import Features, Rows
+from .outputs import SAFETENSORS_DTYPES, safetensors_header
 
 FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
@@ -41,9 +41,9 @@ IOV_MAX = 1024  # buffers per gathered write (Linux's limit)
 log = logging.getLogger("vitserve.ec")
 
 
-def _write_rows(fd: int, parts: list[np.ndarray], first: int, last: int, offset: int) -> None:
-    """Rows first..last-1 of the concatenation of `parts` on the width, at `offset` in the file."""
-    pieces = [memoryview(part[r]) for r in range(first, last) for part in parts]
+def _write_rows(fd: int, rows: Rows, first: int, last: int, offset: int) -> None:
+    """Rows first..last-1 of an item, at `offset` in the file."""
+    pieces = rows.pieces(first, last)
     for k in range(0, len(pieces), IOV_MAX):
         batch = pieces[k:k + IOV_MAX]
         want = sum(len(p) for p in batch)
@@ -117,17 +117,15 @@ class ECStorage:
     def path(self, identifier: str) -> Path:
         return self.directory / check_identifier(identifier) / FILE_NAME
 
-    def write(self, identifier: str, tokens: torch.Tensor, deepstack: list[torch.Tensor] = ()) -> int:
-        """Write one item's file (its tokens and deepstack features, host tensors, in this storage's dtype); the
-        file's bytes. Older files go first where the new one would pass `max_bytes`, and a write waits for writes
+    def write(self, identifier: str, item: Features) -> int:
+        """Write one item's file (its packed rows, from host tensors, in this storage's dtype); the file's bytes. Older files go first where the new one would pass `max_bytes`, and a write waits for writes
         in flight where only their finishing makes room. Where the identifier's file is there already (or being
         written) at this size, it counts as written now; at another size, or where the identifier's folder is not
         this server's, FileExistsError (nothing is replaced)."""
         check_identifier(identifier)
-        parts = [raw_view(converted(t, self.dtype)).reshape(t.shape[0], -1) for t in (tokens, *deepstack)]
-        rows, width = tokens.shape[0], sum(t.shape[1] for t in (tokens, *deepstack))
-        header = {TENSOR_NAME: {"dtype": SAFETENSORS_DTYPES[self.dtype], "shape": [rows, width],
-                                "data_offsets": [0, sum(part.nbytes for part in parts)]}}
+        rows = item.rows(self.dtype)
+        header = {TENSOR_NAME: {"dtype": SAFETENSORS_DTYPES[self.dtype], "shape": [rows.count, item.width],
+                                "data_offsets": [0, rows.nbytes]}}
         head = safetensors_header(header)
         size = len(head) + header[TENSOR_NAME]["data_offsets"][1]
         if size > self.max_bytes:
@@ -149,7 +147,7 @@ class ECStorage:
             self._writing[identifier] = size
             self._bytes += size
         try:
-            published = self._publish(identifier, head, parts, rows, size)
+            published = self._publish(identifier, head, rows, size)
         except BaseException:
             with self._changed:
                 self._release(identifier, size)
@@ -170,7 +168,7 @@ class ECStorage:
         self._bytes -= size
         self._changed.notify_all()
 
-    def _publish(self, identifier: str, head: bytes, parts: list[np.ndarray], rows: int, size: int) -> bool:
+    def _publish(self, identifier: str, head: bytes, rows: Rows, size: int) -> bool:
         """Write the file under a temporary name and link it into its item's folder, which is created if missing;
         False where a file was linked there first (by another process)."""
         tmp = f".ec-{secrets.token_hex(8)}.tmp"
@@ -180,13 +178,13 @@ class ECStorage:
         try:
             os.ftruncate(fd, size)
             os.pwrite(fd, head, 0)
-            row_bytes = sum(part.shape[1] for part in parts)
-            if self.writers is None or rows < 2 * self.writers._max_workers:
-                _write_rows(fd, parts, 0, rows, len(head))
+            count = rows.count
+            if self.writers is None or count < 2 * self.writers._max_workers:
+                _write_rows(fd, rows, 0, count, len(head))
             else:
-                step = -(-rows // self.writers._max_workers)
-                jobs = [self.writers.submit(_write_rows, fd, parts, r, min(rows, r + step),
-                                            len(head) + r * row_bytes) for r in range(0, rows, step)]
+                step = -(-count // self.writers._max_workers)
+                jobs = [self.writers.submit(_write_rows, fd, rows, r, min(count, r + step),
+                                            len(head) + r * rows.row_bytes) for r in range(0, count, step)]
                 for job in jobs:
                     job.result()
             os.fchmod(fd, self.file_mode)

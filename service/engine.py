@@ -34,6 +34,7 @@ import torch
 from .. import __version__
 from ..encoder import VisionEncoder
 from ..encoder.config import VisionConfig
+from ..encoder.features import Features
 from ..encoder.preprocess import ImageError, PreprocessConfig
 from ..encoder.video import VideoConfig
 from ..encoder.video import unavailable as video_unavailable
@@ -454,15 +455,12 @@ class Engine:
             owners += [j] * len(slices)
         results = await self._run(items, disconnected)
 
-        def assemble() -> list:  # a video's tokens, slice after slice: megabytes to copy, off the event loop
+        def assemble() -> list:  # each video's slices joined (Features.join): megabytes to copy, off the event loop
             outputs = []
             for j in range(len(decoded)):
-                mine = [output for owner, output in zip(owners, results) if owner == j]
-                tokens = torch.cat([tokens for tokens, _ in mine])
-                if mean_pooling:
-                    outputs.append((tokens.float().mean(0), []))
-                else:
-                    outputs.append((tokens, [torch.cat(layer) for layer in zip(*(ds for _, ds in mine))]))
+                video = Features.join([output for owner, output in zip(owners, results) if owner == j],
+                                      mean=mean_pooling)
+                outputs.append((video.tokens, video.deepstack))
             return outputs
 
         outputs = await asyncio.to_thread(assemble)

@@ -13,60 +13,46 @@ same image twice in a request, both answered by one cache entry) each come out w
 memory twice. The safetensors body is written here, not by `safetensors.torch.save`, which refuses tensors that share
 memory.
 
-Conversions and concatenations run on the calling thread alone (`converted`, `concatenated`): ATen splits a large
-copy over its OpenMP team, and the team's barrier waits for its slowest member, so on a busy host a conversion of
-megabytes that takes 0.2 ms alone took 4-28 ms. An answer of `OFF_LOOP_BYTES` or more is built off the event loop
-(service/app.py runs `build` in a thread): conversions and base64 release the GIL.
+Each item is a `Features` (encoder/features.py: tokens, deepstack, grid, a video's timing; `answered` builds them
+from the engine's `Encoded`); `laid_out` puts one in a consumer's layout (`vllm`: `Features.packed`). Conversions and
+packing run on the calling thread alone (`converted`, `Features.packed`; encoder/features.py says why). An answer of
+`OFF_LOOP_BYTES` or more is built off the event loop (service/app.py runs `build` in a thread): conversions and
+base64 release the GIL.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import struct
 
-import numpy as np
 import pybase64
 import torch
+import torch.nn.functional as F
 from pydantic_core import to_json
 from starlette.responses import Response
 
+from ..encoder.features import Features, converted, raw_view
 from ..encoder.vision_encoder import DTYPES
 
 OUTPUT_DTYPES = {name: DTYPES[name] for name in dict.fromkeys(str(t).removeprefix("torch.") for t in DTYPES.values())}
 OFF_LOOP_BYTES = 2**20  # an answer's tensors of this many bytes or more are converted and encoded in a thread
-SERIAL_ELEMENTS = 16384  # elements per torch copy in `converted`: under ATen's grain (32768), one thread runs each
 
 
-def raw_view(t: torch.Tensor) -> np.ndarray:
-    """The tensor's little-endian bytes as a flat uint8 array (float32/float16/bfloat16), without a copy where the
-    tensor is contiguous already (it is, on every little-endian host)."""
-    t = t.contiguous()
-    array = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bfloat16
-    return array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
+def answered(result) -> list[Features]:
+    """Each item of the engine's answer (`Encoded`: outputs, grids, videos' timing) as its Features, in order."""
+    timing = result.videos or [None] * len(result.outputs)
+    return [Features.of(output, grid, video) for output, grid, video in zip(result.outputs, result.grids, timing)]
 
 
-def converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`t.to(dtype)`, bit for bit, copied by this thread alone in slices of `SERIAL_ELEMENTS`; `t` itself when it is
-    in `dtype` already."""
-    if t.dtype == dtype:
-        return t
-    out = torch.empty(t.shape, dtype=dtype)
-    src, dst = t.reshape(-1), out.view(-1)
-    for start in range(0, src.numel(), SERIAL_ELEMENTS):
-        dst[start:start + SERIAL_ELEMENTS].copy_(src[start:start + SERIAL_ELEMENTS])
-    return out
-
-
-_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def concatenated(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """`torch.cat(tensors, -1)` of tensors of one dtype, by this thread alone: numpy joins their raw bits."""
-    bits = _BITS[tensors[0].element_size()]
-    joined = np.concatenate([t.contiguous().numpy().view(bits) if t.dtype != torch.bfloat16 else
-                             t.contiguous().view(torch.int16).numpy().view(bits) for t in tensors], axis=-1)
-    return torch.from_numpy(joined).view(tensors[0].dtype)
+def laid_out(item: Features, layout: str) -> Features:
+    """An item in a consumer's layout. `vllm`: one tensor, the deepstack features after the tokens on the width
+    (`Features.packed`), as vLLM's and SGLang's Qwen3-VL take precomputed embeddings; the same as `tokens` for towers
+    without deepstack."""
+    if layout == "vllm" and item.deepstack:
+        return Features(item.packed(), [], item.grid, item.timing)
+    return item
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -74,9 +60,41 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(raw_view(t))
 
 
-def answer_bytes(outputs: list) -> int:
-    """The bytes of every (tokens, deepstack list) of an answer, as the engine returned them."""
-    return sum(t.nbytes for embeddings, deepstack in outputs for t in (embeddings, *deepstack))
+def embedding_data(items: list[Features], normalize: bool, encoding: str, mean: bool) -> list[dict]:
+    """/v1/embeddings' `data`: per item its index, its shape and grid (tokens; a pooled vector has neither), and its
+    `embedding` (`embedding_payload`; L2-normalized per row in float32 where asked)."""
+    data = []
+    for i, item in enumerate(items):
+        embeddings = item.tokens
+        if normalize:
+            embeddings = F.normalize(converted(embeddings, torch.float32), dim=-1)
+        entry = {"object": "embedding", "index": i}
+        if not mean:
+            entry |= {"shape": list(embeddings.shape), "grid_thw": item.grid}
+        data.append(entry | {"embedding": embedding_payload(embeddings, encoding)})
+    return data
+
+
+def encode_data(items: list[Features], dtype: str, deepstack: bool, ids: list[str] | None) -> list[dict]:
+    """/v1/encode's `data`, of items in the answer's layout already (`laid_out`): per item its index among its kind,
+    modality, grid, shape, dtype, its tokens and (where asked and any) deepstack features as base64 of `dtype`'s
+    raw bytes, a video's timing, and with the vLLM tier its `ec_id`."""
+    counts = {"image": itertools.count(), "video": itertools.count()}  # an item's place among its kind
+    out, data = OUTPUT_DTYPES[dtype], []
+    for i, item in enumerate(items):
+        modality = "video" if item.timing else "image"
+        entry = {"index": next(counts[modality]), "modality": modality,
+                 "grid_thw": item.grid, "shape": list(item.tokens.shape), "dtype": dtype,
+                 "embeddings": b64(converted(item.tokens, out)),
+                 "deepstack": [b64(converted(d, out)) for d in item.deepstack] if item.deepstack and deepstack
+                 else None}
+        data.append(entry | (item.timing or {}) | ({"ec_id": ids[i]} if ids is not None else {}))
+    return data
+
+
+def answer_bytes(items: list[Features]) -> int:
+    """The bytes of every item's tensors in an answer, in the dtype the engine returned them."""
+    return sum(item.nbytes for item in items)
 
 
 class Base64:
@@ -153,17 +171,17 @@ def json_response(content, status_code: int = 200, headers=None) -> PartsRespons
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
-def safetensors_parts(outputs: list, dtype: str, metadata: dict[str, str],
+def safetensors_parts(items: list[Features], dtype: str, metadata: dict[str, str],
                       deepstack: bool = True) -> list[bytes | memoryview]:
-    """Every image's (tokens, deepstack list) in `dtype` as one safetensors file, with string `metadata`, in pieces:
+    """Every item's tokens and deepstack features in `dtype` as one safetensors file, with string `metadata`, in pieces:
     the header, then each tensor's raw little-endian bytes in header order (`raw_bytes` of the tensor, or of its
     conversion to `dtype`: a tensor shared by several items is a piece of each)."""
     out_dtype = OUTPUT_DTYPES[dtype]
     header: dict = {"__metadata__": metadata}
     parts, offset = [b""], 0
-    for i, (embeddings, features) in enumerate(outputs):
-        named = [(f"images.{i}.embeddings", embeddings)]
-        named += [(f"images.{i}.deepstack.{j}", d) for j, d in enumerate(features if deepstack else [])]
+    for i, item in enumerate(items):
+        named = [(f"images.{i}.embeddings", item.tokens)]
+        named += [(f"images.{i}.deepstack.{j}", d) for j, d in enumerate(item.deepstack if deepstack else [])]
         for name, t in named:
             data = raw_bytes(converted(t, out_dtype))
             header[name] = {"dtype": SAFETENSORS_DTYPES[out_dtype], "shape": list(t.shape),
@@ -182,6 +200,6 @@ def safetensors_header(header: dict) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def safetensors_body(outputs: list, dtype: str, metadata: dict[str, str], deepstack: bool = True) -> bytes:
+def safetensors_body(items: list[Features], dtype: str, metadata: dict[str, str], deepstack: bool = True) -> bytes:
     """`safetensors_parts` as one bytes object (a file's content)."""
-    return b"".join(safetensors_parts(outputs, dtype, metadata, deepstack))
+    return b"".join(safetensors_parts(items, dtype, metadata, deepstack))

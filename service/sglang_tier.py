@@ -42,11 +42,12 @@ import numpy as np
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
+from ..encoder.features import Features
 from ..encoder.vision_encoder import DTYPES
 from .engine import Encoded
 from .errors import ServiceError
 from .fetch import embedded_ipv4
-from .outputs import OFF_LOOP_BYTES, answer_bytes, converted, raw_view
+from .outputs import OFF_LOOP_BYTES, answer_bytes, answered
 
 # the pickle's class paths, as SGLang's receiver looks them up (and its unpickler allows them): EmbeddingData moved
 # to sglang.srt.disaggregation.encoder.receiver in 0.5.19 (sglang.srt.disaggregation.encode_receiver before);
@@ -258,47 +259,45 @@ class ReceiverNetworks:
         return str(addresses[0])
 
 
-def embedding_frame(outputs: list, dtype: torch.dtype) -> tuple[memoryview, list[int]]:
+def embedding_frame(items: list[Features], dtype: torch.dtype) -> tuple[memoryview, list[int]]:
     """The features of a part's items as one `[rows, width]` tensor's raw little-endian bytes, and that shape: each
-    item's rows after the previous item's, each row its tokens then its deepstack features. One item without
-    deepstack in `dtype` already is its own memory; otherwise each piece is copied once into place."""
-    pieces = [[converted(t, dtype) for t in (tokens, *deepstack)] for tokens, deepstack in outputs]
-    rows, width = sum(p[0].shape[0] for p in pieces), sum(t.shape[-1] for t in pieces[0])
-    if len(pieces) == 1 and len(pieces[0]) == 1:
-        return memoryview(raw_view(pieces[0][0])), [rows, width]
-    size = dtype.itemsize
-    out = np.empty((rows, width * size), np.uint8)
-    row = 0
-    for item in pieces:
-        n, column = item[0].shape[0], 0
-        for t in item:
-            out[row:row + n, column:column + t.shape[-1] * size] = raw_view(t).reshape(n, -1)
-            column += t.shape[-1] * size
-        row += n
-    return memoryview(out.reshape(-1)), [rows, width]
+    item's packed rows (`Features.rows`) after the previous item's. One item without deepstack in `dtype` already
+    is its own memory; otherwise each piece is copied once into place."""
+    rows = [item.rows(dtype) for item in items]
+    count, width = sum(r.count for r in rows), items[0].width
+    if len(rows) == 1 and len(rows[0].views) == 1:
+        return memoryview(rows[0].views[0].reshape(-1)), [count, width]
+    out = np.empty((count, rows[0].row_bytes), np.uint8)
+    start = 0
+    for r in rows:
+        r.copy_into(out[start:start + r.count])
+        start += r.count
+    return memoryview(out.reshape(-1)), [count, width]
 
 
-def meta_frame(call: EncodeCall, result: Encoded, family: str, dtype: torch.dtype, shape: list[int]) -> bytes:
+def meta_frame(call: EncodeCall, items: list[Features], family: str, dtype: torch.dtype, shape: list[int]) -> bytes:
     """SGLang's `EmbeddingData` of a part, without its tensor (`embedding` None; `dtype` and `shape` say what the
     second frame holds), pickled: the part's `req_id` as given, its grids (int64 `[items, 3]`, in patches) and
     modality, and for videos the metadata SGLang's prompt needs: Qwen3-VL's `video_timestamps` (per video, a time in
     seconds per temporal patch), Qwen2.5-VL's `second_per_grid_ts` (float32, per video); None where it does not
     apply, as SGLang's encoder sends them."""
-    videos = [v for v in (result.videos or []) if v is not None]
+    videos = [item.timing for item in items if item.timing is not None]
     timestamps = [[float(t) for t in v["timestamps"]] for v in videos] if videos and family == "qwen3_vl" else None
     seconds = (torch.tensor([float(v["second_per_grid_t"]) for v in videos], dtype=torch.float32)
                if videos and family == "qwen2_5_vl" else None)
     return dumps(EmbeddingData({
         "req_id": call.req_id, "num_parts": call.num_parts, "part_idx": call.part_idx,
-        "grid_dim": torch.tensor(result.grids, dtype=torch.int64).reshape(-1, 3), "modality": Modality[call.modality],
+        "grid_dim": torch.tensor([list(item.grid) for item in items], dtype=torch.int64).reshape(-1, 3),
+        "modality": Modality[call.modality],
         "embedding": None, "send_time": None, "dtype": dtype, "shape": shape, "_mr_ptr": None, "error_msg": None,
         "error_code": None, "video_timestamps": timestamps, "second_per_grid_ts": seconds}))
 
 
 def message(call: EncodeCall, result: Encoded, family: str, dtype: torch.dtype) -> list:
     """A part's two frames: its `EmbeddingData` pickled, and its features' bytes."""
-    features, shape = embedding_frame(result.outputs, dtype)
-    return [meta_frame(call, result, family, dtype, shape), features]
+    items = answered(result)
+    features, shape = embedding_frame(items, dtype)
+    return [meta_frame(call, items, family, dtype, shape), features]
 
 
 class Receivers:
@@ -481,7 +480,7 @@ class SGLangTier:
 
     async def _message(self, call: EncodeCall, result: Encoded, family: str) -> list:
         """`message`, built in a thread where its features are `OFF_LOOP_BYTES` or more."""
-        if answer_bytes(result.outputs) >= OFF_LOOP_BYTES:
+        if answer_bytes(answered(result)) >= OFF_LOOP_BYTES:
             return await asyncio.to_thread(message, call, result, family, self.dtype)
         return message(call, result, family, self.dtype)
 

@@ -26,6 +26,7 @@ from typing import Any
 from PIL import Image
 from pydantic import ConfigDict, ValidationError
 
+from ..encoder.features import Features
 from ..encoder.preprocess import Base64Data, InvalidBase64, decode_base64
 from ..encoder.vision_encoder import DTYPES
 from .ec_storage import ECStorage, check_identifier
@@ -181,13 +182,13 @@ class VLLMTier:
         if not job.cancelled() and job.exception() is not None:
             log.error("encoder-cache files not written: %s", job.exception())
 
-    async def write(self, identifiers: list[str], outputs: list) -> None:
+    async def write(self, identifiers: list[str], items: list[Features]) -> None:
         """Write every item's file (side by side, in the pool). An identifier whose file holds another item, or
         whose folder is not this server's, is a 409 `ec_id_taken` (nothing is replaced); a storage failure is a 507
         `ec_write_failed`."""
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self.pool, self.storage.write, identifier, tokens, deepstack)
-                for identifier, (tokens, deepstack) in dict(zip(identifiers, outputs)).items()]
+        jobs = [loop.run_in_executor(self.pool, self.storage.write, identifier, item)
+                for identifier, item in dict(zip(identifiers, items)).items()]
         try:
             await asyncio.gather(*jobs)
         except FileExistsError as e:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
+from vitserve.encoder.features import SERIAL_ELEMENTS, Features, converted
 from vitserve.service.http import CountedConnection
-from vitserve.service.outputs import (SERIAL_ELEMENTS, OUTPUT_DTYPES, b64, concatenated, converted, raw_bytes,
-                                      render_json, safetensors_parts)
+from vitserve.service.outputs import OUTPUT_DTYPES, b64, raw_bytes, render_json, safetensors_parts
 
 DTYPES = list(OUTPUT_DTYPES.values())
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -58,12 +58,6 @@ def test_converted_is_tensor_to_bit_for_bit(source, target):
     assert (out is t) == (source == target)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_concatenated_is_torch_cat_on_the_width(dtype):
-    parts = [awkward(dtype, 5, w) for w in (64, 32, 32)]
-    assert same_bits(concatenated(parts), torch.cat(parts, dim=-1))
-
-
 def test_raw_bytes_are_a_view_of_the_tensor():
     t = awkward(torch.bfloat16)
     view = raw_bytes(t)
@@ -81,7 +75,7 @@ def test_safetensors_parts_are_views_where_no_conversion_is_needed(target):
     other = awkward(torch.bfloat16, 5, 40)
     outputs = [(shared, deep), (other, []), (shared, deep)]
     name = str(target).removeprefix("torch.")
-    parts = safetensors_parts(outputs, name, {"dtype": name})
+    parts = safetensors_parts([Features(*output) for output in outputs], name, {"dtype": name})
     tensors = safetensors_load(b"".join(parts))
     for i, (embeddings, deepstack) in enumerate(outputs):
         assert same_bits(tensors[f"images.{i}.embeddings"], one_thread_to(embeddings, target))

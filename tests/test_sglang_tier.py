@@ -23,6 +23,7 @@ import pytest
 import torch
 from helpers import IMAGES, SERVED_DTYPE, client_for, data_uri, png, serving, wait_until
 
+from vitserve.encoder.features import Features
 from vitserve.service.engine import Encoded
 from vitserve.service.errors import ServiceError
 from vitserve.service.sglang_tier import (EncodeCall, Pairing, ReceiverNetworks, Registration, embedding_frame,
@@ -124,9 +125,9 @@ def test_a_video_part_carries_the_metadata_its_family_needs():
 
 def test_one_item_without_deepstack_goes_out_as_its_own_memory():
     (tokens, _), = fake_result([(1, 4, 4)]).outputs
-    frame, shape = embedding_frame([(tokens, [])], torch.float32)
+    frame, shape = embedding_frame([Features(tokens)], torch.float32)
     assert shape == [4, 8] and np.shares_memory(np.asarray(frame), tokens.numpy())
-    frame, shape = embedding_frame([(tokens, [])], torch.float16)  # another dtype: converted
+    frame, shape = embedding_frame([Features(tokens)], torch.float16)  # another dtype: converted
     assert torch.equal(torch.frombuffer(bytearray(frame), dtype=torch.float16).reshape(shape), tokens.half())
 
 

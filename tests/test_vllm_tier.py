@@ -17,6 +17,7 @@ from helpers import IMAGES, b64_bf16, client_for, data_uri, serving, wait_until
 from safetensors.torch import load, load_file
 
 from vitserve.service import ec_storage
+from vitserve.encoder.features import Features
 from vitserve.service.ec_storage import ECStorage
 from vitserve.service.settings import EC_HASH_ALGORITHMS
 from vitserve.service.vllm_hash import ALGORITHMS, mm_hash
@@ -41,13 +42,13 @@ def test_a_file_holds_the_tokens_then_the_deepstack_features_in_the_consumers_dt
     tokens, deepstack = item(rows=301)
     for writers in (1, 4):
         storage = ECStorage(folder(tmp_path / str(writers)), 2**30, dtype=torch.bfloat16, writers=writers)
-        storage.write("abc", tokens, deepstack)
+        storage.write("abc", Features(tokens, deepstack))
         tensors = load_file(tmp_path / str(writers) / "abc" / "encoder_cache.safetensors")
         assert list(tensors) == ["ec_cache"]
         assert torch.equal(tensors["ec_cache"], torch.cat([tokens, *deepstack], -1).bfloat16())
         assert os.listdir(tmp_path / str(writers)) == ["abc"]
     storage = ECStorage(folder(tmp_path / "f32"), 2**30, dtype=torch.float32)
-    storage.write("x", tokens)
+    storage.write("x", Features(tokens))
     assert torch.equal(load_file(storage.path("x"))["ec_cache"], tokens)
 
 
@@ -67,7 +68,7 @@ def test_a_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
         link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
 
     monkeypatch.setattr(ec_storage.os, "link", checked)
-    storage.write("a", tokens, deepstack)
+    storage.write("a", Features(tokens, deepstack))
     assert seen == [True]
 
     def failing(fd, pieces, offset):
@@ -75,7 +76,7 @@ def test_a_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ec_storage.os, "pwritev", failing)
     with pytest.raises(OSError):
-        storage.write("b", tokens, deepstack)
+        storage.write("b", Features(tokens, deepstack))
     assert sorted(os.listdir(tmp_path)) == ["a"] and storage.bytes == storage.path("a").stat().st_size
 
 
@@ -83,17 +84,17 @@ def test_the_space_is_bounded_least_recently_written_first(tmp_path):
     """Files stay within max_bytes: the least recently written go (an item written again is recent again); files
     found at start count, oldest first; an item larger than the bound is refused."""
     tokens, _ = item(rows=64, width=64, levels=0)
-    size = ECStorage(folder(tmp_path / "probe"), 2**30, dtype=torch.float32).write("p", tokens)
+    size = ECStorage(folder(tmp_path / "probe"), 2**30, dtype=torch.float32).write("p", Features(tokens))
     storage = ECStorage(folder(tmp_path / "s"), 3 * size, dtype=torch.float32)
     for name in "abc":
-        storage.write(name, tokens)
-    storage.write("a", tokens)  # already there: now the most recent
-    storage.write("d", tokens)
+        storage.write(name, Features(tokens))
+    storage.write("a", Features(tokens))  # already there: now the most recent
+    storage.write("d", Features(tokens))
     assert sorted(os.listdir(tmp_path / "s")) == ["a", "c", "d"] and storage.bytes == 3 * size
     again = ECStorage(tmp_path / "s", 2 * size, dtype=torch.float32)  # a restart with less room
     assert len(os.listdir(tmp_path / "s")) == 2 and again.bytes == 2 * size
     with pytest.raises(ValueError, match="does not fit"):
-        ECStorage(folder(tmp_path / "t"), size - 1, dtype=torch.float32).write("big", tokens)
+        ECStorage(folder(tmp_path / "t"), size - 1, dtype=torch.float32).write("big", Features(tokens))
 
 
 def test_writes_in_flight_count_within_the_bound(tmp_path, monkeypatch):
@@ -101,7 +102,7 @@ def test_writes_in_flight_count_within_the_bound(tmp_path, monkeypatch):
     evicts a file before it lands, to have it land uncounted), so the folder never holds more than max_bytes and the
     storage's count is what is on disk."""
     tokens, _ = item(rows=64, width=64, levels=0)
-    size = ECStorage(folder(tmp_path / "probe"), 2**30, dtype=torch.float32, writers=1).write("p", tokens)
+    size = ECStorage(folder(tmp_path / "probe"), 2**30, dtype=torch.float32, writers=1).write("p", Features(tokens))
     storage = ECStorage(folder(tmp_path / "s"), 2 * size, dtype=torch.float32, writers=1)
     entered, release = threading.Semaphore(0), threading.Event()
     write_rows = ec_storage._write_rows
@@ -112,12 +113,12 @@ def test_writes_in_flight_count_within_the_bound(tmp_path, monkeypatch):
         write_rows(*args)
 
     monkeypatch.setattr(ec_storage, "_write_rows", held)
-    first = [threading.Thread(target=storage.write, args=(name, tokens)) for name in "ab"]
+    first = [threading.Thread(target=storage.write, args=(name, Features(tokens))) for name in "ab"]
     for thread in first:
         thread.start()
     for _ in first:
         assert entered.acquire(timeout=10)  # a and b are both being written
-    third = threading.Thread(target=storage.write, args=("c", tokens))
+    third = threading.Thread(target=storage.write, args=("c", Features(tokens)))
     third.start()
     assert not entered.acquire(timeout=0.3)  # c waits for room instead of evicting a write in flight
     release.set()
@@ -132,10 +133,10 @@ def test_a_file_under_an_identifier_is_never_replaced(tmp_path):
     another size is refused (FileExistsError) and the file stays the first item's."""
     storage = ECStorage(tmp_path, 2**30, dtype=torch.float32)
     first, _ = item(rows=12, seed=1)
-    storage.write("x", first)
-    storage.write("x", item(rows=12, seed=2)[0])  # same size: the file there counts (an identifier is one item)
+    storage.write("x", Features(first))
+    storage.write("x", Features(item(rows=12, seed=2)[0]))  # same size: the file there counts (one item)
     with pytest.raises(FileExistsError):
-        storage.write("x", item(rows=20, seed=3)[0])
+        storage.write("x", Features(item(rows=20, seed=3)[0]))
     assert torch.equal(load_file(storage.path("x"))["ec_cache"], first)
     assert storage.bytes == storage.path("x").stat().st_size
 
@@ -148,7 +149,7 @@ def test_links_and_other_users_folders_are_never_written_through(tmp_path):
     (shared / "planted").symlink_to(private, target_is_directory=True)
     storage = ECStorage(shared, 2**30)
     with pytest.raises(FileExistsError):
-        storage.write("planted", *item())
+        storage.write("planted", Features(*item()))
     assert stat.S_IMODE(private.stat().st_mode) == 0o700 and not list(private.iterdir())
     if os.geteuid() == 0:  # another user's folder, with a file in it
         other = folder(shared / "other")
@@ -156,7 +157,7 @@ def test_links_and_other_users_folders_are_never_written_through(tmp_path):
         os.chown(other, 4321, -1)
         again = ECStorage(shared, 2048)  # too small for the file: it would be evicted if it were counted
         with pytest.raises(FileExistsError):
-            again.write("other", *item())
+            again.write("other", Features(*item()))
         assert again.bytes == 0 and (other / "encoder_cache.safetensors").read_bytes() == b"x" * 4096
 
 
@@ -164,9 +165,9 @@ def test_a_restart_survives_hidden_names_in_the_folder(tmp_path):
     """Hidden names are the storage's own (its temporary files): not identifiers; a folder named like a temporary
     file does not stop a restart."""
     with pytest.raises(ValueError):
-        ECStorage(tmp_path, 2**30).write(".ec-planted.tmp", *item())
+        ECStorage(tmp_path, 2**30).write(".ec-planted.tmp", Features(*item()))
     (tmp_path / ".ec-planted.tmp").mkdir()
-    ECStorage(tmp_path, 2**30).write("a", *item())
+    ECStorage(tmp_path, 2**30).write("a", Features(*item()))
     assert sorted(os.listdir(tmp_path)) == [".ec-planted.tmp", "a"]
 
 
@@ -174,7 +175,7 @@ def test_files_and_folders_get_the_operators_permissions(tmp_path):
     """--ec-file-mode: the file's mode as given (not the umask's), its folder the same with x wherever r."""
     old = os.umask(0o077)
     try:
-        ECStorage(tmp_path, 2**30, file_mode=0o640).write("m", *item())
+        ECStorage(tmp_path, 2**30, file_mode=0o640).write("m", Features(*item()))
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "m" / "encoder_cache.safetensors").stat().st_mode) == 0o640
@@ -184,7 +185,7 @@ def test_files_and_folders_get_the_operators_permissions(tmp_path):
 @pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "x" * 256, ".hidden"])
 def test_an_identifier_is_one_folder_name(tmp_path, bad):
     with pytest.raises(ValueError):
-        ECStorage(tmp_path, 2**30).write(bad, *item())
+        ECStorage(tmp_path, 2**30).write(bad, Features(*item()))
 
 
 def test_identifiers_follow_vllms_rules():
@@ -248,9 +249,9 @@ def test_a_uuid_never_names_another_items_file(tmp_path):
                                           Item("image", encode(photo(40, 30, 4), "PNG"), victim, "images[1]")]))
         assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_uuid", "images[1]")
         first = item(rows=6, levels=0)
-        asyncio.run(tier.write(["taken"], [first]))
+        asyncio.run(tier.write(["taken"], [Features(*first)]))
         with pytest.raises(ServiceError) as e:
-            asyncio.run(tier.write(["taken"], [item(rows=9, levels=0, seed=1)]))
+            asyncio.run(tier.write(["taken"], [Features(*item(rows=9, levels=0, seed=1))]))
         assert (e.value.status, e.value.code) == (409, "ec_id_taken")
         assert torch.equal(load_file(tmp_path / "taken" / "encoder_cache.safetensors")["ec_cache"], first[0])
     finally:
@@ -270,14 +271,14 @@ def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
     try:
         tokens, deepstack = item(rows=6)  # a file of some 850 bytes: two fit
         for name in ("a", "b", "c"):
-            asyncio.run(tier.write([name], [(tokens, deepstack)]))
+            asyncio.run(tier.write([name], [Features(tokens, deepstack)]))
         stats = tier.stats()
         size = (tmp_path / "c" / ec_storage.FILE_NAME).stat().st_size
         assert 2000 // size == 2
         assert stats == {"limit_bytes": 2000, "bytes": 2 * size, "files": 2, "writes": 3, "evictions": 1,
                          "write_failures": 0}
         with pytest.raises(ServiceError) as e:
-            asyncio.run(tier.write(["big"], [item(rows=100)]))
+            asyncio.run(tier.write(["big"], [Features(*item(rows=100))]))
         assert e.value.status == 507 and tier.stats()["write_failures"] == 1
     finally:
         tier.close()

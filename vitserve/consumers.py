@@ -17,7 +17,7 @@ Each helper takes `EncodedImage` results (`Client.encode`'s in either layout, or
   tokens between vision start and end, t from `EncodedVideo.timestamps`), as its processor writes it.
 
 For Qwen3-VL every consumer takes the deepstack features on the width: `cat([tokens, ds0, ds1, ds2], -1)`, in
-`deepstack_visual_indexes` order (what `layout="vllm"` returns already). The prompt's image-token count must equal
+`deepstack_visual_indexes` order (`Features.packed`, encoder/features.py; what `layout="vllm"` returns already). The prompt's image-token count must equal
 the grid's: vitserve's min/max pixels must match the LLM's processor settings.
 """
 
@@ -31,6 +31,7 @@ import sys
 import torch
 
 from .client import EncodedImage, EncodedVideo
+from .encoder.features import Features
 
 
 def _listed(items: EncodedImage | list[EncodedImage], kind: str | None = None, helper: str = "this helper",
@@ -65,7 +66,7 @@ def vllm_features(item: EncodedImage) -> torch.Tensor:
     """One image's features as vLLM and SGLang take them: [tokens, out_hidden x (1 + deepstack layers)]."""
     if not isinstance(item, EncodedImage):
         raise TypeError(f"vllm_features takes one result (EncodedImage, EncodedVideo), not {type(item).__name__}")
-    return torch.cat([item.embeddings, *item.deepstack], dim=-1) if item.deepstack else item.embeddings
+    return Features(item.embeddings, list(item.deepstack or [])).packed()
 
 
 def grid_tensor(items: EncodedImage | list[EncodedImage]) -> torch.Tensor:
