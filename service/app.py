@@ -29,8 +29,9 @@ from ..encoder.preprocess import Base64Data
 from ..encoder.video import sniff
 
 from .engine import NOT_READY, Encoded, Engine, State
-from .errors import ClientDisconnected, EngineError, ServiceError, clip, error_response
+from .errors import ClientDisconnected, EngineError, clip
 from .gate import Gate
+from .http_errors import ServiceError, error_response
 from .json_body import Text, read_json
 from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
                       converted, embedding_payload, json_response, safetensors_parts)
@@ -435,28 +436,22 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             raise ServiceError(404, "/encode and /scheduler_receive_url serve SGLang's encoder tier: start the "
                                     "server with --sglang-encoder", "encoder_tier_off")
 
-    def sglang_error(status: int, message: str, req_id: str | None) -> JSONResponse:
-        """An error as SGLang's encoder answers one: its language side reads `message` (and the status)."""
-        return JSONResponse({"status": "error", "message": message, "req_id": req_id}, status_code=status)
-
     async def sglang_call(request: Request, serve) -> Response:
         """`serve()`'s answer (`null`), or its error in SGLang's form (with the `req_id` that `serve` leaves in the
         request's state); a departed client gets nothing (499)."""
         request.state.sglang_req_id = None
         try:
             await serve()
-        except ServiceError as e:
-            return sglang_error(e.status, e.message, request.state.sglang_req_id)
         except ClientDisconnected:
             return Response(status_code=499)
-        except EngineError as e:
-            error = ServiceError.of(e)
-            return sglang_error(error.status, error.message, request.state.sglang_req_id)
+        except (ServiceError, EngineError) as e:
+            error = e if isinstance(e, ServiceError) else ServiceError.of(e)
+            return error.sglang_response(request.state.sglang_req_id)
         except RequestValidationError as e:
             first = e.errors()[0] if e.errors() else {}
             field = clip(where(tuple(first.get("loc", ()))))
-            return sglang_error(400, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
-                                request.state.sglang_req_id)
+            return ServiceError(400, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
+                                "invalid_request").sglang_response(request.state.sglang_req_id)
         return JSONResponse(None)
 
     @app.post("/encode", openapi_extra=request_body(EncodeCall))
