@@ -5,6 +5,7 @@ the HTTP edge (http_errors.py) turns these into statuses and bodies."""
 
 from __future__ import annotations
 
+import builtins
 import functools
 import sys
 from dataclasses import dataclass
@@ -114,34 +115,39 @@ class ErrorRecord:
                    str(error) if isinstance(public, str) and str(error) != public else None)
 
     def error(self) -> Exception:
+        from ..encoder.preprocess import ImageError
+
         kind = error_kinds().get(self.kind)
         if kind is None:
             return RuntimeError(f"{self.kind}: {self.message}")
         if issubclass(kind, EngineError):
             return kind(self.message, self.code, self.param)
-        error = kind.__new__(kind)
-        Exception.__init__(error, self.detail or self.message)
-        if self.code is not None and getattr(kind, "code", None) != self.code:
-            error.code = self.code
-        if hasattr(kind, "code"):  # an ImageError: the message a client is told
+        try:
+            error = kind(self.detail or self.message)
+        except Exception:  # a kind not made from a message alone (UnicodeDecodeError): named in a RuntimeError
+            return RuntimeError(f"{self.kind}: {self.message}")
+        if isinstance(error, ImageError):
             error.public = self.message
+            if self.code is not None and error.code != self.code:
+                error.code = self.code
         return error
 
 
 @functools.cache
 def error_kinds() -> dict[str, type[Exception]]:
-    """The one map of the kinds of error that cross a pipe and come back as themselves: the domain errors, the
-    encoder's image and video errors, a spooled image that is gone, and torch's out-of-memory error (where torch
-    is loaded: a process without it receives none). Built at the first record turned back into an error, in the
-    process that receives it."""
+    """The one map of the kinds of error that cross a pipe and come back as themselves: Python's built-in
+    exceptions, the domain errors, the encoder's image and video errors, a spooled image that is gone, and torch's
+    out-of-memory error (where torch is loaded: a process without it receives none). Built at the first record
+    turned back into an error, in the process that receives it."""
     from ..encoder import preprocess
 
     from . import spool
 
     if "torch" in sys.modules:  # the video errors (encoder.video imports torch) and torch's own
         from ..encoder import video  # noqa: F401
-    kinds: list[type] = [EngineError, *_subclasses(EngineError), preprocess.ImageError,
-                         *_subclasses(preprocess.ImageError), spool.ImageLost]
+    kinds: list[type] = [c for c in vars(builtins).values() if isinstance(c, type) and issubclass(c, Exception)]
+    kinds += [EngineError, *_subclasses(EngineError), preprocess.ImageError, *_subclasses(preprocess.ImageError),
+              spool.ImageLost]
     if "torch" in sys.modules:
         kinds.append(sys.modules["torch"].OutOfMemoryError)
     return {kind.__name__: kind for kind in kinds}

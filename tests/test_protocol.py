@@ -1,0 +1,62 @@
+"""The records at the process boundaries: one error record that brings an exception back as itself across any
+pipe, and the decode pool's Call and JobResult."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from vitserve.encoder.preprocess import ImageTooLarge, UndecodableImage
+from vitserve.encoder.video import VideoTooLong
+from vitserve.service import spool
+from vitserve.service.decode_protocol import ANSWER_HEADER, Call, JobResult
+from vitserve.service.errors import ErrorRecord, InputRejected, QueueFull, Unavailable
+
+
+def crossed(error: BaseException) -> BaseException:
+    """`error` as the other end of a pipe gets it: its record pickled, unpickled and turned back."""
+    return pickle.loads(pickle.dumps(ErrorRecord.of(error))).error()
+
+
+def test_a_domain_error_comes_back_with_its_class_code_and_param():
+    for error in (InputRejected("images[1]: bad", "invalid_base64", "images[1]"), QueueFull("full"),
+                  Unavailable("gone", "device_lost")):
+        back = crossed(error)
+        assert type(back) is type(error)
+        assert (back.message, back.code, back.param) == (error.message, error.code, error.param)
+
+
+def test_an_image_error_keeps_what_the_client_is_told_apart_from_the_decoders_words():
+    back = crossed(UndecodableImage("cannot decode the image", "libjpeg: premature end"))
+    assert type(back) is UndecodableImage and back.code == "undecodable_image"
+    assert back.public == "cannot decode the image" and str(back) == "cannot decode the image: libjpeg: premature end"
+    odd = UndecodableImage("no")
+    odd.code = "odd_reason"  # a code set on the instance crosses too
+    assert crossed(odd).code == "odd_reason"
+    assert isinstance(crossed(VideoTooLong("too long")), ImageTooLarge)
+
+
+def test_other_kinds_come_back_as_themselves_or_named():
+    assert type(crossed(ValueError("x"))) is ValueError and str(crossed(ValueError("x"))) == "x"
+    assert type(crossed(spool.ImageLost("gone"))) is spool.ImageLost
+    assert type(crossed(torch.OutOfMemoryError("oom"))) is torch.OutOfMemoryError
+
+    class Private(Exception):
+        pass
+
+    back = crossed(Private("what"))
+    assert type(back) is RuntimeError and str(back) == "Private: what"
+
+
+def test_a_call_answers_its_value_or_its_error_and_an_unpicklable_value_as_an_error():
+    assert Call(bytes.upper, ()).run(b"abc") == JobResult(b"ABC")
+    assert Call(len, (), "inline", True).run(b"") == JobResult(6)
+    failed = Call(int, ()).run(b"x")
+    assert failed.value is None and failed.error.kind == "ValueError"
+    frame = JobResult(lambda: None).frame()
+    result = pickle.loads(frame[ANSWER_HEADER.size:])
+    assert ANSWER_HEADER.unpack_from(frame)[0] == len(frame) - ANSWER_HEADER.size
+    assert result.value is None and isinstance(result.error.error(), (pickle.PicklingError, AttributeError,
+                                                                     TypeError))
