@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pickle
 
-import pytest
 import torch
 
 from vitserve.encoder.preprocess import ImageTooLarge, UndecodableImage
