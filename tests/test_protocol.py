@@ -59,3 +59,21 @@ def test_a_call_answers_its_value_or_its_error_and_an_unpicklable_value_as_an_er
     assert ANSWER_HEADER.unpack_from(frame)[0] == len(frame) - ANSWER_HEADER.size
     assert result.value is None and isinstance(result.error.error(), (pickle.PicklingError, AttributeError,
                                                                      TypeError))
+
+
+def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_path):
+    """device_protocol: an image's tensors go out as an Output (a spool file and their layout) and come back equal;
+    an image the device could not decode goes out as its ErrorRecord and comes back as its ImageError."""
+    from vitserve.service.device_protocol import Output, packed, unpacked
+
+    tokens, deepstack = torch.randn(6, 8, dtype=torch.bfloat16), [torch.randn(6, 8, dtype=torch.bfloat16)]
+    output = pickle.loads(pickle.dumps(packed((tokens, deepstack), str(tmp_path / "out-0"))))
+    assert isinstance(output, Output)
+    back, back_deepstack = unpacked(output)
+    assert torch.equal(back, tokens) and torch.equal(back_deepstack[0], deepstack[0])
+    assert not (tmp_path / "out-0").exists()  # the file is the holder's: mapped and removed
+    record = pickle.loads(pickle.dumps(packed(UndecodableImage("cannot decode the image", "nvjpeg"), "unused")))
+    assert isinstance(record, ErrorRecord)
+    error = unpacked(record)
+    assert isinstance(error, UndecodableImage) and (error.public, error.code) == ("cannot decode the image",
+                                                                                 "undecodable_image")
