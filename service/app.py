@@ -33,6 +33,7 @@ from .errors import ClientDisconnected, EngineError, clip
 from .gate import Gate
 from .http_errors import ServiceError, error_response
 from .json_body import Text, read_json
+from .limits import RequestLimits
 from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
                       converted, embedding_payload, json_response, safetensors_parts)
 from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest, check_uuid_counts
@@ -136,6 +137,7 @@ def in_order(result: Encoded, order: list[bool]) -> Encoded:
 
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(settings)
+    limits = RequestLimits.of(settings)
     tier = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
     sglang = (SGLangTier(engine.dtype, settings.sglang_timeout, receivers=settings.sglang_receivers)
               if settings.sglang_encoder else None)
@@ -210,9 +212,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     async def encode_images(request: Request, images: list, field: str, mean_pooling: bool = False,
                             max_pixels: int | None = None) -> Encoded:
-        if len(images) > settings.max_images_per_request:
-            raise ServiceError(413, f"{len(images)} images in one request; the limit is "
-                                    f"{settings.max_images_per_request}", "too_many_images", field)
+        limits.check_images(len(images), field)
         client = request.scope["state"].get("client")
         return noted(request, await while_connected(request, lambda disconnected: engine.encode(
             images, mean_pooling, disconnected, field, max_pixels, client)))
@@ -222,9 +222,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if engine.videos_unavailable:  # the server's condition, not the request's fault
             raise ServiceError(501, f"this server cannot decode videos: {engine.videos_unavailable}",
                                "videos_unavailable", field)
-        if len(videos) > settings.max_videos_per_request:
-            raise ServiceError(413, f"{len(videos)} videos in one request; the limit is "
-                                    f"{settings.max_videos_per_request}", "too_many_videos", field)
+        limits.check_videos(len(videos), field)
         return await while_connected(request, lambda disconnected: engine.encode_videos(
             videos, options, mean_pooling, disconnected, field, max_pixels))
 
@@ -279,8 +277,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest))
     async def embeddings(request: Request):
-        body = await read_json(request, EmbeddingRequest, settings.max_images_per_request, ("input",),
-                               engine.decoder.bodies)
+        body = await read_json(request, EmbeddingRequest, limits.images, ("input",), engine.decoder.bodies)
         check_model(body.model)
         inputs = body.input if isinstance(body.input, list) else [body.input]
         kind = body.modality or "image"
@@ -308,8 +305,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     @app.post("/v1/encode", openapi_extra=request_body(EncodeRequest, EncodeForm))
     async def encode(request: Request):
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            form = await request.form(max_files=settings.max_images_per_request + settings.max_videos_per_request + 1,
-                                      max_fields=64)
+            form = await request.form(max_files=limits.form_files, max_fields=64)
             files = [await v.read() for _, v in form.multi_items() if isinstance(v, UploadFile)]
             fields = {k: v for k, v in form.multi_items() if not isinstance(v, UploadFile)}
             await form.close()
@@ -330,8 +326,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             except ValueError as e:
                 raise ServiceError(422, str(e), "invalid_request", "multi_modal_uuids") from None
         else:
-            body = await read_json(request, EncodeRequest, settings.max_images_per_request
-                                   + settings.max_videos_per_request, ("images", "videos"), engine.decoder.bodies)
+            body = await read_json(request, EncodeRequest, limits.items, ("images", "videos"), engine.decoder.bodies)
             images = [decode_input(item, i, settings.allow_url_fetch, "images") for i, item in enumerate(body.images)]
             videos = [decode_input(item, i, settings.allow_url_fetch, "videos", "video")
                       for i, item in enumerate(body.videos)]
@@ -411,8 +406,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if tier is None:
             raise ServiceError(404, "/v1/chat/completions serves vLLM's encoder tier: start the server with "
                                     "--ec-shared-storage", "encoder_tier_off")
-        limit = settings.max_images_per_request + settings.max_videos_per_request
-        body = await read_json(request, ChatRequest, 4 * limit, ("url",), engine.decoder.bodies)
+        body = await read_json(request, ChatRequest, limits.part_values, ("url",), engine.decoder.bodies)
         check_model(body.model, settings.ec_model_id)  # (the consumer's model string names it too)
         items, options = chat_items(body), chat_options(body)
         images, videos = [], []
@@ -461,8 +455,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         check_sglang()
 
         async def serve():
-            limit = settings.max_images_per_request + settings.max_videos_per_request
-            call = await read_json(request, EncodeCall, 4 * limit, ("url",), engine.decoder.bodies)
+            call = await read_json(request, EncodeCall, limits.part_values, ("url",), engine.decoder.bodies)
             bounded(call, CALL_LIMITS)
             request.state.sglang_req_id = call.req_id
             items = [decode_input(item.url, i, settings.allow_url_fetch, "mm_items", call.kind)
@@ -494,8 +487,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             "root": settings.model, "family": cfg.family if cfg else None,
             "embedding_dim": cfg.out_hidden_size if cfg else None, "ready": engine.state is State.READY,
             "deepstack_layers": len(cfg.deepstack_visual_indexes) if cfg else None,
-            "max_images_per_request": settings.max_images_per_request,
-            "max_videos_per_request": settings.max_videos_per_request,
+            "max_images_per_request": limits.images, "max_videos_per_request": limits.videos,
             "capabilities": {"images": True, "videos": engine.videos_unavailable is None}}]}
 
     @app.get("/health")
