@@ -21,8 +21,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..encoder.preprocess import Base64Data
@@ -31,7 +29,7 @@ from ..encoder.video import sniff
 from .engine import NOT_READY, Encoded, Engine, State
 from .errors import ClientDisconnected, EngineError, clip
 from .gate import Gate
-from .http_errors import ServiceError, error_response
+from .http_errors import ServiceError, add_error_handlers, validation_error
 from .json_body import Text, read_json
 from .limits import RequestLimits
 from .outputs import (OFF_LOOP_BYTES, OUTPUT_DTYPES as OUT, PartsResponse, answer_bytes, b64, concatenated,
@@ -43,7 +41,6 @@ from .vllm_tier import Item, Options, VLLMTier, chat_completion, chat_items, cha
 
 
 log = logging.getLogger("vitserve.app")
-TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
 
 
 def request_body(model: type[BaseModel], form: type[BaseModel] | None = None) -> dict:
@@ -58,16 +55,6 @@ def request_body(model: type[BaseModel], form: type[BaseModel] | None = None) ->
         schema["required"] = ["images"]
         content["multipart/form-data"] = {"schema": schema}
     return {"requestBody": {"required": True, "content": content}}
-
-
-def where(loc: tuple) -> str:
-    """A validation error's field as the client wrote it: `images[1]`, `input` (not pydantic's `input.str`)."""
-    out = ""
-    for part in loc:
-        if part == "body" or isinstance(part, str) and (part in TYPE_TAGS or not part.isidentifier()):
-            continue
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
-    return out
 
 
 URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,15})://")  # file://, ftp://...: a URL, never base64
@@ -167,31 +154,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.settings = settings
 
-    @app.exception_handler(ServiceError)
-    async def on_service_error(request: Request, exc: ServiceError):
-        return exc.response()
-
-    @app.exception_handler(EngineError)
-    async def on_engine_error(request: Request, exc: EngineError):
-        if isinstance(exc, ClientDisconnected):  # nobody reads it; nothing to log either
-            return Response(status_code=499)
-        return ServiceError.of(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException):  # unknown routes, 405, multipart limits
-        return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(ClientDisconnect)
-    async def on_client_disconnect(request: Request, exc: ClientDisconnect):  # while it sent its body
-        log.info("client disconnected while sending its request (%s %s)", request.method, request.url.path)
-        return Response(status_code=499)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        field = clip(where(tuple(first.get("loc", ()))))  # a field name is the client's value too (an unknown key)
-        return error_response(422, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
-                              "invalid_request", field or None)
+    add_error_handlers(app)
 
     def noted(request: Request, result: Encoded) -> Encoded:
         """The request's counts and phases on its state, for its access line."""
@@ -442,10 +405,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             error = e if isinstance(e, ServiceError) else ServiceError.of(e)
             return error.sglang_response(request.state.sglang_req_id)
         except RequestValidationError as e:
-            first = e.errors()[0] if e.errors() else {}
-            field = clip(where(tuple(first.get("loc", ()))))
-            return ServiceError(400, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
-                                "invalid_request").sglang_response(request.state.sglang_req_id)
+            return validation_error(e, 400).sglang_response(request.state.sglang_req_id)
         return JSONResponse(None)
 
     @app.post("/encode", openapi_extra=request_body(EncodeCall))

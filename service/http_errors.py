@@ -4,11 +4,20 @@ tier's routes, SGLang's `{"status": "error", "message", "req_id"}`."""
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .errors import (ClientDisconnected, Conflict, DeliveryFailed, EngineError, InferenceFailed, InputRejected,
                      InputTooLarge, NotAllowed, NotReady, OutOfMemory, QueueFull, StorageFailed, TimedOut,
-                     Unavailable)
+                     Unavailable, clip)
+
+log = logging.getLogger("vitserve.app")
+TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                408: "timeout_error", 409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error",
@@ -51,3 +60,51 @@ def error_response(status: int, message: str, code: str, param: str | None = Non
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def where(loc: tuple) -> str:
+    """A validation error's field as the client wrote it: `images[1]`, `input` (not pydantic's `input.str`)."""
+    out = ""
+    for part in loc:
+        if part == "body" or isinstance(part, str) and (part in TYPE_TAGS or not part.isidentifier()):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
+    return out
+
+
+def validation_error(exc: RequestValidationError, status: int = 422) -> ServiceError:
+    """A body that does not validate, as its first error: the field (clipped: a field name is the client's value
+    too, an unknown key) and pydantic's words."""
+    first = exc.errors()[0] if exc.errors() else {}
+    field = clip(where(tuple(first.get("loc", ()))))
+    return ServiceError(status, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}", "invalid_request",
+                        field or None)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """The app's answers to what its routes raise: the edge's own errors and domain errors in OpenAI's envelope
+    (a departed client gets a bodiless 499), the framework's (unknown routes, 405, multipart limits) as
+    `http_error`, an invalid body as a 422 `invalid_request`."""
+
+    @app.exception_handler(ServiceError)
+    async def on_service_error(request: Request, exc: ServiceError):
+        return exc.response()
+
+    @app.exception_handler(EngineError)
+    async def on_engine_error(request: Request, exc: EngineError):
+        if isinstance(exc, ClientDisconnected):  # nobody reads it; nothing to log either
+            return Response(status_code=499)
+        return ServiceError.of(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_disconnect(request: Request, exc: ClientDisconnect):  # while it sent its body
+        log.info("client disconnected while sending its request (%s %s)", request.method, request.url.path)
+        return Response(status_code=499)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return validation_error(exc).response()
