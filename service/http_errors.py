@@ -55,11 +55,15 @@ class ServiceError(Exception):
         return JSONResponse({"status": "error", "message": self.message, "req_id": req_id}, status_code=self.status)
 
 
+def envelope(status: int, message: str, code: str, param: str | None = None) -> dict:
+    """An error in OpenAI's envelope: `{"error": {"message", "type", "param", "code"}}`, its type by the status."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
 def error_response(status: int, message: str, code: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(envelope(status, message, code, param), status_code=status, headers=headers)
 
 
 def where(loc: tuple) -> str:
