@@ -77,3 +77,20 @@ def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_
     error = unpacked(record)
     assert isinstance(error, UndecodableImage) and (error.public, error.code) == ("cannot decode the image",
                                                                                  "undecodable_image")
+
+
+def test_the_domain_errors_and_the_pipes_records_import_no_web_framework():
+    """errors.py and the records of the decode pipe load without FastAPI or Starlette (nor torch: a decode worker
+    imports them), and the tiers raise domain errors, never an HTTP answer of their own."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = ("import sys; import vitserve.service.errors, vitserve.service.decode_protocol, vitserve.service.limits; "
+            "print(sorted(m for m in ('fastapi', 'starlette', 'torch') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+    service = pathlib.Path(__file__).resolve().parents[1] / "service"
+    for tier in ("vllm_tier.py", "sglang_tier.py"):
+        source = (service / tier).read_text()
+        assert not any(name in source for name in ("ServiceError", "HTTPException", "JSONResponse", "fastapi")), tier
