@@ -17,17 +17,17 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..encoder.preprocess import Base64Data
 from ..encoder.video import sniff
 
 from .engine import NOT_READY, Encoded, Engine, State
-from .errors import ClientDisconnected, EngineError, ServiceError, clip, error_response
+from .errors import ClientDisconnected, EngineError, clip
 from .gate import Gate
+from .http_errors import ServiceError, add_error_handlers, validation_error
 from .json_body import Text, read_json
+from .limits import RequestLimits
 from .outputs import (OFF_LOOP_BYTES, PartsResponse, answer_bytes, answered, embedding_data, encode_data,
                       json_response, laid_out, safetensors_parts)
 from .schemas import ChatRequest, EmbeddingRequest, EncodeForm, EncodeRequest, check_uuid_counts
@@ -37,7 +37,6 @@ from .vllm_tier import Item, Options, VLLMTier, chat_completion, chat_items, cha
 
 
 log = logging.getLogger("vitserve.app")
-TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
 
 
 def request_body(model: type[BaseModel], form: type[BaseModel] | None = None) -> dict:
@@ -52,16 +51,6 @@ def request_body(model: type[BaseModel], form: type[BaseModel] | None = None) ->
         schema["required"] = ["images"]
         content["multipart/form-data"] = {"schema": schema}
     return {"requestBody": {"required": True, "content": content}}
-
-
-def where(loc: tuple) -> str:
-    """A validation error's field as the client wrote it: `images[1]`, `input` (not pydantic's `input.str`)."""
-    out = ""
-    for part in loc:
-        if part == "body" or isinstance(part, str) and (part in TYPE_TAGS or not part.isidentifier()):
-            continue
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
-    return out
 
 
 URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,15})://")  # file://, ftp://...: a URL, never base64
@@ -122,6 +111,7 @@ def in_order(result: Encoded, order: list[bool]) -> Encoded:
 
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     engine = engine or Engine(settings)
+    limits = RequestLimits.of(settings)
     tier = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
     sglang = (SGLangTier(engine.dtype, settings.sglang_timeout, receivers=settings.sglang_receivers)
               if settings.sglang_encoder else None)
@@ -151,31 +141,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.settings = settings
 
-    @app.exception_handler(ServiceError)
-    async def on_service_error(request: Request, exc: ServiceError):
-        return exc.response()
-
-    @app.exception_handler(EngineError)
-    async def on_engine_error(request: Request, exc: EngineError):
-        if isinstance(exc, ClientDisconnected):  # nobody reads it; nothing to log either
-            return Response(status_code=499)
-        return ServiceError.of(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException):  # unknown routes, 405, multipart limits
-        return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(ClientDisconnect)
-    async def on_client_disconnect(request: Request, exc: ClientDisconnect):  # while it sent its body
-        log.info("client disconnected while sending its request (%s %s)", request.method, request.url.path)
-        return Response(status_code=499)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        field = clip(where(tuple(first.get("loc", ()))))  # a field name is the client's value too (an unknown key)
-        return error_response(422, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
-                              "invalid_request", field or None)
+    add_error_handlers(app)
 
     def noted(request: Request, result: Encoded) -> Encoded:
         """The request's counts and phases on its state, for its access line."""
@@ -196,9 +162,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     async def encode_images(request: Request, images: list, field: str, mean_pooling: bool = False,
                             max_pixels: int | None = None) -> Encoded:
-        if len(images) > settings.max_images_per_request:
-            raise ServiceError(413, f"{len(images)} images in one request; the limit is "
-                                    f"{settings.max_images_per_request}", "too_many_images", field)
+        limits.check_images(len(images), field)
         client = request.scope["state"].get("client")
         return noted(request, await while_connected(request, lambda disconnected: engine.encode(
             images, mean_pooling, disconnected, field, max_pixels, client)))
@@ -208,9 +172,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if engine.videos_unavailable:  # the server's condition, not the request's fault
             raise ServiceError(501, f"this server cannot decode videos: {engine.videos_unavailable}",
                                "videos_unavailable", field)
-        if len(videos) > settings.max_videos_per_request:
-            raise ServiceError(413, f"{len(videos)} videos in one request; the limit is "
-                                    f"{settings.max_videos_per_request}", "too_many_videos", field)
+        limits.check_videos(len(videos), field)
         return await while_connected(request, lambda disconnected: engine.encode_videos(
             videos, options, mean_pooling, disconnected, field, max_pixels))
 
@@ -265,8 +227,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest))
     async def embeddings(request: Request):
-        body = await read_json(request, EmbeddingRequest, settings.max_images_per_request, ("input",),
-                               engine.decoder.bodies)
+        body = await read_json(request, EmbeddingRequest, limits.images, ("input",), engine.decoder.bodies)
         check_model(body.model)
         inputs = body.input if isinstance(body.input, list) else [body.input]
         kind = body.modality or "image"
@@ -288,8 +249,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     @app.post("/v1/encode", openapi_extra=request_body(EncodeRequest, EncodeForm))
     async def encode(request: Request):
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            form = await request.form(max_files=settings.max_images_per_request + settings.max_videos_per_request + 1,
-                                      max_fields=64)
+            form = await request.form(max_files=limits.form_files, max_fields=64)
             files = [await v.read() for _, v in form.multi_items() if isinstance(v, UploadFile)]
             fields = {k: v for k, v in form.multi_items() if not isinstance(v, UploadFile)}
             await form.close()
@@ -310,8 +270,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             except ValueError as e:
                 raise ServiceError(422, str(e), "invalid_request", "multi_modal_uuids") from None
         else:
-            body = await read_json(request, EncodeRequest, settings.max_images_per_request
-                                   + settings.max_videos_per_request, ("images", "videos"), engine.decoder.bodies)
+            body = await read_json(request, EncodeRequest, limits.items, ("images", "videos"), engine.decoder.bodies)
             images = [decode_input(item, i, settings.allow_url_fetch, "images") for i, item in enumerate(body.images)]
             videos = [decode_input(item, i, settings.allow_url_fetch, "videos", "video")
                       for i, item in enumerate(body.videos)]
@@ -381,8 +340,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if tier is None:
             raise ServiceError(404, "/v1/chat/completions serves vLLM's encoder tier: start the server with "
                                     "--ec-shared-storage", "encoder_tier_off")
-        limit = settings.max_images_per_request + settings.max_videos_per_request
-        body = await read_json(request, ChatRequest, 4 * limit, ("url",), engine.decoder.bodies)
+        body = await read_json(request, ChatRequest, limits.part_values, ("url",), engine.decoder.bodies)
         check_model(body.model, settings.ec_model_id)  # (the consumer's model string names it too)
         items, options = chat_items(body), chat_options(body)
         images, videos = [], []
@@ -406,28 +364,19 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             raise ServiceError(404, "/encode and /scheduler_receive_url serve SGLang's encoder tier: start the "
                                     "server with --sglang-encoder", "encoder_tier_off")
 
-    def sglang_error(status: int, message: str, req_id: str | None) -> JSONResponse:
-        """An error as SGLang's encoder answers one: its language side reads `message` (and the status)."""
-        return JSONResponse({"status": "error", "message": message, "req_id": req_id}, status_code=status)
-
     async def sglang_call(request: Request, serve) -> Response:
         """`serve()`'s answer (`null`), or its error in SGLang's form (with the `req_id` that `serve` leaves in the
         request's state); a departed client gets nothing (499)."""
         request.state.sglang_req_id = None
         try:
             await serve()
-        except ServiceError as e:
-            return sglang_error(e.status, e.message, request.state.sglang_req_id)
         except ClientDisconnected:
             return Response(status_code=499)
-        except EngineError as e:
-            error = ServiceError.of(e)
-            return sglang_error(error.status, error.message, request.state.sglang_req_id)
+        except (ServiceError, EngineError) as e:
+            error = e if isinstance(e, ServiceError) else ServiceError.of(e)
+            return error.sglang_response(request.state.sglang_req_id)
         except RequestValidationError as e:
-            first = e.errors()[0] if e.errors() else {}
-            field = clip(where(tuple(first.get("loc", ()))))
-            return sglang_error(400, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}",
-                                request.state.sglang_req_id)
+            return validation_error(e, 400).sglang_response(request.state.sglang_req_id)
         return JSONResponse(None)
 
     @app.post("/encode", openapi_extra=request_body(EncodeCall))
@@ -437,8 +386,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         check_sglang()
 
         async def serve():
-            limit = settings.max_images_per_request + settings.max_videos_per_request
-            call = await read_json(request, EncodeCall, 4 * limit, ("url",), engine.decoder.bodies)
+            call = await read_json(request, EncodeCall, limits.part_values, ("url",), engine.decoder.bodies)
             bounded(call, CALL_LIMITS)
             request.state.sglang_req_id = call.req_id
             items = [decode_input(item.url, i, settings.allow_url_fetch, "mm_items", call.kind)
@@ -470,8 +418,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             "root": settings.model, "family": cfg.family if cfg else None,
             "embedding_dim": cfg.out_hidden_size if cfg else None, "ready": engine.state is State.READY,
             "deepstack_layers": len(cfg.deepstack_visual_indexes) if cfg else None,
-            "max_images_per_request": settings.max_images_per_request,
-            "max_videos_per_request": settings.max_videos_per_request,
+            "max_images_per_request": limits.images, "max_videos_per_request": limits.videos,
             "capabilities": {"images": True, "videos": engine.videos_unavailable is None}}]}
 
     @app.get("/health")

@@ -40,7 +40,7 @@ import threading
 import time
 
 from .core_link import SCRAPE_SECONDS, Done, Status, error_record
-from .errors import EngineError
+from .errors import EngineError, ErrorRecord
 from .settings import Settings
 from .signals import StopSignals
 
@@ -301,9 +301,9 @@ class Core:
                 m.queue_seconds.observe(item.queue_s)
                 m.record("queue", item.queue_s)
                 output = None if error is not None else outputs[n]
-                if output is None or isinstance(output, tuple):  # the batch's error, or this image's
+                if output is None or isinstance(output, ErrorRecord):  # the batch's error, or this image's
                     record = error_record(error) if error is not None else \
-                        ("InputRejected", f"{item.param}: {output[2]}", output[1], item.param)
+                        ("InputRejected", f"{item.param}: {output.message}", output.code, item.param)
                     if key is not None:
                         settled += self._settle(key, None)
                     by_link[link].append(Done(id, error=record, queue_s=item.queue_s, inference_s=seconds))

@@ -70,15 +70,24 @@ def read_header(data, is_base64: bool) -> ImageHeader:
     return probe(image_bytes(data, is_base64), whole=True)
 
 
+@dataclass
+class DecodedImage:
+    """An image decoded by a worker: its pixels (a resized uint8 (H, W, 3) array, or its spool file; with the fast
+    preprocessing full size, or a JPEG left encoded for the device), and the seconds the worker took."""
+
+    image: np.ndarray | spool.Spooled | EncodedJpeg
+    seconds: float
+
+
 def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: PreprocessConfig,
                       spool_prefix: str | None = None, fast: bool = False,
-                      jpeg_on_device: bool = False) -> tuple[np.ndarray | spool.Spooled | EncodedJpeg, float]:
-    """Runs in a worker: encoded bytes (or their base64 text, or where it lies: SharedText) -> the resized (H, W, 3) uint8 image, in a spool file
-    when `spool_prefix` is given and it can, and the seconds it took. Before PIL reads it, the image's structure is
-    walked whole (`probe`): what breaks its limits (a JPEG's scans, a PNG's chunks, a TIFF's arrays, its declared
-    size) is refused, and the bytes after its end (a phone's motion video, junk) are left out. `fast`
-    (preprocess_fast): the device resizes, so the image stays full size, and with `jpeg_on_device` a JPEG stays
-    encoded (an EncodedJpeg, read from its header only) for nvJPEG to decode there."""
+                      jpeg_on_device: bool = False) -> DecodedImage:
+    """Runs in a worker: encoded bytes (or their base64 text, or where it lies: SharedText) -> the resized (H, W, 3)
+    uint8 image, in a spool file when `spool_prefix` is given and it can, and the seconds it took (a DecodedImage).
+    Before PIL reads it, the image's structure is walked whole (`probe`): what breaks its limits (a JPEG's scans, a
+    PNG's chunks, a TIFF's arrays, its declared size) is refused, and the bytes after its end (a phone's motion
+    video, junk) are left out. `fast` (preprocess_fast): the device resizes, so the image stays full size, and with
+    `jpeg_on_device` a JPEG stays encoded (an EncodedJpeg, read from its header only) for nvJPEG to decode there."""
     start = time.perf_counter()
     data = image_bytes(data, is_base64)
     header = probe(data, whole=True)
@@ -88,11 +97,11 @@ def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: Preproc
     if fast:
         image = load_for_device(data, jpeg_on_device, max_image_pixels)
         if isinstance(image, EncodedJpeg):
-            return image, time.perf_counter() - start
+            return DecodedImage(image, time.perf_counter() - start)
     else:
         image = resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg)
     seconds = time.perf_counter() - start
-    return (spool_prefix and spool.put(spool_prefix, image)) or image, seconds
+    return DecodedImage((spool_prefix and spool.put(spool_prefix, image)) or image, seconds)
 
 
 def measure_video(data, is_base64: bool, cfg, limits):

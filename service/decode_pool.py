@@ -19,9 +19,9 @@ import logging
 import multiprocessing
 import pickle
 import socket
-import struct
 from typing import Callable
 
+from .decode_protocol import ANSWER_HEADER, Call, JobResult, job_frames, read_job
 from .signals import leave_to_owner
 
 log = logging.getLogger("vitserve.decode")
@@ -47,45 +47,23 @@ class PoolUnavailable(Exception):
     """The pool cannot run jobs: it was closed, or its last worker died and none could be started in its place."""
 
 
-def _read(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(n, socket.MSG_WAITALL)
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks) if len(chunks) != 1 else chunks[0]
-
-
 def _serve(sock: socket.socket) -> None:
-    """A worker: run each job it is sent, fn(payload, *args), and answer (True, result) or (False, exception),
-    until the server hangs up (SIGTERM and SIGINT are the server's: it hangs up on us)."""
+    """A worker: run each Call it is sent and answer its JobResult, until the server hangs up (SIGTERM and SIGINT
+    are the server's: it hangs up on us)."""
     leave_to_owner()
     while True:
         try:
-            call_size, payload_size = struct.unpack("!II", _read(sock, 8))
-            fn, args, *inline = pickle.loads(_read(sock, call_size))
-            payload = _read(sock, payload_size)
+            call, payload = read_job(sock)
         except (EOFError, OSError):
             return
         try:
-            answer = (True, fn(*inline, *args) if inline else fn(payload, *args))
-        except Exception as e:
-            answer = (False, e)
-        try:
-            data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:  # an exception that does not pickle
-            data = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
-        try:
-            sock.sendall(struct.pack("!I", len(data)) + data)
+            sock.sendall(call.run(payload).frame())
         except OSError:  # the server hung up
             return
 
 
 class _Link(asyncio.Protocol):
-    """The server's end of one worker's socket: a job is the pickled call, then the payload's bytes as they are
-    (pickling 900 KB of image would copy it once more on the event loop); an answer, one pickle."""
+    """The server's end of one worker's socket (decode_protocol.py: a Call and its payload out, a JobResult in)."""
 
     def __init__(self, pool: DecodePool, process):
         self.pool, self.process = pool, process
@@ -99,17 +77,18 @@ class _Link(asyncio.Protocol):
         self.transport = transport
 
     def send(self, call: bytes, payload) -> None:
-        self.transport.writelines([struct.pack("!II", len(call), len(payload)), call, payload])
+        self.transport.writelines(job_frames(call, payload))
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
-        while len(self._buffer) >= 4:
-            size = struct.unpack_from("!I", self._buffer)[0]
-            if len(self._buffer) < 4 + size:
+        head = ANSWER_HEADER.size
+        while len(self._buffer) >= head:
+            size = ANSWER_HEADER.unpack_from(self._buffer)[0]
+            if len(self._buffer) < head + size:
                 return
-            frame = bytes(self._buffer[4:4 + size])
-            del self._buffer[:4 + size]
-            self.pool._answered(self, frame)
+            result = pickle.loads(bytes(self._buffer[head:head + size]))
+            del self._buffer[:head + size]
+            self.pool._answered(self, result)
 
     def connection_lost(self, exc) -> None:
         self.pool._lost(self)
@@ -215,7 +194,7 @@ class DecodePool:
     def submit(self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None,
                timeout: float | None = None) -> asyncio.Future:
         """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
-        (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like (sent as they
+        as its ErrorRecord brings it back (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like (sent as they
         are), a function that makes them when a worker takes the job, or any other object, pickled with the call (a
         description of where the worker finds the bytes itself, `len()` its size). A cancelled future's job is
         skipped, its result dropped, or its worker killed after the grace. `on_lost()` is called when the worker dies
@@ -227,7 +206,8 @@ class DecodePool:
         if self._closed or self.broken:
             future.set_exception(PoolUnavailable(self.broken or "the decode pool is closed"))
             return future
-        call = (fn, args) if callable(payload) or isinstance(payload, _BYTES) else (fn, args, payload)
+        inline = not (callable(payload) or isinstance(payload, _BYTES))
+        call = Call(fn, args, payload, True) if inline else Call(fn, args)
         self._waiting.append(owner, _Job(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL), payload, future,
                                          on_lost, timeout or self.timeout))
         self._dispatch()
@@ -270,20 +250,19 @@ class DecodePool:
             link.job.future.set_exception(JobTimedOut(f"the decode worker was killed: {reason}", link.job.timeout))
         link.process.kill()
 
-    def _answered(self, link: _Link, frame: bytes) -> None:
+    def _answered(self, link: _Link, result: JobResult) -> None:
         if link.killed is not None:  # an answer sent as it was killed: not ready again
             return
         job, link.job = link.job, None
         if link.timer is not None:
             link.timer.cancel()
-        ok, value = pickle.loads(frame)
         if job.future.done():  # its request is gone: what was made is dropped
-            if ok:
-                self.on_orphan(value)
-        elif ok:
-            job.future.set_result(value)
+            if result.error is None:
+                self.on_orphan(result.value)
+        elif result.error is None:
+            job.future.set_result(result.value)
         else:
-            job.future.set_exception(value)
+            job.future.set_exception(result.error.error())
         self._ready(link)
 
     def _lost(self, link: _Link) -> None:

@@ -43,8 +43,8 @@ from ..encoder.preprocess import (Base64Data, HeaderNotFound, ImageError, ImageT
 from . import spool
 from .budget import MemoryBudget
 from .bodies import SharedBodies
-from .decode import (VIDEO_DECODE_THREADS, DecodedVideo, SharedText, decode_and_resize, decode_video, measure_video,
-                     read_header)
+from .decode import (VIDEO_DECODE_THREADS, DecodedImage, DecodedVideo, SharedText, decode_and_resize, decode_video,
+                     measure_video, read_header)
 from .decode_pool import DecodePool, JobTimedOut, PoolUnavailable, WorkerDied
 from .errors import InputRejected, InputTooLarge, Unavailable
 from .metrics import Metrics
@@ -134,8 +134,8 @@ def _discard_decoded(result) -> None:
     if isinstance(result, DecodedVideo):
         for piece in result.slices:
             spool.discard(piece)
-    elif isinstance(result, tuple):
-        spool.discard(result[0])
+    elif isinstance(result, DecodedImage):
+        spool.discard(result.image)
 
 
 def _discard_result(job: asyncio.Future) -> None:
@@ -252,9 +252,10 @@ class Decoder:
         results = await self._all([self._decode(data, header.end, cfg, cost, owner)
                                    for data, header, cost in zip(images, headers, costs)], field, names)
         out, p = [], cfg.patch_size
-        for image, seconds in results:
-            self.metrics.preprocess_seconds.observe(seconds)
-            self.metrics.record("decode", seconds)
+        for decoded in results:
+            image = decoded.image
+            self.metrics.preprocess_seconds.observe(decoded.seconds)
+            self.metrics.record("decode", decoded.seconds)
             h, w = target_size(image, cfg) if self.fast else image.shape[:2]  # fast: the size the device resizes to
             out.append((image, (1, h // p, w // p)))
         return out

@@ -1,15 +1,14 @@
-"""What a client can be told: the engine's domain errors, the one table that maps them to HTTP, and the OpenAI
-error envelope `{"error": {"message", "type", "param", "code"}}`."""
+"""What can go wrong, in the server's own terms: the domain errors a request can end with (each with a
+machine-readable `code` and the bad input, `param`), and `ErrorRecord`, the one form an error takes on any pipe
+between processes (a decode worker's, a device process's, a front end's link to the core). No web framework here:
+the HTTP edge (http_errors.py) turns these into statuses and bodies."""
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               408: "timeout_error", 409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 501: "server_error", 503: "service_unavailable",
-               507: "insufficient_storage"}
-
+import builtins
+import functools
+import sys
+from dataclasses import dataclass
 
 CLIP = 200  # characters of a client's value that an error message repeats
 
@@ -20,7 +19,7 @@ def clip(value: str) -> str:
 
 
 class EngineError(Exception):
-    """A request the engine could not serve, and why: `code` (machine-readable) and `param` (the bad input)."""
+    """A request the server could not serve, and why: `code` (machine-readable) and `param` (the bad input)."""
 
     code = "error"
 
@@ -32,14 +31,25 @@ class EngineError(Exception):
 
 
 class InputRejected(EngineError):
-    """Something the client sent cannot be encoded: bad bytes, not an image, an unusable URL."""
+    """Something the client sent cannot be served: bad bytes, not an image, an unusable URL, a malformed field."""
 
 
 class InputTooLarge(EngineError):
     """Over a limit: pixels of an image, images in a request, bytes at a URL."""
 
 
+class NotAllowed(EngineError):
+    """The client may not ask this of the server: a receiver outside the networks features go to, a registration
+    from another address than the one it names."""
+
+
+class Conflict(EngineError):
+    """The request collides with what the server holds: an identifier whose file holds another item."""
+
+
 class QueueFull(EngineError):
+    """More work waits than the server takes on: retrying shortly helps."""
+
     code = "queue_full"
 
 
@@ -55,10 +65,22 @@ class OutOfMemory(EngineError):
     code = "out_of_memory"
 
 
+class StorageFailed(EngineError):
+    """What the server writes for a consumer (the encoder-cache files) could not be written."""
+
+
 class InferenceFailed(EngineError):
     """A fault inside a batch: only that batch's requests fail."""
 
     code = "inference_failed"
+
+
+class DeliveryFailed(EngineError):
+    """The features could not be handed to the consumer that waits for them (a receiver that does not take them)."""
+
+
+class TimedOut(EngineError):
+    """Something the request waits on from elsewhere did not come in time (a part's receivers registering)."""
 
 
 class ClientDisconnected(EngineError):
@@ -67,32 +89,77 @@ class ClientDisconnected(EngineError):
     code = "client_disconnected"
 
 
-# the one place that turns domain errors into HTTP: status and, where retrying helps, Retry-After seconds
-HTTP_STATUS: dict[type[EngineError], tuple[int, str | None]] = {
-    InputRejected: (400, None), InputTooLarge: (413, None), QueueFull: (429, "1"), InferenceFailed: (500, None),
-    NotReady: (503, "5"), Unavailable: (503, "5"), OutOfMemory: (507, None), ClientDisconnected: (499, None)}
+# ---- errors across processes ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ErrorRecord:
+    """An exception as it crosses a pipe: its kind (the class's name, a key of `error_kinds()`), the message a
+    client may be told, its code and param where it has them, and `detail`, the full text for the log where it says
+    more than the message (an image error's decoder words). `ErrorRecord.of(e)` on one side, `record.error()` on
+    the other: the same class, message, code and param come back (a kind the map does not hold comes back as a
+    RuntimeError that names it)."""
 
-
-class ServiceError(Exception):
-    """An HTTP error as the client sees it: status, message, code, the bad input (`param`) and headers."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers or {}
+    kind: str
+    message: str
+    code: str | None = None
+    param: str | None = None
+    detail: str | None = None
 
     @classmethod
-    def of(cls, error: EngineError) -> ServiceError:
-        status, retry_after = next(HTTP_STATUS[c] for c in type(error).__mro__ if c in HTTP_STATUS)
-        return cls(status, error.message, error.code, error.param,
-                   {"Retry-After": retry_after} if retry_after else None)
+    def of(cls, error: BaseException) -> ErrorRecord:
+        if isinstance(error, EngineError):
+            return cls(type(error).__name__, error.message, error.code, error.param)
+        public = getattr(error, "public", None)  # an ImageError: what the client is told, and the detail apart
+        code = getattr(error, "code", None)
+        return cls(type(error).__name__, public if isinstance(public, str) else str(error),
+                   code if isinstance(code, str) else None, None,
+                   str(error) if isinstance(public, str) and str(error) != public else None)
 
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.code, self.param, self.headers)
+    def error(self) -> Exception:
+        from ..encoder.preprocess import ImageError
+
+        kind = error_kinds().get(self.kind)
+        if kind is None:
+            return RuntimeError(f"{self.kind}: {self.message}")
+        if issubclass(kind, EngineError):
+            return kind(self.message, self.code, self.param)
+        try:
+            error = kind(self.detail or self.message)
+        except Exception:  # a kind not made from a message alone (UnicodeDecodeError): named in a RuntimeError
+            return RuntimeError(f"{self.kind}: {self.message}")
+        if isinstance(error, ImageError):
+            error.public = self.message
+            if self.code is not None and error.code != self.code:
+                error.code = self.code
+        return error
 
 
-def error_response(status: int, message: str, code: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+@functools.cache
+def error_kinds() -> dict[str, type[Exception]]:
+    """The one map of the kinds of error that cross a pipe and come back as themselves: Python's built-in
+    exceptions, the domain errors, the encoder's image and video errors, a spooled image that is gone, and torch's
+    out-of-memory error (where torch is loaded: a process without it receives none). Built at the first record
+    turned back into an error, in the process that receives it."""
+    from ..encoder import preprocess
+
+    from . import spool
+
+    if "torch" in sys.modules:  # the video errors (encoder.video imports torch) and torch's own
+        from ..encoder import video  # noqa: F401
+    kinds: list[type] = [c for c in vars(builtins).values() if isinstance(c, type) and issubclass(c, Exception)]
+    kinds += [EngineError, *_subclasses(EngineError), preprocess.ImageError, *_subclasses(preprocess.ImageError),
+              spool.ImageLost]
+    if "torch" in sys.modules:
+        kinds.append(sys.modules["torch"].OutOfMemoryError)
+    return {kind.__name__: kind for kind in kinds}
+
+
+def _subclasses(base: type) -> list[type]:
+    """`base`'s subclasses at any depth that this package defines."""
+    out = []
+    for sub in base.__subclasses__():
+        if sub.__module__.startswith(PACKAGE):
+            out += [sub, *_subclasses(sub)]
+    return out
+
+
+PACKAGE = __name__.split(".")[0] + "."

@@ -31,7 +31,8 @@ import time
 import uuid
 
 from .budget import MemoryBudget
-from .errors import EngineError, ServiceError, error_response
+from .errors import EngineError
+from .http_errors import ServiceError, error_response
 from .metrics import Metrics, outcome
 from .settings import Settings, format_size
 

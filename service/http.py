@@ -35,6 +35,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .gate import OPEN_PATHS
+from .http_errors import envelope
 
 log = logging.getLogger("vitserve.http")
 
@@ -47,8 +48,7 @@ HIGH_WATER = 64 * 2**10  # the transports' default write-buffer limit (asyncio's
 
 def error_bytes(conn: h11.Connection, status: int, message: str, code: str, headers=()) -> bytes:
     """A whole error response in the OpenAI envelope, closing the connection, as h11 frames it on `conn`."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                 "service_unavailable", "param": None, "code": code}}).encode()
+    body = json.dumps(envelope(status, message, code)).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"), *headers]
     return b"".join([conn.send(h11.Response(status_code=status, headers=head)), conn.send(h11.Data(data=body)),
@@ -213,9 +213,8 @@ def _over_limit(app):
     async def answer(scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await app(scope, receive, send)
-        body = json.dumps({"error": {"message": "too many connections, each busy with a request; retry shortly",
-                                     "type": "service_unavailable", "param": None,
-                                     "code": "too_many_connections"}}).encode()
+        body = json.dumps(envelope(503, "too many connections, each busy with a request; retry shortly",
+                                   "too_many_connections")).encode()
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"retry-after", b"1"), (b"connection", b"close")]})

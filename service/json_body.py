@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from .bodies import SHARED, Body, SharedBodies, anonymous
-from .errors import ServiceError
+from .http_errors import ServiceError
 
 LONG = 4096  # bytes of a string beyond which it stays in the body, unparsed
 _MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder's prefix: no client can write one

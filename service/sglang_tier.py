@@ -45,7 +45,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, m
 from ..encoder.features import Features
 from ..encoder.vision_encoder import DTYPES
 from .engine import Encoded
-from .errors import ServiceError
+from .errors import DeliveryFailed, InputRejected, NotAllowed, QueueFull, TimedOut
 from .fetch import embedded_ipv4
 from .outputs import OFF_LOOP_BYTES, answer_bytes, answered
 
@@ -178,7 +178,7 @@ def bounded(body: BaseModel, limits: dict[str, int]) -> None:
     for name, limit in limits.items():
         value = getattr(body, name)
         if isinstance(value, str) and len(value) > limit:
-            raise ServiceError(400, f"{name}: at most {limit} characters, got {len(value)}", "invalid_request", name)
+            raise InputRejected(f"{name}: at most {limit} characters, got {len(value)}", "invalid_request", name)
 
 
 CALL_LIMITS = {"req_id": MAX_REQ_ID, "prefill_host": MAX_HOST, "modality": 16}
@@ -198,8 +198,8 @@ def receiver_address(address: str) -> tuple[str, int]:
     match = ADDRESS.fullmatch(address)
     port = match and int(match["p6"] or match["port"])
     if not match or not 0 < port < 65536:
-        raise ServiceError(400, f"receive_url must be host:port ([ipv6]:port), got {address[:100]!r}",
-                           "invalid_receive_url", "receive_url")
+        raise InputRejected(f"receive_url must be host:port ([ipv6]:port), got {address[:100]!r}",
+                            "invalid_receive_url", "receive_url")
     return match["v6"] or match["host"], port
 
 
@@ -239,23 +239,23 @@ class ReceiverNetworks:
         ip = address_of(host)
         if ip is None:
             if not HOST_NAME.fullmatch(host):
-                raise ServiceError(400, f"{param}: not a host name or IP address: {host[:100]!r}",
-                                   "invalid_receiver", param)
+                raise InputRejected(f"{param}: not a host name or IP address: {host[:100]!r}",
+                                    "invalid_receiver", param)
             try:
                 found = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
                     host, None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT)
             except (OSError, asyncio.TimeoutError):
-                raise ServiceError(400, f"{param}: cannot resolve {host!r}", "invalid_receiver", param) from None
+                raise InputRejected(f"{param}: cannot resolve {host!r}", "invalid_receiver", param) from None
             addresses = [address_of(entry[4][0].split("%")[0]) for entry in found]
             if not addresses:
-                raise ServiceError(400, f"{param}: {host!r} has no address", "invalid_receiver", param)
+                raise InputRejected(f"{param}: {host!r} has no address", "invalid_receiver", param)
         else:
             addresses = [ip]
         refused = next((a for a in addresses if not self.allowed(a)), None)
         if refused is not None:
             named = f"{refused} is" if ip is not None else f"{host!r} resolves to {refused},"
-            raise ServiceError(403, f"{param}: {named} outside the networks features are pushed to "
-                                    "(--sglang-receivers)", "receiver_not_allowed", param)
+            raise NotAllowed(f"{param}: {named} outside the networks features are pushed to "
+                             "(--sglang-receivers)", "receiver_not_allowed", param)
         return str(addresses[0])
 
 
@@ -351,20 +351,19 @@ class Pairing:
         entry = self.entries.get(body.req_id)
         if entry is None:
             if sum(self.unheld.values()) >= self.max_pending or self.unheld[host] >= self.max_per_host:
-                raise ServiceError(429, f"{self.max_pending} parts (or {self.max_per_host} for receivers on one "
-                                        "host) wait for their /encode already", "too_many_pending", "req_id",
-                                   headers={"Retry-After": "1"})
+                raise QueueFull(f"{self.max_pending} parts (or {self.max_per_host} for receivers on one "
+                                "host) wait for their /encode already", "too_many_pending", "req_id")
             entry = self.entries[body.req_id] = Receivers(now + self.timeout, host)
             self.unheld[host] += 1
         if entry.count is None:
             entry.count = body.receive_count
         if body.receive_count != entry.count:
-            raise ServiceError(400, f"inconsistent receive_count for req_id {body.req_id[:100]!r}: registered "
-                                    f"{entry.count}, got {body.receive_count}", "inconsistent_receive_count",
-                               "receive_count")
+            raise InputRejected(f"inconsistent receive_count for req_id {body.req_id[:100]!r}: registered "
+                                f"{entry.count}, got {body.receive_count}", "inconsistent_receive_count",
+                                "receive_count")
         if target not in entry.endpoints and len(entry.endpoints) >= entry.count:
-            raise ServiceError(400, f"more receivers than receive_count ({entry.count}) for req_id "
-                                    f"{body.req_id[:100]!r}", "too_many_receivers", "receive_url")
+            raise InputRejected(f"more receivers than receive_count ({entry.count}) for req_id "
+                                f"{body.req_id[:100]!r}", "too_many_receivers", "receive_url")
         entry.endpoints[target] = None
         entry.changed.set()
 
@@ -376,7 +375,7 @@ class Pairing:
         if entry is None:
             entry = self.entries[req_id] = Receivers(now + self.timeout)
         elif entry.held:
-            raise ServiceError(400, f"req_id {req_id[:100]!r} is being encoded already", "duplicate_req_id", "req_id")
+            raise InputRejected(f"req_id {req_id[:100]!r} is being encoded already", "duplicate_req_id", "req_id")
         else:
             self._drop(req_id)
             self.entries[req_id] = entry
@@ -400,8 +399,8 @@ class Pairing:
                 await asyncio.wait_for(entry.changed.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 have = f"{len(entry.endpoints)} of {entry.count} receivers" if entry.count else "no receiver"
-                raise ServiceError(504, f"req_id {req_id[:100]!r}: {have} registered within "
-                                        f"{self.timeout:g} s", "registration_timeout") from None
+                raise TimedOut(f"req_id {req_id[:100]!r}: {have} registered within {self.timeout:g} s",
+                               "registration_timeout") from None
         return list(entry.endpoints)
 
 
@@ -442,16 +441,16 @@ class SGLangTier:
         ip = await self.networks.resolve(host, "receive_url")
         peer = address_of(sender or "")
         if str(peer) != ip:
-            raise ServiceError(403, f"receive_url: a receiver registers itself, from its own address; {ip} is not "
-                                    f"the address this registration came from ({peer or 'unknown'})",
-                               "receiver_not_sender", "receive_url")
+            raise NotAllowed(f"receive_url: a receiver registers itself, from its own address; {ip} is not "
+                             f"the address this registration came from ({peer or 'unknown'})",
+                             "receiver_not_sender", "receive_url")
         self.pairing.register(body, endpoint(ip, port), ip)
 
     async def serve(self, call: EncodeCall, encode, family) -> None:
         """Serve one /encode part: `encode()` (the part's items, an `Encoded`; its receivers may register
         meanwhile), then the message, built off the event loop when large, pushed to every receiver once all have
         registered. `family()`: the model's family, once the items are encoded. An `embedding_port`'s host is
-        checked before anything is encoded. A failure is raised (a ServiceError where it is this tier's); nothing is
+        checked before anything is encoded. A failure is raised (a domain error where it is this tier's); nothing is
         pushed then."""
         targets = None
         if call.embedding_port is not None:
@@ -466,7 +465,7 @@ class SGLangTier:
             if keep:
                 try:
                     targets = await self.pairing.receivers(call.req_id, entry)
-                except ServiceError:
+                except TimedOut:
                     self.counts["registration_timeouts"] += 1
                     raise
             sent = await asyncio.gather(*(self._push(target, frames, keep) for target in targets),
@@ -502,8 +501,8 @@ class SGLangTier:
             for old in idle[:len(self.busy) - MAX_OPEN_SOCKETS + 1]:
                 self._close(self.sockets.pop(old), LINGER_MS)
             if len(self.busy) >= MAX_OPEN_SOCKETS:
-                raise ServiceError(429, f"{MAX_OPEN_SOCKETS} deliveries are under way; retry shortly",
-                                   "too_many_deliveries", headers={"Retry-After": "1"})
+                raise QueueFull(f"{MAX_OPEN_SOCKETS} deliveries are under way; retry shortly",
+                                "too_many_deliveries")
         sock = self.context.socket(zmq.PUSH)
         self.busy[sock] = 0
         try:
@@ -525,7 +524,7 @@ class SGLangTier:
             sock.connect(target)
         except zmq.ZMQError as e:
             self._close(sock, 0)
-            raise ServiceError(400, f"cannot connect to {target}: {e}", "invalid_receiver") from None
+            raise InputRejected(f"cannot connect to {target}: {e}", "invalid_receiver") from None
         if keep:
             self.sockets[target] = sock
             self.used[sock] = now
@@ -591,13 +590,13 @@ class SGLangTier:
                 if not keep:
                     self._close(sock, LINGER_MS)
 
-    def _broken(self, target: str, sock, count: str, why: str) -> ServiceError:
+    def _broken(self, target: str, sock, count: str, why: str) -> DeliveryFailed:
         """A delivery that failed: counted under `count`, its socket closed (a kept one forgotten); the 502."""
         self.counts[count] += 1
         if self.sockets.get(target) is sock:
             del self.sockets[target]
         self._close(sock, 0)
-        return ServiceError(502, f"embedding delivery to {target} failed: {why}", "delivery_failed")
+        return DeliveryFailed(f"embedding delivery to {target} failed: {why}", "delivery_failed")
 
     async def close(self) -> None:
         """Close every socket (what they still hold is sent for up to `LINGER_MS`), then the context."""

@@ -30,7 +30,7 @@ from ..encoder.features import Features
 from ..encoder.preprocess import Base64Data, InvalidBase64, decode_base64
 from ..encoder.vision_encoder import DTYPES
 from .ec_storage import ECStorage, check_identifier
-from .errors import ServiceError, clip
+from .errors import Conflict, InputRejected, StorageFailed, clip
 from .schemas import MAX_PIXELS, ChatMediaURL, ChatRequest, VideoOptions
 from .vllm_hash import digest_shaped, hash_factors, mm_hash
 
@@ -69,15 +69,15 @@ def chat_items(body: ChatRequest) -> list[Item]:
             if part.type == "text":
                 continue
             if part.type not in MEDIA_PARTS:
-                raise ServiceError(400, f"{param}: a {clip(part.type)!r} part; this encoder takes image_url and video_url",
-                                   "unsupported_content", param)
+                raise InputRejected(f"{param}: a {clip(part.type)!r} part; this encoder takes image_url and video_url",
+                                    "unsupported_content", param)
             media = getattr(part, part.type)
             url = media.url if isinstance(media, ChatMediaURL) else media
             if url is None:
-                raise ServiceError(400, f"{param}: no url (an encoder needs the medium itself)", "missing_url", param)
+                raise InputRejected(f"{param}: no url (an encoder needs the medium itself)", "missing_url", param)
             items.append(Item(MEDIA_PARTS[part.type], url, part.uuid, param))
     if not items:
-        raise ServiceError(400, "the messages hold no image_url or video_url part", "no_media", "messages")
+        raise InputRejected("the messages hold no image_url or video_url part", "no_media", "messages")
     return items
 
 
@@ -86,8 +86,8 @@ def chat_options(body: ChatRequest) -> Options:
     `videos_kwargs`), validated as /v1/encode validates them; one it cannot apply, or media_io_kwargs (how vLLM would
     load the media), is a 400: the features would not be the ones the consumer's identifier promises."""
     if body.media_io_kwargs:
-        raise ServiceError(400, "media_io_kwargs is not supported: this server loads media with its own settings",
-                           "unsupported_media_io_kwargs", "media_io_kwargs")
+        raise InputRejected("media_io_kwargs is not supported: this server loads media with its own settings",
+                            "unsupported_media_io_kwargs", "media_io_kwargs")
     kwargs, where = {}, {}
     for key, value in (body.mm_processor_kwargs or {}).items():
         if key not in ("images_kwargs", "videos_kwargs"):
@@ -95,23 +95,23 @@ def chat_options(body: ChatRequest) -> Options:
     for scoped in ("images_kwargs", "videos_kwargs"):
         given = (body.mm_processor_kwargs or {}).get(scoped)
         if given is not None and not isinstance(given, dict):
-            raise ServiceError(400, f"mm_processor_kwargs.{scoped} must be an object", "invalid_mm_processor_kwargs",
-                               f"mm_processor_kwargs.{scoped}")
+            raise InputRejected(f"mm_processor_kwargs.{scoped} must be an object", "invalid_mm_processor_kwargs",
+                                f"mm_processor_kwargs.{scoped}")
         for key, value in (given or {}).items():
             kwargs[key], where[key] = value, f"mm_processor_kwargs.{scoped}.{clip(key)}"
     unknown = sorted(set(kwargs) - PROCESSOR_OPTIONS)
     if unknown:
         listed = ", ".join(repr(clip(key)) for key in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
-        raise ServiceError(400, f"mm_processor_kwargs {listed} not supported (this server applies "
-                                f"{', '.join(sorted(PROCESSOR_OPTIONS))})", "unsupported_mm_processor_kwargs",
-                           where[unknown[0]])
+        raise InputRejected(f"mm_processor_kwargs {listed} not supported (this server applies "
+                            f"{', '.join(sorted(PROCESSOR_OPTIONS))})", "unsupported_mm_processor_kwargs",
+                            where[unknown[0]])
     try:
         return Options.model_validate({k: v for k, v in kwargs.items() if v is not None})
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
         field = first["loc"][0] if first["loc"] else None
         param = where.get(field, "mm_processor_kwargs")
-        raise ServiceError(400, f"{param}: {first['msg']}", "invalid_mm_processor_kwargs", param) from None
+        raise InputRejected(f"{param}: {first['msg']}", "invalid_mm_processor_kwargs", param) from None
 
 
 class VLLMTier:
@@ -141,13 +141,13 @@ class VLLMTier:
             try:
                 data = decode_base64(data.ascii()) if isinstance(data, Base64Data) else bytes(data)
             except InvalidBase64 as e:
-                raise ServiceError(400, f"{item.param}: {e}", "invalid_base64", item.param) from None
+                raise InputRejected(f"{item.param}: {e}", "invalid_base64", item.param) from None
         try:
             return mm_hash(item.modality, self.model_id, self.algorithm, data=data, uuid=item.uuid,
                            mm_processor_kwargs=kwargs)
         except (OSError, Image.DecompressionBombError):  # PIL cannot (or will not) read it, nor can vLLM's loader
-            raise ServiceError(400, f"{item.param}: not an image vLLM's loader reads, so it has no identifier there",
-                               "unidentified_image", item.param) from None
+            raise InputRejected(f"{item.param}: not an image vLLM's loader reads, so it has no identifier there",
+                                "unidentified_image", item.param) from None
 
     async def identifiers(self, items: list[Item], kwargs: dict | None = None) -> list[str]:
         """vLLM's identifier of each item (its uuid, or a hash: in the pool). A video or a URL without a uuid, or a
@@ -158,18 +158,18 @@ class VLLMTier:
                 how = ("give the part a `uuid`" if item.param.startswith("messages") else
                        f"give it one in multi_modal_uuids.{item.modality} (a field of the JSON body or of the "
                        "multipart form, JSON there; the client's uuids=)")
-                raise ServiceError(400, f"{item.param}: {what} needs a uuid to be named for vLLM (its own identifier "
-                                        f"of it depends on what vLLM's loader makes of it): {how}", "uuid_required",
-                                   item.param)
+                raise InputRejected(f"{item.param}: {what} needs a uuid to be named for vLLM (its own identifier "
+                                    f"of it depends on what vLLM's loader makes of it): {how}", "uuid_required",
+                                    item.param)
             if item.uuid is not None:
                 try:
                     check_identifier(item.uuid)
                 except ValueError as e:
-                    raise ServiceError(400, f"{item.param}: {e}", "invalid_uuid", item.param) from None
+                    raise InputRejected(f"{item.param}: {e}", "invalid_uuid", item.param) from None
                 if digest_shaped(item.uuid, self.algorithm):
-                    raise ServiceError(400, f"{item.param}: a uuid of {len(item.uuid)} hex digits has the shape of an "
-                                            f"item's {self.algorithm} content hash, whose file it could name; use "
-                                            "another", "invalid_uuid", item.param)
+                    raise InputRejected(f"{item.param}: a uuid of {len(item.uuid)} hex digits has the shape of an "
+                                        f"item's {self.algorithm} content hash, whose file it could name; use "
+                                        "another", "invalid_uuid", item.param)
         if all(item.uuid is not None for item in items) and not any(
                 hash_factors(item.modality, kwargs) for item in items):
             return [item.uuid for item in items]
@@ -192,11 +192,11 @@ class VLLMTier:
         try:
             await asyncio.gather(*jobs)
         except FileExistsError as e:
-            raise ServiceError(409, f"the encoder cache holds another item under that identifier: {e}",
-                               "ec_id_taken") from None
+            raise Conflict(f"the encoder cache holds another item under that identifier: {e}",
+                           "ec_id_taken") from None
         except (OSError, ValueError) as e:
             self.write_failures += 1
-            raise ServiceError(507, f"the encoder cache could not be written: {e}", "ec_write_failed") from None
+            raise StorageFailed(f"the encoder cache could not be written: {e}", "ec_write_failed") from None
 
     @staticmethod
     def transfer_params(identifiers: list[str], items: list[Item], grids: list, timing: list, qwen3: bool) -> dict:

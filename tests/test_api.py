@@ -249,18 +249,18 @@ def test_url_fetching_refuses_private_addresses(encoders):
 def test_every_domain_error_has_one_status():
     """The one table: every domain error the engine raises maps to an HTTP status (and Retry-After where retrying
     helps), a subclass included."""
-    from vitserve.service import errors
+    from vitserve.service import errors, http_errors
 
     domain = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.EngineError)
               and c is not errors.EngineError]
-    assert set(domain) == set(errors.HTTP_STATUS)
-    assert errors.ServiceError.of(errors.QueueFull("x")).headers == {"Retry-After": "1"}
-    assert errors.ServiceError.of(errors.Unavailable("x", "device_lost")).status == 503
+    assert set(domain) == set(http_errors.HTTP_STATUS)
+    assert http_errors.ServiceError.of(errors.QueueFull("x")).headers == {"Retry-After": "1"}
+    assert http_errors.ServiceError.of(errors.Unavailable("x", "device_lost")).status == 503
 
     class Narrower(errors.InputRejected):
         pass
 
-    assert errors.ServiceError.of(Narrower("x", "odd")).status == 400
+    assert http_errors.ServiceError.of(Narrower("x", "odd")).status == 400
 
 
 def test_metrics_are_conventional(client):

@@ -18,7 +18,8 @@ from vitserve.encoder.preprocess import Base64Data
 from vitserve.service import spool
 from vitserve.service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
 from vitserve.service.engine import Engine, State
-from vitserve.service.errors import InputRejected, ServiceError, Unavailable
+from vitserve.service.errors import InputRejected, Unavailable
+from vitserve.service.http_errors import ServiceError
 from vitserve.service.scheduler import WorkItem
 from vitserve.service.settings import Settings
 

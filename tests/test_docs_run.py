@@ -228,6 +228,9 @@ def error_codes() -> set[str]:
     codes = set()
     sources = [*(ROOT / "service").glob("*.py"), ROOT / "encoder" / "preprocess.py"]
     positions = {"ServiceError": 2, "error_response": 2}  # (status, message, code); domain errors (message, code)
+    from vitserve.service import errors
+
+    domain = {c.__name__ for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.EngineError)}
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
@@ -237,7 +240,8 @@ def error_codes() -> set[str]:
                         codes.add(stmt.value.value)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 name, at = node.func.id, positions.get(node.func.id, 1)
-                if name in positions or name.endswith(("Rejected", "TooLarge", "Unavailable", "Failed")):
+                if name in positions or name in domain or name.endswith(("Rejected", "TooLarge", "Unavailable",
+                                                                         "Failed")):
                     if len(node.args) > at and isinstance(node.args[at], ast.Constant):
                         codes.add(node.args[at].value)
     return codes - {"error", "image_error", "client_disconnected"}  # base classes' placeholders; a 499 has no body

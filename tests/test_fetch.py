@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from vitserve.service import fetch
-from vitserve.service.errors import EngineError, ServiceError
+from vitserve.service.errors import EngineError
+from vitserve.service.http_errors import ServiceError
 from vitserve.service.settings import Settings
 
 DNS = {"images.example": ["93.184.216.34"], "cdn.example": ["151.101.1.1"], "internal.example": ["10.1.2.3"],

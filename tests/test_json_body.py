@@ -11,7 +11,7 @@ import time
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from vitserve.service.errors import ServiceError
+from vitserve.service.http_errors import ServiceError
 from vitserve.service.json_body import LONG, Scan, Text, parse_body
 from vitserve.service.schemas import EmbeddingRequest, EncodeRequest
 

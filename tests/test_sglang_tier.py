@@ -25,7 +25,8 @@ from helpers import IMAGES, SERVED_DTYPE, client_for, data_uri, png, serving, wa
 
 from vitserve.encoder.features import Features
 from vitserve.service.engine import Encoded
-from vitserve.service.errors import ServiceError
+from vitserve.service.errors import EngineError
+from vitserve.service.http_errors import ServiceError
 from vitserve.service.sglang_tier import (EncodeCall, Pairing, ReceiverNetworks, Registration, embedding_frame,
                                           endpoint, message, receiver_address)
 
@@ -64,6 +65,11 @@ class SGLangUnpickler(pickle.Unpickler):
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"Blocked unsafe global ({module}.{name})")
+
+
+def status(error: EngineError) -> int:
+    """The HTTP status a client is answered for a tier's domain error (the edge's one table)."""
+    return ServiceError.of(error).status
 
 
 def decode(frames: list) -> SGLangEmbeddingData:
@@ -182,11 +188,11 @@ def test_pairing_refuses_what_cannot_be_one_parts_receivers():
                       (registration("b", 1, "10.0.0.1"), "invalid_receive_url"),
                       (registration("b", 1, "::1:80"), "invalid_receive_url"),
                       (registration("b", 1, "10.0.0.1:70000"), "invalid_receive_url")):
-        with pytest.raises(ServiceError) as e:
+        with pytest.raises(EngineError) as e:
             add(pairing, bad)
-        assert e.value.status == 400 and e.value.code == code
+        assert status(e.value) == 400 and e.value.code == code
     pairing.hold("c")
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(EngineError) as e:
         pairing.hold("c")
     assert e.value.code == "duplicate_req_id"
 
@@ -199,13 +205,13 @@ def test_what_never_pairs_is_bounded_and_expires():
     pairing = Pairing(timeout=10, max_pending=3, max_per_host=2, clock=lambda: now[0])
     add(pairing, registration("orphan", url="10.0.0.1:1"))
     add(pairing, registration("orphan2", url="10.0.0.1:2"))
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(EngineError) as e:
         add(pairing, registration("third", url="10.0.0.1:3"))  # a third for one host
-    assert e.value.status == 429 and e.value.code == "too_many_pending"
+    assert status(e.value) == 429 and e.value.code == "too_many_pending"
     add(pairing, registration("other", url="10.0.0.2:1"))
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(EngineError) as e:
         add(pairing, registration("fourth", url="10.0.0.3:1"))  # a fourth in all
-    assert e.value.status == 429 and e.value.code == "too_many_pending"
+    assert status(e.value) == 429 and e.value.code == "too_many_pending"
     for k in range(5):  # the legitimate parts are served whatever waits
         pairing.hold(f"held{k}")
     add(pairing, registration("held0", url="10.0.0.3:1"))  # and their receivers register
@@ -220,9 +226,9 @@ def test_what_never_pairs_is_bounded_and_expires():
     async def main():
         short = Pairing(timeout=0.05)
         entry = short.hold("lonely")
-        with pytest.raises(ServiceError) as e:
+        with pytest.raises(EngineError) as e:
             await short.receivers("lonely", entry)
-        assert e.value.status == 504 and e.value.code == "registration_timeout"
+        assert status(e.value) == 504 and e.value.code == "registration_timeout"
         assert "'lonely': no receiver registered within 0.05 s" in e.value.message  # not "none receivers"
 
     asyncio.run(main())
@@ -245,9 +251,9 @@ def test_a_receiver_that_cannot_be_reached_is_a_502_and_leaves_no_socket():
             pull.close(linger=0)
             dead = f"tcp://127.0.0.1:{port + 1 if port < 65535 else port - 1}"
             for keep in (True, False):
-                with pytest.raises(ServiceError) as e:
+                with pytest.raises(EngineError) as e:
                     await tier._push(dead, [b"meta"], keep=keep)
-                assert e.value.status == 502 and e.value.code == "delivery_failed"
+                assert status(e.value) == 502 and e.value.code == "delivery_failed"
             assert list(tier.sockets) == [f"tcp://127.0.0.1:{port}"] and len(tier.busy) == 1
         finally:
             await tier.close()
@@ -265,9 +271,9 @@ def test_features_go_only_to_the_allowed_networks():
     async def check(networks: ReceiverNetworks, host: str):
         try:
             return await networks.resolve(host, "prefill_host")
-        except ServiceError as e:
+        except EngineError as e:
             assert e.param == "prefill_host"
-            return e.status, e.code
+            return status(e), e.code
 
     async def main():
         default, listed = ReceiverNetworks(), ReceiverNetworks("127.0.0.0/8, fd00::/8,192.0.2.7")
@@ -296,16 +302,16 @@ def test_deliveries_are_bounded_and_a_bad_address_leaves_no_socket(monkeypatch):
     async def main():
         tier = sglang_tier.SGLangTier("float32", timeout=30)
         try:
-            with pytest.raises(ServiceError) as e:
+            with pytest.raises(EngineError) as e:
                 await tier._push("tcp://bad host:1", [b"meta"], keep=False)
-            assert e.value.status == 400 and e.value.code == "invalid_receiver" and not tier.busy
+            assert status(e.value) == 400 and e.value.code == "invalid_receiver" and not tier.busy
             waiting = [asyncio.ensure_future(tier._push(f"tcp://192.0.2.1:{port}", [b"meta"], keep=False))
                        for port in (1, 2)]
             await asyncio.sleep(0.05)
             assert len(tier.busy) == 2
-            with pytest.raises(ServiceError) as e:
+            with pytest.raises(EngineError) as e:
                 await tier._push("tcp://192.0.2.1:3", [b"meta"], keep=False)
-            assert e.value.status == 429 and e.value.code == "too_many_deliveries" and len(tier.busy) == 2
+            assert status(e.value) == 429 and e.value.code == "too_many_deliveries" and len(tier.busy) == 2
             for task in waiting:
                 task.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
@@ -641,9 +647,9 @@ def test_a_port_that_speaks_no_zmq_takes_nothing_and_is_a_502_at_once(peer, monk
         try:
             for keep in (True, False) * 3:
                 start = time.monotonic()
-                with pytest.raises(ServiceError) as e:
+                with pytest.raises(EngineError) as e:
                     await tier._push(f"tcp://127.0.0.1:{port}", [b"meta", b"x" * 100], keep=keep)
-                assert e.value.status == 502 and e.value.code == "delivery_failed", e.value.message
+                assert status(e.value) == 502 and e.value.code == "delivery_failed", e.value.message
                 assert "handshake" in e.value.message and time.monotonic() - start < 10
                 assert not tier.busy and not tier.sockets and not tier.watches
             assert tier.stats()["delivery_failures"] == 6 and tier.stats()["deliveries"] == 0
@@ -676,7 +682,7 @@ def test_a_kept_socket_outlives_its_receivers_restart_and_expires_when_unused(mo
             await tier._push(target, [b"again"], keep=True)
             assert pull.poll(5000) and pull.recv_multipart() == [b"again"] and tier.sockets[target] is kept
             monkeypatch.setattr(sglang_tier, "KEPT_IDLE", 0.0)
-            with pytest.raises(ServiceError):  # any socket opened sweeps the idle kept ones
+            with pytest.raises(EngineError):  # any socket opened sweeps the idle kept ones
                 await tier._push("tcp://bad host:1", [b"meta"], keep=False)
             assert not tier.sockets and not tier.busy and tier.stats()["deliveries"] == 2
         finally:

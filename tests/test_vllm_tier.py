@@ -25,6 +25,13 @@ from vitserve.service.vllm_hash import ALGORITHMS, mm_hash
 MODEL = "tiny-qwen3-vl"
 
 
+
+def status(error) -> int:
+    """The HTTP status a client is answered for a tier's domain error (the edge's one table)."""
+    from vitserve.service.http_errors import ServiceError
+
+    return ServiceError.of(error).status
+
 def folder(path):
     """An encoder-cache folder (ECStorage takes an existing one)."""
     path.mkdir(parents=True, exist_ok=True)
@@ -217,16 +224,16 @@ def test_an_image_pil_will_not_open_has_no_identifier_a_400(tmp_path, monkeypatc
 
     from PIL import Image
 
-    from vitserve.service.errors import ServiceError
+    from vitserve.service.errors import EngineError
     from vitserve.service.settings import Settings
     from vitserve.service.vllm_tier import Item, VLLMTier
 
     tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path)), "float32")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 40x30 is over twice that: PIL refuses to open it
     try:
-        with pytest.raises(ServiceError) as e:
+        with pytest.raises(EngineError) as e:
             asyncio.run(tier.identifiers([Item("image", encode(photo(40, 30, 3), "PNG"), None, "images[0]")]))
-        assert (e.value.status, e.value.code) == (400, "unidentified_image")
+        assert (status(e.value), e.value.code) == (400, "unidentified_image")
     finally:
         tier.close()
 
@@ -236,7 +243,7 @@ def test_a_uuid_never_names_another_items_file(tmp_path):
     under an identifier whose file holds another item is a 409 `ec_id_taken` that leaves the file as it was."""
     import asyncio
 
-    from vitserve.service.errors import ServiceError
+    from vitserve.service.errors import EngineError
     from vitserve.service.settings import Settings
     from vitserve.service.vllm_tier import Item, VLLMTier
 
@@ -244,15 +251,15 @@ def test_a_uuid_never_names_another_items_file(tmp_path):
     image = encode(photo(40, 30, 3), "PNG")
     victim = mm_hash("image", MODEL, data=image)
     try:
-        with pytest.raises(ServiceError) as e:
+        with pytest.raises(EngineError) as e:
             asyncio.run(tier.identifiers([Item("image", image, None, "images[0]"),
                                           Item("image", encode(photo(40, 30, 4), "PNG"), victim, "images[1]")]))
-        assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_uuid", "images[1]")
+        assert (status(e.value), e.value.code, e.value.param) == (400, "invalid_uuid", "images[1]")
         first = item(rows=6, levels=0)
         asyncio.run(tier.write(["taken"], [Features(*first)]))
-        with pytest.raises(ServiceError) as e:
+        with pytest.raises(EngineError) as e:
             asyncio.run(tier.write(["taken"], [Features(*item(rows=9, levels=0, seed=1))]))
-        assert (e.value.status, e.value.code) == (409, "ec_id_taken")
+        assert (status(e.value), e.value.code) == (409, "ec_id_taken")
         assert torch.equal(load_file(tmp_path / "taken" / "encoder_cache.safetensors")["ec_cache"], first[0])
     finally:
         tier.close()
@@ -263,7 +270,7 @@ def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
     failed (an item too large for --ec-storage-bytes: a 507)."""
     import asyncio
 
-    from vitserve.service.errors import ServiceError
+    from vitserve.service.errors import EngineError
     from vitserve.service.settings import Settings
     from vitserve.service.vllm_tier import VLLMTier
 
@@ -277,9 +284,9 @@ def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
         assert 2000 // size == 2
         assert stats == {"limit_bytes": 2000, "bytes": 2 * size, "files": 2, "writes": 3, "evictions": 1,
                          "write_failures": 0}
-        with pytest.raises(ServiceError) as e:
+        with pytest.raises(EngineError) as e:
             asyncio.run(tier.write(["big"], [Features(*item(rows=100))]))
-        assert e.value.status == 507 and tier.stats()["write_failures"] == 1
+        assert status(e.value) == 507 and tier.stats()["write_failures"] == 1
     finally:
         tier.close()
 

@@ -1,0 +1,96 @@
+"""The records at the process boundaries: one error record that brings an exception back as itself across any
+pipe, and the decode pool's Call and JobResult."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from vitserve.encoder.preprocess import ImageTooLarge, UndecodableImage
+from vitserve.encoder.video import VideoTooLong
+from vitserve.service import spool
+from vitserve.service.decode_protocol import ANSWER_HEADER, Call, JobResult
+from vitserve.service.errors import ErrorRecord, InputRejected, QueueFull, Unavailable
+
+
+def crossed(error: BaseException) -> BaseException:
+    """`error` as the other end of a pipe gets it: its record pickled, unpickled and turned back."""
+    return pickle.loads(pickle.dumps(ErrorRecord.of(error))).error()
+
+
+def test_a_domain_error_comes_back_with_its_class_code_and_param():
+    for error in (InputRejected("images[1]: bad", "invalid_base64", "images[1]"), QueueFull("full"),
+                  Unavailable("gone", "device_lost")):
+        back = crossed(error)
+        assert type(back) is type(error)
+        assert (back.message, back.code, back.param) == (error.message, error.code, error.param)
+
+
+def test_an_image_error_keeps_what_the_client_is_told_apart_from_the_decoders_words():
+    back = crossed(UndecodableImage("cannot decode the image", "libjpeg: premature end"))
+    assert type(back) is UndecodableImage and back.code == "undecodable_image"
+    assert back.public == "cannot decode the image" and str(back) == "cannot decode the image: libjpeg: premature end"
+    odd = UndecodableImage("no")
+    odd.code = "odd_reason"  # a code set on the instance crosses too
+    assert crossed(odd).code == "odd_reason"
+    assert isinstance(crossed(VideoTooLong("too long")), ImageTooLarge)
+
+
+def test_other_kinds_come_back_as_themselves_or_named():
+    assert type(crossed(ValueError("x"))) is ValueError and str(crossed(ValueError("x"))) == "x"
+    assert type(crossed(spool.ImageLost("gone"))) is spool.ImageLost
+    assert type(crossed(torch.OutOfMemoryError("oom"))) is torch.OutOfMemoryError
+
+    class Private(Exception):
+        pass
+
+    back = crossed(Private("what"))
+    assert type(back) is RuntimeError and str(back) == "Private: what"
+
+
+def test_a_call_answers_its_value_or_its_error_and_an_unpicklable_value_as_an_error():
+    assert Call(bytes.upper, ()).run(b"abc") == JobResult(b"ABC")
+    assert Call(len, (), "inline", True).run(b"") == JobResult(6)
+    failed = Call(int, ()).run(b"x")
+    assert failed.value is None and failed.error.kind == "ValueError"
+    frame = JobResult(lambda: None).frame()
+    result = pickle.loads(frame[ANSWER_HEADER.size:])
+    assert ANSWER_HEADER.unpack_from(frame)[0] == len(frame) - ANSWER_HEADER.size
+    assert result.value is None and isinstance(result.error.error(), (pickle.PicklingError, AttributeError,
+                                                                     TypeError))
+
+
+def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_path):
+    """device_protocol: an image's tensors go out as an Output (a spool file and their layout) and come back equal;
+    an image the device could not decode goes out as its ErrorRecord and comes back as its ImageError."""
+    from vitserve.service.device_protocol import Output, packed, unpacked
+
+    tokens, deepstack = torch.randn(6, 8, dtype=torch.bfloat16), [torch.randn(6, 8, dtype=torch.bfloat16)]
+    output = pickle.loads(pickle.dumps(packed((tokens, deepstack), str(tmp_path / "out-0"))))
+    assert isinstance(output, Output)
+    back, back_deepstack = unpacked(output)
+    assert torch.equal(back, tokens) and torch.equal(back_deepstack[0], deepstack[0])
+    assert not (tmp_path / "out-0").exists()  # the file is the holder's: mapped and removed
+    record = pickle.loads(pickle.dumps(packed(UndecodableImage("cannot decode the image", "nvjpeg"), "unused")))
+    assert isinstance(record, ErrorRecord)
+    error = unpacked(record)
+    assert isinstance(error, UndecodableImage) and (error.public, error.code) == ("cannot decode the image",
+                                                                                 "undecodable_image")
+
+
+def test_the_domain_errors_and_the_pipes_records_import_no_web_framework():
+    """errors.py and the records of the decode pipe load without FastAPI or Starlette (nor torch: a decode worker
+    imports them), and the tiers raise domain errors, never an HTTP answer of their own."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = ("import sys; import vitserve.service.errors, vitserve.service.decode_protocol, vitserve.service.limits; "
+            "print(sorted(m for m in ('fastapi', 'starlette', 'torch') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+    service = pathlib.Path(__file__).resolve().parents[1] / "service"
+    for tier in ("vllm_tier.py", "sglang_tier.py"):
+        source = (service / tier).read_text()
+        assert not any(name in source for name in ("ServiceError", "HTTPException", "JSONResponse", "fastapi")), tier
