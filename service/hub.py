@@ -200,3 +200,8 @@ class HubBackend:
         if future is not None and not future.done():
             future.set_result(None if output is None or output[0] is None else output)
 
+
+    def _scraped(self, scrape: int, answer) -> None:
+        future = self.scrapes.get(scrape)
+        if future is not None and not future.done():
+            future.set_result(answer)
