@@ -30,7 +30,7 @@ from ..encoder.preprocess import ImageError
 
 from .cache import WAIT, Answer, Cache
 from .decoder import Decoder
-from .device_process import Output, ProcessDevice, unpacked
+from .device_process import Output, unpacked
 from .errors import EngineError
 from .lifecycle import Lifecycle
 from .loader import ModelInfo, load_here, load_processes
@@ -111,6 +111,7 @@ class LocalBackend:
     async def start(self) -> None:
         """Serve the preloaded encoders, else load the model off the event loop (`load`)."""
         if self.preloaded:
+            self.process_each = False
             self.serve(ModelInfo.of(self.preloaded[0]), [LocalDevice(e) for e in self.preloaded])
         else:
             self._loading = asyncio.create_task(self._load(), name="vitserve-loader")
@@ -268,7 +269,7 @@ class LocalBackend:
                 "queue_depth": len(self.queue),
                 "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "spool": self.prefix and os.path.dirname(self.prefix),
-                "device_processes": any(isinstance(w.device, ProcessDevice) for w in self.workers),
+                "device_processes": self.process_each,
                 "cache": self.cache.stats(), "eager_runs": sum(r.get("eager_runs", 0) for r in runners),
                 "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners),
                 "recent": self.metrics.recent() if recent else {}}

@@ -98,7 +98,7 @@ class Core:
 
         self.settings, self.fronts = settings, fronts
         self.metrics = Metrics()
-        self.life = Lifecycle(self.metrics)
+        self.life = Lifecycle(self.metrics, log)
         self.life.listeners.append(self.broadcast)
         devices, dtype = resolve_devices(settings)
         self.prefix = spool_prefix(settings.spool_dir)

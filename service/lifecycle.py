@@ -30,8 +30,10 @@ FINAL = (State.DRAINING, State.FAILED)
 
 
 class Lifecycle:
-    def __init__(self, metrics):
-        self.metrics = metrics
+    """`log`: where a failure is logged (the engine's logger, or the core's)."""
+
+    def __init__(self, metrics, log: logging.Logger = log):
+        self.metrics, self.log = metrics, log
         self.state, self.error = State.LOADING, None
         self.listeners: list[Callable[[], None]] = []
 
@@ -54,7 +56,7 @@ class Lifecycle:
         """The server cannot serve (its model did not load, or a part it cannot run without is gone): /health turns
         failed and the process exits non-zero, so a supervisor restarts it."""
         if self.state is not State.FAILED:
-            log.error("%s", reason)
+            self.log.error("%s", reason)
             self._set(State.FAILED, reason)
 
     def drain(self) -> None:
