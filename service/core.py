@@ -40,7 +40,8 @@ import threading
 import time
 
 from .backend import LocalBackend, Result
-from .core_link import SCRAPE_SECONDS, Done, Status, error_record
+from .core_link import (SCRAPE_SECONDS, Answers, Collect, Collected, Done, Drop, Looked, Lookup, Release, Scrape,
+                        Scraped, Settled, Status, Submit, Up, error_record)
 from .fronts import front_settings, serve_front
 from .lifecycle import Lifecycle, State
 from .metrics import merged_metrics
@@ -80,7 +81,7 @@ class Link:
                 self.items.pop(result.item.id, None)
         answers = [Done(r.item.id, r.output, error_record(r.error) if r.error is not None else None, r.keep,
                         r.item.queue_s, r.inference_s) for r in results]
-        self.send(("done", answers))
+        self.send(Answers(answers))
         if not self.open:  # its front end is gone: nobody maps these files
             for done in answers:
                 if done.output is not None and not done.keep:
@@ -170,28 +171,27 @@ class Core:
                 self.fail(f"internal error in the core: {type(e).__name__}: {e}")
 
     def _handle(self, link: Link, message) -> None:
-        kind = message[0]
-        if kind == "submit":
-            self._submit(link, message[1])
-        elif kind == "lookup":
-            _, lookup, keys = message
-            answers = self.backend.cache.lookup(
-                keys, link, lambda i: lambda entry: link.send(("settled", lookup, i, entry)))
-            link.send(("looked", lookup, answers))
-        elif kind == "drop":
-            with link.items_lock:
-                dropped = [w for w in (link.items.pop(i, None) for i in message[1]) if w]
-            self.backend.queue.drop(dropped)
-        elif kind == "release":
-            self.backend.cache.release(message[1])
-        elif kind == "up":
-            link.up = True
-        elif kind == "scrape":
-            threading.Thread(target=self._scrape, args=(link, message[1], message[2]), daemon=True).start()
-        elif kind == "collected":
-            with self.scraped:
-                self.scrapes.get(message[1], {})[link.index] = message[2]
-                self.scraped.notify_all()
+        match message:
+            case Submit(records):
+                self._submit(link, records)
+            case Lookup(lookup, keys):
+                answers = self.backend.cache.lookup(
+                    keys, link, lambda i: lambda entry: link.send(Settled(lookup, i, entry)))
+                link.send(Looked(lookup, answers))
+            case Drop(ids):
+                with link.items_lock:
+                    dropped = [w for w in (link.items.pop(i, None) for i in ids) if w]
+                self.backend.queue.drop(dropped)
+            case Release(keys):
+                self.backend.cache.release(keys)
+            case Up():
+                link.up = True
+            case Scrape(scrape, kind):
+                threading.Thread(target=self._scrape, args=(link, scrape, kind), daemon=True).start()
+            case Collected(scrape, part):
+                with self.scraped:
+                    self.scrapes.get(scrape, {})[link.index] = part
+                    self.scraped.notify_all()
 
     def _submit(self, link: Link, records: list) -> None:
         from .scheduler import WorkItem
@@ -210,7 +210,7 @@ class Core:
         except Exception as e:  # a scrape never takes the core down
             log.exception("scrape failed")
             answer = {"error": f"{type(e).__name__}: {e}"} if kind == "stats" else ""
-        asker.send(("scraped", scrape, answer))
+        asker.send(Scraped(scrape, answer))
 
     def _collect(self, kind: str) -> list:
         """Every live front end's part, in front end order; one that does not answer in time is left out."""
@@ -219,7 +219,7 @@ class Core:
             self.scrapes[ident] = {}
         live = [link for link in self.links if link.open]
         for link in live:
-            link.send(("collect", ident, kind))
+            link.send(Collect(ident, kind))
         deadline = time.monotonic() + SCRAPE_SECONDS
         with self.scraped:
             while len(self.scrapes[ident]) < len(live) and (left := deadline - time.monotonic()) > 0:

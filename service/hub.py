@@ -12,7 +12,9 @@ import itertools
 import logging
 import threading
 
-from .core_link import SCRAPE_SECONDS, Item, Status, error_of
+from .cache import WAIT
+from .core_link import (SCRAPE_SECONDS, Answers, Collect, Collected, Drop, Item, Looked, Lookup, Release, Scrape,
+                        Scraped, Settled, Status, Submit, Up, error_of)
 from .errors import InferenceFailed, Unavailable
 from .lifecycle import Lifecycle
 
@@ -40,7 +42,7 @@ class HubBackend:
         """Read the core's records from now on, and tell it this front end is up."""
         self.loop = asyncio.get_running_loop()
         self.thread.start()
-        self.send(("up",))
+        self.send(Up())
 
     async def stop(self) -> None:
         pass
@@ -61,7 +63,7 @@ class HubBackend:
         lookup = next(self.ids)
         answered = self.loop.create_future()
         self.lookups[lookup] = (answered, {})
-        self.send(("lookup", lookup, keys))
+        self.send(Lookup(lookup, keys))
         return await answered
 
     def submit(self, items: list) -> None:
@@ -71,21 +73,21 @@ class HubBackend:
             self.items[item.id] = item
             records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key,
                                 item.modality))
-        self.send(("submit", records))
+        self.send(Submit(records))
 
     def drop(self, items: list) -> None:
         for item in items:
             self.items.pop(item.id, None)
-        self.send(("drop", [item.id for item in items]))
+        self.send(Drop([item.id for item in items]))
 
     def release(self, keys: list[bytes]) -> None:
-        self.send(("release", keys))
+        self.send(Release(keys))
 
     async def scrape(self, kind: str):
         """The whole server's /stats dict or /metrics text, gathered by the core."""
         scrape = next(self.ids)
         future = self.scrapes[scrape] = self.loop.create_future()
-        self.send(("scrape", scrape, kind))
+        self.send(Scrape(scrape, kind))
         try:
             answer = await asyncio.wait_for(future, SCRAPE_SECONDS * 2)
         finally:
@@ -108,28 +110,21 @@ class HubBackend:
                 return
 
     def _handle(self, message) -> None:
-        if isinstance(message, Status):
-            self.loop.call_soon_threadsafe(self._mirror, message)
-            return
-        kind = message[0]
-        if kind == "done":
-            answers = [(done, self._tensors(done.output, done.keep)) for done in message[1]
-                       if done.error is None]
-            errors = [done for done in message[1] if done.error is not None]
-            self.loop.call_soon_threadsafe(self._done, answers, errors)
-        elif kind == "looked":
-            _, lookup, answers = message
-            hits = [self._tensors(a, True) if a not in (None, "wait") else a for a in answers]
-            self.loop.call_soon_threadsafe(self._looked, lookup, hits)
-        elif kind == "settled":
-            _, lookup, i, output = message
-            self.loop.call_soon_threadsafe(self._settled, lookup, i,
-                                           None if output is None else self._tensors(output, True))
-        elif kind == "collect":  # answered from a thread of its own: this one keeps reading
-            threading.Thread(target=lambda m=message: self.send(("collected", m[1], self.collect(m[2]))),
-                             daemon=True).start()
-        elif kind == "scraped":
-            self.loop.call_soon_threadsafe(self._scraped, message[1], message[2])
+        call = self.loop.call_soon_threadsafe
+        match message:
+            case Status():
+                call(self._mirror, message)
+            case Answers(answers):
+                call(self._done, [(done, self._tensors(done.output, done.keep)) for done in answers
+                                  if done.error is None], [done for done in answers if done.error is not None])
+            case Looked(lookup, answers):
+                call(self._looked, lookup, [self._tensors(a, True) if a not in (None, WAIT) else a for a in answers])
+            case Settled(lookup, i, output):
+                call(self._settled, lookup, i, None if output is None else self._tensors(output, True))
+            case Collect(scrape, kind):  # answered from a thread of its own: this one keeps reading
+                threading.Thread(target=lambda: self.send(Collected(scrape, self.collect(kind))), daemon=True).start()
+            case Scraped(scrape, answer):
+                call(self._scraped, scrape, answer)
 
     @staticmethod
     def _tensors(output, keep: bool):
@@ -180,7 +175,7 @@ class HubBackend:
         answered, waits = self.lookups[lookup]
         out = []
         for i, answer in enumerate(answers):
-            if answer == "wait":
+            if answer == WAIT:
                 waits[i] = self.loop.create_future()
                 answer = waits[i]
             elif answer is not None and answer[0] is None:  # a hit whose file was evicted meanwhile: computed here
