@@ -1,28 +1,23 @@
-"""A front end's link to the core of a server with several front ends (service/core.py), and the records the two
-exchange over the front end's pipe: small ones only (names of spool files, grids, cache keys, states)."""
+"""The records a front end and the core of a server with several front ends (service/hub.py, service/core.py)
+exchange over the front end's pipe: small ones only (names of spool files, grids, cache keys, states), one
+dataclass per message."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import logging
-import threading
 from dataclasses import dataclass
 
-from .errors import EngineError, InferenceFailed, InputRejected, InputTooLarge, NotReady, OutOfMemory, Unavailable
+from .lifecycle import State
+from .errors import ErrorRecord
 
-ERRORS = {c.__name__: c for c in (EngineError, InferenceFailed, InputRejected, InputTooLarge, NotReady, OutOfMemory,
-                                  Unavailable)}
-log = logging.getLogger("vitserve.core")
 SCRAPE_SECONDS = 2.0  # a front end that does not answer a scrape within this is left out of it
 
 
 # ---- the records between a front end and the core ---------------------------------------------------------------
 @dataclass
 class Status:
-    """Core -> front end: the server's state (a State's value), why it failed, and once loaded the model."""
+    """Core -> front end: the server's state, why it failed, and once loaded the model."""
 
-    state: str
+    state: State
     error: str | None = None
     model: object = None  # engine.ModelInfo
     devices: list | None = None
@@ -43,197 +38,104 @@ class Item:
 
 @dataclass
 class Done:
-    """Core -> front end: an image's answer (a device_process.Output, or the error as (type, message, code, param));
+    """Core -> front end: an image's answer (a device_protocol.Output, or its error's ErrorRecord);
     `keep`: the cache holds its file (the front end maps it and leaves it)."""
 
     id: int
     output: object = None
-    error: tuple | None = None
+    error: ErrorRecord | None = None
     keep: bool = False
     queue_s: float = 0.0
     inference_s: float = 0.0
 
 
-def error_record(e: EngineError) -> tuple:
-    return type(e).__name__, e.message, e.code, e.param
+@dataclass
+class Submit:
+    """Front end -> core: decoded items for the queue."""
+
+    items: list[Item]
 
 
-def error_of(record: tuple) -> EngineError:
-    kind, message, code, param = record
-    return ERRORS.get(kind, EngineError)(message, code, param)
+@dataclass
+class Lookup:
+    """Front end -> core: cache keys to look up (misses are claimed for this front end)."""
+
+    id: int
+    keys: list[bytes]
 
 
-# ---- the front end's side ----------------------------------------------------------------------------------------
-class CoreLink:
-    """A front end's end of its pipe to the core: records out from the event loop, one reader thread in. Answers
-    are mapped from their spool files on the reader thread, and their futures resolved on the event loop."""
+@dataclass
+class Looked:
+    """Core -> front end: per key of a Lookup, an Output record (a hit), WAIT (another computes it: a Settled
+    follows), or None (claimed: this front end computes it)."""
 
-    def __init__(self, conn, engine):
-        self.conn, self.engine = conn, engine
-        self.lock = threading.Lock()
-        self.ids = itertools.count()
-        self.items: dict[int, object] = {}  # item id -> its WorkItem, until its answer
-        self.lookups: dict[int, tuple] = {}  # lookup id -> (its future, the waits it holds by index)
-        self.scrapes: dict[int, asyncio.Future] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=self._read, name="vitserve-core-link", daemon=True)
+    id: int
+    answers: list
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the core's records from now on, and tell it this front end is up."""
-        self.loop = loop
-        self.thread.start()
-        self.send(("up",))
 
-    def send(self, message) -> None:
-        try:
-            with self.lock:
-                self.conn.send(message)
-        except (OSError, ValueError):
-            raise self.lost_error() from None
+@dataclass
+class Settled:
+    """Core -> front end: the end of a claim that key `index` of Lookup `id` waited on (an Output record, or None:
+    compute it)."""
 
-    @staticmethod
-    def lost_error() -> Unavailable:
-        return Unavailable("the server's core is gone; it is restarting", "core_lost")
+    id: int
+    index: int
+    output: object = None
 
-    # -- from the event loop
-    async def lookup(self, keys: list[bytes]) -> list:
-        """Per key: (tokens, deepstack) and grid (a hit), a future of that or of None (being computed elsewhere), or
-        None (a miss: the caller computes it and settles it)."""
-        lookup = next(self.ids)
-        answered = self.loop.create_future()
-        self.lookups[lookup] = (answered, {})
-        self.send(("lookup", lookup, keys))
-        return await answered
 
-    def submit(self, items: list) -> None:
-        records = []
-        for item in items:
-            item.id = next(self.ids)
-            self.items[item.id] = item
-            records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key,
-                                item.modality))
-        self.send(("submit", records))
+@dataclass
+class Drop:
+    """Front end -> core: items (by id) whose client went away."""
 
-    def drop(self, items: list) -> None:
-        for item in items:
-            self.items.pop(item.id, None)
-        self.send(("drop", [item.id for item in items]))
+    ids: list[int]
 
-    def release(self, keys: list[bytes]) -> None:
-        self.send(("release", keys))
 
-    async def scrape(self, kind: str):
-        scrape = next(self.ids)
-        future = self.scrapes[scrape] = self.loop.create_future()
-        self.send(("scrape", scrape, kind))
-        try:
-            return await asyncio.wait_for(future, SCRAPE_SECONDS * 2)
-        finally:
-            self.scrapes.pop(scrape, None)
+@dataclass
+class Release:
+    """Front end -> core: claims let go unanswered."""
 
-    # -- the reader thread
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                self.loop.call_soon_threadsafe(self._gone)
-                return
-            try:
-                self._handle(message)
-            except Exception as e:  # a fault here would leave requests waiting: this front end fails instead
-                log.exception("a record from the core could not be handled")
-                self.loop.call_soon_threadsafe(self.engine.fail, f"internal error: {type(e).__name__}: {e}")
-                return
+    keys: list[bytes]
 
-    def _handle(self, message) -> None:
-        if isinstance(message, Status):
-            self.loop.call_soon_threadsafe(self.engine.mirror, message)
-            return
-        kind = message[0]
-        if kind == "done":
-            answers = [(done, self._tensors(done.output, done.keep)) for done in message[1]
-                       if done.error is None]
-            errors = [done for done in message[1] if done.error is not None]
-            self.loop.call_soon_threadsafe(self._done, answers, errors)
-        elif kind == "looked":
-            _, lookup, answers = message
-            hits = [self._tensors(a, True) if a not in (None, "wait") else a for a in answers]
-            self.loop.call_soon_threadsafe(self._looked, lookup, hits)
-        elif kind == "settled":
-            _, lookup, i, output = message
-            self.loop.call_soon_threadsafe(self._settled, lookup, i,
-                                           None if output is None else self._tensors(output, True))
-        elif kind == "collect":  # answered from a thread of its own: this one keeps reading
-            threading.Thread(target=lambda m=message: self.send(("collected", m[1], self.engine.collect(m[2]))),
-                             daemon=True).start()
-        elif kind == "scraped":
-            self.loop.call_soon_threadsafe(self._scraped, message[1], message[2])
 
-    @staticmethod
-    def _tensors(output, keep: bool):
-        """An Output record as ((tokens, deepstack), grid); None where its file is gone (an evicted cache entry)."""
-        try:
-            return output.tensors(keep), output.grid
-        except OSError:
-            return None
+@dataclass
+class Up:
+    """Front end -> core: it has started (a death from now on is restarted at once)."""
 
-    # -- on the event loop
-    def _gone(self) -> None:
-        """The core is gone: what waits on it (images, cache lookups and waits, scrapes) gets a 503 `core_lost` now,
-        so that this front end's requests end and it exits, failed, instead of waiting for answers that never come."""
-        error = self.lost_error()
-        futures = [item.future for item in self.items.values()] + list(self.scrapes.values())
-        for answered, waits in self.lookups.values():
-            futures += [answered, *waits.values()]
-        self.items.clear()
-        self.lookups.clear()
-        for future in futures:
-            if future is not None and not future.done():
-                future.set_exception(error)
-        self.engine.fail("the server's core went away")
 
-    def _done(self, answers: list, errors: list) -> None:
-        for done, output in answers:
-            item = self.items.pop(done.id, None)
-            if item is None or item.future.done():
-                continue
-            item.queue_s, item.inference_s = done.queue_s, done.inference_s
-            if output is None:
-                item.future.set_exception(InferenceFailed(f"{item.param}: its answer was lost", "internal_error"))
-            else:
-                item.future.set_result(output[0])
-        for done in errors:
-            item = self.items.pop(done.id, None)
-            if item is not None and not item.future.done():
-                item.queue_s, item.inference_s = done.queue_s, done.inference_s
-                item.future.set_exception(error_of(done.error))
+@dataclass
+class Answers:
+    """Core -> front end: a batch's answers for this front end."""
 
-    def _looked(self, lookup: int, answers: list) -> None:
-        answered, waits = self.lookups[lookup]
-        out = []
-        for i, answer in enumerate(answers):
-            if answer == "wait":
-                waits[i] = self.loop.create_future()
-                answer = waits[i]
-            elif answer is not None and answer[0] is None:  # a hit whose file was evicted meanwhile: computed here
-                answer = self.loop.create_future()
-                answer.set_result(None)
-            out.append(answer)
-        if not waits:
-            del self.lookups[lookup]
-        if not answered.done():
-            answered.set_result(out)
+    answers: list[Done]
 
-    def _settled(self, lookup: int, i: int, output) -> None:
-        answered, waits = self.lookups.get(lookup, (None, {}))
-        future = waits.pop(i, None)
-        if not waits:
-            self.lookups.pop(lookup, None)
-        if future is not None and not future.done():
-            future.set_result(None if output is None or output[0] is None else output)
 
-    def _scraped(self, scrape: int, answer) -> None:
-        future = self.scrapes.get(scrape)
-        if future is not None and not future.done():
-            future.set_result(answer)
+@dataclass
+class Scrape:
+    """Front end -> core: gather the whole server's /stats or /metrics (`kind`), answered by a Scraped."""
+
+    id: int
+    kind: str
+
+
+@dataclass
+class Collect:
+    """Core -> front end: its part of a scrape, answered by a Collected."""
+
+    id: int
+    kind: str
+
+
+@dataclass
+class Collected:
+    """Front end -> core: its part of a scrape (its /stats dict or /metrics text)."""
+
+    id: int
+    part: object
+
+
+@dataclass
+class Scraped:
+    """Core -> front end: the whole server's /stats dict or /metrics text."""
+
+    id: int
+    answer: object

@@ -4,6 +4,7 @@ coexist), and the recent latencies per phase that /stats reports as percentiles.
 from __future__ import annotations
 
 import collections
+import math
 import platform
 import threading
 
@@ -203,3 +204,44 @@ class _RunnerCollector:
             pool.add_metric([device], stats["pool_bytes"])
             capture.add_metric([device], stats["capture_seconds"])
         yield from (replays, padded, real, eager, eager_runs, eager_patches, pool, capture)
+
+
+def merged_metrics(texts: list[str]) -> str:
+    """The exposition texts of every process's registry in one (the first: the process that holds the devices): the
+    same series summed (counters, histograms, the gauges of what each holds), where one value stands for the server
+    (its build, its readiness, the start time) the first's. One text is the server's as it is."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if len(texts) == 1:
+        return texts[0]
+
+    families: dict[str, list] = {}  # name -> [type, help, {(sample name, labels): value}]
+    own = {"vitserve_build_info", "vitserve_ready", "process_start_time_seconds", "process_max_fds"}
+    for n, text in enumerate(texts):
+        for family in text_string_to_metric_families(text):
+            entry = families.setdefault(family.name, [family.type, family.documentation, {}])
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if sample.name in own:
+                    entry[2].setdefault(key, sample.value) if n == 0 else None
+                else:
+                    entry[2][key] = entry[2].get(key, 0.0) + sample.value
+    lines = []
+    for name, (kind, help, samples) in families.items():
+        name += "_total" if kind == "counter" else ""  # the parser names a counter without its suffix
+        lines += [f"# HELP {name} {help.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}",
+                  f"# TYPE {name} {kind}"]
+        for (sample, labels), value in samples.items():
+            text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+            lines.append(f"{sample}{{{text}}} {_number(value)}" if text else f"{sample} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    return repr(float(value)) if not math.isinf(value) else ("+Inf" if value > 0 else "-Inf")

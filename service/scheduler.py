@@ -31,12 +31,12 @@ class WorkItem:
     # preprocessing, which resizes on the device), maybe still in its spool file; or a JPEG nvJPEG decodes there
     grid: tuple[int, int, int]  # (t, h, w) in patches
     future: asyncio.Future | None  # resolved on the event loop with (tokens, deepstack) or (mean vector, []); in
-    # the core (several front ends), None: its answer goes back to `origin`
+    # the core (several front ends), None: its answer goes back to its front end's link
     mean_pooling: bool = False  # answer with the mean of the tokens (taken on the device) instead of the tokens
     param: str = "input[0]"  # the image as its request names it, in errors
-    key: bytes | None = None  # its embedding cache key, where the core caches its answer
-    origin: object = None  # in the core: (the front end's link, the item's id there, key)
-    id: int = -1  # in a front end: the item's id in its records to the core
+    key: bytes | None = None  # its embedding cache key: the backend's cache keeps its answer under it
+    origin: object = None  # where its answer goes (`deliver`): backend.Futures, or a front end's core.Link
+    id: int = -1  # between a front end and the core: the item's id in their records
     enqueued: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0
     inference_s: float = 0.0

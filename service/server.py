@@ -26,7 +26,7 @@ def run_server(settings: Settings, engine, sockets=None) -> int:
             """First SIGTERM/SIGINT: not ready, stop accepting, answer everything in flight, exit 0. Another one a
             second or more later: exit now (StopSignals). (Unlike uvicorn's own handler, the signal is not re-raised
             after a graceful shutdown.) A front end leaves signals to its core, which tells it to drain."""
-            if engine.core is not None:
+            if not engine.backend.takes_signals:
                 return
             engine.drain()
             if stops.add():

@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import load as safetensors_load
 
 from vitserve.service.app import create_app
-from vitserve.service.engine import Engine
+from vitserve.service.backend import LocalBackend
 from vitserve.service.outputs import OUTPUT_DTYPES
 from vitserve.service.settings import Settings
 
@@ -219,7 +219,7 @@ def test_not_ready_and_draining_are_503(encoders, monkeypatch):
     async def never_loads(self):
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(Engine, "_load", never_loads)
+    monkeypatch.setattr(LocalBackend, "_load", never_loads)
     settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy")
     with TestClient(create_app(settings)) as c:
         assert c.get("/health").status_code == 200

@@ -13,7 +13,7 @@ import torch
 from helpers import b64_tensor, client_for, data_uri, png
 
 from vitserve.encoder.preprocess import Base64Data, PreprocessConfig
-from vitserve.service.cache import EmbeddingCache
+from vitserve.service.cache import WAIT, Answer, Cache, CacheKeys
 from vitserve.service.metrics import Metrics
 
 
@@ -42,7 +42,7 @@ def test_a_hit_skips_decoding_and_the_device_and_is_bit_identical(client):
     # the dtype and the layout are applied after the cache: a hit gives exactly what a computation gives
     for fields in ({"dtype": "bfloat16"}, {"layout": "vllm"}, {"dtype": "float16", "deepstack": False}):
         hit = client.post("/v1/encode", json={"images": [image], **fields})
-        with client_for(client.app.state.engine.workers[0].device.encoder, cache_bytes=0) as fresh:
+        with client_for(client.app.state.engine.backend.workers[0].device.encoder, cache_bytes=0) as fresh:
             computed = fresh.post("/v1/encode", json={"images": [image], **fields})
         assert hit.headers["x-cache-hits"] == "1" and hit.json()["data"] == computed.json()["data"], fields
     stats = client.get("/stats").json()["cache"]
@@ -58,7 +58,7 @@ def test_different_preprocessing_never_shares_an_entry(client):
     assert mean.headers["x-cache-hits"] == "0"
     assert client.post("/v1/embeddings", json={"input": [image]}).headers["x-cache-hits"] == "1"
     cfg, other = PreprocessConfig(), PreprocessConfig(max_pixels=100_000)
-    cache_a, cache_b = EmbeddingCache(1, "model-a", Metrics()), EmbeddingCache(1, "model-b", Metrics())
+    cache_a, cache_b = CacheKeys("model-a"), CacheKeys("model-b")
     data = Base64Data("aGVsbG8=")
     keys = {cache_a.key(data, cfg, False), cache_a.key(data, other, False), cache_a.key(data, cfg, True),
             cache_b.key(data, cfg, False), cache_a.key(Base64Data("aGVsbG9=="), cfg, False)}
@@ -67,20 +67,20 @@ def test_different_preprocessing_never_shares_an_entry(client):
 
 def test_eviction_keeps_the_bound_least_recently_used_first():
     metrics = Metrics()
-    cache = EmbeddingCache(3 * 400, "m", metrics)  # room for three 100-float entries
-    entry = lambda: ((torch.zeros(100), []), (1, 2, 2))  # noqa: E731  (400 bytes)
+    cache = Cache(3 * 400, metrics)  # room for three 100-float entries
+    entry = lambda: Answer((torch.zeros(100), []), (1, 2, 2))  # noqa: E731  (400 bytes)
     for key in (b"a", b"b", b"c"):
         cache.put(key, entry())
     assert cache.get(b"a") is not None  # a is now the most recently used
     cache.put(b"d", entry())
     assert cache.get(b"b") is None and all(cache.get(k) is not None for k in (b"a", b"c", b"d"))
     assert cache.bytes == 1200 <= cache.limit and metrics.registry.get_sample_value("vitserve_cache_evictions_total") == 1
-    cache.put(b"huge", ((torch.zeros(1000), []), (1, 2, 2)))  # larger than the whole cache: not stored
+    cache.put(b"huge", Answer((torch.zeros(1000), []), (1, 2, 2)))  # larger than the whole cache: not stored
     assert cache.get(b"huge") is None and cache.bytes == 1200
 
 
 def test_a_failed_encode_is_never_cached(client, monkeypatch):
-    runner = client.app.state.engine.workers[0].device.encoder.runner
+    runner = client.app.state.engine.backend.workers[0].device.encoder.runner
     real, calls = runner.launch_images, []
 
     def fails_once(*args, **kwargs):
@@ -120,12 +120,14 @@ def test_the_cache_can_be_off(encoders):
 
 def test_waiters_compute_themselves_when_the_first_request_fails():
     async def scenario():
-        cache = EmbeddingCache(10**6, "m", Metrics())
-        assert cache.claim(b"k") is None  # the first request encodes it
-        waiting = cache.claim(b"k")  # a second one waits for it
+        cache, loop = Cache(10**6, Metrics()), asyncio.get_running_loop()
+        waiting = loop.create_future()
+        claim = lambda: cache.lookup([b"k"], None, lambda i: waiting.set_result)[0]  # noqa: E731
+        assert claim() is None  # the first request encodes it
+        assert claim() == WAIT  # a second one waits for it
         cache.settle(b"k", None)  # the first failed
-        assert await waiting is None and cache.claim(b"k") is None  # the second now encodes it itself
-        output = ((torch.ones(4), []), (1, 2, 2))
+        assert await waiting is None and claim() is None  # the second now encodes it itself
+        output = Answer((torch.ones(4), []), (1, 2, 2))
         cache.settle(b"k", output)
         return cache.get(b"k")
 

@@ -96,7 +96,7 @@ def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
             out = await decoder.decode(images, cfg)
             pixels = spool.pixels([image for image, _ in out])
             if spool_dir == "none":
-                return pixels, [grid for _, grid in out], engine.stats()["spool"]
+                return pixels, [grid for _, grid in out], (await engine.server_stats())["spool"]
             assert all(isinstance(image, spool.Spooled) for image, _ in out) and images_in(spool_dir) == []
             with pytest.raises(InputRejected):  # a bad sibling: the good ones' files go
                 await decoder.decode([*images, b64(b"not an image")], cfg)
@@ -110,9 +110,9 @@ def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
             await until(settled, what="the spool emptied")
             gone = asyncio.get_running_loop().create_future()  # left while queued (the batch waits 5 ms)
             items = [WorkItem(image, grid, gone, cancelled=True) for image, grid in await decoder.decode(images, cfg)]
-            engine.queue.put(items)
+            engine.backend.queue.put(items)
             await until(settled, what="the spool emptied")
-            return pixels, [grid for _, grid in out], engine.stats()["spool"]
+            return pixels, [grid for _, grid in out], (await engine.server_stats())["spool"]
         finally:
             await engine.stop()
 
@@ -151,7 +151,7 @@ def test_a_dead_decode_worker_fails_no_request(encoders, tmp_path):
             got = await asyncio.gather(*tasks)
             read = [(spool.pixels([image])[0], grid) for image, grid in [*want, *(g[0] for g in got)]]
             left = images_in(tmp_path)
-            return read[:len(want)], read[len(want):], decoder.pool.replaced, engine.stats()["decode_workers_replaced"], left
+            return read[:len(want)], read[len(want):], decoder.pool.replaced, (await engine.server_stats())["decode_workers_replaced"], left
         finally:
             await engine.stop()
 

@@ -64,7 +64,7 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
         spool_dir.rmdir()  # no spool any more: pixels and outputs cross through the pipes
         for _ in range(4):  # both devices, whichever takes each batch
             check_native()
-        device = c.app.state.engine.workers[0].device
+        device = c.app.state.engine.backend.workers[0].device
         os.kill(device.pid, signal.SIGKILL)
         wait_until(lambda: not device.process.is_alive(), 10, "the device process to die")
         errors = []

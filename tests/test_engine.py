@@ -37,7 +37,7 @@ def test_bad_request_does_not_fail_its_batch_neighbours(encoders, monkeypatch):
     def slow_first(images, lut, mean_pooling=None, slice_lut=None):
         calls.append(len(images))
         if len(calls) == 1:  # the device is busy until every good image is in this batch or waits for it
-            wait_until(lambda: len(images) + len(c.app.state.engine.queue) >= len(IMAGES), 30, "the good images queued")
+            wait_until(lambda: len(images) + len(c.app.state.engine.backend.queue) >= len(IMAGES), 30, "the good images queued")
         return real_launch(images, lut, mean_pooling, slice_lut)
 
     monkeypatch.setattr(enc.runner, "launch_images", slow_first)
@@ -97,7 +97,7 @@ def test_disconnected_client_is_dropped_from_the_queue(encoders):
     async def scenario():
         engine = Engine(Settings(model=enc.name, cache_bytes=0), encoders=enc)
         await engine.start()
-        device, release, held = engine.workers[0].device, threading.Event(), threading.Event()
+        device, release, held = engine.backend.workers[0].device, threading.Event(), threading.Event()
         launch = device.launch
 
         def held_launch(batch):  # the device stays busy with the first batch until released

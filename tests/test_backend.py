@@ -1,0 +1,98 @@
+"""The engine's backend without a model: the one batch accounting (answers per origin, the cache kept under each
+key), the cache's single flight and its claims by owner, and the one /stats builder in both topologies."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from vitserve.encoder.preprocess import ImageError
+from vitserve.service.backend import LocalBackend
+from vitserve.service.cache import WAIT, Answer, Cache
+from vitserve.service.errors import InferenceFailed, InputRejected
+from vitserve.service.lifecycle import Lifecycle, State
+from vitserve.service.metrics import Metrics
+from vitserve.service.scheduler import WorkItem
+from vitserve.service.settings import Settings
+from vitserve.service.stats import server_stats
+
+
+class Origin:
+    def __init__(self):
+        self.deliveries = []
+
+    def deliver(self, results):
+        self.deliveries.append(results)
+
+
+def backend() -> LocalBackend:
+    metrics = Metrics()
+    local = LocalBackend(Settings(model="tiny-qwen3-vl", load_format="dummy", cache_bytes=10**6), metrics,
+                         Lifecycle(metrics), ["cpu"], "float32", None, process_each=False)
+    local.model = SimpleNamespace(config=SimpleNamespace(merge_unit=4, family="qwen3_vl"))
+    return local
+
+
+def item(origin, key=None) -> WorkItem:
+    return WorkItem(None, (1, 2, 2), None, key=key, origin=origin)
+
+
+def test_a_batch_is_one_delivery_per_origin_and_its_answers_are_cached():
+    local, a, b = backend(), Origin(), Origin()
+    waited = []
+    assert local.cache.lookup([b"k"], a, lambda i: waited.append) == [None]  # claimed by a
+    assert local.cache.lookup([b"k"], b, lambda i: waited.append) == [WAIT]
+    batch = [item(a, b"k"), item(b), item(a)]
+    refused = ImageError("not an image")
+    local.done(SimpleNamespace(name="cpu"), batch, [(torch.ones(3), []), (torch.zeros(2), []), refused], None, 0.5)
+    assert [len(d) for d in a.deliveries] == [2] and [len(d) for d in b.deliveries] == [1]
+    first, third = a.deliveries[0]
+    assert first.keep and torch.equal(first.output[0], torch.ones(3)) and first.inference_s == 0.5
+    assert isinstance(third.error, InputRejected) and third.error.message == "input[0]: not an image"
+    assert len(waited) == 1 and isinstance(waited[0], Answer) and local.cache.get(b"k") is waited[0]
+    assert local.batch_sizes == {3: 1} and local.metrics.registry.get_sample_value(
+        "vitserve_images_total", {"device": "cpu"}) == 3
+
+
+def test_a_failed_batch_lets_its_claims_go_and_a_lost_device_fails_the_server():
+    local, origin, waited = backend(), Origin(), []
+    local.cache.lookup([b"k"], origin, lambda i: waited.append)
+    local.cache.lookup([b"k"], origin, lambda i: waited.append)
+    error = InferenceFailed("the device is gone", "device_lost")
+    local.done(SimpleNamespace(name="cpu"), [item(origin, b"k")], None, error, 0.0)
+    assert waited == [None] and local.cache.get(b"k") is None and origin.deliveries[0][0].error is error
+    assert local.life.state is State.FAILED and local.batch_sizes == {}
+
+
+def test_claims_are_let_go_by_owner():
+    cache, calls = Cache(10**6, Metrics()), []
+    cache.lookup([b"a", b"b"], "front 0", lambda i: calls.append)
+    cache.lookup([b"c"], "front 1", lambda i: calls.append)
+    cache.lookup([b"a", b"c"], "front 1", lambda i: lambda entry: calls.append((i, entry)))
+    cache.release(owner="front 0")  # front end 0 died: its claims end, their waiters compute them
+    assert calls == [(0, None)] and sorted(cache.owners) == [b"c"]
+    assert cache.lookup([b"a"], "front 1", lambda i: calls.append) == [None]  # free to claim again
+
+
+def front(in_flight: int, hits: int) -> dict:
+    return {"recent": {"request": [0.1]}, "requests_in_flight": in_flight, "tiers": {"sglang": {"sockets": 1}},
+            "decode_workers": 2, "decode_workers_replaced": 0, "counters": {"hits": hits, "misses": 1},
+            "memory": {use: {"limit_bytes": 10, "bytes": 1} for use in ("bodies", "decode")},
+            "videos": {"available": True, "reason": None}}
+
+
+def test_stats_of_one_process_and_of_several_front_ends():
+    local = backend()
+    settings = local.settings
+    one = server_stats(settings, local.stats(recent=False), [front(1, 2)])
+    assert "api_servers" not in one and "api_servers" not in one["batching"]
+    assert one["requests_in_flight"] == 1 and one["cache"]["hits"] == 2 and one["batching"]["decode_workers"] == 2
+    assert one["tiers"] == {"sglang": {"sockets": 1}} and one["latency"]["request"]["count"] == 1
+    several = server_stats(settings, local.stats(recent=True), [front(1, 2), front(3, 4)], api_servers=2,
+                           api_servers_replaced=1)
+    assert (several["api_servers"], several["api_servers_replaced"], several["batching"]["api_servers"]) == (2, 1, 2)
+    assert several["requests_in_flight"] == 4 and several["cache"]["hits"] == 6 and several["tiers"]["sglang"] == {
+        "sockets": 2}
+    assert several["memory"]["bodies"] == {"limit_bytes": 20, "bytes": 2}
+    assert set(one) | {"api_servers", "api_servers_replaced"} == set(several)
