@@ -61,7 +61,7 @@ class Link:
 
     def __init__(self, index: int, conn, process):
         self.index, self.conn, self.process = index, conn, process
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # sends, one at a time; held over a lookup and its answer (Core._handle)
         self.open, self.up = True, False
         self.items: dict[int, object] = {}  # item id -> its WorkItem, while queued or running
         self.items_lock = threading.Lock()
@@ -176,9 +176,10 @@ class Core:
             case Submit(records):
                 self._submit(link, records)
             case Lookup(lookup, keys):
-                answers = self.backend.cache.lookup(
-                    keys, link, lambda i: lambda entry: link.send(Settled(lookup, i, entry)))
-                link.send(Looked(lookup, answers))
+                with link.lock:  # a key settled meanwhile is told to this front end after the lookup's answer
+                    answers = self.backend.cache.lookup(
+                        keys, link, lambda i: lambda entry: link.send(Settled(lookup, i, entry)))
+                    link.send(Looked(lookup, answers))
             case Drop(ids):
                 with link.items_lock:
                     dropped = [w for w in (link.items.pop(i, None) for i in ids) if w]

@@ -96,3 +96,32 @@ def test_stats_of_one_process_and_of_several_front_ends():
         "sockets": 2}
     assert several["memory"]["bodies"] == {"limit_bytes": 20, "bytes": 2}
     assert set(one) | {"api_servers", "api_servers_replaced"} == set(several)
+
+
+def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it():
+    """The core answers a lookup and tells its waits' settles over one pipe: a key settled by another thread while
+    the lookup is answered reaches the front end after the lookup's answer (which registers the wait), else the
+    front end would drop the settle and its request would wait for ever."""
+    import threading
+
+    from vitserve.service.core import Core, Link
+    from vitserve.service.core_link import Lookup
+
+    core = Core(Settings(model="tiny-qwen3-vl", load_format="dummy", device="cpu"), 2)
+    sent, settlers = [], []
+    link = Link(0, SimpleNamespace(send=lambda message: sent.append(type(message).__name__)), None)
+    cache = core.backend.cache
+    cache.lookup([b"k"], Link(1, SimpleNamespace(send=lambda message: None), None), lambda i: None)  # front end 1's
+    looked_up = cache.lookup
+
+    def lookup_then_settled(keys, owner, waiter):
+        answers = looked_up(keys, owner, waiter)
+        settlers.append(threading.Thread(target=cache.settle, args=(b"k", None)))
+        settlers[0].start()
+        settlers[0].join(0.5)  # front end 1's claim ends now, on another thread
+        return answers
+
+    cache.lookup = lookup_then_settled
+    core._handle(link, Lookup(7, [b"k"]))
+    settlers[0].join(5)
+    assert sent == ["Looked", "Settled"]
