@@ -1,8 +1,8 @@
-"""vitserve as SGLang's encoder server (service/sglang_tier.py): a real server takes /encode and
-/scheduler_receive_url as a --language-only SGLang server sends them, and a real ZMQ PULL socket here stands where
-SGLang's scheduler rank listens. The messages are decoded without sglang, by an unpickler that allows only what
-SGLang 0.5.23's receiver allows (its two classes mapped to stand-ins here); SGLang's own receiver decodes them in
-tests/engine_contracts/sglang_receiver.py."""
+"""vitserve as SGLang's encoder server (service/sglang_tier.py and its sglang_* modules): a real server takes
+/encode and /scheduler_receive_url as a --language-only SGLang server sends them, and a real ZMQ PULL socket here
+stands where SGLang's scheduler rank listens. The messages are decoded without sglang, by an unpickler that allows
+only what SGLang 0.5.23's receiver allows (its two classes mapped to stand-ins here); SGLang's own receiver decodes
+them in tests/engine_contracts/sglang_receiver.py."""
 
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ from vitserve.encoder.features import Features
 from vitserve.service.engine import Encoded
 from vitserve.service.errors import EngineError
 from vitserve.service.http_errors import ServiceError
-from vitserve.service.sglang_tier import (EncodeCall, Pairing, ReceiverNetworks, Registration, embedding_frame,
-                                          endpoint, message, receiver_address)
+from vitserve.service.sglang_addresses import ReceiverNetworks, endpoint, receiver_address
+from vitserve.service.sglang_frames import embedding_frame, message
+from vitserve.service.sglang_pairing import Pairing
+from vitserve.service.sglang_schemas import EncodeCall, Registration
 
 zmq = pytest.importorskip("zmq")
 
@@ -151,6 +153,55 @@ def test_the_pickle_names_sglangs_classes_and_no_module_of_vitserve():
     assert not any("vitserve" in s for s in strings) and not any(m.split(".")[0] == "sglang" for m in sys.modules)
 
 
+def test_a_long_string_is_bounded_by_its_schemas_max_length_once_restored():
+    """read_json validates a body with each string of over 4 KB standing as a short placeholder; `bounded` then holds
+    each string field to its schema's max_length (the one source of the bound): a 400 naming the field, with the
+    length and not the value. A bound shorter than a placeholder (a registration's modality) and /encode's modality
+    (no placeholder is IMAGE or VIDEO) are the schema's own to refuse."""
+    import json
+
+    from fastapi.exceptions import RequestValidationError
+
+    from vitserve.service.json_body import parse_body
+    from vitserve.service.sglang_schemas import (CALL_LIMITS, MAX_HOST, MAX_REQ_ID, REGISTRATION_LIMITS, bounded,
+                                                 string_limits)
+
+    assert CALL_LIMITS == string_limits(EncodeCall) == {"req_id": MAX_REQ_ID, "prefill_host": MAX_HOST}
+    assert REGISTRATION_LIMITS == {"req_id": MAX_REQ_ID, "receive_url": 300, "modality": 16}
+    part = {"req_id": "r_local_part_0", "num_parts": 1, "part_idx": 0, "modality": "IMAGE", "mm_items": ["x"],
+            "prefill_host": "10.0.0.5", "embedding_port": 9}
+    rank = {"req_id": "r_local_part_0", "receive_count": 1, "receive_url": "10.0.0.5:9", "modality": "IMAGE"}
+    for model, body, limits in ((EncodeCall, part, CALL_LIMITS), (Registration, rank, REGISTRATION_LIMITS)):
+        bounded(parse_body(model, json.dumps(body).encode(), 16))
+        for field, limit in limits.items():
+            long = json.dumps(body | {field: "x" * 5000}).encode()
+            if field == "modality":  # a bound shorter than a placeholder: the schema refuses the placeholder
+                with pytest.raises(RequestValidationError):
+                    parse_body(model, long, 16)
+                continue
+            parsed = parse_body(model, long, 16)
+            for check in (lambda: bounded(parsed), lambda: bounded(parsed, limits)):
+                with pytest.raises(EngineError) as e:
+                    check()
+                assert (status(e.value), e.value.code, e.value.param) == (400, "invalid_request", field)
+                assert e.value.message == f"{field}: at most {limit} characters, got 5000"
+    with pytest.raises(RequestValidationError):
+        parse_body(EncodeCall, json.dumps(part | {"modality": "x" * 5000}).encode(), 16)
+
+
+def test_the_sglang_modules_raise_domain_errors_and_import_no_web_framework():
+    """The tier's modules raise domain errors (service/errors.py); SGLang's error form is made at the HTTP edge."""
+    import pathlib
+
+    modules = sorted((pathlib.Path(__file__).resolve().parents[1] / "service").glob("sglang_*.py"))
+    assert {m.name for m in modules} >= {"sglang_tier.py", "sglang_schemas.py", "sglang_addresses.py",
+                                         "sglang_pairing.py", "sglang_frames.py", "sglang_push.py"}
+    for module in modules:
+        source = module.read_text()
+        assert not any(name in source for name in ("ServiceError", "HTTPException", "JSONResponse", "fastapi",
+                                                   "starlette")), module.name
+
+
 def registration(req_id="r_local_part_0", count=1, url="127.0.0.1:5000") -> Registration:
     return Registration(req_id=req_id, receive_count=count, receive_url=url)
 
@@ -245,20 +296,20 @@ def test_a_receiver_that_cannot_be_reached_is_a_502_and_leaves_no_socket():
         pull = context.socket(zmq.PULL)
         port = pull.bind_to_random_port("tcp://127.0.0.1")
         try:
-            await tier._push(f"tcp://127.0.0.1:{port}", [b"meta", b"data"], keep=True)
+            await tier.sockets.push(f"tcp://127.0.0.1:{port}", [b"meta", b"data"], keep=True)
             assert pull.poll(5000) and pull.recv_multipart() == [b"meta", b"data"]
-            assert list(tier.sockets) == [f"tcp://127.0.0.1:{port}"]
+            assert list(tier.sockets.kept) == [f"tcp://127.0.0.1:{port}"]
             pull.close(linger=0)
             dead = f"tcp://127.0.0.1:{port + 1 if port < 65535 else port - 1}"
             for keep in (True, False):
                 with pytest.raises(EngineError) as e:
-                    await tier._push(dead, [b"meta"], keep=keep)
+                    await tier.sockets.push(dead, [b"meta"], keep=keep)
                 assert status(e.value) == 502 and e.value.code == "delivery_failed"
-            assert list(tier.sockets) == [f"tcp://127.0.0.1:{port}"] and len(tier.busy) == 1
+            assert list(tier.sockets.kept) == [f"tcp://127.0.0.1:{port}"] and len(tier.sockets.busy) == 1
         finally:
             await tier.close()
             context.term()
-        assert not tier.busy
+        assert not tier.sockets.busy
 
     asyncio.run(main())
 
@@ -295,27 +346,27 @@ def test_features_go_only_to_the_allowed_networks():
 def test_deliveries_are_bounded_and_a_bad_address_leaves_no_socket(monkeypatch):
     """At most MAX_OPEN_SOCKETS sockets at once (a 429 beyond, the idle kept ones closed first); an address ZMQ
     cannot connect to is a 400 and leaves no socket open."""
-    from vitserve.service import sglang_tier
+    from vitserve.service import sglang_push, sglang_tier
 
-    monkeypatch.setattr(sglang_tier, "MAX_OPEN_SOCKETS", 2)
+    monkeypatch.setattr(sglang_push, "MAX_OPEN_SOCKETS", 2)
 
     async def main():
         tier = sglang_tier.SGLangTier("float32", timeout=30)
         try:
             with pytest.raises(EngineError) as e:
-                await tier._push("tcp://bad host:1", [b"meta"], keep=False)
-            assert status(e.value) == 400 and e.value.code == "invalid_receiver" and not tier.busy
-            waiting = [asyncio.ensure_future(tier._push(f"tcp://192.0.2.1:{port}", [b"meta"], keep=False))
+                await tier.sockets.push("tcp://bad host:1", [b"meta"], keep=False)
+            assert status(e.value) == 400 and e.value.code == "invalid_receiver" and not tier.sockets.busy
+            waiting = [asyncio.ensure_future(tier.sockets.push(f"tcp://192.0.2.1:{port}", [b"meta"], keep=False))
                        for port in (1, 2)]
             await asyncio.sleep(0.05)
-            assert len(tier.busy) == 2
+            assert len(tier.sockets.busy) == 2
             with pytest.raises(EngineError) as e:
-                await tier._push("tcp://192.0.2.1:3", [b"meta"], keep=False)
-            assert status(e.value) == 429 and e.value.code == "too_many_deliveries" and len(tier.busy) == 2
+                await tier.sockets.push("tcp://192.0.2.1:3", [b"meta"], keep=False)
+            assert status(e.value) == 429 and e.value.code == "too_many_deliveries" and len(tier.sockets.busy) == 2
             for task in waiting:
                 task.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
-            assert not tier.busy
+            assert not tier.sockets.busy
         finally:
             await tier.close()
 
@@ -638,9 +689,9 @@ def test_a_port_that_speaks_no_zmq_takes_nothing_and_is_a_502_at_once(peer, monk
     ZMTP 3's greeting (an HTTP server's answer) for a ZMTP 1.0 one and would send to it; the tier refuses it: every
     push is a 502 at once (not retried until the timeout), counted as a failure and never as a delivery, and leaves
     no socket. A silent port fails ZMQ's handshake once HANDSHAKE_MS passes."""
-    from vitserve.service import sglang_tier
+    from vitserve.service import sglang_push, sglang_tier
 
-    monkeypatch.setattr(sglang_tier, "HANDSHAKE_MS", 300)
+    monkeypatch.setattr(sglang_push, "HANDSHAKE_MS", 300)
 
     async def main(port):
         tier = sglang_tier.SGLangTier("float32", timeout=20)
@@ -648,10 +699,10 @@ def test_a_port_that_speaks_no_zmq_takes_nothing_and_is_a_502_at_once(peer, monk
             for keep in (True, False) * 3:
                 start = time.monotonic()
                 with pytest.raises(EngineError) as e:
-                    await tier._push(f"tcp://127.0.0.1:{port}", [b"meta", b"x" * 100], keep=keep)
+                    await tier.sockets.push(f"tcp://127.0.0.1:{port}", [b"meta", b"x" * 100], keep=keep)
                 assert status(e.value) == 502 and e.value.code == "delivery_failed", e.value.message
                 assert "handshake" in e.value.message and time.monotonic() - start < 10
-                assert not tier.busy and not tier.sockets and not tier.watches
+                assert not tier.sockets.busy and not tier.sockets.kept and not tier.sockets.watches
             assert tier.stats()["delivery_failures"] == 6 and tier.stats()["deliveries"] == 0
         finally:
             await tier.close()
@@ -663,7 +714,7 @@ def test_a_port_that_speaks_no_zmq_takes_nothing_and_is_a_502_at_once(peer, monk
 def test_a_kept_socket_outlives_its_receivers_restart_and_expires_when_unused(monkeypatch):
     """A receiver that goes away after ZMQ's handshake is not a port without ZMQ: its kept socket reconnects and
     delivers to it once it is back. A kept socket unused for KEPT_IDLE seconds is closed."""
-    from vitserve.service import sglang_tier
+    from vitserve.service import sglang_push, sglang_tier
 
     async def main():
         tier = sglang_tier.SGLangTier("float32", timeout=60)
@@ -672,19 +723,19 @@ def test_a_kept_socket_outlives_its_receivers_restart_and_expires_when_unused(mo
         port = pull.bind_to_random_port("tcp://127.0.0.1")
         target = f"tcp://127.0.0.1:{port}"
         try:
-            await tier._push(target, [b"meta"], keep=True)
-            assert pull.poll(5000) and pull.recv_multipart() == [b"meta"] and list(tier.sockets) == [target]
-            kept = tier.sockets[target]
+            await tier.sockets.push(target, [b"meta"], keep=True)
+            assert pull.poll(5000) and pull.recv_multipart() == [b"meta"] and list(tier.sockets.kept) == [target]
+            kept = tier.sockets.kept[target]
             pull.close(linger=0)
             await asyncio.sleep(0.3)  # the kept socket sees the disconnection
             pull = context.socket(zmq.PULL)
             pull.bind(target)
-            await tier._push(target, [b"again"], keep=True)
-            assert pull.poll(5000) and pull.recv_multipart() == [b"again"] and tier.sockets[target] is kept
-            monkeypatch.setattr(sglang_tier, "KEPT_IDLE", 0.0)
+            await tier.sockets.push(target, [b"again"], keep=True)
+            assert pull.poll(5000) and pull.recv_multipart() == [b"again"] and tier.sockets.kept[target] is kept
+            monkeypatch.setattr(sglang_push, "KEPT_IDLE", 0.0)
             with pytest.raises(EngineError):  # any socket opened sweeps the idle kept ones
-                await tier._push("tcp://bad host:1", [b"meta"], keep=False)
-            assert not tier.sockets and not tier.busy and tier.stats()["deliveries"] == 2
+                await tier.sockets.push("tcp://bad host:1", [b"meta"], keep=False)
+            assert not tier.sockets.kept and not tier.sockets.busy and tier.stats()["deliveries"] == 2
         finally:
             pull.close(linger=0)
             await tier.close()
