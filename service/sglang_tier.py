@@ -18,7 +18,8 @@ as SGLang's own `--encoder-only` server does (sglang.srt.disaggregation.encoder,
 * sglang_frames.py: the message, SGLang's two frames (`message`);
 * sglang_push.py: the PUSH sockets the message leaves by (`PushSockets`).
 
-The parts being encoded are bounded by admission (the gate admits /encode), the sockets by `MAX_OPEN_SOCKETS`.
+The parts being encoded are bounded by admission (the gate admits /encode), the sockets by
+`sglang_push.MAX_OPEN_SOCKETS`.
 """
 
 from __future__ import annotations
@@ -109,5 +110,5 @@ class SGLangTier:
         return message(call, result, family, self.dtype)
 
     async def close(self) -> None:
-        """Close every socket (what they still hold is sent for up to `LINGER_MS`), then the context."""
+        """Close every socket (what they still hold is sent for up to `sglang_push.LINGER_MS`), then the context."""
         await self.sockets.close()
