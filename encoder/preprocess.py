@@ -48,7 +48,6 @@ import functools
 import io
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -108,50 +107,12 @@ class InvalidBase64(ImageError):
     code = "invalid_base64"
 
 
-class Base64Data:
-    """Base64 text of an encoded image, decoded where the image is (a server's decode worker, not its event loop).
+def Base64Data(text: str | memoryview, start: int = 0, shared: tuple[str, int] | None = None):
+    """Base64 text of an encoded image from `start` (after a data URI's header), as `encoder.media.MediaBytes`: the
+    one type for an item's input bytes (`shared`: where `text` lies in a file a decode worker maps)."""
+    from .media import MediaBytes
 
-    It holds the text as the request gave it, a string or a view of the request body's bytes, and where the base64
-    starts in it (after a data URI's header), so the payload is never copied to be told apart: a 30 MB image stays
-    where it arrived until its bytes are read. `shared`: where `text` lies in a file other processes can map (its
-    path, the offset of text[0]), so that a decode worker reads it there instead of being sent it; else None."""
-
-    __slots__ = ("text", "start", "shared")
-
-    def __init__(self, text: str | memoryview, start: int = 0, shared: tuple[str, int] | None = None):
-        self.text, self.start, self.shared = text, start, shared
-
-    def __len__(self) -> int:
-        return len(self.text) - self.start
-
-    def __repr__(self) -> str:
-        return f"Base64Data({len(self)} characters)"
-
-    def prefix(self, n: int) -> str:
-        """The first `n` characters of the base64."""
-        part = self.text[self.start:self.start + n]
-        return part if isinstance(part, str) else bytes(part).decode("latin-1")
-
-    def ascii(self, nbytes: int | None = None) -> memoryview:
-        """The base64 as ASCII bytes (a non-ASCII character becomes something no base64 decoder accepts); with
-        `nbytes`, only the whole quads of characters that hold the first `nbytes` bytes (the image's end: what
-        follows is not copied), where no whitespace comes before them."""
-        text, end = self.text, len(self.text)
-        if nbytes is not None and (n := -(-nbytes // 3) * 4) < len(self):
-            quads = text[self.start:self.start + n]
-            if not (_WHITESPACE if isinstance(quads, str) else _WHITESPACE_BYTES).search(quads):
-                end = self.start + n
-        if isinstance(text, str):  # the whole text encoded once, or only the prefix that holds the image
-            return memoryview(text[self.start:end].encode("ascii", "replace")) if end < len(text) else \
-                memoryview(text.encode("ascii", "replace"))[self.start:]
-        return text[self.start:end]
-
-    def decode(self) -> bytes:
-        return decode_base64(self.ascii())
-
-
-_WHITESPACE = re.compile(r"\s")
-_WHITESPACE_BYTES = re.compile(rb"\s")
+    return MediaBytes(text, start, True, shared)
 
 
 def decode_base64(text: str | bytes | memoryview) -> bytes:

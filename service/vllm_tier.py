@@ -27,7 +27,8 @@ from PIL import Image
 from pydantic import ConfigDict, ValidationError
 
 from ..encoder.features import Features
-from ..encoder.preprocess import Base64Data, InvalidBase64, decode_base64
+from ..encoder.media import MediaBytes
+from ..encoder.preprocess import InvalidBase64
 from ..encoder.vision_encoder import DTYPES
 from .ec_storage import ECStorage, check_identifier
 from .errors import Conflict, InputRejected, StorageFailed, clip
@@ -139,7 +140,7 @@ class VLLMTier:
         data = item.data
         if item.uuid is None:
             try:
-                data = decode_base64(data.ascii()) if isinstance(data, Base64Data) else bytes(data)
+                data = MediaBytes.of(data).decode()
             except InvalidBase64 as e:
                 raise InputRejected(f"{item.param}: {e}", "invalid_base64", item.param) from None
         try:
