@@ -61,8 +61,9 @@ class MediaBytes:
         return part if isinstance(part, str) else bytes(part).decode("latin-1")
 
     def head(self, n: int) -> bytes:
-        """The first `n` decoded bytes (fewer where the item is shorter): base64 decoded from a 4-aligned prefix,
-        whitespace left out. Reads a bounded prefix only (InvalidBase64 where it does not decode)."""
+        """The item's first decoded bytes, a bounded prefix: raw bytes cut at `n`; base64 decoded from a 4-aligned
+        prefix of `n * 4 // 3 + 256` characters, whitespace left out (at least `n` bytes where it holds none and the
+        item is longer, at most 192 more). InvalidBase64 where the prefix does not decode."""
         if not self.base64:
             return bytes(self.data[self.start:self.start + n])
         chunk = self.data[self.start:self.start + n * 4 // 3 + 256]
