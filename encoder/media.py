@@ -55,8 +55,10 @@ class MediaBytes:
 
     @classmethod
     def of(cls, item) -> MediaBytes:
-        """`item` as MediaBytes: itself, or bytes-like as raw bytes."""
-        return item if isinstance(item, MediaBytes) else cls(item, 0, False)
+        """`item` as MediaBytes: itself; a str as base64 text (what a JSON field holds); bytes-like as raw bytes."""
+        if isinstance(item, MediaBytes):
+            return item
+        return cls(item, 0, isinstance(item, str))
 
     def __len__(self) -> int:
         return len(self.data) - self.start

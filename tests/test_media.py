@@ -114,3 +114,11 @@ def test_text_reads_its_characters_and_stays_a_view():
     text = Text(memoryview(body)[1:-1])
     assert text.head(10) == TEXT[:10] and str(text) == TEXT and text.view.obj is body
     assert text.skip(4).decode() == DATA[3:] and text.skip(4).data is text.data
+
+
+def test_of_takes_a_json_string_as_base64_and_bytes_as_raw():
+    text = MediaBytes.of(PREFIX + TEXT)
+    assert text.base64 and text.prefix(5) == "data:" and text.skip(len(PREFIX)).decode() == DATA
+    assert not MediaBytes.of(DATA).base64 and MediaBytes.of(DATA).decode() is DATA  # no copy of bytes
+    media = Base64Data(TEXT)
+    assert MediaBytes.of(media) is media
