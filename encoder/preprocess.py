@@ -42,21 +42,21 @@ into one preallocated output buffer instead of concatenating.
 
 from __future__ import annotations
 
-import binascii
 import dataclasses
 import functools
 import io
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import pybase64
 from PIL import Image, ImageOps
 
 from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from .image_errors import (BadAspectRatio, HeaderNotFound, ImageError, ImageTooLarge, InvalidBase64, NotAnImage,  # noqa: F401
+                           UndecodableImage, UnsupportedFormat)
+from .media import MediaBytes, decode_base64  # noqa: F401 (decode_base64: named here too)
 
 if TYPE_CHECKING:
     import torch
@@ -91,115 +91,10 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 # --------------------------------------------------------------------------- errors
 
 
-class ImageError(ValueError):
-    """Base class for client-side image problems. ``code`` is a short machine code; ``public`` the message without
-    the decoder's own text (what a server tells a client; ``str()`` keeps the detail)."""
-
-    code = "image_error"
-
-    def __init__(self, message: str, detail: str | None = None):
-        super().__init__(f"{message}: {detail}" if detail else message)
-        self.public = message
-
-
-class InvalidBase64(ImageError):
-    """Image data sent as base64 text that does not decode."""
-
-    code = "invalid_base64"
-
-
-class Base64Data:
-    """Base64 text of an encoded image, decoded where the image is (a server's decode worker, not its event loop).
-
-    It holds the text as the request gave it, a string or a view of the request body's bytes, and where the base64
-    starts in it (after a data URI's header), so the payload is never copied to be told apart: a 30 MB image stays
-    where it arrived until its bytes are read. `shared`: where `text` lies in a file other processes can map (its
-    path, the offset of text[0]), so that a decode worker reads it there instead of being sent it; else None."""
-
-    __slots__ = ("text", "start", "shared")
-
-    def __init__(self, text: str | memoryview, start: int = 0, shared: tuple[str, int] | None = None):
-        self.text, self.start, self.shared = text, start, shared
-
-    def __len__(self) -> int:
-        return len(self.text) - self.start
-
-    def __repr__(self) -> str:
-        return f"Base64Data({len(self)} characters)"
-
-    def prefix(self, n: int) -> str:
-        """The first `n` characters of the base64."""
-        part = self.text[self.start:self.start + n]
-        return part if isinstance(part, str) else bytes(part).decode("latin-1")
-
-    def ascii(self, nbytes: int | None = None) -> memoryview:
-        """The base64 as ASCII bytes (a non-ASCII character becomes something no base64 decoder accepts); with
-        `nbytes`, only the whole quads of characters that hold the first `nbytes` bytes (the image's end: what
-        follows is not copied), where no whitespace comes before them."""
-        text, end = self.text, len(self.text)
-        if nbytes is not None and (n := -(-nbytes // 3) * 4) < len(self):
-            quads = text[self.start:self.start + n]
-            if not (_WHITESPACE if isinstance(quads, str) else _WHITESPACE_BYTES).search(quads):
-                end = self.start + n
-        if isinstance(text, str):  # the whole text encoded once, or only the prefix that holds the image
-            return memoryview(text[self.start:end].encode("ascii", "replace")) if end < len(text) else \
-                memoryview(text.encode("ascii", "replace"))[self.start:]
-        return text[self.start:end]
-
-    def decode(self) -> bytes:
-        return decode_base64(self.ascii())
-
-
-_WHITESPACE = re.compile(r"\s")
-_WHITESPACE_BYTES = re.compile(rb"\s")
-
-
-def decode_base64(text: str | bytes | memoryview) -> bytes:
-    """Strict base64 (whitespace allowed, e.g. line breaks), or InvalidBase64. Decoded in place (SIMD, without the
-    GIL) where it holds no whitespace; only text that does is copied without it first."""
-    try:
-        return pybase64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        pass
-    if isinstance(text, memoryview):
-        text = bytes(text)
-    try:
-        return pybase64.b64decode(type(text)().join(text.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidBase64("not valid base64") from None
-
-
-class UndecodableImage(ImageError):
-    """Empty data, not an image, truncated/corrupt file, or unsupported format/mode."""
-
-    code = "undecodable_image"
-
-
-class NotAnImage(UndecodableImage):
-    """Data in no image format PIL knows."""
-
-
-class HeaderNotFound(UndecodableImage):
-    """A bounded probe did not find the header within the bytes and steps it looks at, or the format is not one it
-    reads: the whole image must be looked at (a server does that off its event loop)."""
-
-
-class ImageTooLarge(ImageError):
-    """The image declares more pixels than allowed (decompression-bomb guard)."""
-
-    code = "image_too_large"
-
-
-class UnsupportedFormat(ImageError):
-    """An image format outside ``ALLOWED_FORMATS``."""
-
-    code = "unsupported_format"
-
-
-class BadAspectRatio(ImageError):
-    """max(h, w) / min(h, w) > 200 (the limit enforced by Qwen-VL's smart_resize)."""
-
-    code = "bad_aspect_ratio"
+def Base64Data(text: str | memoryview, start: int = 0, shared: tuple[str, int] | None = None) -> MediaBytes:
+    """Base64 text of an encoded image from `start` (after a data URI's header), as `encoder.media.MediaBytes`: the
+    one type for an item's input bytes (`shared`: where `text` lies in a file a decode worker maps)."""
+    return MediaBytes(text, start, True, shared)
 
 
 # --------------------------------------------------------------------------- config

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..encoder.preprocess import Base64Data, PreprocessConfig
+from ..encoder.media import MediaBytes
+from ..encoder.preprocess import PreprocessConfig
 from .metrics import Metrics
 
 WAIT = "wait"  # a lookup's answer for a key another caller computes: its waiter is called when that one ends
@@ -67,9 +68,9 @@ class CacheKeys:
 
     def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
         """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
-        digest = hashlib.sha256()
-        base64 = isinstance(data, Base64Data)
-        digest.update(data.ascii() if base64 else data)
+        digest, media = hashlib.sha256(), MediaBytes.of(data)
+        base64 = media.base64
+        digest.update(media.keyed())
         digest.update(f"\0{'base64' if base64 else 'bytes'}\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0"
                       f"{int(mean_pooling)}\0{client if self.per_client else ''}".encode())
         return digest.digest()

@@ -5,69 +5,22 @@ seconds at its first image); a worker imports torch at its first video (the vide
 
 from __future__ import annotations
 
-import mmap
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..encoder.headers import ImageHeader, probe
-from ..encoder.preprocess import (Base64Data, EncodedJpeg, PreprocessConfig, decode_base64, load_for_device,
-                                  load_image, resize_rgb)
+from ..encoder.media import received
+from ..encoder.preprocess import EncodedJpeg, PreprocessConfig, load_for_device, load_image, resize_rgb
 
 from . import spool
-
-
-@dataclass(frozen=True)
-class SharedText:
-    """An image's base64 text where it lies in a request's body file (bodies.py): `length` bytes at `offset` of the
-    file at `path`, of which only the whole quads that hold the image's first `end` bytes are decoded (None: all),
-    as `Base64Data.ascii` cuts them. What a decode worker is sent instead of the text."""
-
-    path: str
-    offset: int
-    length: int
-    end: int | None = None
-
-    def __len__(self) -> int:
-        return self.length
-
-    def decode(self) -> bytes:
-        """The image's bytes, decoded from the file's pages in place (mapped read-only, unmapped after)."""
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
-            if os.fstat(fd).st_size < self.offset + self.length:  # (a mapping read past its file's end is a SIGBUS)
-                raise OSError(f"the body file {self.path} is short")
-            pages = mmap.mmap(fd, self.offset + self.length - start, prot=mmap.PROT_READ, offset=start)
-        finally:
-            os.close(fd)
-        try:
-            return _decode_view(memoryview(pages), self.offset - start, self.length, self.end)
-        finally:
-            pages.close()
-
-
-def _decode_view(pages: memoryview, at: int, length: int, end: int | None) -> bytes:
-    with pages:  # every view of the mapping released on the way out: it can be closed
-        with pages[at:at + length] as text:
-            with Base64Data(text).ascii(end) as quads:
-                return decode_base64(quads)
-
-
-def image_bytes(data, is_base64: bool) -> bytes:
-    """What a job was given, as the image's bytes: a body file's text (SharedText) or base64 decoded, bytes as
-    they are."""
-    if isinstance(data, SharedText):
-        return data.decode()
-    return decode_base64(data) if is_base64 else bytes(data)
 
 
 def read_header(data, is_base64: bool) -> ImageHeader:
     """Runs in a worker: the header of an image from all of its bytes (its first ones did not hold it), by the
     format's walk over the whole image (PIL's identification for a format no walk reads)."""
-    return probe(image_bytes(data, is_base64), whole=True)
+    return probe(received(data, is_base64), whole=True)
 
 
 @dataclass
@@ -82,14 +35,14 @@ class DecodedImage:
 def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: PreprocessConfig,
                       spool_prefix: str | None = None, fast: bool = False,
                       jpeg_on_device: bool = False) -> DecodedImage:
-    """Runs in a worker: encoded bytes (or their base64 text, or where it lies: SharedText) -> the resized (H, W, 3)
+    """Runs in a worker: encoded bytes (or their base64 text, or where it lies: MediaHandle) -> the resized (H, W, 3)
     uint8 image, in a spool file when `spool_prefix` is given and it can, and the seconds it took (a DecodedImage).
     Before PIL reads it, the image's structure is walked whole (`probe`): what breaks its limits (a JPEG's scans, a
     PNG's chunks, a TIFF's arrays, its declared size) is refused, and the bytes after its end (a phone's motion
     video, junk) are left out. `fast` (preprocess_fast): the device resizes, so the image stays full size, and with
     `jpeg_on_device` a JPEG stays encoded (an EncodedJpeg, read from its header only) for nvJPEG to decode there."""
     start = time.perf_counter()
-    data = image_bytes(data, is_base64)
+    data = received(data, is_base64)
     header = probe(data, whole=True)
     header.check(max_image_pixels)
     if header.end is not None and header.end < len(data):
@@ -109,7 +62,7 @@ def measure_video(data, is_base64: bool, cfg, limits):
     (encoder.video.video_cost: its limits checked first)."""
     from ..encoder.video import video_cost
 
-    return video_cost(image_bytes(data, is_base64), cfg, limits)
+    return video_cost(received(data, is_base64), cfg, limits)
 
 
 VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)
@@ -149,7 +102,7 @@ def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = No
 
     _video_worker()
     start = time.perf_counter()
-    video = load_video(image_bytes(data, is_base64), cfg, limits, threads)
+    video = load_video(received(data, is_base64), cfg, limits, threads)
     slices = video.slices()
     out = [(spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)]
     _, h, w, _ = video.frames.shape

@@ -21,7 +21,7 @@ ANSWER_HEADER = struct.Struct("!I")  # the result's size
 @dataclass(frozen=True)
 class Call:
     """Server -> worker: run fn(payload, *args). A payload that describes where the worker finds the bytes itself
-    (decode.SharedText: a body file's pages) rides in the record (`inline`); bytes follow the record as they are."""
+    (media.MediaHandle: a body file's pages) rides in the record (`inline`); bytes follow the record as they are."""
 
     fn: Callable
     args: tuple

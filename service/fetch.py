@@ -155,7 +155,7 @@ async def fetch_all(images: list, settings: Settings, field: str = "input", budg
                     transport: httpx.AsyncBaseTransport | None = None) -> list:
     """Replace each URL in `images` by its bytes (other items unchanged); errors name the image `field[i]`. The
     whole of it takes at most `--url-fetch-timeout` seconds, and at most `--payload-limit` bytes."""
-    urls = [(i, x) for i, x in enumerate(images) if isinstance(x, str)]  # the rest: Base64Data or bytes
+    urls = [(i, x) for i, x in enumerate(images) if isinstance(x, str)]  # the rest: MediaBytes or raw bytes
     if not urls:
         return images
     allowance = Allowance(budget or FetchBudget(settings.url_fetch_memory), settings.payload_limit)

@@ -5,8 +5,8 @@ Python string of each (one more copy, at about the speed of a copy), and the ser
 bytes to hash it and send it to a decode worker (two more). Here the body is first scanned for its strings (`find`
 is memchr: gigabytes a second), and every string longer than `LONG` bytes is cut out of it: pydantic validates the
 short skeleton that is left, where each long string is a placeholder, and the long strings come back as `Text`, a
-view of the body's own bytes. An image is then never copied on the event loop; only a long string with backslash
-escapes is decoded as JSON (a `str`), as a short one is.
+view of the body's own bytes (a MediaBytes). An image is then never copied on the event loop; only a long string with
+backslash escapes is decoded as JSON (a `str`), as a short one is.
 
 The scan also bounds the work before any is paid: a body with more strings, or more values of any type (numbers,
 nulls, objects, lists), than `max_images` images and a few fields could hold is a 413 before it is parsed.
@@ -22,6 +22,8 @@ import secrets
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from ..encoder.media import MediaBytes
+
 from .bodies import SHARED, Body, SharedBodies, anonymous
 from .http_errors import ServiceError
 
@@ -30,25 +32,26 @@ _MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder's prefix: 
 _MARK_JSON = _MARK.replace("\x00", "\\u0000").encode()
 
 
-class Text:
-    """A JSON string of a request body, unparsed: a view of the body's bytes between its quotes (no escapes in it).
-    What it holds is ASCII when it is base64; anything else is left for the decoder to refuse. `shared`: where those
-    bytes lie in a body file the decode workers can read (its path, the offset of the first), or None."""
+class Text(MediaBytes):
+    """A JSON string of a request body, unparsed: MediaBytes over a view of the body's bytes between its quotes (no
+    escapes in it), with `shared` where those bytes lie in a body file the decode workers can read (its path, the
+    offset of the first), else None. What it holds is ASCII when it is base64; anything else is left for the decoder
+    to refuse. `head(n)` here is its first `n` characters (`prefix`), as the app reads a string's head."""
 
-    __slots__ = ("view", "shared")
+    __slots__ = ()
 
     def __init__(self, view: memoryview, shared: tuple[str, int] | None = None):
-        self.view, self.shared = view, shared
+        super().__init__(view, 0, True, shared)
 
-    def __len__(self) -> int:
-        return len(self.view)
+    @property
+    def view(self) -> memoryview:
+        return self.data
 
     def head(self, n: int) -> str:
-        """Its first `n` bytes as text (latin-1: a byte a character, whatever they are)."""
-        return bytes(self.view[:n]).decode("latin-1")
+        return self.prefix(n)
 
     def __str__(self) -> str:
-        return bytes(self.view).decode("latin-1")
+        return bytes(self.data).decode("latin-1")
 
 
 def _escaped(body: bytes, start: int, end: int) -> bool:

@@ -20,17 +20,16 @@ import logging
 import time
 import uuid as uuidlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 from PIL import Image
 from pydantic import ConfigDict, ValidationError
 
 from ..encoder.features import Features
-from ..encoder.preprocess import Base64Data, InvalidBase64, decode_base64
+from ..encoder.preprocess import InvalidBase64
 from ..encoder.vision_encoder import DTYPES
 from .ec_storage import ECStorage, check_identifier
 from .errors import Conflict, InputRejected, StorageFailed, clip
+from .media import MediaItem
 from .schemas import MAX_PIXELS, ChatMediaURL, ChatRequest, VideoOptions
 from .vllm_hash import digest_shaped, hash_factors, mm_hash
 
@@ -40,15 +39,7 @@ MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 PROCESSOR_OPTIONS = {"max_pixels", "fps", "num_frames", "max_frames"}
 
 
-@dataclass
-class Item:
-    """One medium of a request: its modality, what the client sent (base64, bytes or a URL), vLLM's uuid for it
-    and where it is in the request (for errors)."""
-
-    modality: str
-    data: Any
-    uuid: str | None
-    param: str
+Item = MediaItem  # one medium of a request (media.py)
 
 
 class Options(VideoOptions):
@@ -139,7 +130,7 @@ class VLLMTier:
         data = item.data
         if item.uuid is None:
             try:
-                data = decode_base64(data.ascii()) if isinstance(data, Base64Data) else bytes(data)
+                data = item.media.decode()
             except InvalidBase64 as e:
                 raise InputRejected(f"{item.param}: {e}", "invalid_base64", item.param) from None
         try:
