@@ -13,8 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .errors import (ClientDisconnected, Conflict, DeliveryFailed, EngineError, InferenceFailed, InputRejected,
-                     InputTooLarge, NotAllowed, NotReady, OutOfMemory, QueueFull, StorageFailed, TimedOut,
-                     Unavailable, clip)
+                     InputTooLarge, NotAllowed, NotReady, NotServed, OutOfMemory, QueueFull, StorageFailed,
+                     TimedOut, Unavailable, Unsupported, clip)
 
 log = logging.getLogger("vitserve.app")
 TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
@@ -26,7 +26,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 # the one place that turns domain errors into HTTP: status and, where retrying helps, Retry-After seconds
 HTTP_STATUS: dict[type[EngineError], tuple[int, str | None]] = {
-    InputRejected: (400, None), NotAllowed: (403, None), Conflict: (409, None), InputTooLarge: (413, None),
+    InputRejected: (400, None), NotAllowed: (403, None), NotServed: (404, None), Conflict: (409, None),
+    InputTooLarge: (413, None), Unsupported: (501, None),
     QueueFull: (429, "1"), InferenceFailed: (500, None), DeliveryFailed: (502, None), NotReady: (503, "5"),
     Unavailable: (503, "5"), TimedOut: (504, None), OutOfMemory: (507, None), StorageFailed: (507, None),
     ClientDisconnected: (499, None)}
