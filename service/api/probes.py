@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..engine import NOT_READY, State
-from .responses import METRICS, Health, ModelList, Readiness, Stats
+from .responses import Health, ModelList, Readiness, Stats
 from .served import served
 
 router = APIRouter()
@@ -49,6 +49,7 @@ async def stats(request: Request):
     return await served(request).engine.server_stats()
 
 
-@router.get("/metrics", responses=METRICS)
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus exposition text (text/plain; version=0.0.4)"}})
 async def metrics(request: Request):
     return Response(await served(request).engine.server_metrics(), media_type=CONTENT_TYPE_LATEST)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from prometheus_client import CONTENT_TYPE_LATEST
 
 
 class ErrorBody(BaseModel):
@@ -173,5 +172,3 @@ def json_and_binary(model: type[BaseModel], binary: str) -> dict:
 
 
 NULL = {200: {"description": "done", "content": {"application/json": {"schema": {"type": "null"}}}}}
-METRICS = {200: {"description": "Prometheus exposition text",
-                 "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}}
