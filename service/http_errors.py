@@ -35,7 +35,8 @@ HTTP_STATUS: dict[type[EngineError], tuple[int, str | None]] = {
 
 class ServiceError(Exception):
     """An HTTP error as the client sees it: status, message, code, the bad input (`param`) and headers. The edge's
-    own errors (an unknown route's, a tier that is off) are raised as these; a domain error becomes one by `of`."""
+    own errors (a body the HTTP layer refuses: its framing, its JSON, its values' count, a multipart form's fields)
+    are raised as these; a domain error becomes one by `of`."""
 
     def __init__(self, status: int, message: str, code: str, param: str | None = None,
                  headers: dict[str, str] | None = None):
