@@ -43,6 +43,15 @@ class NotAllowed(EngineError):
     from another address than the one it names."""
 
 
+class NotServed(EngineError):
+    """What the request names is not served here: another model, or a tier the server was started without."""
+
+
+class Unsupported(EngineError):
+    """Something this server cannot do for any request (videos, where it has no video decoder): the server's
+    condition, not the request's fault."""
+
+
 class Conflict(EngineError):
     """The request collides with what the server holds: an identifier whose file holds another item."""
 

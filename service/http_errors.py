@@ -13,8 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .errors import (ClientDisconnected, Conflict, DeliveryFailed, EngineError, InferenceFailed, InputRejected,
-                     InputTooLarge, NotAllowed, NotReady, OutOfMemory, QueueFull, StorageFailed, TimedOut,
-                     Unavailable, clip)
+                     InputTooLarge, NotAllowed, NotReady, NotServed, OutOfMemory, QueueFull, StorageFailed,
+                     TimedOut, Unavailable, Unsupported, clip)
 
 log = logging.getLogger("vitserve.app")
 TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
@@ -26,7 +26,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 # the one place that turns domain errors into HTTP: status and, where retrying helps, Retry-After seconds
 HTTP_STATUS: dict[type[EngineError], tuple[int, str | None]] = {
-    InputRejected: (400, None), NotAllowed: (403, None), Conflict: (409, None), InputTooLarge: (413, None),
+    InputRejected: (400, None), NotAllowed: (403, None), NotServed: (404, None), Conflict: (409, None),
+    InputTooLarge: (413, None), Unsupported: (501, None),
     QueueFull: (429, "1"), InferenceFailed: (500, None), DeliveryFailed: (502, None), NotReady: (503, "5"),
     Unavailable: (503, "5"), TimedOut: (504, None), OutOfMemory: (507, None), StorageFailed: (507, None),
     ClientDisconnected: (499, None)}
@@ -34,7 +35,8 @@ HTTP_STATUS: dict[type[EngineError], tuple[int, str | None]] = {
 
 class ServiceError(Exception):
     """An HTTP error as the client sees it: status, message, code, the bad input (`param`) and headers. The edge's
-    own errors (an unknown route's, a tier that is off) are raised as these; a domain error becomes one by `of`."""
+    own errors (a body the HTTP layer refuses: its framing, its JSON, its values' count, a multipart form's fields)
+    are raised as these; a domain error becomes one by `of`."""
 
     def __init__(self, status: int, message: str, code: str, param: str | None = None,
                  headers: dict[str, str] | None = None):

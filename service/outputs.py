@@ -16,8 +16,8 @@ memory.
 Each item is a `Features` (encoder/features.py: tokens, deepstack, grid, a video's timing; `answered` builds them
 from the engine's `Encoded`); `laid_out` puts one in a consumer's layout (`vllm`: `Features.packed`). Conversions and
 packing run on the calling thread alone (`converted`, `Features.packed`; encoder/features.py says why). An answer of
-`OFF_LOOP_BYTES` or more is built off the event loop (service/app.py runs `build` in a thread): conversions and
-base64 release the GIL.
+`OFF_LOOP_BYTES` or more is built off the event loop (service/api/encoding.py runs `build` in a thread): conversions
+and base64 release the GIL.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Request bodies. Unknown fields are refused (422) so a typo never silently changes what is computed."""
+"""Request bodies. Unknown fields are refused (422) so a typo never silently changes what is computed. (The answers'
+models: service/api/responses.py.)"""
 
 from __future__ import annotations
 
@@ -8,6 +9,20 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Json, field_
 
 from ..encoder.vision_encoder import DTYPES
 from .outputs import OUTPUT_DTYPES
+
+
+def request_body(model: type[BaseModel], form: type[BaseModel] | None = None) -> dict:
+    """The OpenAPI entry of a body parsed by `read_json` (FastAPI documents only the ones it parses), and of a
+    multipart form: image files plus `form`'s fields."""
+    content = {"application/json": {"schema": model.model_json_schema()}}
+    if form is not None:
+        schema = form.model_json_schema()
+        schema["properties"] = {"images": {"type": "array", "items": {"type": "string", "format": "binary"},
+                                           "description": "image files (any file field name)"},
+                                **schema["properties"]}
+        schema["required"] = ["images"]
+        content["multipart/form-data"] = {"schema": schema}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 def canonical_dtype(value):

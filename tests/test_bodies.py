@@ -17,7 +17,7 @@ from helpers import data_uri, png, until, wait_until
 
 from vitserve.encoder.preprocess import Base64Data, load_image, resize_rgb
 from vitserve.service import decode_pool, launch, spool
-from vitserve.service.app import decode_input
+from vitserve.service.api.inputs import decode_input
 from vitserve.service.bodies import SHARED
 from vitserve.service.engine import Engine
 from vitserve.service.json_body import read_json

@@ -226,7 +226,7 @@ def error_codes() -> set[str]:
     """Every `code` the service can put in an error answer, read from the source: the domain errors' and image
     errors' class attributes, and the code argument of every error it raises or renders."""
     codes = set()
-    sources = [*(ROOT / "service").glob("*.py"), ROOT / "encoder" / "preprocess.py"]
+    sources = [*(ROOT / "service").rglob("*.py"), ROOT / "encoder" / "preprocess.py"]
     positions = {"ServiceError": 2, "error_response": 2}  # (status, message, code); domain errors (message, code)
     from vitserve.service import errors
 
