@@ -36,7 +36,7 @@ class Text(MediaBytes):
     """A JSON string of a request body, unparsed: MediaBytes over a view of the body's bytes between its quotes (no
     escapes in it), with `shared` where those bytes lie in a body file the decode workers can read (its path, the
     offset of the first), else None. What it holds is ASCII when it is base64; anything else is left for the decoder
-    to refuse. `head(n)` here is its first `n` characters (`prefix`), as the app reads a string's head."""
+    to refuse."""
 
     __slots__ = ()
 
@@ -46,9 +46,6 @@ class Text(MediaBytes):
     @property
     def view(self) -> memoryview:
         return self.data
-
-    def head(self, n: int) -> str:
-        return self.prefix(n)
 
     def __str__(self) -> str:
         return bytes(self.data).decode("latin-1")

@@ -22,7 +22,7 @@ def _item(value):
     return {"url": value} if isinstance(value, str) else value
 
 
-class MediaItem(BaseModel):
+class EncodeCallItem(BaseModel):
     """One of a part's `mm_items`: a data URI, base64 or an http(s) URL (a bare string in the request stands for
     `{"url": it}`). The per-medium options SGLang sends beside it (`detail`, `content_hash`, `preprocess_kwargs`,
     ...) are accepted and not applied: this server preprocesses with its own settings, and SGLang sizes the prompt
@@ -45,7 +45,7 @@ class EncodeCall(BaseModel):
     num_parts: StrictInt = Field(gt=0)
     part_idx: StrictInt = Field(ge=0)
     modality: Annotated[Literal["IMAGE", "VIDEO"], BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
-    mm_items: list[Annotated[MediaItem, BeforeValidator(_item)]] = Field(min_length=1)
+    mm_items: list[Annotated[EncodeCallItem, BeforeValidator(_item)]] = Field(min_length=1)
     prefill_host: str | None = Field(default=None, max_length=MAX_HOST)
     embedding_port: Port | Annotated[list[Port], Field(min_length=1, max_length=MAX_RECEIVERS)] | None = None
     # (null: the receivers register, zmq_to_scheduler)

@@ -34,10 +34,8 @@ from .sglang_addresses import ReceiverNetworks, address_of, endpoint, receiver_a
 from .sglang_frames import message
 from .sglang_pairing import MAX_PENDING, TIMEOUT, Pairing
 from .sglang_push import COUNTED, PushSockets, pyzmq
-from .sglang_schemas import CALL_LIMITS, REGISTRATION_LIMITS, EncodeCall, Registration, bounded
+from .sglang_schemas import EncodeCall, Registration
 
-# the names app.py takes from here (the bodies and their bounds live in sglang_schemas.py)
-__all__ = ["CALL_LIMITS", "REGISTRATION_LIMITS", "EncodeCall", "Registration", "SGLangTier", "bounded"]
 
 
 class SGLangTier:

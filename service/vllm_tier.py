@@ -39,7 +39,6 @@ MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 PROCESSOR_OPTIONS = {"max_pixels", "fps", "num_frames", "max_frames"}
 
 
-Item = MediaItem  # one medium of a request (media.py)
 
 
 class Options(VideoOptions):
@@ -50,7 +49,7 @@ class Options(VideoOptions):
     max_pixels: int | None = MAX_PIXELS
 
 
-def chat_items(body: ChatRequest) -> list[Item]:
+def chat_items(body: ChatRequest) -> list[MediaItem]:
     """The media parts of a chat request's messages, in order (text parts are skipped); another kind of part (audio)
     or a part without its URL is a 400."""
     items = []
@@ -66,7 +65,7 @@ def chat_items(body: ChatRequest) -> list[Item]:
             url = media.url if isinstance(media, ChatMediaURL) else media
             if url is None:
                 raise InputRejected(f"{param}: no url (an encoder needs the medium itself)", "missing_url", param)
-            items.append(Item(MEDIA_PARTS[part.type], url, part.uuid, param))
+            items.append(MediaItem(MEDIA_PARTS[part.type], url, part.uuid, param))
     if not items:
         raise InputRejected("the messages hold no image_url or video_url part", "no_media", "messages")
     return items
@@ -125,7 +124,7 @@ class VLLMTier:
         """The tier's figures for /stats and /metrics: its storage's, and the writes that failed."""
         return self.storage.stats() | {"write_failures": self.write_failures}
 
-    def _identifier(self, item: Item, kwargs: dict | None) -> str:
+    def _identifier(self, item: MediaItem, kwargs: dict | None) -> str:
         """Runs in the pool: an item's identifier (its base64 decoded and hashed where it has no uuid)."""
         data = item.data
         if item.uuid is None:
@@ -140,7 +139,7 @@ class VLLMTier:
             raise InputRejected(f"{item.param}: not an image vLLM's loader reads, so it has no identifier there",
                                 "unidentified_image", item.param) from None
 
-    async def identifiers(self, items: list[Item], kwargs: dict | None = None) -> list[str]:
+    async def identifiers(self, items: list[MediaItem], kwargs: dict | None = None) -> list[str]:
         """vLLM's identifier of each item (its uuid, or a hash: in the pool). A video or a URL without a uuid, or a
         uuid that cannot name a folder or has a content hash's shape, is a 400 (before anything is decoded)."""
         for item in items:
@@ -190,7 +189,7 @@ class VLLMTier:
             raise StorageFailed(f"the encoder cache could not be written: {e}", "ec_write_failed") from None
 
     @staticmethod
-    def transfer_params(identifiers: list[str], items: list[Item], grids: list, timing: list, qwen3: bool) -> dict:
+    def transfer_params(identifiers: list[str], items: list[MediaItem], grids: list, timing: list, qwen3: bool) -> dict:
         """`ec_transfer_params` as a vLLM producer reports them (its connector's `request_finished`): per
         identifier, its modality, the indices of its items among the request's media parts, and the metadata that
         sizes its placeholder (`grids`, and for Qwen3-VL a video's `timestamps` from `timing`, in the items'

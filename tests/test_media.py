@@ -112,7 +112,7 @@ def test_line_broken_base64_and_bad_base64():
 def test_text_reads_its_characters_and_stays_a_view():
     body = bytearray(b'"' + TEXT.encode() + b'"')
     text = Text(memoryview(body)[1:-1])
-    assert text.head(10) == TEXT[:10] and str(text) == TEXT and text.view.obj is body
+    assert text.prefix(10) == TEXT[:10] and str(text) == TEXT and text.view.obj is body
     assert text.skip(4).decode() == DATA[3:] and text.skip(4).data is text.data
 
 

@@ -226,13 +226,14 @@ def test_an_image_pil_will_not_open_has_no_identifier_a_400(tmp_path, monkeypatc
 
     from vitserve.service.errors import EngineError
     from vitserve.service.settings import Settings
-    from vitserve.service.vllm_tier import Item, VLLMTier
+    from vitserve.service.media import MediaItem
+    from vitserve.service.vllm_tier import VLLMTier
 
     tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path)), "float32")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 40x30 is over twice that: PIL refuses to open it
     try:
         with pytest.raises(EngineError) as e:
-            asyncio.run(tier.identifiers([Item("image", encode(photo(40, 30, 3), "PNG"), None, "images[0]")]))
+            asyncio.run(tier.identifiers([MediaItem("image", encode(photo(40, 30, 3), "PNG"), None, "images[0]")]))
         assert (status(e.value), e.value.code) == (400, "unidentified_image")
     finally:
         tier.close()
@@ -245,15 +246,16 @@ def test_a_uuid_never_names_another_items_file(tmp_path):
 
     from vitserve.service.errors import EngineError
     from vitserve.service.settings import Settings
-    from vitserve.service.vllm_tier import Item, VLLMTier
+    from vitserve.service.media import MediaItem
+    from vitserve.service.vllm_tier import VLLMTier
 
     tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path), ec_dtype="float32"), "float32")
     image = encode(photo(40, 30, 3), "PNG")
     victim = mm_hash("image", MODEL, data=image)
     try:
         with pytest.raises(EngineError) as e:
-            asyncio.run(tier.identifiers([Item("image", image, None, "images[0]"),
-                                          Item("image", encode(photo(40, 30, 4), "PNG"), victim, "images[1]")]))
+            asyncio.run(tier.identifiers([MediaItem("image", image, None, "images[0]"),
+                                          MediaItem("image", encode(photo(40, 30, 4), "PNG"), victim, "images[1]")]))
         assert (status(e.value), e.value.code, e.value.param) == (400, "invalid_uuid", "images[1]")
         first = item(rows=6, levels=0)
         asyncio.run(tier.write(["taken"], [Features(*first)]))

@@ -19,7 +19,7 @@ from ..http_errors import ServiceError
 from ..json_body import read_json
 from ..outputs import PartsResponse, answered, encode_data, json_response, laid_out, safetensors_parts
 from ..schemas import EncodeForm, EncodeRequest, check_uuid_counts, request_body
-from ..vllm_tier import Item
+from ..media import MediaItem
 from .encoding import encode_media
 from .inputs import decode_input
 from .responses import EncodeAnswer, errors, json_and_binary
@@ -76,7 +76,7 @@ async def json_input(api: Served, request: Request) -> EncodeInput:
     return EncodeInput(body, images, videos, [False] * len(images) + [True] * len(videos))
 
 
-def tier_items(given: EncodeInput) -> list[Item]:
+def tier_items(given: EncodeInput) -> list[MediaItem]:
     """The request's items for the vLLM tier, in the answer's order, each with its uuid (`multi_modal_uuids`, per
     modality in the order of its items)."""
     uuids = given.body.multi_modal_uuids or {}
@@ -85,7 +85,7 @@ def tier_items(given: EncodeInput) -> list[Item]:
     for is_video in given.order:
         kind = "video" if is_video else "image"
         i, data = next(by_kind[kind])
-        items.append(Item(kind, data, (uuids.get(kind) or [None] * (i + 1))[i], f"{kind}s[{i}]"))
+        items.append(MediaItem(kind, data, (uuids.get(kind) or [None] * (i + 1))[i], f"{kind}s[{i}]"))
     return items
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ...encoder.preprocess import Base64Data
+from ...encoder.media import MediaBytes
 from ..errors import InputRejected, clip
 from ..json_body import Text
 
@@ -13,12 +13,13 @@ URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,15})://")  # file://, ftp://
 
 
 def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "input",
-                 kind: str = "image") -> Base64Data | str:
+                 kind: str = "image") -> MediaBytes | str:
     """A data URI, bare base64, or (when enabled) an http(s) URL left for the fetcher; `kind`: image or video (the
     data URI's media type). Only the item's head is read here: its payload is not copied (a `Text` stays a view of
     the request's body)."""
     param = f"{field}[{index}]"
-    head = item[:5120] if isinstance(item, str) else item.head(5120)
+    media = MediaBytes.of(item)  # a str or a Text: base64 text, where it lies
+    head = media.prefix(5120)
     if head.startswith(("http://", "https://")):
         if not allow_url:
             raise InputRejected(f"{param}: {kind} URLs are disabled on this server; send a data URI or base64",
@@ -32,9 +33,7 @@ def decode_input(item: str | Text, index: int, allow_url: bool, field: str = "in
         start = payload_start(head, param, kind)
     if not head[start:start + 4096].strip():  # (a payload that opens with 4 KB of whitespace is no image either)
         raise InputRejected(f"{param}: empty {kind}", f"invalid_{kind}", param)
-    if isinstance(item, str):
-        return Base64Data(item, start)  # decoded by a decode worker
-    return Base64Data(item.view, start, item.shared)  # (read by it in place, where the body is shared)
+    return media.skip(start)  # decoded by a decode worker (in place, where the body is shared)
 
 
 def payload_start(head: str, param: str, kind: str) -> int:

@@ -12,7 +12,7 @@ from ..errors import ClientDisconnected, EngineError, NotServed
 from ..http_errors import ServiceError, validation_error
 from ..json_body import read_json
 from ..schemas import request_body
-from ..sglang_tier import CALL_LIMITS, REGISTRATION_LIMITS, EncodeCall, Registration, bounded
+from ..sglang_schemas import EncodeCall, Registration, bounded
 from ..vllm_tier import Options
 from .encoding import encode_media
 from .inputs import decode_input
@@ -56,7 +56,7 @@ async def sglang_encode(request: Request) -> Response:
 
     async def serve():
         call = await read_json(request, EncodeCall, api.limits.part_values, ("url",), api.engine.decoder.bodies)
-        bounded(call, CALL_LIMITS)
+        bounded(call)
         request.state.sglang_req_id = call.req_id
         items = [decode_input(item.url, i, api.settings.allow_url_fetch, "mm_items", call.kind)
                  for i, item in enumerate(call.mm_items)]
@@ -75,7 +75,7 @@ async def sglang_receive_url(request: Request) -> Response:
 
     async def serve():
         body = await read_json(request, Registration, 16)
-        bounded(body, REGISTRATION_LIMITS)
+        bounded(body)
         request.state.sglang_req_id = body.req_id
         await api.sglang.register(body, request.client.host if request.client else None)
 

@@ -14,7 +14,8 @@ from ..errors import NotServed
 from ..json_body import read_json
 from ..outputs import answered, json_response
 from ..schemas import ChatRequest, request_body
-from ..vllm_tier import Item, chat_completion, chat_items, chat_options
+from ..media import MediaItem
+from ..vllm_tier import chat_completion, chat_items, chat_options
 from .encoding import answer, encode_media
 from .inputs import decode_input
 from .responses import ChatCompletion, errors
@@ -23,7 +24,7 @@ from .served import Served, served
 router = APIRouter()
 
 
-async def encode_for_tier(served: Served, items: list[Item], encode, kwargs: dict | None = None):
+async def encode_for_tier(served: Served, items: list[MediaItem], encode, kwargs: dict | None = None):
     """`encode()`'s result and, with --ec-shared-storage, the items' vLLM identifiers (computed beside the encode; a
     bad item's own error comes first), else None."""
     if served.vllm is None:
