@@ -96,8 +96,8 @@ class Features:
 
     @classmethod
     def of(cls, output, grid: Sequence[int] | None = None, timing: dict | None = None) -> Features:
-        """An item's Features from the engine's output for it, `(tokens, deepstack list)`, or from a Features (the
-        grid and timing given replace its own)."""
+        """An item's Features from an encoder's output for it, `(tokens, deepstack list)` (`VisionEncoder.outputs`),
+        or from a Features (the grid and timing given replace its own)."""
         if isinstance(output, Features):
             if grid is None and timing is None:
                 return output
@@ -131,6 +131,10 @@ class Features:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.parts)
+
+    def discard(self) -> None:
+        """What a holder calls when it lets the answer go (the embedding cache evicting it): nothing to free, the
+        tensors are in this process's memory (a device process's `Output` record removes its spool file)."""
 
     def rows(self, dtype: torch.dtype) -> Rows:
         """The packed rows in `dtype` as views of the parts' memory (a part in another dtype is converted: one

@@ -1,8 +1,8 @@
 """The engine's backend: where its images are run, and the cache index, behind one interface.
 
-    lookup(keys)   per cache key: (output, grid) (a hit), a future of that or of None (being computed for another
-                   request; None: it failed, the caller computes it), or None (a miss, claimed for the caller)
-    submit(items)  decoded items for the devices; each item's future is resolved with its answer
+    lookup(keys)   per cache key: the image's Features (a hit), a future of them or of None (being computed for
+                   another request; None: it failed, the caller computes it), or None (a miss, claimed for the caller)
+    submit(items)  decoded items for the devices; each item's future is resolved with its Features (with its grid)
     drop(items)    a gone client's items leave the queue
     release(keys)  claims the caller let go unanswered (their waiters compute them)
     scrape(kind)   the whole server's /stats dict or /metrics text
@@ -26,9 +26,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..encoder.features import Features
 from ..encoder.preprocess import ImageError
 
-from .cache import WAIT, Answer, Cache
+from .cache import WAIT, Cache
 from .decoder import Decoder
 from .device_protocol import Output
 from .errors import EngineError, ErrorRecord
@@ -45,11 +46,11 @@ log = logging.getLogger("vitserve.engine")
 
 @dataclass
 class Result:
-    """One item's end, for its origin: its output (tensors, or an Output record), or the error its request gets;
-    `keep`: the cache holds the output (its file stays)."""
+    """One item's end, for its origin: its answer (its Features, or in the core its Output record, the grid set), or
+    the error its request gets; `keep`: the cache holds the output (its file stays)."""
 
     item: WorkItem
-    output: object = None
+    output: Features | Output | None = None
     error: EngineError | None = None
     keep: bool = False
     inference_s: float = 0.0
@@ -181,10 +182,10 @@ class LocalBackend:
 
         def waiter(i: int):
             future = waits[i] = loop.create_future()
-            return lambda entry: loop.call_soon_threadsafe(resolved, future, entry and (entry.output, entry.grid))
+            return lambda entry: loop.call_soon_threadsafe(resolved, future, entry)
 
         found = self.cache.lookup(keys, None, waiter)
-        return [waits[i] if hit is WAIT else hit and (hit.output, hit.grid) for i, hit in enumerate(found)]
+        return [waits[i] if hit is WAIT else hit for i, hit in enumerate(found)]
 
     def submit(self, items: list[WorkItem]) -> None:
         if self.origin is None:
@@ -219,7 +220,7 @@ class LocalBackend:
             for n, item in enumerate(batch):
                 result = Result(item, error=error) if error is not None else self._result(item, outputs[n], seconds)
                 if item.key is not None:
-                    result.keep = self.cache.settle(item.key, self._entry(item, result))
+                    result.keep = self.cache.settle(item.key, self._entry(result))
                 by_origin[item.origin].append(result)
             for origin, results in by_origin.items():
                 origin.deliver(results)
@@ -241,22 +242,26 @@ class LocalBackend:
 
     @staticmethod
     def _result(item: WorkItem, output, seconds: float) -> Result:
+        """The one place an item's answer is made: a device's output for it (the encoder's `(tokens, deepstack)`, a
+        device process's Features) as its Features with its grid, a record kept as the Output it is (in the core,
+        its grid set), or its error."""
         if isinstance(output, ErrorRecord):  # the record of an image a device process refused
             output = output.error()
         if isinstance(output, ImageError):  # the device could not decode it (fast preprocessing)
             return Result(item, error=Decoder.rejection(item.param, output), inference_s=seconds)
         if isinstance(output, Output):
             output.grid = item.grid
-        return Result(item, output, inference_s=seconds)
+            return Result(item, output, inference_s=seconds)
+        return Result(item, Features.of(output, list(item.grid)), inference_s=seconds)
 
     @staticmethod
-    def _entry(item: WorkItem, result: Result):
-        """What the cache keeps of an answer: its tensors, or its record where it lies in a spool file."""
+    def _entry(result: Result) -> Features | Output | None:
+        """What the cache keeps of an answer: its Features, or its record where it lies in a spool file."""
         if result.error is not None:
             return None
         if isinstance(result.output, Output):
             return result.output if result.output.path is not None else None
-        return Answer(result.output, item.grid)
+        return result.output
 
     # -- /stats
     def stats(self, recent: bool) -> dict:

@@ -8,8 +8,9 @@ bounds, and whether the tokens or their mean are wanted. The output dtype and la
 float32 tensors after the cache, so they need no key: a cached answer is bit-identical to a computed one.
 
 `Cache` is an LRU bounded in bytes (`--cache-bytes`, 0: off) over entries that have `nbytes` and `discard()`: an
-`Answer` (tensors in this process's memory) where the devices answer in this process, a device process's `Output`
-record (its spool file, which a front end maps) in the core of a server with several front ends. Only successful
+image's `Features` (encoder/features.py: tensors in this process's memory, with the grid) where the devices answer
+in this process, a device process's `Output` record (its spool file, which a front end maps) in the core of a server
+with several front ends. Only successful
 encodings are stored. Identical images in flight at once are computed once (single flight): the first lookup claims
 the key, the later ones register a waiter (a callback: an asyncio future's, or a front end's link record) that the
 claim's end calls with the entry, or None when it was not stored (the waiter then computes it itself).
@@ -25,9 +26,6 @@ import collections
 import hashlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
 
 from ..encoder.media import MediaBytes
 from ..encoder.preprocess import PreprocessConfig
@@ -35,22 +33,6 @@ from .metrics import Metrics
 
 WAIT = "wait"  # a lookup's answer for a key another caller computes: its waiter is called when that one ends
 Waiter = Callable[[object], None]  # called with the entry, or None
-
-
-@dataclass
-class Answer:
-    """An entry held in this process: (tokens or mean, deepstack list) and the grid."""
-
-    output: tuple[torch.Tensor, list[torch.Tensor]]
-    grid: tuple[int, int, int]
-
-    @property
-    def nbytes(self) -> int:
-        first, deepstack = self.output
-        return sum(t.numel() * t.element_size() for t in (first, *deepstack))
-
-    def discard(self) -> None:
-        pass
 
 
 class CacheKeys:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..encoder.features import Features
 from ..encoder.preprocess import ImageError
 
 from . import spool
@@ -52,7 +53,7 @@ class Stop:
 class Output:
     """One image's tensors (tokens or mean, then deepstack), as (dtype name, shape, bytes) each, laid back to back in
     the spool file `path` (or in `data`, where the spool is full or gone: slower, never wrong). The file belongs to
-    whoever holds this record: `tensors` maps it, and it is removed then unless kept (the embedding cache keeps
+    whoever holds this record: `features` maps it, and it is removed then unless kept (the embedding cache keeps
     it), or by `discard`."""
 
     entries: list
@@ -64,9 +65,10 @@ class Output:
     def nbytes(self) -> int:
         return sum(n for _, _, n in self.entries)
 
-    def tensors(self, keep: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The tensors over the file's pages (mapped copy-on-write: no copy is made; OSError when the file is
-        gone); the file is removed unless `keep`."""
+    def features(self, keep: bool = False) -> Features:
+        """The image's Features with its grid (None where this record has none yet: the device process's), the
+        tensors over the file's pages (mapped copy-on-write: no copy is made; OSError when the file is gone); the
+        file is removed unless `keep`."""
         if self.data is not None:
             raw = np.frombuffer(self.data, np.uint8).copy()
         elif self.nbytes == 0:
@@ -81,7 +83,7 @@ class Output:
         for dtype, shape, n in self.entries:
             tensors.append(raw[offset:offset + n].view(getattr(torch, dtype)).view(shape))
             offset += n
-        return tensors[0], tensors[1:]
+        return Features(tensors[0], tensors[1:], None if self.grid is None else list(self.grid))
 
     def discard(self) -> None:
         if self.path is not None:
@@ -117,8 +119,9 @@ def packed(output, path: str) -> Output | ErrorRecord:
     return Output(entries, data=b"".join(a.tobytes() for a in arrays))
 
 
-def unpacked(output: Output | ErrorRecord) -> tuple | ImageError:
-    """A BatchAnswer's output for one image as the engine takes it: (tokens, deepstack list), or the ImageError."""
+def unpacked(output: Output | ErrorRecord) -> Features | ImageError:
+    """A BatchAnswer's output for one image as the backend takes it: its Features (the backend gives them the
+    image's grid), or the ImageError."""
     if isinstance(output, Output):
-        return output.tensors()
+        return output.features()
     return output.error()

@@ -49,16 +49,15 @@ log = logging.getLogger("vitserve.engine")
 
 @dataclass
 class Encoded:
-    """A request's answer: per image (tokens, deepstack list), or (mean vector, []) with mean pooling; its grids;
-    how long decoding its images took, and the longest queue and inference times among them."""
+    """A request's answer: per item its Features (encoder/features.py: tokens, or their mean with mean pooling, the
+    deepstack features, the grid, and a video's timing: frame_indices, fps, timestamps, second_per_grid_t); how long
+    decoding its items took, and the longest queue and inference times among them; the images the cache answered."""
 
-    outputs: list
-    grids: list[list[int]]
+    outputs: list[Features]
     decode_s: float
     queue_s: float
     inference_s: float
     cache_hits: int = 0
-    videos: list[dict] | None = None  # per video: frame_indices, fps, timestamps, second_per_grid_t
 
 
 class Engine:
@@ -185,7 +184,7 @@ class Engine:
         cfg = self.preprocess_config(max_pixels)
         if self.settings.allow_url_fetch:
             images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
-        outputs: list = [None] * len(images)
+        outputs: list[Features | None] = [None] * len(images)
         keys = await self.cache_keys.keys(images, cfg, mean_pooling, client) if self.settings.cache_bytes > 0 else []
         todo, waits, hits = (await self._looked_up(keys, outputs)) if keys else (list(range(len(images))), [], 0)
         times = (0.0, 0.0, 0.0)
@@ -199,7 +198,7 @@ class Engine:
             outputs[i] = await other
             if outputs[i] is None:  # the other request failed: this one encodes it itself
                 times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected)
-        return Encoded([o[0] for o in outputs], [list(o[1]) for o in outputs], *times, hits)
+        return Encoded(outputs, *times, hits)
 
     async def _looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list, int]:
         """The cache's answers filled into `outputs` (hits); the images to compute (claimed for this request), the
@@ -228,8 +227,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
                  for i, (image, grid) in zip(todo, decoded)]
-        for i, item, output in zip(todo, items, await self._run(items, disconnected)):
-            outputs[i] = (output, item.grid)
+        for i, output in zip(todo, await self._run(items, disconnected)):
+            outputs[i] = output
         return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
 
     async def _decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0):
@@ -248,8 +247,8 @@ class Engine:
         return decoding.result()
 
     async def _run(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list:
-        """Submit decoded items to the backend and wait for their outputs; when the client leaves first, they are
-        taken out of the queue (ClientDisconnected)."""
+        """Submit decoded items to the backend and wait for their Features (each with its item's grid); when the
+        client leaves first, they are taken out of the queue (ClientDisconnected)."""
         self.backend.submit(items)
         results = asyncio.gather(*(item.future for item in items))
         await asyncio.wait({results} if disconnected is None else {results, disconnected},
@@ -287,7 +286,7 @@ class Engine:
         """Encode a request's videos (Base64Data, bytes, or URLs when fetching is on): each is decoded, sampled
         and resized by a decode worker into slices of T frames, and its slices join the image queue as items of
         their own (they batch beside images and other videos, over as many replays as they need); the answer per
-        video is its slices' tokens in order (their mean with `mean_pooling`), and its timing (Encoded.videos).
+        video is its Features: its slices' tokens in order (their mean with `mean_pooling`), its grid and timing.
         `options`: the request's fps, num_frames and max_frames (`video_config`). Not cached."""
         if self.model is None:
             raise NotReady(f"model is not ready yet ({self.state.value})")
@@ -304,18 +303,14 @@ class Engine:
             owners += [j] * len(slices)
         results = await self._run(items, disconnected)
 
-        def assemble() -> list:  # each video's slices joined (Features.join): megabytes to copy, off the event loop
-            outputs = []
-            for j in range(len(decoded)):
-                video = Features.join([output for owner, output in zip(owners, results) if owner == j],
-                                      mean=mean_pooling)
-                outputs.append((video.tokens, video.deepstack))
-            return outputs
+        def assemble() -> list[Features]:  # each video's slices joined: megabytes to copy, off the event loop
+            return [Features.join([output for owner, output in zip(owners, results) if owner == j], list(grid),
+                                  timing, mean=mean_pooling)
+                    for j, (_, grid, timing) in enumerate(decoded)]
 
         outputs = await asyncio.to_thread(assemble)
-        return Encoded(outputs, [list(grid) for _, grid, _ in decoded], decode_s,
-                       max((i.queue_s for i in items), default=0.0), max((i.inference_s for i in items), default=0.0),
-                       videos=[timing for _, _, timing in decoded])
+        return Encoded(outputs, decode_s, max((i.queue_s for i in items), default=0.0),
+                       max((i.inference_s for i in items), default=0.0))
 
     # ---- /stats and /metrics -------------------------------------------------------------------------------------
     def collect(self, kind: str):

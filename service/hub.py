@@ -12,9 +12,12 @@ import itertools
 import logging
 import threading
 
+from ..encoder.features import Features
+
 from .cache import WAIT
 from .core_link import (SCRAPE_SECONDS, Answers, Collect, Collected, Drop, Item, Looked, Lookup, Release, Scrape,
                         Scraped, Settled, Status, Submit, Up)
+from .device_protocol import Output
 from .errors import InferenceFailed, Unavailable
 from .lifecycle import Lifecycle
 
@@ -115,22 +118,23 @@ class HubBackend:
             case Status():
                 call(self._mirror, message)
             case Answers(answers):
-                call(self._done, [(done, self._tensors(done.output, done.keep)) for done in answers
+                call(self._done, [(done, self._features(done.output, done.keep)) for done in answers
                                   if done.error is None], [done for done in answers if done.error is not None])
             case Looked(lookup, answers):
-                call(self._looked, lookup, [self._tensors(a, True) if a not in (None, WAIT) else a for a in answers])
+                call(self._looked, lookup, [self._features(a, True) if a not in (None, WAIT) else a for a in answers])
             case Settled(lookup, i, output):
-                call(self._settled, lookup, i, None if output is None else self._tensors(output, True))
+                call(self._settled, lookup, i, None if output is None else self._features(output, True))
             case Collect(scrape, kind):  # answered from a thread of its own: this one keeps reading
                 threading.Thread(target=lambda: self.send(Collected(scrape, self.collect(kind))), daemon=True).start()
             case Scraped(scrape, answer):
                 call(self._scraped, scrape, answer)
 
     @staticmethod
-    def _tensors(output, keep: bool):
-        """An Output record as ((tokens, deepstack), grid); None where its file is gone (an evicted cache entry)."""
+    def _features(output: Output, keep: bool) -> Features | None:
+        """An Output record (its grid set by the core) as the image's Features; None where its file is gone (an
+        evicted cache entry: a hit that is then a miss, computed here)."""
         try:
-            return output.tensors(keep), output.grid
+            return output.features(keep)
         except OSError:
             return None
 
@@ -164,7 +168,7 @@ class HubBackend:
             if output is None:
                 item.future.set_exception(InferenceFailed(f"{item.param}: its answer was lost", "internal_error"))
             else:
-                item.future.set_result(output[0])
+                item.future.set_result(output)
         for done in errors:
             item = self.items.pop(done.id, None)
             if item is not None and not item.future.done():
@@ -178,9 +182,6 @@ class HubBackend:
             if answer == WAIT:
                 waits[i] = self.loop.create_future()
                 answer = waits[i]
-            elif answer is not None and answer[0] is None:  # a hit whose file was evicted meanwhile: computed here
-                answer = self.loop.create_future()
-                answer.set_result(None)
             out.append(answer)
         if not waits:
             del self.lookups[lookup]
@@ -193,7 +194,7 @@ class HubBackend:
         if not waits:
             self.lookups.pop(lookup, None)
         if future is not None and not future.done():
-            future.set_result(None if output is None or output[0] is None else output)
+            future.set_result(output)
 
 
     def _scraped(self, scrape: int, answer) -> None:

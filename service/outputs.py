@@ -13,8 +13,8 @@ same image twice in a request, both answered by one cache entry) each come out w
 memory twice. The safetensors body is written here, not by `safetensors.torch.save`, which refuses tensors that share
 memory.
 
-Each item is a `Features` (encoder/features.py: tokens, deepstack, grid, a video's timing; `answered` builds them
-from the engine's `Encoded`); `laid_out` puts one in a consumer's layout (`vllm`: `Features.packed`). Conversions and
+Each item is a `Features` (encoder/features.py: tokens, deepstack, grid, a video's timing), as the engine answers
+it (`Encoded.outputs`); `laid_out` puts one in a consumer's layout (`vllm`: `Features.packed`). Conversions and
 packing run on the calling thread alone (`converted`, `Features.packed`; encoder/features.py says why). An answer of
 `OFF_LOOP_BYTES` or more is built off the event loop (service/api/encoding.py runs `build` in a thread): conversions
 and base64 release the GIL.
@@ -38,12 +38,6 @@ from ..encoder.vision_encoder import DTYPES
 
 OUTPUT_DTYPES = {name: DTYPES[name] for name in dict.fromkeys(str(t).removeprefix("torch.") for t in DTYPES.values())}
 OFF_LOOP_BYTES = 2**20  # an answer's tensors of this many bytes or more are converted and encoded in a thread
-
-
-def answered(result) -> list[Features]:
-    """Each item of the engine's answer (`Encoded`: outputs, grids, videos' timing) as its Features, in order."""
-    timing = result.videos or [None] * len(result.outputs)
-    return [Features.of(output, grid, video) for output, grid, video in zip(result.outputs, result.grids, timing)]
 
 
 def laid_out(item: Features, layout: str) -> Features:

@@ -16,7 +16,6 @@ import torch
 
 from ..encoder.features import Features
 from .engine import Encoded
-from .outputs import answered
 from .sglang_schemas import EncodeCall
 
 # the pickle's class paths, as SGLang's receiver looks them up (and its unpickler allows them): EmbeddingData moved
@@ -100,6 +99,6 @@ def meta_frame(call: EncodeCall, items: list[Features], family: str, dtype: torc
 
 def message(call: EncodeCall, result: Encoded, family: str, dtype: torch.dtype) -> list:
     """A part's two frames: its `EmbeddingData` pickled, and its features' bytes."""
-    items = answered(result)
+    items = result.outputs
     features, shape = embedding_frame(items, dtype)
     return [meta_frame(call, items, family, dtype, shape), features]

@@ -29,7 +29,7 @@ import asyncio
 from ..encoder.vision_encoder import DTYPES
 from .engine import Encoded
 from .errors import NotAllowed, TimedOut
-from .outputs import OFF_LOOP_BYTES, answer_bytes, answered
+from .outputs import OFF_LOOP_BYTES, answer_bytes
 from .sglang_addresses import ReceiverNetworks, address_of, endpoint, receiver_address
 from .sglang_frames import message
 from .sglang_pairing import MAX_PENDING, TIMEOUT, Pairing
@@ -103,7 +103,7 @@ class SGLangTier:
 
     async def _message(self, call: EncodeCall, result: Encoded, family: str) -> list:
         """`message`, built in a thread where its features are `OFF_LOOP_BYTES` or more."""
-        if answer_bytes(answered(result)) >= OFF_LOOP_BYTES:
+        if answer_bytes(result.outputs) >= OFF_LOOP_BYTES:
             return await asyncio.to_thread(message, call, result, family, self.dtype)
         return message(call, result, family, self.dtype)
 

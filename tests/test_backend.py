@@ -9,7 +9,8 @@ import torch
 
 from vitserve.encoder.preprocess import ImageError
 from vitserve.service.backend import LocalBackend
-from vitserve.service.cache import WAIT, Answer, Cache
+from vitserve.encoder.features import Features
+from vitserve.service.cache import WAIT, Cache
 from vitserve.service.errors import InferenceFailed, InputRejected
 from vitserve.service.lifecycle import Lifecycle, State
 from vitserve.service.metrics import Metrics
@@ -48,9 +49,9 @@ def test_a_batch_is_one_delivery_per_origin_and_its_answers_are_cached():
     local.done(SimpleNamespace(name="cpu"), batch, [(torch.ones(3), []), (torch.zeros(2), []), refused], None, 0.5)
     assert [len(d) for d in a.deliveries] == [2] and [len(d) for d in b.deliveries] == [1]
     first, third = a.deliveries[0]
-    assert first.keep and torch.equal(first.output[0], torch.ones(3)) and first.inference_s == 0.5
+    assert first.keep and torch.equal(first.output.tokens, torch.ones(3)) and first.inference_s == 0.5
     assert isinstance(third.error, InputRejected) and third.error.message == "input[0]: not an image"
-    assert len(waited) == 1 and isinstance(waited[0], Answer) and local.cache.get(b"k") is waited[0]
+    assert len(waited) == 1 and isinstance(waited[0], Features) and local.cache.get(b"k") is waited[0]
     assert local.batch_sizes == {3: 1} and local.metrics.registry.get_sample_value(
         "vitserve_images_total", {"device": "cpu"}) == 3
 

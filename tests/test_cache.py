@@ -13,7 +13,8 @@ import torch
 from helpers import b64_tensor, client_for, data_uri, png
 
 from vitserve.encoder.preprocess import Base64Data, PreprocessConfig
-from vitserve.service.cache import WAIT, Answer, Cache, CacheKeys
+from vitserve.encoder.features import Features
+from vitserve.service.cache import WAIT, Cache, CacheKeys
 from vitserve.service.metrics import Metrics
 
 
@@ -68,14 +69,14 @@ def test_different_preprocessing_never_shares_an_entry(client):
 def test_eviction_keeps_the_bound_least_recently_used_first():
     metrics = Metrics()
     cache = Cache(3 * 400, metrics)  # room for three 100-float entries
-    entry = lambda: Answer((torch.zeros(100), []), (1, 2, 2))  # noqa: E731  (400 bytes)
+    entry = lambda: Features(torch.zeros(100), [], [1, 2, 2])  # noqa: E731  (400 bytes)
     for key in (b"a", b"b", b"c"):
         cache.put(key, entry())
     assert cache.get(b"a") is not None  # a is now the most recently used
     cache.put(b"d", entry())
     assert cache.get(b"b") is None and all(cache.get(k) is not None for k in (b"a", b"c", b"d"))
     assert cache.bytes == 1200 <= cache.limit and metrics.registry.get_sample_value("vitserve_cache_evictions_total") == 1
-    cache.put(b"huge", Answer((torch.zeros(1000), []), (1, 2, 2)))  # larger than the whole cache: not stored
+    cache.put(b"huge", Features(torch.zeros(1000), [], [1, 2, 2]))  # larger than the whole cache: not stored
     assert cache.get(b"huge") is None and cache.bytes == 1200
 
 
@@ -127,7 +128,7 @@ def test_waiters_compute_themselves_when_the_first_request_fails():
         assert claim() == WAIT  # a second one waits for it
         cache.settle(b"k", None)  # the first failed
         assert await waiting is None and claim() is None  # the second now encodes it itself
-        output = Answer((torch.ones(4), []), (1, 2, 2))
+        output = Features(torch.ones(4), [], [1, 2, 2])
         cache.settle(b"k", output)
         return cache.get(b"k")
 

@@ -125,7 +125,7 @@ def test_disconnected_client_is_dropped_from_the_queue(encoders):
     engine, kept = asyncio.run(scenario())
     dropped = engine.metrics.registry.get_sample_value("vitserve_dropped_images_total")
     assert dropped == 1 and engine.metrics.registry.get_sample_value("vitserve_images_total", {"device": "cpu"}) == 2
-    assert kept.outputs[0][0].shape[0] == enc.encode([IMAGES[1]])[0].num_tokens
+    assert kept.outputs[0].tokens.shape[0] == enc.encode([IMAGES[1]])[0].num_tokens
 
 
 def test_several_devices_share_the_load(encoders):

@@ -69,8 +69,8 @@ def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_
     tokens, deepstack = torch.randn(6, 8, dtype=torch.bfloat16), [torch.randn(6, 8, dtype=torch.bfloat16)]
     output = pickle.loads(pickle.dumps(packed((tokens, deepstack), str(tmp_path / "out-0"))))
     assert isinstance(output, Output)
-    back, back_deepstack = unpacked(output)
-    assert torch.equal(back, tokens) and torch.equal(back_deepstack[0], deepstack[0])
+    back = unpacked(output)
+    assert torch.equal(back.tokens, tokens) and torch.equal(back.deepstack[0], deepstack[0])
     assert not (tmp_path / "out-0").exists()  # the file is the holder's: mapped and removed
     record = pickle.loads(pickle.dumps(packed(UndecodableImage("cannot decode the image", "nvjpeg"), "unused")))
     assert isinstance(record, ErrorRecord)

@@ -10,6 +10,7 @@ from helpers import IMAGES, client_for, data_uri
 
 from vitserve.service import errors, http_errors
 from vitserve.service.api import responses
+from vitserve.encoder.features import Features
 from vitserve.service.api.encoding import merged
 from vitserve.service.engine import Encoded
 
@@ -61,20 +62,21 @@ def test_answers_validate_against_their_models(client):
 
 
 def part(n: int, start: int, video: bool) -> Encoded:
-    return Encoded([torch.full((1, 1), float(start + i)) for i in range(n)], [[1, 1, start + i] for i in range(n)],
-                   0.1 * (1 + video), 0.2, 0.3 * (2 - video), 0 if video else 1,
-                   [{"fps": float(start + i)} for i in range(n)] if video else None)
+    return Encoded([Features(torch.full((1, 1), float(start + i)), [], [1, 1, start + i],
+                             {"fps": float(start + i)} if video else None) for i in range(n)],
+                   0.1 * (1 + video), 0.2, 0.3 * (2 - video), 0 if video else 1)
 
 
 def test_a_mixed_answer_keeps_the_requests_order():
     images, videos = part(2, 0, False), part(2, 10, True)
     result = merged(images, videos, [True, False, False, True])
-    assert [g[2] for g in result.grids] == [10, 0, 1, 11]
-    assert [o.item() for o in result.outputs] == [10, 0, 1, 11]
-    assert result.videos == [{"fps": 10.0}, None, None, {"fps": 11.0}]
+    assert [o.grid[2] for o in result.outputs] == [10, 0, 1, 11]
+    assert [o.tokens.item() for o in result.outputs] == [10, 0, 1, 11]
+    assert [o.timing for o in result.outputs] == [{"fps": 10.0}, None, None, {"fps": 11.0}]
     assert (result.decode_s, result.inference_s, result.cache_hits) == (0.2, 0.6, 1)
     only_videos = merged(None, videos, [True, True])
-    assert only_videos.grids == videos.grids and only_videos.videos == videos.videos and only_videos.cache_hits == 0
+    assert all(a is b for a, b in zip(only_videos.outputs, videos.outputs, strict=True))
+    assert only_videos.cache_hits == 0
 
 
 def test_the_edges_domain_errors_keep_their_statuses():

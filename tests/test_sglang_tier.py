@@ -89,11 +89,12 @@ def fake_result(grids, widths=(8,), videos=None, dtype=torch.float32, seed=0) ->
     """An Encoded of items with the given grids (merge 2x2), each with `len(widths) - 1` deepstack levels."""
     g = torch.Generator().manual_seed(seed)
     outputs = []
-    for t, h, w in grids:
+    for i, grid in enumerate(grids):
+        t, h, w = grid
         rows = t * h * w // 4
         tensors = [torch.randn(rows, width, generator=g).to(dtype) for width in widths]
-        outputs.append((tensors[0], tensors[1:]))
-    return Encoded(outputs, [list(x) for x in grids], 0, 0, 0, 0, videos)
+        outputs.append(Features(tensors[0], tensors[1:], list(grid), videos[i] if videos else None))
+    return Encoded(outputs, 0, 0, 0, 0)
 
 
 def call(**fields) -> EncodeCall:
@@ -106,7 +107,7 @@ def test_the_message_is_sglangs_embedding_data_and_its_tensors_bytes():
     frame 1 is the items' tokens one after the other, deepstack after the tokens on the width, in the dtype said."""
     result = fake_result([(1, 4, 6), (1, 8, 8)], widths=(8, 8, 8, 8), dtype=torch.bfloat16)
     meta = decode(message(call(num_parts=3, part_idx=1), result, "qwen3_vl", torch.bfloat16))
-    expected = torch.cat([torch.cat([tokens, *deepstack], -1) for tokens, deepstack in result.outputs])
+    expected = torch.cat([torch.cat([item.tokens, *item.deepstack], -1) for item in result.outputs])
     assert meta.req_id == "r_local_part_0" and (meta.num_parts, meta.part_idx) == (3, 1)
     assert meta.modality is SGLangModality.IMAGE and meta.dtype is torch.bfloat16 and meta.shape == [22, 32]
     assert meta.grid_dim.dtype == torch.int64 and meta.grid_dim.tolist() == [[1, 4, 6], [1, 8, 8]]
@@ -132,7 +133,7 @@ def test_a_video_part_carries_the_metadata_its_family_needs():
 
 
 def test_one_item_without_deepstack_goes_out_as_its_own_memory():
-    (tokens, _), = fake_result([(1, 4, 4)]).outputs
+    tokens = fake_result([(1, 4, 4)]).outputs[0].tokens
     frame, shape = embedding_frame([Features(tokens)], torch.float32)
     assert shape == [4, 8] and np.shares_memory(np.asarray(frame), tokens.numpy())
     frame, shape = embedding_frame([Features(tokens)], torch.float16)  # another dtype: converted

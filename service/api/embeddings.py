@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..json_body import read_json
-from ..outputs import answered, embedding_data, json_response
+from ..outputs import embedding_data, json_response
 from ..schemas import EmbeddingRequest, request_body
 from .encoding import answer, encode_images, encode_media
 from .inputs import decode_input
@@ -34,7 +34,7 @@ async def embeddings(request: Request) -> Response:
 
     def build() -> Response:
         tokens = request.state.tokens
-        data = embedding_data(answered(result), body.normalize, body.encoding_format, mean)
+        data = embedding_data(result.outputs, body.normalize, body.encoding_format, mean)
         return json_response({"object": "list", "data": data, "model": api.settings.model_name,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 

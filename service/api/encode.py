@@ -17,7 +17,7 @@ from ...encoder.video import sniff
 from ..errors import InputRejected
 from ..http_errors import ServiceError
 from ..json_body import read_json
-from ..outputs import PartsResponse, answered, encode_data, json_response, laid_out, safetensors_parts
+from ..outputs import PartsResponse, encode_data, json_response, laid_out, safetensors_parts
 from ..schemas import EncodeForm, EncodeRequest, check_uuid_counts, request_body
 from ..media import MediaItem
 from .encoding import encode_media
@@ -105,12 +105,12 @@ async def encode(request: Request) -> Response:
 
     def build() -> Response:
         tokens = request.state.tokens
-        answers = [laid_out(item, body.layout) for item in answered(result)]
+        answers = [laid_out(item, body.layout) for item in result.outputs]
         if "application/octet-stream" in request.headers.get("accept", ""):
-            metadata = {"model": api.settings.model_name, "grid_thw": json.dumps(result.grids), "dtype": body.dtype,
-                        "tokens": str(tokens), "layout": body.layout}
-            if result.videos:  # per item: null for an image, a video's timing
-                metadata["videos"] = json.dumps(result.videos)
+            metadata = {"model": api.settings.model_name, "grid_thw": json.dumps([item.grid for item in answers]),
+                        "dtype": body.dtype, "tokens": str(tokens), "layout": body.layout}
+            if any(item.timing is not None for item in answers):  # per item: null for an image, a video's timing
+                metadata["videos"] = json.dumps([item.timing for item in answers])
             if ids is not None:
                 metadata["ec_ids"] = json.dumps(ids)
             return PartsResponse(safetensors_parts(answers, body.dtype, metadata, body.deepstack),

@@ -13,14 +13,15 @@ from fastapi.responses import Response
 
 from ..engine import Encoded
 from ..errors import Unsupported
-from ..outputs import OFF_LOOP_BYTES, answer_bytes, answered
+from ..outputs import OFF_LOOP_BYTES, answer_bytes
 from .served import Served
 
 
 def noted(served: Served, request: Request, result: Encoded) -> Encoded:
     """The request's counts and phases on its state, for its access line."""
     unit = served.engine.model.config.merge_unit
-    request.state.images, request.state.tokens = len(result.grids), sum(math.prod(g) // unit for g in result.grids)
+    grids = [item.grid for item in result.outputs]
+    request.state.images, request.state.tokens = len(grids), sum(math.prod(g) // unit for g in grids)
     for phase in ("decode", "queue", "inference"):
         setattr(request.state, f"{phase}_ms", round(getattr(result, f"{phase}_s") * 1e3, 2))
     request.state.cache_hits = result.cache_hits
@@ -89,22 +90,19 @@ async def encode_media(served: Served, request: Request, images: list, videos: l
 
 def merged(images: Encoded | None, videos: Encoded, order: list[bool]) -> Encoded:
     """The images' and the videos' answers as one, its items in the request's order (`order`: per item whether it
-    is a video; a video's timing beside it, None beside an image). Phases: the longer of the two (they ran side by
-    side); cache hits: the images'."""
+    is a video). Phases: the longer of the two (they ran side by side); cache hits: the images'."""
     image_at, video_at = iter(range(len(images.outputs) if images else 0)), iter(range(len(videos.outputs)))
     where = [(videos, next(video_at)) if is_video else (images, next(image_at)) for is_video in order]
     parts = [part for part in (images, videos) if part is not None]
-    return Encoded([part.outputs[i] for part, i in where], [part.grids[i] for part, i in where],
-                   max(p.decode_s for p in parts), max(p.queue_s for p in parts), max(p.inference_s for p in parts),
-                   images.cache_hits if images else 0,
-                   [videos.videos[i] if part is videos else None for part, i in where])
+    return Encoded([part.outputs[i] for part, i in where], max(p.decode_s for p in parts),
+                   max(p.queue_s for p in parts), max(p.inference_s for p in parts), images.cache_hits if images else 0)
 
 
 async def answer(served: Served, request: Request, result: Encoded, build) -> Response:
     """The response `build()` makes (in a thread for an answer of `OFF_LOOP_BYTES` or more: its conversions and
     base64 are bytes work), timed as the serialize phase; every phase in the headers (ms)."""
     start = time.perf_counter()
-    response = await asyncio.to_thread(build) if answer_bytes(answered(result)) >= OFF_LOOP_BYTES else build()
+    response = await asyncio.to_thread(build) if answer_bytes(result.outputs) >= OFF_LOOP_BYTES else build()
     seconds = time.perf_counter() - start
     served.engine.metrics.serialize_seconds.observe(seconds)
     served.engine.metrics.record("serialize", seconds)

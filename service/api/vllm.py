@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from ..engine import Encoded
 from ..errors import NotServed
 from ..json_body import read_json
-from ..outputs import answered, json_response
+from ..outputs import json_response
 from ..schemas import ChatRequest, request_body
 from ..media import MediaItem
 from ..vllm_tier import chat_completion, chat_items, chat_options
@@ -46,7 +46,7 @@ async def answer_beside_files(served: Served, request: Request, result: Encoded,
     milliseconds (a failure is logged and counted)."""
     if ids is None:
         return await answer(served, request, result, build)
-    files = asyncio.ensure_future(served.vllm.write(ids, answered(result)))
+    files = asyncio.ensure_future(served.vllm.write(ids, result.outputs))
     if not wait:
         files.add_done_callback(served.vllm.written)
         return await answer(served, request, result, build)
@@ -78,8 +78,7 @@ async def chat_completions(request: Request) -> Response:
     order = [item.modality == "video" for item in items]
     result, ids = await encode_for_tier(api, items, lambda: encode_media(api, request, images, videos, options,
                                                                          order), body.mm_processor_kwargs)
-    timing = result.videos or [None] * len(items)
-    params = api.vllm.transfer_params(ids, items, result.grids, timing,
+    params = api.vllm.transfer_params(ids, items, [f.grid for f in result.outputs], [f.timing for f in result.outputs],
                                       api.engine.model.config.family == "qwen3_vl")
     content = chat_completion(body.model, params, request.state.tokens)
     return await answer_beside_files(api, request, result, lambda: json_response(content), ids)
