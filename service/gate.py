@@ -76,6 +76,52 @@ def endpoint_label(path: str) -> str:
     return path if path in API_PATHS or path in TIER_PATHS else "other"
 
 
+class BodyMeter:
+    """One request's body as the app receives it: within `limit` bytes (PayloadTooLarge) and its `deadline`
+    (BodyTimeout), its memory held in `bodies` as it arrives (NoBodyMemory where it cannot be: see the module's
+    docstring); `charged`: what it holds, given back when the request ends."""
+
+    def __init__(self, bodies: MemoryBudget, receive, limit: int, length: int | None, deadline: float):
+        self.bodies, self._receive, self.limit, self.length, self.deadline = bodies, receive, limit, length, deadline
+        self.seen = self.charged = 0
+        self.done = False
+
+    async def receive(self):
+        if self.done:  # waiting for a disconnect while the images run: no deadline
+            return await self._receive()
+        await self._charge(ahead=True)
+        try:
+            message = await asyncio.wait_for(self._receive(), max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise BodyTimeout() from None
+        self.seen += len(message.get("body", b""))
+        if self.seen > self.limit:
+            raise PayloadTooLarge()
+        await self._charge(ahead=False)  # for what this message brought past the free part (a last one too)
+        self.done = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    async def _charge(self, ahead: bool) -> None:
+        """Hold the body memory for what came (and, `ahead`, for the step to come), once the free part has come."""
+        if self.seen < FREE_BODY_BYTES:
+            return
+        if self.length is not None:
+            want = HELD_PER_BODY_BYTE * (self.length - FREE_BODY_BYTES) - self.charged
+            if want > 0:
+                try:
+                    self.charged += await asyncio.wait_for(self.bodies.acquire(want),
+                                                           max(0.0, self.deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise NoBodyMemory() from None
+            return
+        steps = -(-self.seen // CHARGE_STEP) + ahead
+        step = HELD_PER_BODY_BYTE * (min(self.limit, steps * CHARGE_STEP) - FREE_BODY_BYTES)
+        if step > self.charged:
+            if not self.bodies.try_acquire(step - self.charged):
+                raise NoBodyMemory()
+            self.charged = step
+
+
 class Gate:
     def __init__(self, app, settings: Settings, metrics: Metrics, engine=None):
         self.app, self.settings, self.metrics, self.engine = app, settings, metrics, engine
@@ -108,58 +154,13 @@ class Gate:
             self._account(scope, status[0] or (500 if failed else 499), time.perf_counter() - start)
 
     async def _gated(self, scope, receive, send, headers, path, limit):
-        if self.keys and path not in OPEN_PATHS:
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            matches = [hmac.compare_digest(token, key) for key in self.keys]  # all compared: the time names none
-            if scheme.lower() != b"bearer" or not any(matches):
-                return await error_response(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                            "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(
-                    scope, receive, send)
-            scope["state"]["client"] = matches.index(True)  # which key: the cache's scope (--cache-scope api-key)
+        refused = self._refused(scope, headers, path, limit)
+        if refused is not None:
+            return await refused(scope, receive, send)
         length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return await error_response(413, payload_message(limit), "payload_too_large")(
-                scope, receive, send)
-        seen, charged, started, body_done = 0, 0, [False], [False]
-        deadline = time.monotonic() + self.settings.body_timeout
-
-        async def charge(ahead: bool) -> None:
-            """Hold the body memory for what came (and, `ahead`, for the step to come), once the free part has come
-            (see the module's docstring)."""
-            nonlocal charged
-            if seen < FREE_BODY_BYTES:
-                return
-            if length is not None:
-                want = HELD_PER_BODY_BYTE * (int(length) - FREE_BODY_BYTES) - charged
-                if want > 0:
-                    try:
-                        charged += await asyncio.wait_for(self.bodies.acquire(want),
-                                                          max(0.0, deadline - time.monotonic()))
-                    except asyncio.TimeoutError:
-                        raise NoBodyMemory() from None
-                return
-            steps = -(-seen // CHARGE_STEP) + ahead
-            step = HELD_PER_BODY_BYTE * (min(limit, steps * CHARGE_STEP) - FREE_BODY_BYTES)
-            if step > charged:
-                if not self.bodies.try_acquire(step - charged):
-                    raise NoBodyMemory()
-                charged = step
-
-        async def limited_receive():
-            nonlocal seen
-            if body_done[0]:  # waiting for a disconnect while the images run: no deadline
-                return await receive()
-            await charge(ahead=True)
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise BodyTimeout() from None
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise PayloadTooLarge()
-            await charge(ahead=False)  # for what this message brought past the free part (a last one too)
-            body_done[0] = message["type"] != "http.request" or not message.get("more_body", False)
-            return message
+        body = BodyMeter(self.bodies, receive, limit, None if length is None else int(length),
+                         time.monotonic() + self.settings.body_timeout)
+        started = [False]
 
         async def started_send(message):
             started[0] = started[0] or message["type"] == "http.response.start"
@@ -171,25 +172,39 @@ class Gate:
                     admitted.enter_context(self.engine.admitted())
                 except EngineError as e:
                     return await ServiceError.of(e).response()(scope, receive, send)
-            admitted.callback(lambda: self.bodies.release(charged))
+            admitted.callback(lambda: self.bodies.release(body.charged))
             admitted.callback(_run_on_end, scope["state"])
             try:
-                await self.app(scope, limited_receive, started_send)
-            except NoBodyMemory:
-                if started[0]:
+                await self.app(scope, body.receive, started_send)
+            except (NoBodyMemory, PayloadTooLarge, BodyTimeout) as e:
+                if started[0]:  # the answer had begun: it cannot become an error any more
                     raise
-                await error_response(429, "the server holds too many request bodies; retry shortly", "queue_full",
-                                     headers={"Retry-After": "1", "Connection": "close"})(scope, receive, send)
-            except PayloadTooLarge:
-                if started[0]:
-                    raise
-                await error_response(413, payload_message(limit), "payload_too_large")(
-                    scope, receive, send)
-            except BodyTimeout:
-                if started[0]:
-                    raise
-                await error_response(408, f"the request body did not arrive within {self.settings.body_timeout:g} s",
-                                     "request_timeout", headers={"Connection": "close"})(scope, receive, send)
+                await self._body_error(e, limit)(scope, receive, send)
+
+    def _refused(self, scope, headers: dict, path: str, limit: int):
+        """The answer to a request refused from its headers alone (a missing or wrong API key: 401; a declared body
+        over the limit: 413), else None; an accepted key's index goes into the request's state."""
+        if self.keys and path not in OPEN_PATHS:
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            matches = [hmac.compare_digest(token, key) for key in self.keys]  # all compared: the time names none
+            if scheme.lower() != b"bearer" or not any(matches):
+                return error_response(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                      "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            scope["state"]["client"] = matches.index(True)  # which key: the cache's scope (--cache-scope api-key)
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return error_response(413, payload_message(limit), "payload_too_large")
+        return None
+
+    def _body_error(self, e: Exception, limit: int):
+        """The answer to a body that did not fit its memory (429), its limit (413) or its deadline (408)."""
+        if isinstance(e, NoBodyMemory):
+            return error_response(429, "the server holds too many request bodies; retry shortly", "queue_full",
+                                  headers={"Retry-After": "1", "Connection": "close"})
+        if isinstance(e, PayloadTooLarge):
+            return error_response(413, payload_message(limit), "payload_too_large")
+        return error_response(408, f"the request body did not arrive within {self.settings.body_timeout:g} s",
+                              "request_timeout", headers={"Connection": "close"})
 
     def _account(self, scope, status: int, seconds: float) -> None:
         """The request's metrics and its access line (every request but the scrapes and probes, which would drown
