@@ -99,7 +99,7 @@ def test_stats_of_one_process_and_of_several_front_ends():
     assert set(one) | {"api_servers", "api_servers_replaced"} == set(several)
 
 
-def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it():
+def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it(tmp_path):
     """The core answers a lookup and tells its waits' settles over one pipe: a key settled by another thread while
     the lookup is answered reaches the front end after the lookup's answer (which registers the wait), else the
     front end would drop the settle and its request would wait for ever."""
@@ -108,7 +108,7 @@ def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it():
     from vitserve.service.core import Core, Link
     from vitserve.service.core_link import Lookup
 
-    core = Core(Settings(model="tiny-qwen3-vl", load_format="dummy", device="cpu"), 2)
+    core = Core(Settings(model="tiny-qwen3-vl", load_format="dummy", device="cpu", spool_dir=str(tmp_path)), 2)
     sent, settlers = [], []
     link = Link(0, SimpleNamespace(send=lambda message: sent.append(type(message).__name__)), None)
     cache = core.backend.cache
