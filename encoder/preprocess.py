@@ -56,7 +56,6 @@ from PIL import Image, ImageOps
 from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from .image_errors import (BadAspectRatio, HeaderNotFound, ImageError, ImageTooLarge, InvalidBase64, NotAnImage,  # noqa: F401
                            UndecodableImage, UnsupportedFormat)
-from .media import MediaBytes, decode_base64  # noqa: F401 (decode_base64: named here too)
 
 if TYPE_CHECKING:
     import torch
@@ -89,12 +88,6 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 # --------------------------------------------------------------------------- errors
-
-
-def Base64Data(text: str | memoryview, start: int = 0, shared: tuple[str, int] | None = None) -> MediaBytes:
-    """Base64 text of an encoded image from `start` (after a data URI's header), as `encoder.media.MediaBytes`: the
-    one type for an item's input bytes (`shared`: where `text` lies in a file a decode worker maps)."""
-    return MediaBytes(text, start, True, shared)
 
 
 # --------------------------------------------------------------------------- config

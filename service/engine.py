@@ -176,7 +176,7 @@ class Engine:
 
     async def encode(self, images: list, mean_pooling: bool = False, disconnected: asyncio.Future | None = None,
                      field: str = "input", max_pixels: int | None = None, client: int | None = None) -> Encoded:
-        """Encode a request's images (Base64Data, bytes, or URLs when fetching is on): decoding, then batching.
+        """Encode a request's images (MediaBytes, bytes, or URLs when fetching is on): decoding, then batching.
         If `disconnected` resolves first, its images are dropped from the queue (ClientDisconnected). `field`
         names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's; `client`
         is the API key the request came with (the cache's scope). Admission (`admitted`) is the caller's: the gate
@@ -283,7 +283,7 @@ class Engine:
     async def encode_videos(self, videos: list, options: dict, mean_pooling: bool = False,
                             disconnected: asyncio.Future | None = None, field: str = "videos",
                             max_pixels: int | None = None) -> Encoded:
-        """Encode a request's videos (Base64Data, bytes, or URLs when fetching is on): each is decoded, sampled
+        """Encode a request's videos (MediaBytes, bytes, or URLs when fetching is on): each is decoded, sampled
         and resized by a decode worker into slices of T frames, and its slices join the image queue as items of
         their own (they batch beside images and other videos, over as many replays as they need); the answer per
         video is its Features: its slices' tokens in order (their mean with `mean_pooling`), its grid and timing.

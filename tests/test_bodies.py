@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from helpers import data_uri, png, until, wait_until
 
-from vitserve.encoder.preprocess import Base64Data, load_image, resize_rgb
+from vitserve.encoder.media import MediaBytes
+from vitserve.encoder.preprocess import load_image, resize_rgb
 from vitserve.service import decode_pool, launch, spool
 from vitserve.service.api.inputs import decode_input
 from vitserve.service.bodies import SHARED
@@ -73,7 +74,7 @@ def test_a_large_body_reaches_its_decode_worker_in_place(encoders, tmp_path, mon
             shared = [spool.pixels([image])[0] for image, _ in await decoder.decode(images, cfg)]
             sent_shared = list(sent)
             plain = [spool.pixels([image])[0] for image, _ in
-                     await decoder.decode([Base64Data(text, text.find(",") + 1) for text in texts], cfg)]
+                     await decoder.decode([MediaBytes(text, text.find(",") + 1) for text in texts], cfg)]
             files = body_files(tmp_path)
             del parsed, images  # the request's views of its body: gone with it
             request.end()

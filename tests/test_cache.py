@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers import b64_tensor, client_for, data_uri, png
 
-from vitserve.encoder.preprocess import Base64Data, PreprocessConfig
+from vitserve.encoder.media import MediaBytes
+from vitserve.encoder.preprocess import PreprocessConfig
 from vitserve.encoder.features import Features
 from vitserve.service.cache import WAIT, Cache, CacheKeys
 from vitserve.service.metrics import Metrics
@@ -60,10 +61,10 @@ def test_different_preprocessing_never_shares_an_entry(client):
     assert client.post("/v1/embeddings", json={"input": [image]}).headers["x-cache-hits"] == "1"
     cfg, other = PreprocessConfig(), PreprocessConfig(max_pixels=100_000)
     cache_a, cache_b = CacheKeys("model-a"), CacheKeys("model-b")
-    data = Base64Data("aGVsbG8=")
+    data = MediaBytes("aGVsbG8=")
     keys = {cache_a.key(data, cfg, False), cache_a.key(data, other, False), cache_a.key(data, cfg, True),
-            cache_b.key(data, cfg, False), cache_a.key(Base64Data("aGVsbG9=="), cfg, False)}
-    assert len(keys) == 5 and cache_a.key(data, cfg, False) == cache_a.key(Base64Data("aGVsbG8="), cfg, False)
+            cache_b.key(data, cfg, False), cache_a.key(MediaBytes("aGVsbG9=="), cfg, False)}
+    assert len(keys) == 5 and cache_a.key(data, cfg, False) == cache_a.key(MediaBytes("aGVsbG8="), cfg, False)
 
 
 def test_eviction_keeps_the_bound_least_recently_used_first():

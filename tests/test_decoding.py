@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import IMAGES, images_in, png, until
 
-from vitserve.encoder.preprocess import Base64Data
+from vitserve.encoder.media import MediaBytes
 from vitserve.service import spool
 from vitserve.service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
 from vitserve.service.engine import Engine, State
@@ -24,8 +24,8 @@ from vitserve.service.scheduler import WorkItem
 from vitserve.service.settings import Settings
 
 
-def b64(data: bytes) -> Base64Data:
-    return Base64Data(base64.b64encode(data).decode())
+def b64(data: bytes) -> MediaBytes:
+    return MediaBytes(base64.b64encode(data).decode())
 
 
 def test_spool_round_trip_and_fallback(tmp_path):
@@ -540,7 +540,7 @@ def test_a_decode_thread_past_the_timeout_gives_413_at_once(encoders):
 def test_text_is_told_apart_from_images_and_base64(item, text):
     from vitserve.service.decoder import looks_like_text
 
-    assert looks_like_text(Base64Data(item) if isinstance(item, str) else item) is text
+    assert looks_like_text(MediaBytes(item) if isinstance(item, str) else item) is text
 
 
 def test_text_sent_as_an_image_is_a_400_that_says_so(encoders):
@@ -552,7 +552,7 @@ def test_text_sent_as_an_image_is_a_400_that_says_so(encoders):
         await engine.start()
         errors = []
         try:
-            for item in (Base64Data("a photo of a cat"), Base64Data("a photo of a cat?"), b"some notes I wrote\n"):
+            for item in (MediaBytes("a photo of a cat"), MediaBytes("a photo of a cat?"), b"some notes I wrote\n"):
                 with pytest.raises(InputRejected) as error:
                     await engine.decoder.decode([item], engine.model.preprocess_config)
                 errors.append(error.value)

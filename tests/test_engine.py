@@ -14,17 +14,17 @@ from fastapi.testclient import TestClient
 from helpers import IMAGES, client_for, data_uri, rel_err, until, wait_until
 
 from vitserve.encoder import VisionEncoder
-from vitserve.encoder.preprocess import Base64Data
+from vitserve.encoder.media import MediaBytes
 from vitserve.service.app import create_app
 from vitserve.service.engine import Engine, State
 from vitserve.service.errors import ClientDisconnected
 from vitserve.service.settings import Settings
 
 
-def b64(data: bytes) -> Base64Data:
+def b64(data: bytes) -> MediaBytes:
     import base64
 
-    return Base64Data(base64.b64encode(data).decode())
+    return MediaBytes(base64.b64encode(data).decode())
 
 
 def test_bad_request_does_not_fail_its_batch_neighbours(encoders, monkeypatch):

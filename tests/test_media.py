@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 from vitserve.encoder.media import MediaBytes, MediaHandle, received
-from vitserve.encoder.preprocess import Base64Data, InvalidBase64, PreprocessConfig
+from vitserve.encoder.preprocess import InvalidBase64, PreprocessConfig
 from vitserve.service.cache import CacheKeys
 from vitserve.service.json_body import Text
 
@@ -47,7 +47,7 @@ def cases(body_file):
     end = at + len(PREFIX) + len(TEXT)
     view = body[at:end]
     return [
-        ("text", Base64Data(PREFIX + TEXT, len(PREFIX)), PREFIX + TEXT, True, len(PREFIX)),
+        ("text", MediaBytes(PREFIX + TEXT, len(PREFIX)), PREFIX + TEXT, True, len(PREFIX)),
         ("body view", MediaBytes(view, len(PREFIX)), view, True, len(PREFIX)),
         ("body file", Text(view, (path, at)).skip(len(PREFIX)), view, True, len(PREFIX)),
         ("upload", MediaBytes.of(DATA), DATA, False, 0),
@@ -97,16 +97,16 @@ def test_a_body_file_handle_sends_no_bytes_and_refuses_a_short_file(body_file):
 
 def test_line_broken_base64_and_bad_base64():
     wrapped = "\n".join(TEXT[i:i + 76] for i in range(0, len(TEXT), 76))
-    media = Base64Data(wrapped)
+    media = MediaBytes(wrapped)
     assert media.head(5000)[:5000] == DATA[:5000] and media.decode() == DATA
     assert DATA.startswith(media.head(2**16))  # whitespace counts against the bounded prefix: fewer bytes, same ones
     assert bytes(media.ascii(3)) == TEXT[:4].encode()  # the quad that holds the first 3 bytes
     assert bytes(media.ascii(200)) == wrapped.encode()  # whitespace within the quads: the whole text
-    assert bytes(Base64Data(TEXT).ascii(3)) == TEXT[:4].encode()  # the quad that holds the first 3 bytes
+    assert bytes(MediaBytes(TEXT).ascii(3)) == TEXT[:4].encode()  # the quad that holds the first 3 bytes
     with pytest.raises(InvalidBase64):
-        Base64Data("not base64 at all!").decode()
+        MediaBytes("not base64 at all!").decode()
     with pytest.raises(InvalidBase64):
-        Base64Data("%%%%" * 50_000).head(100)
+        MediaBytes("%%%%" * 50_000).head(100)
 
 
 def test_text_reads_its_characters_and_stays_a_view():
@@ -120,5 +120,5 @@ def test_of_takes_a_json_string_as_base64_and_bytes_as_raw():
     text = MediaBytes.of(PREFIX + TEXT)
     assert text.base64 and text.prefix(5) == "data:" and text.skip(len(PREFIX)).decode() == DATA
     assert not MediaBytes.of(DATA).base64 and MediaBytes.of(DATA).decode() is DATA  # no copy of bytes
-    media = Base64Data(TEXT)
+    media = MediaBytes(TEXT)
     assert MediaBytes.of(media) is media

@@ -650,11 +650,11 @@ def test_scan_bombs_are_refused_before_pil_decodes_them():
 def test_base64_is_sent_up_to_the_image_end():
     import base64
 
-    from vitserve.encoder.preprocess import Base64Data
+    from vitserve.encoder.media import MediaBytes
 
     data = encode(rand_image(8, 8), "PNG")
     text = base64.b64encode(data + bytes(30_000)).decode()
-    sent = Base64Data("data:image/png;base64," + text, 22).ascii(len(data))
+    sent = MediaBytes("data:image/png;base64," + text, 22).ascii(len(data))
     assert len(sent) == -(-len(data) // 3) * 4 and base64.b64decode(bytes(sent))[:len(data)] == data
-    wrapped = Base64Data("\n".join(text[i:i + 76] for i in range(0, len(text), 76)))
+    wrapped = MediaBytes("\n".join(text[i:i + 76] for i in range(0, len(text), 76)))
     assert len(wrapped.ascii(len(data))) == len(wrapped)  # whitespace before the end: all of it
