@@ -124,7 +124,7 @@ class ErrorRecord:
                    str(error) if isinstance(public, str) and str(error) != public else None)
 
     def error(self) -> Exception:
-        from ..encoder.preprocess import ImageError
+        from ..encoder.image_errors import ImageError
 
         kind = error_kinds().get(self.kind)
         if kind is None:
@@ -148,14 +148,14 @@ def error_kinds() -> dict[str, type[Exception]]:
     exceptions, the domain errors, the encoder's image and video errors, a spooled image that is gone, and torch's
     out-of-memory error (where torch is loaded: a process without it receives none). Built at the first record
     turned back into an error, in the process that receives it."""
-    from ..encoder import preprocess
+    from ..encoder import image_errors
 
     from . import spool
 
     if "torch" in sys.modules:  # the video errors (encoder.video imports torch) and torch's own
         from ..encoder import video  # noqa: F401
     kinds: list[type] = [c for c in vars(builtins).values() if isinstance(c, type) and issubclass(c, Exception)]
-    kinds += [EngineError, *_subclasses(EngineError), preprocess.ImageError, *_subclasses(preprocess.ImageError),
+    kinds += [EngineError, *_subclasses(EngineError), image_errors.ImageError, *_subclasses(image_errors.ImageError),
               spool.ImageLost]
     if "torch" in sys.modules:
         kinds.append(sys.modules["torch"].OutOfMemoryError)
