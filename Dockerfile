@@ -6,8 +6,6 @@ FROM ${BASE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY vitserve ./vitserve
-COPY encoder ./encoder
-COPY service ./service
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${BASE}
@@ -28,6 +26,6 @@ EXPOSE 8000
 # healthy once /ready answers 200 on the port the server bound, whatever flags or variables set it (the check reads
 # the server's command line and environment); the start period covers the weight load and graph capture
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["python", "-m", "vitserve.service.healthcheck"]
+    CMD ["python", "-m", "vitserve.service.entry.healthcheck"]
 ENTRYPOINT ["vitserve", "serve"]
 CMD ["--model", "Qwen/Qwen2.5-VL-7B-Instruct"]

@@ -41,10 +41,10 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_multi_gpu import cpu_seconds, shallow_checkpoint  # noqa: E402
 
-from vitserve.service import http as protocol  # noqa: E402
-from vitserve.service.launch import start_server  # noqa: E402
-from vitserve.service import outputs  # noqa: E402
-from vitserve.service.outputs import OUTPUT_DTYPES, b64, render_json, safetensors_parts  # noqa: E402
+from vitserve.service.api import http as protocol  # noqa: E402
+from vitserve.service.api import outputs  # noqa: E402
+from vitserve.service.api.outputs import OUTPUT_DTYPES, b64, render_json, safetensors_parts  # noqa: E402
+from vitserve.service.entry.launch import start_server  # noqa: E402
 
 # an older tree (PYTHONPATH and cwd at its checkout) converted with `Tensor.to`, and named the connection privately
 converted = getattr(outputs, "converted", torch.Tensor.to)

@@ -38,8 +38,8 @@ from vitserve.encoder import VisionEncoder
 from vitserve.encoder.preprocess import load_image, normalize_lut, preprocess_image, resize_rgb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vitserve.service.launch import start_server  # noqa: E402
-from vitserve.service.outputs import embedding_payload, render_json  # noqa: E402
+from vitserve.service.api.outputs import embedding_payload, render_json  # noqa: E402
+from vitserve.service.entry.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("decode", "queue", "inference", "serialize")  # the answers' x-<phase>-time headers, ms

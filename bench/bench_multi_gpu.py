@@ -40,7 +40,7 @@ from hf_reference import vision_config  # noqa: E402
 
 from vitserve.encoder import VisionEncoder  # noqa: E402
 from vitserve.encoder.config import builtin_config  # noqa: E402
-from vitserve.service.launch import start_server  # noqa: E402
+from vitserve.service.entry.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from vitserve.service.launch import start_server
+from vitserve.service.entry.launch import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 

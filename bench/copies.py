@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import image_files  # noqa: E402
 
 from vitserve.encoder.preprocess import PreprocessConfig, load_image, resize_rgb  # noqa: E402
-from vitserve.service import spool  # noqa: E402
+from vitserve.service.decoding import spool  # noqa: E402
 
 
 def best(fn, repeat: int = 20) -> float:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from vitserve.encoder.features import Features
-from vitserve.service.ec_storage import ECStorage
+from vitserve.service.tiers.ec_storage import ECStorage
 
 ITEMS = {"qwen3-vl-8b 1344x1344": (1764, 4096, 3), "qwen2.5-vl-7b 1344x1344": (2304, 3584, 0)}
 
@@ -98,7 +98,7 @@ def http(args) -> list[dict]:
     import httpx
     from PIL import Image
 
-    from vitserve.service.launch import start_server
+    from vitserve.service.entry.launch import start_server
 
     image = Image.open(Path(__file__).resolve().parents[1] / "examples" / "sample.jpg").convert("RGB")
     buf = io.BytesIO()

@@ -61,7 +61,7 @@ from bench_http import drive, engine_throughput, image_files  # noqa: E402
 from bench_multi_gpu import cpu_seconds, shallow_checkpoint  # noqa: E402
 from loadgen import request_bytes, run_load  # noqa: E402
 
-from vitserve.service.launch import start_server  # noqa: E402
+from vitserve.service.entry.launch import start_server  # noqa: E402
 
 PARTS = ("ceiling", "body", "cached", "cache", "http", "handoff", "fast")
 SERVER_OF = {"ceiling": "cut", "body": "cached", "cached": "cached", "cache": "cached", "http": "plain",

@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vitserve.service.launch import start_server  # noqa: E402
+from vitserve.service.entry.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from vitserve.service.launch import start_server
+from vitserve.service.entry.launch import start_server
 
 
 def png_bytes(image: Image.Image) -> bytes:

@@ -21,7 +21,6 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import gpu_ms, matmul_tflops  # noqa: E402
-
 from vitserve.encoder import VisionEncoder  # noqa: E402
 from vitserve.encoder.layers import MLP_ALIGN, round_up  # noqa: E402
 from vitserve.encoder.plan import make_plan, to_device  # noqa: E402

@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vitserve.service.launch import start_server  # noqa: E402
+from vitserve.service.entry.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [(32, 32), (224, 224), (300, 200), (640, 480), (90, 700), (1024, 768)]

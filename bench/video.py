@@ -751,7 +751,7 @@ def main():
 
     t = time.perf_counter()
     try:
-        from vitserve.service.launch import start_server
+        from vitserve.service.entry.launch import start_server
 
         proc, url = start_server(*flags, timeout=args.start_timeout)
     except (RuntimeError, ImportError) as e:

@@ -69,9 +69,9 @@ def b64_bf16(s: str, shape) -> torch.Tensor:
 
 def client_for(encoder, **overrides) -> TestClient:
     """The app over an already loaded encoder (`Settings` overrides as keywords)."""
-    from vitserve.service.app import create_app
-    from vitserve.service.engine import Engine
-    from vitserve.service.settings import Settings
+    from vitserve.service.entry.app import create_app
+    from vitserve.service.ground.settings import Settings
+    from vitserve.service.pipeline.engine import Engine
 
     settings = Settings(model=encoder.name, load_format="dummy", **overrides)
     return TestClient(create_app(settings, Engine(settings, encoders=encoder)))
@@ -108,7 +108,7 @@ async def until(condition, timeout: float = 30.0, what: str = "the condition") -
 def serving(*flags: str, timeout: float = 60):
     """A fixture's body: a `vitserve serve` subprocess (proc, url) while the tests use it; stopped after, and its log
     free of tracebacks."""
-    from vitserve.service.launch import start_server
+    from vitserve.service.entry.launch import start_server
 
     proc, url = start_server(*flags, timeout=timeout, capture_log=True)
     yield proc, url

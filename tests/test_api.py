@@ -10,16 +10,16 @@ import logging
 
 import pytest
 import torch
-import vitserve
 from fastapi.testclient import TestClient
 from helpers import IMAGES, b64_floats, b64_tensor, client_for, data_uri, png, rel_err
 from PIL import Image
 from safetensors.torch import load as safetensors_load
 
-from vitserve.service.app import create_app
-from vitserve.service.backend import LocalBackend
-from vitserve.service.outputs import OUTPUT_DTYPES
-from vitserve.service.settings import Settings
+import vitserve
+from vitserve.service.api.outputs import OUTPUT_DTYPES
+from vitserve.service.entry.app import create_app
+from vitserve.service.ground.settings import Settings
+from vitserve.service.pipeline.backend import LocalBackend
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +249,8 @@ def test_url_fetching_refuses_private_addresses(encoders):
 def test_every_domain_error_has_one_status():
     """The one table: every domain error the engine raises maps to an HTTP status (and Retry-After where retrying
     helps), a subclass included."""
-    from vitserve.service import errors, http_errors
+    from vitserve.service.api import http_errors
+    from vitserve.service.ground import errors
 
     domain = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.EngineError)
               and c is not errors.EngineError]
@@ -440,8 +441,8 @@ def test_a_body_that_finds_no_room_in_time_is_429():
     """With --body-memory full, a request's body is not read past its free first MiB; if no room comes within the
     body deadline the answer is a 429 (the server's load, not the client's slowness), and the small requests are
     served meanwhile. A chunked body, whose length is unknown, is a 429 at once where its next MiB does not fit."""
-    from vitserve.service.gate import Gate
-    from vitserve.service.metrics import Metrics
+    from vitserve.service.api.gate import Gate
+    from vitserve.service.ground.metrics import Metrics
 
     async def app(scope, receive, send):
         while (await receive()).get("more_body"):

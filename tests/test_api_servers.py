@@ -16,12 +16,12 @@ import httpx
 import pytest
 import torch
 from helpers import SERVED_DEVICE, assert_served, children, data_uri, png, wait_until
+from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
 
 from vitserve.encoder import VisionEncoder
-from vitserve.service import launch
-from vitserve.service.core import Restarts
-from vitserve.service.settings import Settings
-from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
+from vitserve.service.entry import launch
+from vitserve.service.entry.core import Restarts
+from vitserve.service.ground.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -366,7 +366,7 @@ def test_api_servers_default_and_checks(monkeypatch):
     assert Settings(model=MODEL, device="cpu", api_servers=3).api_server_count() == 3
     with pytest.raises(ValueError, match="--device-processes"):
         Settings(model=MODEL, api_servers=2, device_processes=False)
-    from vitserve.service import settings as settings_module
+    from vitserve.service.ground import settings as settings_module
 
     monkeypatch.setattr(settings_module, "resolve_devices", lambda s: (["cuda:0"], "bfloat16"))
     monkeypatch.setattr(settings_module, "available_cpus", lambda: 16)

@@ -7,16 +7,16 @@ from types import SimpleNamespace
 
 import torch
 
-from vitserve.encoder.preprocess import ImageError
-from vitserve.service.backend import LocalBackend
 from vitserve.encoder.features import Features
-from vitserve.service.cache import WAIT, Cache
-from vitserve.service.errors import InferenceFailed, InputRejected
-from vitserve.service.lifecycle import Lifecycle, State
-from vitserve.service.metrics import Metrics
-from vitserve.service.scheduler import WorkItem
-from vitserve.service.settings import Settings
-from vitserve.service.stats import server_stats
+from vitserve.encoder.preprocess import ImageError
+from vitserve.service.devices.scheduler import WorkItem
+from vitserve.service.ground.errors import InferenceFailed, InputRejected
+from vitserve.service.ground.metrics import Metrics
+from vitserve.service.ground.settings import Settings
+from vitserve.service.pipeline.backend import LocalBackend
+from vitserve.service.pipeline.cache import WAIT, Cache
+from vitserve.service.pipeline.lifecycle import Lifecycle, State
+from vitserve.service.pipeline.stats import server_stats
 
 
 class Origin:
@@ -105,8 +105,8 @@ def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it(tmp_path):
     front end would drop the settle and its request would wait for ever."""
     import threading
 
-    from vitserve.service.core import Core, Link
-    from vitserve.service.core_link import Lookup
+    from vitserve.service.entry.core import Core, Link
+    from vitserve.service.pipeline.core_link import Lookup
 
     core = Core(Settings(model="tiny-qwen3-vl", load_format="dummy", device="cpu", spool_dir=str(tmp_path)), 2)
     sent, settlers = [], []

@@ -17,13 +17,14 @@ from helpers import data_uri, png, until, wait_until
 
 from vitserve.encoder.media import MediaBytes
 from vitserve.encoder.preprocess import load_image, resize_rgb
-from vitserve.service import decode_pool, launch, spool
 from vitserve.service.api.inputs import decode_input
-from vitserve.service.bodies import SHARED
-from vitserve.service.engine import Engine
-from vitserve.service.json_body import read_json
-from vitserve.service.schemas import EncodeRequest
-from vitserve.service.settings import Settings
+from vitserve.service.api.json_body import read_json
+from vitserve.service.api.schemas import EncodeRequest
+from vitserve.service.decoding import decode_pool, spool
+from vitserve.service.decoding.bodies import SHARED
+from vitserve.service.entry import launch
+from vitserve.service.ground.settings import Settings
+from vitserve.service.pipeline.engine import Engine
 
 
 def body_files(directory) -> list[str]:

@@ -12,11 +12,11 @@ import pytest
 import torch
 from helpers import b64_tensor, client_for, data_uri, png
 
+from vitserve.encoder.features import Features
 from vitserve.encoder.media import MediaBytes
 from vitserve.encoder.preprocess import PreprocessConfig
-from vitserve.encoder.features import Features
-from vitserve.service.cache import WAIT, Cache, CacheKeys
-from vitserve.service.metrics import Metrics
+from vitserve.service.ground.metrics import Metrics
+from vitserve.service.pipeline.cache import WAIT, Cache, CacheKeys
 
 
 def sample(client, name: str) -> float:

@@ -22,8 +22,8 @@ from helpers import SERVED_REL_ERR, rel_err
 from PIL import Image
 from safetensors import safe_open
 
-from vitserve.service.launch import free_port, start_server
-from vitserve.service.settings import Settings
+from vitserve.service.entry.launch import free_port, start_server
+from vitserve.service.ground.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_encode_a_builtin_hub_id_not_in_the_cache_fails_at_once_with_the_fix(tmp
 # ---- help without torch, and typos refused at once (issue 25, items 11 and 19) -------------------------------------
 def test_help_and_version_import_no_torch():
     """--help and --version read only the settings: no torch (seconds), no numpy, no PIL."""
-    code = ("import sys\nfrom vitserve.service.cli import main\n"
+    code = ("import sys\nfrom vitserve.service.entry.cli import main\n"
             "for argv in (['--help'], ['--version'], ['serve', '--help'], ['encode', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
             "print(sorted({'torch', 'numpy', 'PIL'} & set(sys.modules)), file=sys.stderr)")
@@ -239,7 +239,7 @@ def test_a_bad_encoder_cache_folder_is_refused_before_it_binds(tmp_path, folder,
 def test_an_encoder_tier_without_its_package_is_refused_before_it_binds(monkeypatch, flags, module, message):
     """blake3 (vLLM's default digest) for --ec-shared-storage, pyzmq for --sglang-encoder: missing, a ValueError
     from the checks before anything loads or binds (the CLI's one line), naming the extra."""
-    from vitserve.service import settings as settings_module
+    from vitserve.service.ground import settings as settings_module
 
     installed = settings_module._installed
     monkeypatch.setattr(settings_module, "_installed", lambda name: name != module and installed(name))
@@ -301,7 +301,7 @@ def test_ctrl_c_stops_encode_in_one_line(tmp_path):
 
 def test_an_image_whose_header_lies_past_the_first_bytes_is_accepted(tmp_path):
     """A JPEG whose metadata segments fill the first 64 KiB: its header is read from the whole file."""
-    from vitserve.service.cli import HEADER_BYTES, check_encode_paths
+    from vitserve.service.entry.cli import HEADER_BYTES, check_encode_paths
 
     path = tmp_path / "late.jpg"
     Image.new("RGB", (16, 16)).save(path)
@@ -317,7 +317,7 @@ def test_an_image_whose_header_lies_past_the_first_bytes_is_accepted(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes whatever the permissions say")
 def test_encode_refuses_files_it_cannot_read_or_write(tmp_path):
-    from vitserve.service.cli import check_encode_paths
+    from vitserve.service.entry.cli import check_encode_paths
 
     image, locked = write_images(tmp_path)[0], tmp_path / "locked"
     locked.mkdir()
@@ -385,7 +385,7 @@ def progress_record(step: int, done: int, total: int, message: str = "step") -> 
 
 
 def test_progress_as_lines_keeps_a_steps_last_and_one_every_few_seconds(monkeypatch):
-    from vitserve.service import logs
+    from vitserve.service.ground import logs
 
     now = [0.0]
     monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
@@ -402,7 +402,7 @@ def test_progress_as_lines_keeps_a_steps_last_and_one_every_few_seconds(monkeypa
 
 
 def test_progress_as_a_bar_stays_on_the_last_line():
-    from vitserve.service.logs import ProgressHandler
+    from vitserve.service.ground.logs import ProgressHandler
 
     stream = io.StringIO()
     handler = ProgressHandler(stream, bar=True)

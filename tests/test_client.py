@@ -24,7 +24,7 @@ from safetensors.torch import save
 from vitserve.client import AsyncClient, Client, EncodedImage, EncodedVideo, VitserveError
 from vitserve.consumers import vllm_multi_modal_data
 from vitserve.encoder.video import sniff
-from vitserve.service.launch import free_port, start_server
+from vitserve.service.entry.launch import free_port, start_server
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SAMPLE, PORTRAIT, CLIP = EXAMPLES / "sample.jpg", EXAMPLES / "portrait.png", EXAMPLES / "clip.mp4"

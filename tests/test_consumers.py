@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from vitserve.client import EncodedImage, EncodedVideo
-from vitserve.consumers import (grid_tensor, second_per_grid_ts, sglang_image_data, sglang_video_data,
-                                transformers_inputs, vllm_features, vllm_image_embeds_part, vllm_multi_modal_data)
+from vitserve.consumers import (
+    grid_tensor,
+    second_per_grid_ts,
+    sglang_image_data,
+    sglang_video_data,
+    transformers_inputs,
+    vllm_features,
+    vllm_image_embeds_part,
+    vllm_multi_modal_data,
+)
 
 IMAGE = EncodedImage(torch.randn(4, 8), (1, 4, 4))
 VIDEO = EncodedVideo(torch.randn(8, 8), (2, 4, 4), [], frame_indices=[0, 1, 2, 3], fps=2.0, timestamps=[0.5, 1.5],

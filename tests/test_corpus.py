@@ -12,15 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
 from corpus import INVALID_IMAGES, VALID_IMAGES, encode, photo, uri
 from fastapi.testclient import TestClient
+from helpers import rel_err
 from PIL import Image, ImageOps
 
 from vitserve.encoder import VisionEncoder
-from vitserve.service.app import create_app
-from vitserve.service.engine import Engine
-from vitserve.service.settings import Settings
+from vitserve.service.entry.app import create_app
+from vitserve.service.ground.settings import Settings
+from vitserve.service.pipeline.engine import Engine
 
 FAMILY = "qwen2_5_vl"
 

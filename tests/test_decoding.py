@@ -15,13 +15,13 @@ import pytest
 from helpers import IMAGES, images_in, png, until
 
 from vitserve.encoder.media import MediaBytes
-from vitserve.service import spool
-from vitserve.service.decode_pool import DecodePool, PoolUnavailable, WorkerDied
-from vitserve.service.engine import Engine, State
-from vitserve.service.errors import InputRejected, Unavailable
-from vitserve.service.http_errors import ServiceError
-from vitserve.service.scheduler import WorkItem
-from vitserve.service.settings import Settings
+from vitserve.service.api.http_errors import ServiceError
+from vitserve.service.decoding import spool
+from vitserve.service.decoding.decode_pool import DecodePool, PoolUnavailable, WorkerDied
+from vitserve.service.devices.scheduler import WorkItem
+from vitserve.service.ground.errors import ImageLost, InputRejected, Unavailable
+from vitserve.service.ground.settings import Settings
+from vitserve.service.pipeline.engine import Engine, State
 
 
 def b64(data: bytes) -> MediaBytes:
@@ -46,7 +46,7 @@ def test_spool_round_trip_and_fallback(tmp_path):
     with open(short.path, "r+b") as f:
         f.truncate(10)
     kept, lost = put(image), spool.Spooled(str(tmp_path / "gone"), (2, 2, 3))
-    with pytest.raises(spool.ImageLost, match="lost on its way.*short"):  # every file is read and removed anyway
+    with pytest.raises(ImageLost, match="lost on its way.*short"):  # every file is read and removed anyway
         spool.pixels([short, image, lost, kept])
     assert images_in(tmp_path) == []
     a, b = put(image), put(image)
@@ -63,7 +63,7 @@ def test_spool_round_trip_and_fallback(tmp_path):
 def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
     """A server killed with SIGKILL leaves its spool files; the next server on the directory removes them, never a
     live server's."""
-    code = ("import sys, time; from vitserve.service import spool; p = spool.spool_prefix(sys.argv[1]); "
+    code = ("import sys, time; from vitserve.service.decoding import spool; p = spool.spool_prefix(sys.argv[1]); "
             "open(p + '7', 'wb').write(b'x' * 10); print(p, flush=True); time.sleep(60)")
     other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -289,7 +289,7 @@ def test_decode_workers_import_no_torch(encoders):
         try:
             [(image, _)] = await engine.decoder.decode([IMAGES[0]], engine.model.preprocess_config)
             imported = await engine.decoder.pool.submit(
-                eval, b"'torch' in __import__('sys').modules or 'vitserve.service.engine' in __import__('sys').modules")
+                eval, b"'torch' in __import__('sys').modules or 'vitserve.service.pipeline.engine' in __import__('sys').modules")
             return spool.pixels([image])[0], imported
         finally:
             await engine.stop()
@@ -299,7 +299,7 @@ def test_decode_workers_import_no_torch(encoders):
 
 
 def test_the_decode_queue_is_round_robin_by_request():
-    from vitserve.service.decode_pool import FairQueue
+    from vitserve.service.decoding.decode_pool import FairQueue
 
     q = FairQueue()
     for job in ("a1", "a2", "a3"):
@@ -311,7 +311,7 @@ def test_the_decode_queue_is_round_robin_by_request():
 
 
 def test_the_decode_budget_queues_what_does_not_fit_and_lets_small_images_pass():
-    from vitserve.service.budget import MemoryBudget
+    from vitserve.service.decoding.budget import MemoryBudget
 
     async def scenario():
         budget = MemoryBudget(100, patience=0.2)
@@ -354,7 +354,7 @@ def test_the_decode_budget_queues_what_does_not_fit_and_lets_small_images_pass()
 def test_the_decode_budget_is_shared_by_request_not_by_arrival():
     """A request with many images that each take the whole budget (progressive JPEGs) takes one share per turn:
     another request's image waits for one of them, not for all, even once every waiter is past its patience."""
-    from vitserve.service.budget import MemoryBudget
+    from vitserve.service.decoding.budget import MemoryBudget
 
     async def scenario():
         budget = MemoryBudget(100, patience=0)
@@ -417,7 +417,7 @@ def test_decode_memory_is_estimated_from_the_header_alone():
     from PIL import Image
 
     from vitserve.encoder.headers import probe
-    from vitserve.service.decoder import head
+    from vitserve.service.decoding.decoder import head
 
     def encoded(mode, fmt, size=(6000, 4000), **kw):
         buf = _io.BytesIO()
@@ -438,7 +438,7 @@ def test_decode_pool_kills_what_runs_too_long_or_for_nobody_and_makes_payloads_l
     waiting job holds no bytes: its payload is made when a worker takes it."""
     import time
 
-    from vitserve.service.decode_pool import JobTimedOut
+    from vitserve.service.decoding.decode_pool import JobTimedOut
 
     async def scenario():
         pool, lost, made = DecodePool(1, timeout=0.5), [], []
@@ -477,7 +477,7 @@ def test_only_the_image_bytes_go_to_a_worker(encoders, monkeypatch):
     from corpus import encode as encode_image
     from corpus import photo
 
-    from vitserve.service import decode_pool
+    from vitserve.service.decoding import decode_pool
 
     enc, sent = encoders["tiny-qwen2.5-vl"], []
     send = decode_pool._Link.send
@@ -538,7 +538,7 @@ def test_a_decode_thread_past_the_timeout_gives_413_at_once(encoders):
     (base64.b64encode(np.random.default_rng(0).bytes(900)).decode(), False), ("aGVsbG8gd29ybGQ", False),
     (IMAGES[0], False), (b"%PDF-1.7\n1 0 obj <</Type /Catalog>> endobj\n", False), ("", False)])
 def test_text_is_told_apart_from_images_and_base64(item, text):
-    from vitserve.service.decoder import looks_like_text
+    from vitserve.service.decoding.decoder import looks_like_text
 
     assert looks_like_text(MediaBytes(item) if isinstance(item, str) else item) is text
 
@@ -576,11 +576,10 @@ def test_a_request_fails_at_its_first_bad_image_without_waiting_for_the_others(e
     read by a decode worker): that one is held until the test ends, and the request's error comes first."""
     import threading
 
-    from corpus import bomb_png
+    from corpus import bomb_png, photo
     from corpus import encode as encode_image
-    from corpus import photo
 
-    from vitserve.service import decoder as decoder_module
+    from vitserve.service.decoding import decoder as decoder_module
 
     enc, release, held = encoders["tiny-qwen2.5-vl"], threading.Event(), threading.Event()
     slow = encode_image(photo(40, 30, 62), "JPEG", icc_profile=bytes(100_000))  # its header past the first 64 KB

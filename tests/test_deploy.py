@@ -21,9 +21,9 @@ import pytest
 import yaml
 
 from vitserve import __version__
-from vitserve.service import healthcheck
-from vitserve.service.cli import build_parser
-from vitserve.service.launch import free_port
+from vitserve.service.entry import healthcheck
+from vitserve.service.entry.cli import build_parser
+from vitserve.service.entry.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -358,7 +358,7 @@ def test_healthcheck_waits_for_ready_as_long_as_kubernetes_does():
     """The image's check is the module above (probing /ready), with a start period as long as the Deployment's
     startupProbe allows for the load."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    assert dockerfile()["HEALTHCHECK"] == ["python", "-m", "vitserve.service.healthcheck"]
+    assert dockerfile()["HEALTHCHECK"] == ["python", "-m", "vitserve.service.entry.healthcheck"]
     assert healthcheck.PATH == "/ready"
     start = int(re.search(r"HEALTHCHECK .*--start-period=(\d+)s", text).group(1))
     probe = yaml.safe_load((DEPLOY / "base" / "deployment.yaml").read_text())["spec"]["template"]["spec"][
@@ -367,7 +367,7 @@ def test_healthcheck_waits_for_ready_as_long_as_kubernetes_does():
 
 
 def test_autoscaling_uses_a_metric_the_service_exports():
-    from vitserve.service.metrics import Metrics
+    from vitserve.service.ground.metrics import Metrics
 
     exported = {m.name for m in Metrics().registry.collect()}
     hpa = yaml.safe_load((DEPLOY / "base" / "hpa.yaml").read_text())

@@ -12,8 +12,8 @@ import torch
 from fastapi.testclient import TestClient
 from helpers import IMAGES, b64_tensor, data_uri, images_in, rel_err, wait_until
 
-from vitserve.service.app import create_app
-from vitserve.service.settings import Settings
+from vitserve.service.entry.app import create_app
+from vitserve.service.ground.settings import Settings
 
 pytestmark = pytest.mark.slow
 

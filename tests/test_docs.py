@@ -8,7 +8,7 @@ import shlex
 from dataclasses import fields
 from pathlib import Path
 
-from vitserve.service.settings import ENV_PREFIX, Settings, flag_table
+from vitserve.service.ground.settings import ENV_PREFIX, Settings, flag_table
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGURATION = ROOT / "docs" / "configuration.md"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from vitserve.service.cli import build_parser
-from vitserve.service.launch import start_server
+from vitserve.service.entry.cli import build_parser
+from vitserve.service.entry.launch import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -226,9 +226,9 @@ def error_codes() -> set[str]:
     """Every `code` the service can put in an error answer, read from the source: the domain errors' and image
     errors' class attributes, and the code argument of every error it raises or renders."""
     codes = set()
-    sources = [*(ROOT / "service").rglob("*.py"), ROOT / "encoder" / "preprocess.py"]
+    sources = [*(ROOT / "vitserve" / "service").rglob("*.py"), ROOT / "vitserve" / "encoder" / "preprocess.py"]
     positions = {"ServiceError": 2, "error_response": 2}  # (status, message, code); domain errors (message, code)
-    from vitserve.service import errors
+    from vitserve.service.ground import errors
 
     domain = {c.__name__ for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.EngineError)}
     for path in sources:

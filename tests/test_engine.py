@@ -4,8 +4,8 @@ the images of clients that left, several devices on one queue, and which devices
 from __future__ import annotations
 
 import asyncio
-import threading
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,10 +15,10 @@ from helpers import IMAGES, client_for, data_uri, rel_err, until, wait_until
 
 from vitserve.encoder import VisionEncoder
 from vitserve.encoder.media import MediaBytes
-from vitserve.service.app import create_app
-from vitserve.service.engine import Engine, State
-from vitserve.service.errors import ClientDisconnected
-from vitserve.service.settings import Settings
+from vitserve.service.entry.app import create_app
+from vitserve.service.ground.errors import ClientDisconnected
+from vitserve.service.ground.settings import Settings
+from vitserve.service.pipeline.engine import Engine, State
 
 
 def b64(data: bytes) -> MediaBytes:

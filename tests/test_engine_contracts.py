@@ -124,8 +124,8 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
     # server's answers, and the Qwen2/2.5-VL form (no timestamps)
     fields = out["metadata_fields"]
     assert fields["qwen3_vl"] == {"image": sorted(entry["metadata"]), "video": sorted(video_entry["metadata"])}
-    from vitserve.service.media import MediaItem
-    from vitserve.service.vllm_tier import VLLMTier
+    from vitserve.service.ground.media import MediaItem
+    from vitserve.service.tiers.vllm_tier import VLLMTier
 
     qwen2 = VLLMTier.transfer_params(["i", "v"], [MediaItem("image", None, "i", ""), MediaItem("video", None, "v", "")],
                                      [[1, 4, 4], [2, 4, 4]], [None, video_entry["metadata"] | {"fps": 10}], False)

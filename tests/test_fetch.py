@@ -10,10 +10,10 @@ import socket
 import httpx
 import pytest
 
-from vitserve.service import fetch
-from vitserve.service.errors import EngineError
-from vitserve.service.http_errors import ServiceError
-from vitserve.service.settings import Settings
+from vitserve.service.api.http_errors import ServiceError
+from vitserve.service.ground.errors import EngineError
+from vitserve.service.ground.settings import Settings
+from vitserve.service.pipeline import fetch
 
 DNS = {"images.example": ["93.184.216.34"], "cdn.example": ["151.101.1.1"], "internal.example": ["10.1.2.3"],
        "mixed.example": ["93.184.216.34", "127.0.0.1"], "metadata.example": ["169.254.169.254"],

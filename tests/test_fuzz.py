@@ -8,7 +8,8 @@ import pytest
 pytestmark = pytest.mark.slow
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from vitserve.service.launch import start_server  # noqa: E402
+
+from vitserve.service.entry.launch import start_server  # noqa: E402
 
 KEY = {"authorization": "Bearer fuzz-key"}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 import json
+import os
 import socket
 import time
 
@@ -16,8 +16,8 @@ import pytest
 from helpers import data_uri, png, serving, wait_until
 from PIL import Image
 
-from vitserve.service import spool
-from vitserve.service.launch import start_server
+from vitserve.service.decoding import spool
+from vitserve.service.entry.launch import start_server
 
 pytestmark = pytest.mark.slow
 # one front end: these are the limits of one (on a GPU machine the default is several, each with a share of them)

@@ -19,7 +19,7 @@ import pytest
 from corpus import encode, fill_before_jpeg, photo, png_chunk_flood, progressive_jpeg, tiff_strip_flood
 from helpers import children, data_uri, wait_until
 
-from vitserve.service.launch import start_server
+from vitserve.service.entry.launch import start_server
 
 pytestmark = pytest.mark.slow
 FLAGS = ("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--api-servers", "1", "--decode-workers", "2",

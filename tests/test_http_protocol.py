@@ -8,7 +8,7 @@ import asyncio
 import uvicorn
 from uvicorn.server import ServerState
 
-from vitserve.service.http import guarded_h11
+from vitserve.service.api.http import guarded_h11
 
 
 class Transport(asyncio.Transport):

@@ -11,9 +11,9 @@ import time
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from vitserve.service.http_errors import ServiceError
-from vitserve.service.json_body import LONG, Scan, Text, parse_body
-from vitserve.service.schemas import EmbeddingRequest, EncodeRequest
+from vitserve.service.api.http_errors import ServiceError
+from vitserve.service.api.json_body import LONG, Scan, Text, parse_body
+from vitserve.service.api.schemas import EmbeddingRequest, EncodeRequest
 
 
 def reference_spans(text: bytes) -> list[tuple[int, int]]:
@@ -136,8 +136,8 @@ class Arriving:
 def test_a_large_body_read_as_it_arrives_gives_what_the_parser_gives(declared):
     """A declared body of a MiB or more is read into a mapping, a chunked one into a growing buffer: either way its
     images are views of it equal to the parsed strings, and its other values are the parser's."""
-    from vitserve.service.bodies import SHARED as MAPPED
-    from vitserve.service.json_body import read_json
+    from vitserve.service.api.json_body import read_json
+    from vitserve.service.decoding.bodies import SHARED as MAPPED
 
     images = ["data:image/png;base64," + "QUJD" * (MAPPED // 3), "QUJD" * 3000, "QUJD"]
     body = json.dumps({"images": images, "dtype": "bf16", "model": "m"}).encode()

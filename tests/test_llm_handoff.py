@@ -17,9 +17,16 @@ from helpers import rel_err
 from PIL import Image
 
 from vitserve.client import AsyncClient, Client
-from vitserve.consumers import (sglang_image_data, sglang_video_data, transformers_features, transformers_inputs,
-                                vllm_features, vllm_image_embeds_part, vllm_multi_modal_data)
-from vitserve.service.launch import start_server
+from vitserve.consumers import (
+    sglang_image_data,
+    sglang_video_data,
+    transformers_features,
+    transformers_inputs,
+    vllm_features,
+    vllm_image_embeds_part,
+    vllm_multi_modal_data,
+)
+from vitserve.service.entry.launch import start_server
 
 pytestmark = pytest.mark.slow
 SIZES = [(120, 90), (64, 200), (200, 200)]

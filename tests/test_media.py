@@ -8,10 +8,11 @@ import pickle
 
 import pytest
 
+from vitserve.encoder.image_errors import InvalidBase64
 from vitserve.encoder.media import MediaBytes, MediaHandle, received
-from vitserve.encoder.preprocess import InvalidBase64, PreprocessConfig
-from vitserve.service.cache import CacheKeys
-from vitserve.service.json_body import Text
+from vitserve.encoder.preprocess import PreprocessConfig
+from vitserve.service.api.json_body import Text
+from vitserve.service.pipeline.cache import CacheKeys
 
 DATA = bytes(range(256)) * 300 + b"tail"  # 76,804 bytes: past a 64 KB head
 TEXT = base64.b64encode(DATA).decode()

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from vitserve.encoder.features import SERIAL_ELEMENTS, Features, converted
-from vitserve.service.http import CountedConnection
-from vitserve.service.outputs import OUTPUT_DTYPES, b64, raw_bytes, render_json, safetensors_parts
+from vitserve.service.api.http import CountedConnection
+from vitserve.service.api.outputs import OUTPUT_DTYPES, b64, raw_bytes, render_json, safetensors_parts
 
 DTYPES = list(OUTPUT_DTYPES.values())
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}

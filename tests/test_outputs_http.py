@@ -20,7 +20,6 @@ from helpers import data_uri, serving, wait_until
 from PIL import Image
 from safetensors.torch import load as safetensors_load
 
-
 pytestmark = pytest.mark.slow
 SIDE, COPIES = 1448, 16  # 2025 tokens x 32 x 3 tensors in float32 each: 12.4 MB for the request (its copies share)
 

@@ -31,9 +31,7 @@ from vitserve.encoder.preprocess import (
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from transformers.image_transforms import convert_to_rgb as hf_convert_to_rgb
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
 
@@ -570,7 +568,7 @@ def test_header_readers_agree_with_pil_on_every_format_and_find_the_end():
     from corpus import every_format
 
     from vitserve.encoder.headers import probe
-    from vitserve.encoder.preprocess import HeaderNotFound
+    from vitserve.encoder.image_errors import HeaderNotFound
 
     ends = 0
     for name, data in every_format().items():
@@ -605,7 +603,7 @@ def test_probe_on_the_loop_is_bounded_whatever_the_bytes():
     from corpus import fill_before_jpeg, png_chunk_flood, tiff_strip_flood
 
     from vitserve.encoder.headers import probe
-    from vitserve.encoder.preprocess import HeaderNotFound
+    from vitserve.encoder.image_errors import HeaderNotFound
 
     cases = {"fill": (fill_before_jpeg(22 << 20), "junk between JPEG markers"),
              "chunks": (png_chunk_flood(4 << 20), "chunks before the image data"),

@@ -15,8 +15,14 @@ from helpers import b64_tensor, data_uri, rel_err, wait_until
 from PIL import Image
 
 from vitserve.encoder import VisionEncoder, preprocess_fast
-from vitserve.encoder.preprocess import (EncodedJpeg, PreprocessConfig, UndecodableImage, jpeg_for_device,
-                                         load_for_device, load_image)
+from vitserve.encoder.preprocess import (
+    EncodedJpeg,
+    PreprocessConfig,
+    UndecodableImage,
+    jpeg_for_device,
+    load_for_device,
+    load_image,
+)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -130,9 +136,9 @@ def test_server_fast_path_answers_what_the_library_does(device_processes, tmp_pa
     direct = enc.encode(IMAGES)
     from fastapi.testclient import TestClient
 
-    from vitserve.service.app import create_app
-    from vitserve.service.engine import Engine
-    from vitserve.service.settings import Settings
+    from vitserve.service.entry.app import create_app
+    from vitserve.service.ground.settings import Settings
+    from vitserve.service.pipeline.engine import Engine
 
     settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy", preprocess="fast", cache_bytes=0,
                         device_processes=device_processes, spool_dir=str(tmp_path), device="cpu")

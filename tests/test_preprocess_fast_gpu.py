@@ -13,8 +13,14 @@ from PIL import Image
 from test_preprocess_fast import CFG, IMAGES, broken_scan, encoded, photo
 
 from vitserve.encoder import VisionEncoder, preprocess_fast
-from vitserve.encoder.preprocess import (EncodedJpeg, ImageError, UndecodableImage, load_for_device, load_image,
-                                         target_size)
+from vitserve.encoder.preprocess import (
+    EncodedJpeg,
+    ImageError,
+    UndecodableImage,
+    load_for_device,
+    load_image,
+    target_size,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not preprocess_fast.nvjpeg_available(),
                                                   reason="needs CUDA and torchvision")]

@@ -9,9 +9,8 @@ import torch
 
 from vitserve.encoder.preprocess import ImageTooLarge, UndecodableImage
 from vitserve.encoder.video import VideoTooLong
-from vitserve.service import spool
-from vitserve.service.decode_protocol import ANSWER_HEADER, Call, JobResult
-from vitserve.service.errors import ErrorRecord, InputRejected, QueueFull, Unavailable
+from vitserve.service.decoding.decode_protocol import ANSWER_HEADER, Call, JobResult
+from vitserve.service.ground.errors import ErrorRecord, ImageLost, InputRejected, QueueFull, Unavailable
 
 
 def crossed(error: BaseException) -> BaseException:
@@ -39,7 +38,7 @@ def test_an_image_error_keeps_what_the_client_is_told_apart_from_the_decoders_wo
 
 def test_other_kinds_come_back_as_themselves_or_named():
     assert type(crossed(ValueError("x"))) is ValueError and str(crossed(ValueError("x"))) == "x"
-    assert type(crossed(spool.ImageLost("gone"))) is spool.ImageLost
+    assert type(crossed(ImageLost("gone"))) is ImageLost
     assert type(crossed(torch.OutOfMemoryError("oom"))) is torch.OutOfMemoryError
 
     class Private(Exception):
@@ -64,7 +63,7 @@ def test_a_call_answers_its_value_or_its_error_and_an_unpicklable_value_as_an_er
 def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_path):
     """device_protocol: an image's tensors go out as an Output (a spool file and their layout) and come back equal;
     an image the device could not decode goes out as its ErrorRecord and comes back as its ImageError."""
-    from vitserve.service.device_protocol import Output, packed, unpacked
+    from vitserve.service.devices.device_protocol import Output, packed, unpacked
 
     tokens, deepstack = torch.randn(6, 8, dtype=torch.bfloat16), [torch.randn(6, 8, dtype=torch.bfloat16)]
     output = pickle.loads(pickle.dumps(packed((tokens, deepstack), str(tmp_path / "out-0"))))
@@ -86,11 +85,11 @@ def test_the_domain_errors_and_the_pipes_records_import_no_web_framework():
     import subprocess
     import sys
 
-    code = ("import sys; import vitserve.service.errors, vitserve.service.decode_protocol, vitserve.service.limits; "
+    code = ("import sys; import vitserve.service.ground.errors, vitserve.service.decoding.decode_protocol, vitserve.service.ground.limits; "
             "print(sorted(m for m in ('fastapi', 'starlette', 'torch') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
-    service = pathlib.Path(__file__).resolve().parents[1] / "service"
+    service = pathlib.Path(__file__).resolve().parents[1] / "vitserve" / "service" / "tiers"
     for tier in ("vllm_tier.py", "sglang_tier.py"):
         source = (service / tier).read_text()
         assert not any(name in source for name in ("ServiceError", "HTTPException", "JSONResponse", "fastapi")), tier

@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import IMAGES, client_for, data_uri
 
-from vitserve.service import errors, http_errors
-from vitserve.service.api import responses
 from vitserve.encoder.features import Features
+from vitserve.service.api import http_errors, responses
 from vitserve.service.api.encoding import merged
-from vitserve.service.engine import Encoded
+from vitserve.service.ground import errors
+from vitserve.service.pipeline.engine import Encoded
 
 ROUTES = {("/v1/embeddings", "post"), ("/v1/encode", "post"), ("/v1/chat/completions", "post"), ("/encode", "post"),
           ("/scheduler_receive_url", "post"), ("/v1/models", "get"), ("/health", "get"), ("/ready", "get"),

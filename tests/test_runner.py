@@ -11,9 +11,9 @@ from conftest import FAMILIES
 from helpers import rel_err
 
 from vitserve.encoder import VisionEncoder
+from vitserve.encoder.packing import frame_capacity, window_capacity
 from vitserve.encoder.plan import make_plan, to_device
 from vitserve.encoder.preprocess import normalize_lut
-from vitserve.encoder.packing import frame_capacity, window_capacity
 from vitserve.encoder.runner import GraphRunner
 
 CPU = torch.device("cpu")

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from vitserve.service.metrics import Metrics
-from vitserve.service.scheduler import ImageQueue, WorkItem
-from vitserve.service.worker import STOP, pipeline
+from vitserve.service.devices.scheduler import ImageQueue, WorkItem
+from vitserve.service.devices.worker import STOP, pipeline
+from vitserve.service.ground.metrics import Metrics
 
 
 def items(*patches):

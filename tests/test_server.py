@@ -17,12 +17,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from helpers import SERVED_REL_ERR, SERVER_ON_GPU, children, data_uri, png, rel_err, wait_until
+from PIL import Image
 
 from vitserve.encoder import VisionEncoder
-from vitserve.service import launch
-from vitserve.service.signals import REPEAT_SECONDS
+from vitserve.service.entry import launch
+from vitserve.service.ground.signals import REPEAT_SECONDS
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen2.5-vl"
@@ -290,7 +290,7 @@ def test_idle_connections_are_closed_by_the_client_not_under_it():
     """A server that closes an idle connection at the moment a client reuses it loses that request (httpx keeps
     connections 5 s, as uvicorn did: 16 of 192 requests failed with a ReadError at 4.97-5 s of idle). The default
     keep-alive outlasts httpx's; `--timeout-keep-alive` is honored: open after 1 s idle, closed after 3 s at 2."""
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     assert Settings(model=MODEL).timeout_keep_alive > 2 * httpx.Limits().keepalive_expiry
     proc, url = start_server("--timeout-keep-alive", "2")

@@ -15,9 +15,20 @@ import pytest
 import torch
 
 from vitserve.encoder.config import BUILTIN_CONFIGS
-from vitserve.service.cli import build_parser, main
-from vitserve.service.settings import (DTYPE_NAMES, GROUPS, PREPROCESS_MODES, Parser, Settings, add_arguments,
-                                       available_cpus, format_size, from_args, parse_size, resolve_devices)
+from vitserve.service.entry.cli import build_parser, main
+from vitserve.service.ground.settings import (
+    DTYPE_NAMES,
+    GROUPS,
+    PREPROCESS_MODES,
+    Parser,
+    Settings,
+    add_arguments,
+    available_cpus,
+    format_size,
+    from_args,
+    parse_size,
+    resolve_devices,
+)
 
 
 def parse(*argv: str) -> Settings:
@@ -180,7 +191,7 @@ def test_any_hub_id_not_in_the_cache_fails_at_once(monkeypatch, tmp_path):
 
 def test_encode_reads_the_model_settings_only(monkeypatch):
     """`encode` has the model's flags and variables (same names, same defaults), not the server's."""
-    from vitserve.service.cli import build_parser
+    from vitserve.service.entry.cli import build_parser
 
     monkeypatch.setenv("VITSERVE_DTYPE", "bf16")
     monkeypatch.setenv("VITSERVE_DEVICE", "cpu")
@@ -406,9 +417,9 @@ def test_available_cpus_is_bounded_by_the_affinity_mask(monkeypatch, tmp_path):
 
 def test_the_decode_workers_default_to_the_cpus_available(monkeypatch):
     """--decode-workers 0 starts one worker per CPU of the pod's quota, not per core of the node."""
-    from vitserve.service import settings
-    from vitserve.service.decoder import Decoder
-    from vitserve.service.metrics import Metrics
+    from vitserve.service.decoding.decoder import Decoder
+    from vitserve.service.ground import settings
+    from vitserve.service.ground.metrics import Metrics
 
     monkeypatch.setattr(settings, "available_cpus", lambda: 3)
     assert Settings(model="m").decode_worker_count() == 3

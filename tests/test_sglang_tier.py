@@ -24,13 +24,13 @@ import torch
 from helpers import IMAGES, SERVED_DTYPE, client_for, data_uri, png, serving, wait_until
 
 from vitserve.encoder.features import Features
-from vitserve.service.engine import Encoded
-from vitserve.service.errors import EngineError
-from vitserve.service.http_errors import ServiceError
-from vitserve.service.sglang_addresses import ReceiverNetworks, endpoint, receiver_address
-from vitserve.service.sglang_frames import embedding_frame, message
-from vitserve.service.sglang_pairing import Pairing
-from vitserve.service.sglang_schemas import EncodeCall, Registration
+from vitserve.service.api.http_errors import ServiceError
+from vitserve.service.ground.errors import EngineError
+from vitserve.service.pipeline.engine import Encoded
+from vitserve.service.tiers.sglang_addresses import ReceiverNetworks, endpoint, receiver_address
+from vitserve.service.tiers.sglang_frames import embedding_frame, message
+from vitserve.service.tiers.sglang_pairing import Pairing
+from vitserve.service.tiers.sglang_schemas import EncodeCall, Registration
 
 zmq = pytest.importorskip("zmq")
 
@@ -163,9 +163,15 @@ def test_a_long_string_is_bounded_by_its_schemas_max_length_once_restored():
 
     from fastapi.exceptions import RequestValidationError
 
-    from vitserve.service.json_body import parse_body
-    from vitserve.service.sglang_schemas import (CALL_LIMITS, MAX_HOST, MAX_REQ_ID, REGISTRATION_LIMITS, bounded,
-                                                 string_limits)
+    from vitserve.service.api.json_body import parse_body
+    from vitserve.service.tiers.sglang_schemas import (
+        CALL_LIMITS,
+        MAX_HOST,
+        MAX_REQ_ID,
+        REGISTRATION_LIMITS,
+        bounded,
+        string_limits,
+    )
 
     assert CALL_LIMITS == string_limits(EncodeCall) == {"req_id": MAX_REQ_ID, "prefill_host": MAX_HOST}
     assert REGISTRATION_LIMITS == {"req_id": MAX_REQ_ID, "receive_url": 300, "modality": 16}
@@ -191,10 +197,11 @@ def test_a_long_string_is_bounded_by_its_schemas_max_length_once_restored():
 
 
 def test_the_sglang_modules_raise_domain_errors_and_import_no_web_framework():
-    """The tier's modules raise domain errors (service/errors.py); SGLang's error form is made at the HTTP edge."""
+    """The tier's modules raise domain errors (service/ground/errors.py); SGLang's error form is made at the HTTP edge."""
     import pathlib
 
-    modules = sorted((pathlib.Path(__file__).resolve().parents[1] / "service").glob("sglang_*.py"))
+    tiers = pathlib.Path(__file__).resolve().parents[1] / "vitserve" / "service" / "tiers"
+    modules = sorted(m for m in tiers.glob("sglang_*.py") if m.name != "sglang_routes.py")  # (routes: the edge)
     assert {m.name for m in modules} >= {"sglang_tier.py", "sglang_schemas.py", "sglang_addresses.py",
                                          "sglang_pairing.py", "sglang_frames.py", "sglang_push.py"}
     for module in modules:
@@ -289,7 +296,7 @@ def test_what_never_pairs_is_bounded_and_expires():
 def test_a_receiver_that_cannot_be_reached_is_a_502_and_leaves_no_socket():
     """A PUSH that finds no connection within the timeout: 502, its socket closed (a kept one forgotten), and the
     tier closes cleanly; one that connects is kept for its address."""
-    from vitserve.service.sglang_tier import SGLangTier
+    from vitserve.service.tiers.sglang_tier import SGLangTier
 
     async def main():
         tier = SGLangTier("float32", timeout=0.3)
@@ -347,7 +354,7 @@ def test_features_go_only_to_the_allowed_networks():
 def test_deliveries_are_bounded_and_a_bad_address_leaves_no_socket(monkeypatch):
     """At most MAX_OPEN_SOCKETS sockets at once (a 429 beyond, the idle kept ones closed first); an address ZMQ
     cannot connect to is a 400 and leaves no socket open."""
-    from vitserve.service import sglang_push, sglang_tier
+    from vitserve.service.tiers import sglang_push, sglang_tier
 
     monkeypatch.setattr(sglang_push, "MAX_OPEN_SOCKETS", 2)
 
@@ -690,7 +697,7 @@ def test_a_port_that_speaks_no_zmq_takes_nothing_and_is_a_502_at_once(peer, monk
     ZMTP 3's greeting (an HTTP server's answer) for a ZMTP 1.0 one and would send to it; the tier refuses it: every
     push is a 502 at once (not retried until the timeout), counted as a failure and never as a delivery, and leaves
     no socket. A silent port fails ZMQ's handshake once HANDSHAKE_MS passes."""
-    from vitserve.service import sglang_push, sglang_tier
+    from vitserve.service.tiers import sglang_push, sglang_tier
 
     monkeypatch.setattr(sglang_push, "HANDSHAKE_MS", 300)
 
@@ -715,7 +722,7 @@ def test_a_port_that_speaks_no_zmq_takes_nothing_and_is_a_502_at_once(peer, monk
 def test_a_kept_socket_outlives_its_receivers_restart_and_expires_when_unused(monkeypatch):
     """A receiver that goes away after ZMQ's handshake is not a port without ZMQ: its kept socket reconnects and
     delivers to it once it is back. A kept socket unused for KEPT_IDLE seconds is closed."""
-    from vitserve.service import sglang_push, sglang_tier
+    from vitserve.service.tiers import sglang_push, sglang_tier
 
     async def main():
         tier = sglang_tier.SGLangTier("float32", timeout=60)
@@ -746,7 +753,7 @@ def test_a_kept_socket_outlives_its_receivers_restart_and_expires_when_unused(mo
 
 
 def test_sglang_receivers_takes_networks_and_addresses():
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     assert Settings(model="tiny-qwen3-vl", sglang_receivers="10.0.0.0/8, fd00::/8,192.0.2.7").sglang_receivers
     for bad in ("10.0.0.0/33", "localhost", "10.0.0.0/8,,", "*"):

@@ -16,11 +16,11 @@ from videos import make_video
 from vitserve.encoder import video as V
 from vitserve.encoder.config import builtin_config
 from vitserve.encoder.preprocess import PreprocessConfig
-from vitserve.service import decoder as decoder_module
-from vitserve.service.decoder import Decoder
-from vitserve.service.errors import InputTooLarge
-from vitserve.service.metrics import Metrics
-from vitserve.service.settings import Settings
+from vitserve.service.decoding import decoder as decoder_module
+from vitserve.service.decoding.decoder import Decoder
+from vitserve.service.ground.errors import InputTooLarge
+from vitserve.service.ground.metrics import Metrics
+from vitserve.service.ground.settings import Settings
 
 pytest.importorskip("av")
 CLIP = make_video(12, 6, 160, 120)

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 from corpus import encode, photo
-from videos import (Endless, damaged, declare_mp4, empty_video, emptied_mp4, ftyp, make_video, mdat_span,
-                    mp4_boxes)
+from videos import Endless, damaged, declare_mp4, emptied_mp4, empty_video, ftyp, make_video, mdat_span, mp4_boxes
 
 from vitserve.encoder import video as V
 from vitserve.encoder.config import builtin_config

@@ -16,11 +16,11 @@ from corpus import encode, photo
 from helpers import IMAGES, b64_bf16, client_for, data_uri, serving, wait_until
 from safetensors.torch import load, load_file
 
-from vitserve.service import ec_storage
 from vitserve.encoder.features import Features
-from vitserve.service.ec_storage import ECStorage
-from vitserve.service.settings import EC_HASH_ALGORITHMS
-from vitserve.service.vllm_hash import ALGORITHMS, mm_hash
+from vitserve.service.ground.settings import EC_HASH_ALGORITHMS
+from vitserve.service.tiers import ec_storage
+from vitserve.service.tiers.ec_storage import ECStorage
+from vitserve.service.tiers.vllm_hash import ALGORITHMS, mm_hash
 
 MODEL = "tiny-qwen3-vl"
 
@@ -28,7 +28,7 @@ MODEL = "tiny-qwen3-vl"
 
 def status(error) -> int:
     """The HTTP status a client is answered for a tier's domain error (the edge's one table)."""
-    from vitserve.service.http_errors import ServiceError
+    from vitserve.service.api.http_errors import ServiceError
 
     return ServiceError.of(error).status
 
@@ -208,7 +208,7 @@ def test_identifiers_follow_vllms_rules():
     assert mm_hash("image", "m", data=png) != mm_hash("image", "other", data=png)
     assert len(mm_hash("image", "m", "sha512", data=png)) == 128
     rgba = encode(pixels.convert("RGBA"), "PNG")
-    from vitserve.service.vllm_hash import image_io_config
+    from vitserve.service.tiers.vllm_hash import image_io_config
 
     assert image_io_config(png) is None and image_io_config(rgba) is not None
     with pytest.raises(ValueError):
@@ -224,10 +224,10 @@ def test_an_image_pil_will_not_open_has_no_identifier_a_400(tmp_path, monkeypatc
 
     from PIL import Image
 
-    from vitserve.service.errors import EngineError
-    from vitserve.service.settings import Settings
-    from vitserve.service.media import MediaItem
-    from vitserve.service.vllm_tier import VLLMTier
+    from vitserve.service.ground.errors import EngineError
+    from vitserve.service.ground.media import MediaItem
+    from vitserve.service.ground.settings import Settings
+    from vitserve.service.tiers.vllm_tier import VLLMTier
 
     tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path)), "float32")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 40x30 is over twice that: PIL refuses to open it
@@ -244,10 +244,10 @@ def test_a_uuid_never_names_another_items_file(tmp_path):
     under an identifier whose file holds another item is a 409 `ec_id_taken` that leaves the file as it was."""
     import asyncio
 
-    from vitserve.service.errors import EngineError
-    from vitserve.service.settings import Settings
-    from vitserve.service.media import MediaItem
-    from vitserve.service.vllm_tier import VLLMTier
+    from vitserve.service.ground.errors import EngineError
+    from vitserve.service.ground.media import MediaItem
+    from vitserve.service.ground.settings import Settings
+    from vitserve.service.tiers.vllm_tier import VLLMTier
 
     tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path), ec_dtype="float32"), "float32")
     image = encode(photo(40, 30, 3), "PNG")
@@ -272,9 +272,9 @@ def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
     failed (an item too large for --ec-storage-bytes: a 507)."""
     import asyncio
 
-    from vitserve.service.errors import EngineError
-    from vitserve.service.settings import Settings
-    from vitserve.service.vllm_tier import VLLMTier
+    from vitserve.service.ground.errors import EngineError
+    from vitserve.service.ground.settings import Settings
+    from vitserve.service.tiers.vllm_tier import VLLMTier
 
     tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path), ec_storage_bytes=2000), "float32")
     try:
@@ -456,8 +456,8 @@ def test_mm_processor_kwargs_are_validated_as_the_native_fields(chat_client, kwa
 
 
 def test_mm_processor_kwargs_become_the_native_options():
-    from vitserve.service.schemas import ChatRequest
-    from vitserve.service.vllm_tier import chat_options
+    from vitserve.service.api.schemas import ChatRequest
+    from vitserve.service.tiers.vllm_tier import chat_options
 
     options = chat_options(ChatRequest.model_validate(chat_body({"max_pixels": 50176, "videos_kwargs": {
         "num_frames": "4", "max_frames": 8}})))

@@ -5,15 +5,8 @@ Importing this package imports no torch: the names below load on first use."""
 
 from __future__ import annotations
 
-import os as _os
-
 __version__ = "0.2.0"
 __all__ = ["VisionEncoder", "EncodedImage", "VisionConfig", "BUILTIN_CONFIGS", "builtin_config", "__version__"]
-
-# An installed wheel holds encoder/ and service/ inside this package; a source checkout keeps them beside it.
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "encoder")):
-    __path__.append(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
-
 
 def __getattr__(name: str):
     if name in __all__ and name != "__version__":

@@ -1,0 +1,111 @@
+"""What a decode worker process runs: decode (+ resize), the pixels into a spool file; the header of an image whose
+first bytes do not hold it; and a video's decode, sampling and resize, its slices into spool files. For images it
+imports numpy, PIL and the preprocessing only, never the engine or torch (which would cost each worker ~150 MB and
+seconds at its first image); a worker imports torch at its first video (the video processors' resize is torch's)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...encoder.headers import ImageHeader, probe
+from ...encoder.media import received
+from ...encoder.preprocess import EncodedJpeg, PreprocessConfig, load_for_device, load_image, resize_rgb
+from . import spool
+
+
+def read_header(data, is_base64: bool) -> ImageHeader:
+    """Runs in a worker: the header of an image from all of its bytes (its first ones did not hold it), by the
+    format's walk over the whole image (PIL's identification for a format no walk reads)."""
+    return probe(received(data, is_base64), whole=True)
+
+
+@dataclass
+class DecodedImage:
+    """An image decoded by a worker: its pixels (a resized uint8 (H, W, 3) array, or its spool file; with the fast
+    preprocessing full size, or a JPEG left encoded for the device), and the seconds the worker took."""
+
+    image: np.ndarray | spool.Spooled | EncodedJpeg
+    seconds: float
+
+
+def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: PreprocessConfig,
+                      spool_prefix: str | None = None, fast: bool = False,
+                      jpeg_on_device: bool = False) -> DecodedImage:
+    """Runs in a worker: encoded bytes (or their base64 text, or where it lies: MediaHandle) -> the resized (H, W, 3)
+    uint8 image, in a spool file when `spool_prefix` is given and it can, and the seconds it took (a DecodedImage).
+    Before PIL reads it, the image's structure is walked whole (`probe`): what breaks its limits (a JPEG's scans, a
+    PNG's chunks, a TIFF's arrays, its declared size) is refused, and the bytes after its end (a phone's motion
+    video, junk) are left out. `fast` (preprocess_fast): the device resizes, so the image stays full size, and with
+    `jpeg_on_device` a JPEG stays encoded (an EncodedJpeg, read from its header only) for nvJPEG to decode there."""
+    start = time.perf_counter()
+    data = received(data, is_base64)
+    header = probe(data, whole=True)
+    header.check(max_image_pixels)
+    if header.end is not None and header.end < len(data):
+        data = data[:header.end]
+    if fast:
+        image = load_for_device(data, jpeg_on_device, max_image_pixels)
+        if isinstance(image, EncodedJpeg):
+            return DecodedImage(image, time.perf_counter() - start)
+    else:
+        image = resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg)
+    seconds = time.perf_counter() - start
+    return DecodedImage((spool_prefix and spool.put(spool_prefix, image)) or image, seconds)
+
+
+def measure_video(data, is_base64: bool, cfg, limits):
+    """Runs in a worker: what decoding a video takes (a VideoCost: memory and decode work), from its header
+    (encoder.video.video_cost: its limits checked first)."""
+    from ...encoder.video import video_cost
+
+    return video_cost(received(data, is_base64), cfg, limits)
+
+
+VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)
+
+
+def _video_worker() -> None:
+    """A decode worker process's torch runs one frame's resize at a time on one thread: OpenMP's team of one per
+    core in every worker would oversubscribe the host (and spin in its barrier) whenever several decode videos."""
+    import multiprocessing
+
+    import torch
+
+    if multiprocessing.current_process().name == "vitserve-decode" and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+@dataclass
+class DecodedVideo:
+    """A video decoded by a worker: its slices (uint8 [T, h, w, 3] each, or their spool files), its grid (slices,
+    h / p, w / p), its timing (frame_indices, fps, timestamps, second_per_grid_t: what its answer carries), the
+    decoder that decoded it, the seconds the worker took, and the video's declared duration in seconds."""
+
+    slices: list
+    grid: tuple
+    timing: dict
+    decoder: str
+    seconds: float
+    duration: float
+
+
+def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None,
+                 threads: int = VIDEO_DECODE_THREADS) -> DecodedVideo:
+    """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its DecodedVideo, the slices in
+    spool files `spool_path`-0, -1, ... where given and it can (encoder.video.load_video: the limits are checked from
+    the header first, frames decoded one at a time and resized as they come)."""
+    from ...encoder.video import load_video
+
+    _video_worker()
+    start = time.perf_counter()
+    video = load_video(received(data, is_base64), cfg, limits, threads)
+    slices = video.slices()
+    out = [(spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)]
+    _, h, w, _ = video.frames.shape
+    timing = {"frame_indices": video.indices.tolist(), "fps": video.info.fps, "timestamps": video.timestamps,
+              "second_per_grid_t": video.second_per_grid_t}
+    grid = (len(slices), h // cfg.patch_size, w // cfg.patch_size)
+    return DecodedVideo(out, grid, timing, video.decoder, time.perf_counter() - start, video.info.duration)

@@ -1,0 +1,221 @@
+"""Decoding a request's images and videos: decode + resize in the decode workers (decode_runner.py), pixels back
+through the spool.
+
+Before any pixel is decoded, each image's header is read in a thread from its first bytes (first_bytes.py: a walk
+bounded in bytes and steps, microseconds whatever the bytes hold; where the header is not within them, a decode
+worker reads it from the whole image): its format must be allowed, its pixels under `--max-image-pixels`, and the
+memory its decode takes (estimated from the size and mode, alpha and palette expansion included) counts against the
+request's limit (`--decode-memory-per-request`, 413 beyond) and the server's (`--decode-memory`, a `MemoryBudget`:
+an image waits until its share fits, in its request's turn, round-robin by request, so large images queue instead of
+overcommitting the host and one request's many large images take one turn at a time). Where the probe saw
+the image's end, only the bytes up to it are decoded (what follows, junk or a phone's motion video, stays behind).
+An image of a request body in a body file (bodies.py) goes to its worker as where it lies there (a `MediaHandle`):
+no byte of it crosses the worker's socket. No byte of an image is touched on the event loop. The decode pool hands
+waiting images to the workers round-robin by request, so one large request cannot stall a small one behind it.
+
+A video's first bytes must be a video container's; its decode work and memory, read from its header by a worker
+first, are held to the request's limits and taken from the server's budgets while it decodes, at most
+`--video-decode-workers` workers holding videos at once. Failures become the request's domain errors (rejection.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import time
+from typing import Callable
+
+import numpy as np
+
+from ...encoder.headers import ImageHeader
+from ...encoder.image_errors import HeaderNotFound
+from ...encoder.preprocess import PreprocessConfig, target_size
+from ..ground.errors import InputRejected, InputTooLarge
+from ..ground.metrics import Metrics
+from ..ground.settings import Settings
+from . import spool
+from .budget import MemoryBudget
+from .decode import VIDEO_DECODE_THREADS, decode_and_resize, decode_video, measure_video, read_header
+from .decode_runner import DecodeRunner
+from .first_bytes import first_headers, head, head_or_error, looks_like_text  # noqa: F401 (head, looks_like_text: re-exported)
+from .rejection import rejection
+
+Decoded = tuple[np.ndarray | spool.Spooled, tuple[int, int, int]]  # pixels (maybe in a spool file) and patch grid
+
+
+class Decoder(DecodeRunner):
+    """The decode workers (DecodeRunner) with the memory and work budgets of the images and videos they decode.
+    `on_broken(reason)` is called on the event loop when the last worker is gone and none can be started."""
+
+    rejection = staticmethod(rejection)
+
+    def __init__(self, settings: Settings, metrics: Metrics, on_broken: Callable[[str], None]):
+        super().__init__(settings, on_broken)
+        self.metrics = metrics
+        self.fast = settings.preprocess == "fast"  # the device resizes: images stay full size here
+        self.jpeg_on_device = False  # fast, and nvJPEG on the devices: JPEGs stay encoded (set by the engine)
+        self._names = itertools.count()
+        self._videos = 0  # videos being decoded now
+        self._cpus = settings.decode_worker_count()
+        self.budget = MemoryBudget(settings.decode_memory)
+        self.video_work = MemoryBudget(settings.video_decode_work)  # decode work, not bytes: the same waiting rules
+        # the workers videos may hold at once: the others stay for images, whatever videos come
+        self.video_slots = asyncio.Semaphore(settings.video_decode_workers or max(1, self.workers // 2))
+
+    async def headers(self, images: list, field: str, names: list[int], owner) -> list[ImageHeader]:
+        """Each image's header (its size checked against the limits), read in a thread from its first bytes, else by
+        a decode worker from all of them; the request's first error before anything is decoded, as soon as it is
+        known (the headers still being read are then dropped)."""
+        first = await asyncio.get_running_loop().run_in_executor(None, first_headers, images)
+        headers: list = [None] * len(images)
+        later: dict[int, asyncio.Future] = {}  # headers not within the first bytes: read by a decode worker
+
+        def checked(i: int, header) -> ImageHeader:
+            if isinstance(header, Exception):
+                raise self.rejection(f"{field}[{names[i]}]", header, images[i])
+            try:
+                header.check(self.settings.max_image_pixels)
+            except Exception as e:
+                raise self.rejection(f"{field}[{names[i]}]", e, images[i]) from None
+            return header
+
+        try:
+            for i, data in enumerate(images):
+                if isinstance(first[i], HeaderNotFound):
+                    later[i] = asyncio.ensure_future(self.run(read_header, data, owner))
+                else:
+                    headers[i] = checked(i, first[i])
+            if later:
+                await asyncio.wait(later.values(), return_when=asyncio.FIRST_EXCEPTION)
+            for i, job in later.items():  # all read, or one failed: the first in the request's order that did
+                if job.done() and job.exception() is not None:
+                    checked(i, job.exception())
+            for i, job in later.items():
+                headers[i] = checked(i, job.result())
+        except BaseException:  # a bad image, or the request cancelled: the other headers are not needed
+            for job in later.values():
+                job.cancel()
+                job.add_done_callback(lambda job: job.cancelled() or job.exception())  # retrieved: one is reported
+            raise
+        return headers
+
+    async def decode(self, images: list, cfg: PreprocessConfig, field: str = "input",
+                     names: list[int] | None = None) -> list[Decoded]:
+        """Decode and resize concurrently; the first bad image fails the request (only it), named `field[i]` with
+        i its index in `names` (default: its position)."""
+        names = list(range(len(images))) if names is None else names
+        owner = object()  # the request, for the decode pool's fair queue
+        headers = await self.headers(images, field, names, owner)
+        costs, limit = [header.decode_bytes for header in headers], self.settings.decode_memory_per_request
+        if sum(costs) > limit:
+            raise InputTooLarge(f"decoding these {len(images)} image(s) takes about {sum(costs) / 2**20:.0f} MB; a "
+                                f"request may take {limit / 2**20:.0f} MB (send fewer or smaller images)",
+                                "decode_memory", field)
+        results = await self.run_all([self._decode(data, header.end, cfg, cost, owner)
+                                   for data, header, cost in zip(images, headers, costs)], field, names)
+        out, p = [], cfg.patch_size
+        for decoded in results:
+            image = decoded.image
+            self.metrics.preprocess_seconds.observe(decoded.seconds)
+            self.metrics.record("decode", decoded.seconds)
+            h, w = target_size(image, cfg) if self.fast else image.shape[:2]  # fast: the size the device resizes to
+            out.append((image, (1, h // p, w // p)))
+        return out
+
+    async def decode_videos(self, videos: list, cfg, field: str = "videos", names: list[int] | None = None) -> list:
+        """Decode, sample and resize videos concurrently in the decode workers (decode.decode_video, under
+        `--video-decode-timeout`); per video its (slices, grid, timing). Each one's first bytes must be a video
+        container's (video.sniff: an image sent as a video is told so); each may keep at most the per-request decode
+        memory of resized frames, and takes what it keeps from the server's decode memory while it decodes. Their
+        decode work (encoder.video.decode_work), read from their headers first, is held to
+        --video-decode-work-per-request and taken from --video-decode-work while they decode; at most
+        --video-decode-workers workers hold videos at once (headers read or frames decoded), so that images always
+        find the others. The first bad video fails the request (only it)."""
+        from ...encoder.video import VideoLimits, sniff
+
+        names = list(range(len(videos))) if names is None else names
+        loop, owner = asyncio.get_running_loop(), object()
+        heads = await loop.run_in_executor(None, lambda: [head_or_error(v) for v in videos])
+        for i, data, first in zip(names, videos, heads):
+            param = f"{field}[{i}]"
+            if isinstance(first, Exception):  # its base64 does not decode
+                raise self.rejection(param, first, data) from None
+            if not sniff(first):
+                raise InputRejected(f"{param}: not a video (send MP4, WebM, MKV, AVI, MPEG-TS, FLV or Ogg; images go "
+                                    "in images)", "not_a_video", param)
+        s = self.settings
+        limits = VideoLimits(max_seconds=s.max_video_seconds, max_frame_pixels=s.max_image_pixels,
+                             max_bytes=s.decode_memory_per_request, max_work=s.video_decode_work_per_request)
+        costs = await self.run_all([self._video_job(measure_video, data, owner, cfg, limits) for data in videos], field,
+                                names, "video")
+        work, limit = sum(cost.work for cost in costs), s.video_decode_work_per_request
+        if work > limit:
+            raise InputTooLarge(f"decoding these {len(videos)} videos is {work / 1e9:.1f} G pixels of work; a request "
+                                f"may take {limit / 1e9:.1f} G (send fewer, shorter or smaller videos)", "decode_work",
+                                field)
+        results = await self.run_all([self._decode_video(data, cfg, limits, cost, owner)
+                                   for data, cost in zip(videos, costs)], field, names, "video")
+        out, m = [], self.metrics
+        for video in results:
+            m.videos.labels(video.decoder).inc()
+            m.video_frames.inc(len(video.timing["frame_indices"]))
+            m.video_seconds.inc(video.duration)
+            m.preprocess_seconds.observe(video.seconds)
+            m.record("decode", video.seconds)
+            out.append((video.slices, video.grid, video.timing))
+        return out
+
+    async def _video_job(self, fn, data, owner, *args):
+        """fn(video, *args) in a decode worker once one of the videos' workers (--video-decode-workers) is free,
+        under --video-decode-timeout."""
+        async with self.video_slots:
+            return await self.tried_twice(lambda: self.run(fn, data, owner, *args,
+                                                            timeout=self.settings.video_decode_timeout))
+
+    async def _decode_video(self, data, cfg, limits, cost, owner):
+        """A video's decode, once the memory and the work its header declares (`cost`) are taken from the server's
+        budgets and one of the videos' workers is free; all given back when it is done. Its wall time from there to
+        its frames back is observed in vitserve_decode_seconds, as an image's."""
+        share = await self.budget.acquire(cost.memory, owner)
+        try:
+            work = await self.video_work.acquire(cost.work, owner)
+            try:
+                async with self.video_slots:
+                    # FFmpeg's threads for this video: the workers' cores shared among the videos decoding (a lone
+                    # video gets them all; many get VIDEO_DECODE_THREADS each, as the workers decode them side by side)
+                    threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
+                    self._videos += 1
+                    def run():
+                        path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
+                        return self.run(decode_video, data, owner, cfg, limits, path or None, threads,
+                                        timeout=self.settings.video_decode_timeout,
+                                        lost=path and functools.partial(spool.clear, f"{path}-"))
+
+                    try:
+                        start = time.perf_counter()
+                        video = await self.tried_twice(run)
+                        self.metrics.decode_seconds.observe(time.perf_counter() - start)
+                        return video
+                    finally:
+                        self._videos -= 1
+            finally:
+                self.video_work.release(work)
+        finally:
+            self.budget.release(share)
+
+    async def _decode(self, data, end: int | None, cfg: PreprocessConfig, cost: int, owner):
+        def run():
+            path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
+            return self.run(decode_and_resize, data, owner, self.settings.max_image_pixels, cfg, path or None,
+                            self.fast, self.jpeg_on_device, end=end,
+                            lost=path and functools.partial(spool.remove, path))
+
+        share = await self.budget.acquire(cost, owner)
+        try:
+            start = time.perf_counter()
+            result = await self.tried_twice(run)
+            self.metrics.decode_seconds.observe(time.perf_counter() - start)
+            return result
+        finally:
+            self.budget.release(share)

@@ -1,0 +1,188 @@
+"""Decoded pixels from the decode worker processes to whoever runs them, through files in RAM (a tmpfs: /dev/shm).
+
+A decode worker writes an image's pixels to a spool file and returns only its name (a `Spooled` image): no pixels
+cross a pipe, nor the server's GIL. The file stays until the one who runs the image reads it (the device's thread,
+or the device's own process, so that the server's process never touches the pixels); whoever drops an image
+instead (a failed sibling, a client gone) removes its file (`discard`). When the directory is missing, not
+writable, or full (Docker's default /dev/shm is 64 MB), the worker returns the pixels through its socket instead:
+slower, never wrong. Each server holds a lock file while it lives, so that the next server on the directory can
+remove what a killed one left behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import os
+import re
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ground.errors import ImageLost
+
+
+@dataclass
+class Spooled:
+    """A decoded image waiting in a spool file (written by a decode worker), until it is read or discarded."""
+
+    path: str
+    shape: tuple[int, ...]
+
+    def read(self) -> np.ndarray:
+        """The pixels, mapped from the file (no copy: its pages are read where they are used, by the one copy into
+        the device's pinned buffer); the file is removed, also when that fails (OSError)."""
+        return mapped(self.path, int(np.prod(self.shape))).reshape(self.shape)
+
+
+def pixels(images: list) -> list[np.ndarray]:
+    """Decoded images as arrays: spooled ones read in (each file removed, every one of them even when a read fails,
+    which is raised after), arrays as they are."""
+    out, lost = [], None
+    for image in images:
+        try:
+            out.append(image.read() if isinstance(image, Spooled) else image)
+        except OSError as e:
+            lost = lost or e
+    if lost is not None:
+        raise ImageLost(f"a decoded image was lost on its way from the decode worker ({type(lost).__name__}: "
+                        f"{lost})")
+    return out
+
+
+def discard(image) -> None:
+    """Drop a decoded image nobody will run: a spooled one's file is removed (an array needs nothing)."""
+    if isinstance(image, Spooled):
+        remove(image.path)
+
+
+_locks: dict[str, int] = {}  # prefix -> the open, locked descriptor of its lock file (held while this process lives)
+
+
+def spool_prefix(directory: str | None = None) -> str | None:
+    """A unique path prefix for this server's spool files, in `directory` (default: /dev/shm, else the temporary
+    directory when that is a tmpfs too), or None when there is no writable one: results then go through the pipe.
+
+    The prefix's lock file stays locked while this process lives. A server killed before it could clear its files
+    (SIGKILL, the OOM killer) leaves them behind, with its lock file no longer locked: the next server starting on
+    the directory removes them (in a pod, the memory-backed /dev/shm outlives a restarted container)."""
+    candidates = [directory] if directory else ["/dev/shm", tempfile.gettempdir()]
+    for d in candidates:
+        if d and os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK) and (directory or _is_tmpfs(d)):
+            sweep(d)
+            prefix = os.path.join(d, f"vitserve-{os.getpid()}-{uuid.uuid4().hex[:8]}-")
+            try:  # locked before it appears under its name, so that a sweep never takes a live server for dead
+                fd = os.open(prefix + "lock.new", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.rename(prefix + "lock.new", prefix + "lock")
+            except OSError:
+                continue
+            _locks[prefix] = fd
+            return prefix
+    return None
+
+
+LOCK = re.compile(r"vitserve-\d+-[0-9a-f]{8}-lock")  # a server's lock file, as spool_prefix names it
+FILE = re.compile(r"\d+(-\d+)?|dev\d+-out-\d+|body-\d+|lock(\.new)?")  # what follows a prefix in a spool file's name
+
+
+def sweep(directory: str) -> None:
+    """Remove the spool files of servers that are gone: those whose lock file nobody holds. Only lock files named as
+    spool_prefix names them and owned by this process's user count (a shared sticky directory such as /dev/shm may
+    hold anybody's files), and a held lock is never touched."""
+    for name in os.listdir(directory):
+        lock = os.path.join(directory, name)
+        if not LOCK.fullmatch(name):
+            continue
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its server is alive
+            continue
+        else:
+            clear(lock.removesuffix("lock"), own=True)
+        finally:
+            os.close(fd)
+
+
+def _is_tmpfs(path: str) -> bool:
+    """Whether `path` is on a RAM-backed file system (a spool on disk would write every image out)."""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            best = max((line.split() for line in mounts if path.startswith(line.split()[1])),
+                       key=lambda fields: len(fields[1]), default=None)
+    except OSError:
+        return False
+    return best is not None and best[2] in ("tmpfs", "ramfs")
+
+
+def put(path: str, array: np.ndarray) -> Spooled | None:
+    """In a worker: write `array` (uint8) to a new spool file at `path`; None when it cannot (the caller pipes it
+    instead)."""
+    return Spooled(path, array.shape) if write(path, [array]) else None
+
+
+def write(path: str, arrays: list) -> bool:
+    """Write the arrays' bytes back to back to a new file at `path`; False (and nothing left behind) when it
+    cannot: the directory is gone or full (ENOSPC)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    try:
+        for array in arrays:
+            view, done = memoryview(np.ascontiguousarray(array)).cast("B"), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+    except OSError:
+        os.close(fd)
+        remove(path)
+        return False
+    os.close(fd)
+    return True
+
+
+def mapped(path: str, nbytes: int) -> np.ndarray:
+    """The `nbytes` bytes of the file at `path` (uint8), mapped read-only; the file is removed (the mapping keeps its
+    pages while it lives), also when mapping fails (OSError: gone, or short)."""
+    try:
+        if nbytes == 0:
+            os.stat(path)
+            return np.empty(0, np.uint8)
+        try:
+            return np.memmap(path, np.uint8, mode="r", shape=(nbytes,))
+        except ValueError:  # np.memmap's word for a file shorter than the shape
+            raise OSError(f"spool file {path} is short: {os.path.getsize(path)} of {nbytes} bytes") from None
+    finally:
+        remove(path)
+
+
+def clear(prefix: str | None, own: bool = False) -> None:
+    """Remove the leftover spool files of a prefix (at shutdown: images still queued, a device process's last), and
+    with this process's own prefix, its lock. `own` (a dead server's): only files named as servers name them and
+    owned by this process's user."""
+    if prefix:
+        for path in glob.glob(glob.escape(prefix) + "*"):
+            try:
+                if own and (not FILE.fullmatch(path[len(prefix):]) or os.lstat(path).st_uid != os.getuid()):
+                    continue
+            except OSError:
+                continue
+            remove(path)
+        if prefix in _locks:
+            os.close(_locks.pop(prefix))
+
+
+def remove(path: str) -> None:
+    """Remove a file if it is there; a file that cannot be removed (another user's, a read-only mount) stays."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

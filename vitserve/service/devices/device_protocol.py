@@ -1,0 +1,126 @@
+"""The records between the server and a device process (device_process.py), sent whole over its pipe.
+
+Device process -> server: `Ready` (loaded and captured) or `LoadFailed`, then one `BatchAnswer` per `Batch`.
+Server -> device process: `Batch`es, then `Stop`. An image's outputs travel as an `Output` (a spool file's name and
+the tensors' layout in it), an image the device could not decode as its ErrorRecord, a batch's failure as its
+ErrorRecord (errors.py: the one error record of every pipe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...encoder.features import Features
+from ...encoder.preprocess import ImageError
+from ..decoding import spool
+from ..ground.errors import ErrorRecord
+
+
+@dataclass
+class Ready:
+    """Device process -> server: loaded and captured; its runner's stats."""
+
+    stats: dict
+
+
+@dataclass
+class LoadFailed:
+    """Device process -> server: the model could not be loaded or captured there."""
+
+    error: str
+
+
+@dataclass
+class Batch:
+    """Server -> device process: a batch to run (spooled images by name, others as arrays or EncodedJpeg), each
+    image's (height, width) to run at, and which are mean-pooled; `job` numbers it for its answer."""
+
+    job: int
+    images: list
+    sizes: list[tuple[int, int]]
+    mean_pooling: list[bool]
+
+
+@dataclass
+class Stop:
+    """Server -> device process: no more batches; finish those sent and exit."""
+
+
+@dataclass
+class Output:
+    """One image's tensors (tokens or mean, then deepstack), as (dtype name, shape, bytes) each, laid back to back in
+    the spool file `path` (or in `data`, where the spool is full or gone: slower, never wrong). The file belongs to
+    whoever holds this record: `features` maps it, and it is removed then unless kept (the embedding cache keeps
+    it), or by `discard`."""
+
+    entries: list
+    grid: tuple[int, int, int] | None = None  # set by the core (the cache answers with it)
+    path: str | None = None
+    data: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.entries)
+
+    def features(self, keep: bool = False) -> Features:
+        """The image's Features with its grid (None where this record has none yet: the device process's), the
+        tensors over the file's pages (mapped copy-on-write: no copy is made; OSError when the file is gone); the
+        file is removed unless `keep`."""
+        if self.data is not None:
+            raw = np.frombuffer(self.data, np.uint8).copy()
+        elif self.nbytes == 0:
+            raw = np.empty(0, np.uint8)
+        else:
+            try:
+                raw = np.memmap(self.path, np.uint8, mode="c", shape=(self.nbytes,))
+            finally:
+                if not keep:
+                    spool.remove(self.path)
+        raw, tensors, offset = torch.from_numpy(raw), [], 0
+        for dtype, shape, n in self.entries:
+            tensors.append(raw[offset:offset + n].view(getattr(torch, dtype)).view(shape))
+            offset += n
+        return Features(tensors[0], tensors[1:], None if self.grid is None else list(self.grid))
+
+    def discard(self) -> None:
+        if self.path is not None:
+            spool.remove(self.path)
+
+
+@dataclass
+class BatchAnswer:
+    """Device process -> server: a batch's outputs, one per image (an `Output`, or the ErrorRecord of an image the
+    device could not decode), or the batch's `error`; and the runner's stats."""
+
+    job: int
+    stats: dict
+    outputs: list[Output | ErrorRecord] | None = None
+    error: ErrorRecord | None = None
+
+
+def packed(output, path: str) -> Output | ErrorRecord:
+    """An image's outputs (tokens, deepstack list) written to the spool file `path` (or kept as bytes where it
+    cannot be written); an ImageError as its record."""
+    if isinstance(output, ImageError):
+        return ErrorRecord.of(output)
+    arrays, entries = [], []
+    first, deepstack = output
+    for t in (first, *deepstack):
+        t = t.contiguous()
+        arrays.append(t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8))
+        entries.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()))
+    # a full or missing spool: the bytes go through the pipe (as bytes: a pickled tensor would go through shared
+    # memory, /dev/shm again), slower, never wrong
+    if spool.write(path, arrays):
+        return Output(entries, path=path)
+    return Output(entries, data=b"".join(a.tobytes() for a in arrays))
+
+
+def unpacked(output: Output | ErrorRecord) -> Features | ImageError:
+    """A BatchAnswer's output for one image as the backend takes it: its Features (the backend gives them the
+    image's grid), or the ImageError."""
+    if isinstance(output, Output):
+        return output.features()
+    return output.error()

@@ -1,0 +1,369 @@
+"""Several front ends on one port (`--api-servers N`): the core, its links to the front ends, and the processes.
+
+    `vitserve serve` (the core)                          N front ends (processes), one listening socket
+      the device processes (one per device)      <--->     HTTP, admission, parsing, cache keys, decoding
+      the image queue and a device worker each               (their own decode workers), answers
+      the embedding cache's index
+      the whole server's /metrics and /stats
+
+The core holds a backend.LocalBackend (the same queue, devices, cache and batch accounting as a server of one
+process) and each front end's engine a hub.HubBackend, whose calls arrive here as records on its link. The core
+binds the port, starts the device processes and the front ends, and then only moves small records: a
+front end sends each decoded image as the name of its spool file (the pixels never cross the core), the core puts
+it in the one image queue that every device takes its batches from (batches fill from every front end at once),
+and a device process writes each image's answer to a spool file of its own whose name the core hands back. No byte
+of a request or an answer passes through the core.
+
+The embedding cache lives in the core, so that a repeat is answered whichever front end receives it: its entries
+are the answers' spool files (kept instead of removed), its index is the core's, a hit is a file's name, and a
+front end maps the file (no copy). An image being computed is computed once: a front end that asks for it while
+another computes it waits for that answer (single flight, as in one process).
+
+Lifecycle: the core is ready when every device is; each front end mirrors the core's state on /ready. On SIGTERM
+the core tells every front end to drain (each stops accepting and answers what it admitted), waits for them to
+exit, then stops the devices. A front end that dies is started again on the same socket while the others serve
+(its images leave the queue, the cache keys it was computing are let go); one that dies before it is up is tried
+again after 1 s and 4 s, then the server fails. A device process that dies fails the whole server (exit 1, for a
+supervisor to restart it), as a single process would.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+
+from ..ground.errors import ErrorRecord
+from ..ground.metrics import merged_metrics
+from ..ground.settings import Settings
+from ..ground.signals import StopSignals
+from ..pipeline.backend import LocalBackend, Result
+from ..pipeline.core_link import (
+    SCRAPE_SECONDS,
+    Answers,
+    Collect,
+    Collected,
+    Done,
+    Drop,
+    Looked,
+    Lookup,
+    Release,
+    Scrape,
+    Scraped,
+    Settled,
+    Status,
+    Submit,
+    Up,
+)
+from ..pipeline.lifecycle import Lifecycle, State
+from ..pipeline.stats import server_stats
+from .fronts import front_settings, serve_front
+
+log = logging.getLogger("vitserve.core")
+
+
+# ---- the core ----------------------------------------------------------------------------------------------------
+class Link:
+    """The core's end of one front end's pipe: sends from any thread, one reader thread; the origin of the items
+    it submitted (`items`, by id, until answered). `up`: the front end said it has started. A front end started
+    again gets a new Link (same index)."""
+
+    def __init__(self, index: int, conn, process):
+        self.index, self.conn, self.process = index, conn, process
+        self.lock = threading.RLock()  # sends, one at a time; held over a lookup and its answer (Core._handle)
+        self.open, self.up = True, False
+        self.items: dict[int, object] = {}  # item id -> its WorkItem, while queued or running
+        self.items_lock = threading.Lock()
+
+    def send(self, message) -> None:
+        if not self.open:
+            return
+        try:
+            with self.lock:
+                self.conn.send(message)
+        except (OSError, ValueError):  # the front end is gone: the core notices on its reader
+            self.open = False
+
+    def deliver(self, results: list[Result]) -> None:
+        """A batch's answers for this front end, in one record."""
+        with self.items_lock:
+            for result in results:
+                self.items.pop(result.item.id, None)
+        answers = [Done(r.item.id, r.output, ErrorRecord.of(r.error) if r.error is not None else None, r.keep,
+                        r.item.queue_s, r.inference_s) for r in results]
+        self.send(Answers(answers))
+        if not self.open:  # its front end is gone: nobody maps these files
+            for done in answers:
+                if done.output is not None and not done.keep:
+                    done.output.discard()
+
+
+class Core:
+    """A LocalBackend (the queue, the devices, the cache) behind the links of a server's front ends (see the
+    module docstring)."""
+
+    def __init__(self, settings: Settings, fronts: int):
+        from ..decoding.spool import spool_prefix
+        from ..ground.metrics import Metrics
+        from ..ground.settings import resolve_devices
+
+        self.settings, self.fronts = settings, fronts
+        self.metrics = Metrics()
+        self.life = Lifecycle(self.metrics, log)
+        self.life.listeners.append(self.broadcast)
+        devices, dtype = resolve_devices(settings)
+        self.prefix = spool_prefix(settings.spool_dir)
+        self.backend = LocalBackend(settings, self.metrics, self.life, devices, dtype, self.prefix,
+                                    process_each=True, records=True)
+        self.links: list[Link] = []
+        self.replaced = 0  # front ends that died and were started again
+        self.scrapes: dict[int, dict] = {}
+        self.scrape_ids = itertools.count()
+        self.scraped = threading.Condition()
+        self.failed = threading.Event()
+
+    # -- lifecycle
+    def load(self) -> None:
+        """Load the model (a process per device), then serve: every front end hears that the server is ready."""
+        from ..pipeline.loader import serving_text
+
+        s, backend = self.settings, self.backend
+        if backend.load(also=f", {self.fronts} front ends") and self.life.state is State.READY:
+            log.info("ready in %.2f s: %s, %d front ends on port %d", backend.load_seconds, serving_text(
+                s, backend.devices, True, backend.dtype, backend.attention(),
+                front_settings(s, self.fronts).decode_workers * self.fronts), self.fronts, s.port)
+
+    def status(self) -> Status:
+        return Status(self.life.state, self.life.error, self.backend.model,
+                      self.backend.devices if self.backend.workers else [])
+
+    def broadcast(self) -> None:
+        """The lifecycle moved: every front end hears it."""
+        if self.life.state is State.FAILED:
+            self.failed.set()
+        status = self.status()
+        for link in self.links:
+            link.send(status)
+
+    def fail(self, reason: str) -> None:
+        self.life.fail(reason)
+
+    def stop(self) -> None:
+        """After the front ends are gone: the workers finish what they hold, the devices close, the files go."""
+        from ..decoding import spool
+
+        self.backend.close()
+        spool.clear(self.prefix)
+
+    def lost(self, link: Link) -> None:
+        """A front end is gone: its images leave the queue (nobody would read their answers), and the cache keys it
+        was computing are let go (whoever waits on one computes it)."""
+        link.open = False
+        with link.items_lock:
+            dropped = list(link.items.values())
+            link.items.clear()
+        self.backend.queue.drop(dropped)
+        self.backend.cache.release(owner=link)
+
+    # -- one front end's records, on its reader thread
+    def serve_link(self, link: Link) -> None:
+        link.send(self.status())
+        while True:
+            try:
+                message = link.conn.recv()
+            except (EOFError, OSError):  # the front end is gone, and every record it sent has been handled
+                self.lost(link)
+                return
+            try:
+                self._handle(link, message)
+            except Exception as e:  # a fault here would leave the front end waiting: the server restarts instead
+                log.exception("a record from front end %d could not be handled", link.index)
+                self.fail(f"internal error in the core: {type(e).__name__}: {e}")
+
+    def _handle(self, link: Link, message) -> None:
+        match message:
+            case Submit(records):
+                self._submit(link, records)
+            case Lookup(lookup, keys):
+                with link.lock:  # a key settled meanwhile is told to this front end after the lookup's answer
+                    answers = self.backend.cache.lookup(
+                        keys, link, lambda i: lambda entry: link.send(Settled(lookup, i, entry)))
+                    link.send(Looked(lookup, answers))
+            case Drop(ids):
+                with link.items_lock:
+                    dropped = [w for w in (link.items.pop(i, None) for i in ids) if w]
+                self.backend.queue.drop(dropped)
+            case Release(keys):
+                self.backend.cache.release(keys)
+            case Up():
+                link.up = True
+            case Scrape(scrape, kind):
+                threading.Thread(target=self._scrape, args=(link, scrape, kind), daemon=True).start()
+            case Collected(scrape, part):
+                with self.scraped:
+                    self.scrapes.get(scrape, {})[link.index] = part
+                    self.scraped.notify_all()
+
+    def _submit(self, link: Link, records: list) -> None:
+        from ..devices.scheduler import WorkItem
+
+        items = [WorkItem(r.image, r.grid, None, r.mean_pooling, r.param, r.key, origin=link, id=r.id,
+                          modality=r.modality) for r in records]
+        with link.items_lock:
+            link.items.update((item.id, item) for item in items)
+        self.backend.queue.put(items)
+
+    # -- the whole server's /metrics and /stats
+    def _scrape(self, asker: Link, scrape: int, kind: str) -> None:
+        parts = self._collect(kind)
+        try:
+            answer = self.merged(kind, parts)
+        except Exception as e:  # a scrape never takes the core down
+            log.exception("scrape failed")
+            answer = {"error": f"{type(e).__name__}: {e}"} if kind == "stats" else ""
+        asker.send(Scraped(scrape, answer))
+
+    def _collect(self, kind: str) -> list:
+        """Every live front end's part, in front end order; one that does not answer in time is left out."""
+        ident = next(self.scrape_ids)
+        with self.scraped:
+            self.scrapes[ident] = {}
+        live = [link for link in self.links if link.open]
+        for link in live:
+            link.send(Collect(ident, kind))
+        deadline = time.monotonic() + SCRAPE_SECONDS
+        with self.scraped:
+            while len(self.scrapes[ident]) < len(live) and (left := deadline - time.monotonic()) > 0:
+                self.scraped.wait(left)
+            return [part for _, part in sorted(self.scrapes.pop(ident).items())]
+
+    def merged(self, kind: str, parts: list):
+        from prometheus_client import generate_latest
+
+        if kind == "metrics":
+            return merged_metrics([generate_latest(self.metrics.registry).decode(), *parts])
+        return server_stats(self.settings, self.backend.stats(recent=True), parts, api_servers=self.fronts,
+                            api_servers_replaced=self.replaced)
+
+
+# ---- processes ---------------------------------------------------------------------------------------------------
+RESTART_DELAYS = (1.0, 4.0)  # seconds before a front end that died before it was up starts again; then: failed
+
+
+class Restarts:
+    """When a front end that died starts again: at once where it had come up, else after each of `delays` in turn
+    (a start that fails may pass: memory, processes); never once those are spent."""
+
+    def __init__(self, delays: tuple[float, ...] = RESTART_DELAYS):
+        self.delays = delays
+        self.failed: collections.Counter[int] = collections.Counter()  # front end -> failed starts in a row
+
+    def after(self, index: int, up: bool) -> float | None:
+        """Seconds before front end `index`, which died (`up`: after it had come up), starts again; None: never."""
+        if up:
+            self.failed[index] = 0
+            return 0.0
+        self.failed[index] += 1
+        return self.delays[self.failed[index] - 1] if self.failed[index] <= len(self.delays) else None
+
+
+def start_front(core: Core, index: int, settings: Settings, sock: socket.socket, context) -> Link:
+    """Start front end `index` on the listening socket, and the core's reader of its records."""
+    parent, child = context.Pipe()
+    # not a daemon: a front end has decode workers of its own; one whose core is gone exits (its link ends)
+    process = context.Process(target=serve_front, args=(index, settings, sock, child), name=f"vitserve-api{index}")
+    process.start()
+    child.close()
+    link = Link(index, parent, process)
+    threading.Thread(target=core.serve_link, args=(link,), name=f"vitserve-link{index}", daemon=True).start()
+    return link
+
+
+def serve(settings: Settings, fronts: int) -> int:
+    """`vitserve serve` with several front ends: bind the port, start the core and the front ends, and supervise
+    them until SIGTERM (drained: exit 0) or a failure (exit 1). A front end that dies is started again (`Restarts`)
+    while the others serve; the core keeps the listening socket for that until it drains."""
+    core = Core(settings, fronts)
+    if core.prefix is None:
+        raise ValueError("--api-servers above 1 needs a spool directory (/dev/shm or --spool-dir)")
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    context = multiprocessing.get_context("spawn")
+    share = front_settings(settings, fronts)
+    core.links = [start_front(core, i, share, sock, context) for i in range(fronts)]
+    threading.Thread(target=core.load, name="vitserve-load", daemon=True).start()
+
+    stopping, forced, stops = threading.Event(), threading.Event(), StopSignals()
+
+    def on_signal(sig, frame):
+        if stops.add():
+            forced.set()
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if supervise(core, stopping, lambda index: start_front(core, index, share, sock, context)) != 0:
+        return _abandon(core)
+    # drained: every front end hears it, answers what it admitted and exits; then the devices stop
+    sock.close()  # the front ends hold it: once they have all closed it, the port is free
+    core.life.drain()
+    live = [link for link in core.links if link.process.is_alive()]
+    while any(link.process.is_alive() for link in live):
+        if forced.is_set():  # another signal, later: now
+            return _abandon(core)
+        time.sleep(0.05)
+    core.stop()
+    return 1 if any(link.process.exitcode for link in live) else 0
+
+
+def supervise(core: Core, stopping: threading.Event, restart) -> int:
+    """Watch the processes until `stopping` (0) or a failure (1): a front end that dies is started again by
+    `restart(index)` after its delay (`Restarts`); a device process that dies fails the server."""
+    restarts, due = Restarts(), {}  # due: front end -> when it starts again
+    while not stopping.wait(0.2):
+        if core.failed.is_set():
+            return 1
+        now = time.monotonic()
+        for link in list(core.links):
+            if link.index in due or link.process.is_alive():
+                continue  # its reader thread lets go of what it held (Core.lost) once it has read all it sent
+            delay = restarts.after(link.index, link.up)
+            if delay is None:
+                core.fail(f"front end {link.index} exited (exit code {link.process.exitcode}) before it was up, "
+                          f"{len(restarts.delays) + 1} times in a row; the server is restarting")
+                break
+            log.warning("front end %d exited (exit code %s); starting it again%s", link.index,
+                        link.process.exitcode, f" in {delay:g} s" if delay else "")
+            due[link.index] = now + delay
+        for index, when in list(due.items()):
+            if when <= now and not core.failed.is_set():
+                del due[index]
+                core.links[index] = restart(index)
+                core.replaced += 1
+        if dead := next((w.device.process for w in core.backend.workers if not w.device.process.is_alive()), None):
+            core.fail(f"the process serving {dead.name} exited (exit code {dead.exitcode}); the server is restarting")
+            return 1
+    return 0
+
+
+def _abandon(core: Core) -> int:
+    """Exit now: every child killed, the spool files removed."""
+    from ..decoding import spool
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    core.backend.cache.clear()
+    spool.clear(core.prefix)
+    for worker in core.backend.workers:
+        spool.clear(worker.device.prefix)
+    logging.shutdown()
+    os._exit(1)

@@ -1,0 +1,156 @@
+"""The embedding cache: an image that comes again (every turn of a multi-turn chat) is answered without decoding it
+or touching the device.
+
+The key is a SHA-256 digest (server CPUs compute it in hardware) of the image as sent (the base64 text, or the bytes
+of a file part or a fetched URL), told apart by how it was sent (base64 text sent as a file is not an image, whatever
+the same text sent as base64 is), and of everything that changes the engine's output for it: the model, the resize
+bounds, and whether the tokens or their mean are wanted. The output dtype and layout are applied to the cached
+float32 tensors after the cache, so they need no key: a cached answer is bit-identical to a computed one.
+
+`Cache` is an LRU bounded in bytes (`--cache-bytes`, 0: off) over entries that have `nbytes` and `discard()`: an
+image's `Features` (encoder/features.py: tensors in this process's memory, with the grid) where the devices answer
+in this process, a device process's `Output` record (its spool file, which a front end maps) in the core of a server
+with several front ends. Only successful
+encodings are stored. Identical images in flight at once are computed once (single flight): the first lookup claims
+the key, the later ones register a waiter (a callback: an asyncio future's, or a front end's link record) that the
+claim's end calls with the entry, or None when it was not stored (the waiter then computes it itself).
+
+A hit answers at once, which tells a client that an image was sent before. `--cache-scope api-key` keys every entry
+by the client's API key too: a client learns only of its own images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import threading
+from collections.abc import Callable
+
+from ...encoder.media import MediaBytes
+from ...encoder.preprocess import PreprocessConfig
+from ..ground.metrics import Metrics
+
+WAIT = "wait"  # a lookup's answer for a key another caller computes: its waiter is called when that one ends
+Waiter = Callable[[object], None]  # called with the entry, or None
+
+
+class CacheKeys:
+    """The cache key of an image of a request (see the module docstring)."""
+
+    def __init__(self, model: str, per_client: bool = False):
+        self.model, self.per_client = model, per_client
+
+    async def keys(self, images: list, cfg: PreprocessConfig, mean_pooling: bool,
+                   client: int | None = None) -> list[bytes]:
+        """`key` of each image, all of them in one go in a thread (hashlib lets go of the GIL while it hashes): no
+        byte of an image is hashed on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: [self.key(data, cfg, mean_pooling, client) for data in images])
+
+    def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
+        """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
+        digest, media = hashlib.sha256(), MediaBytes.of(data)
+        base64 = media.base64
+        digest.update(media.keyed())
+        digest.update(f"\0{'base64' if base64 else 'bytes'}\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0"
+                      f"{int(mean_pooling)}\0{client if self.per_client else ''}".encode())
+        return digest.digest()
+
+
+class Cache:
+    """Entries by key, least recently used first, and the claims on keys being computed. Thread-safe: waiters are
+    called after the lock is let go (a link's send may wait for a full pipe)."""
+
+    def __init__(self, limit: int, metrics: Metrics):
+        self.limit, self.metrics, self.bytes = limit, metrics, 0
+        self.entries: collections.OrderedDict[bytes, object] = collections.OrderedDict()
+        self.claims: dict[bytes, list[Waiter]] = {}  # key being computed -> its waiters
+        self.owners: dict[bytes, object] = {}  # key being computed -> who computes it
+        self.lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit > 0
+
+    def lookup(self, keys: list[bytes], owner: object, waiter: Callable[[int], Waiter]) -> list:
+        """Per key: its entry (a hit), WAIT (another computes it: `waiter(i)` is registered), or None (a miss, now
+        claimed by `owner`, who ends the claim with `settle` or `release`)."""
+        answers = []
+        with self.lock:
+            for i, key in enumerate(keys):
+                if (entry := self._get(key)) is not None:
+                    answers.append(entry)
+                elif key in self.claims:
+                    self.claims[key].append(waiter(i))
+                    answers.append(WAIT)
+                else:
+                    self.claims[key], self.owners[key] = [], owner
+                    answers.append(None)
+        return answers
+
+    def get(self, key: bytes):
+        with self.lock:
+            return self._get(key)
+
+    def _get(self, key: bytes):
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def settle(self, key: bytes, entry) -> bool:
+        """A claim ends with `entry` (None: its computation failed): stored where it fits, and its waiters are
+        called with it (with None where it was not stored). False: not stored (the caller keeps the entry)."""
+        with self.lock:
+            kept = entry is not None and self._put(key, entry)
+            waiters = self._unclaim(key)
+        for waiter in waiters:
+            waiter(entry if kept else None)
+        return kept
+
+    def release(self, keys: list[bytes] | None = None, owner: object = None) -> None:
+        """Claims let go unanswered (`keys`, or every one of `owner`): their waiters compute it themselves."""
+        with self.lock:
+            if keys is None:
+                keys = [key for key, held in self.owners.items() if held is owner]
+            waiters = [w for key in keys for w in self._unclaim(key)]
+        for waiter in waiters:
+            waiter(None)
+
+    def _unclaim(self, key: bytes) -> list[Waiter]:
+        self.owners.pop(key, None)
+        return self.claims.pop(key, [])
+
+    def put(self, key: bytes, entry) -> bool:
+        with self.lock:
+            return self._put(key, entry)
+
+    def _put(self, key: bytes, entry) -> bool:
+        """Keep `entry` (False: too large, or held already)."""
+        size = entry.nbytes
+        if size > self.limit or key in self.entries:
+            return False
+        while self.bytes + size > self.limit:
+            _, evicted = self.entries.popitem(last=False)
+            self.bytes -= evicted.nbytes
+            evicted.discard()  # a front end that mapped its file keeps its pages
+            self.metrics.cache_evictions.inc()
+        self.entries[key] = entry
+        self.bytes += size
+        self.metrics.cache_bytes.set(self.bytes)
+        self.metrics.cache_entries.set(len(self.entries))
+        return True
+
+    def clear(self) -> None:
+        with self.lock:
+            for entry in self.entries.values():
+                entry.discard()
+            self.entries.clear()
+
+    def stats(self) -> dict:
+        """Its figures for /stats (the hits and misses are counted where the lookups are: the front ends)."""
+        evictions = self.metrics.registry.get_sample_value("vitserve_cache_evictions_total") or 0
+        with self.lock:
+            return {"enabled": self.enabled, "limit_bytes": self.limit, "bytes": self.bytes,
+                    "entries": len(self.entries), "evictions": int(evictions)}

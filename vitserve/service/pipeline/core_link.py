@@ -1,0 +1,141 @@
+"""The records a front end and the core of a server with several front ends (service/hub.py, service/core.py)
+exchange over the front end's pipe: small ones only (names of spool files, grids, cache keys, states), one
+dataclass per message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ground.errors import ErrorRecord
+from .lifecycle import State
+
+SCRAPE_SECONDS = 2.0  # a front end that does not answer a scrape within this is left out of it
+
+
+# ---- the records between a front end and the core ---------------------------------------------------------------
+@dataclass
+class Status:
+    """Core -> front end: the server's state, why it failed, and once loaded the model."""
+
+    state: State
+    error: str | None = None
+    model: object = None  # engine.ModelInfo
+    devices: list | None = None
+
+
+@dataclass
+class Item:
+    """Front end -> core: one decoded image for the queue (its spool file), and its cache key (None: not cached)."""
+
+    id: int
+    image: object  # spool.Spooled, or an EncodedJpeg for the device to decode
+    grid: tuple[int, int, int]
+    mean_pooling: bool
+    param: str
+    key: bytes | None
+    modality: str = "image"  # or "video": a video's slice
+
+
+@dataclass
+class Done:
+    """Core -> front end: an image's answer (a device_protocol.Output, or its error's ErrorRecord);
+    `keep`: the cache holds its file (the front end maps it and leaves it)."""
+
+    id: int
+    output: object = None
+    error: ErrorRecord | None = None
+    keep: bool = False
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+
+
+@dataclass
+class Submit:
+    """Front end -> core: decoded items for the queue."""
+
+    items: list[Item]
+
+
+@dataclass
+class Lookup:
+    """Front end -> core: cache keys to look up (misses are claimed for this front end)."""
+
+    id: int
+    keys: list[bytes]
+
+
+@dataclass
+class Looked:
+    """Core -> front end: per key of a Lookup, an Output record (a hit), WAIT (another computes it: a Settled
+    follows), or None (claimed: this front end computes it)."""
+
+    id: int
+    answers: list
+
+
+@dataclass
+class Settled:
+    """Core -> front end: the end of a claim that key `index` of Lookup `id` waited on (an Output record, or None:
+    compute it)."""
+
+    id: int
+    index: int
+    output: object = None
+
+
+@dataclass
+class Drop:
+    """Front end -> core: items (by id) whose client went away."""
+
+    ids: list[int]
+
+
+@dataclass
+class Release:
+    """Front end -> core: claims let go unanswered."""
+
+    keys: list[bytes]
+
+
+@dataclass
+class Up:
+    """Front end -> core: it has started (a death from now on is restarted at once)."""
+
+
+@dataclass
+class Answers:
+    """Core -> front end: a batch's answers for this front end."""
+
+    answers: list[Done]
+
+
+@dataclass
+class Scrape:
+    """Front end -> core: gather the whole server's /stats or /metrics (`kind`), answered by a Scraped."""
+
+    id: int
+    kind: str
+
+
+@dataclass
+class Collect:
+    """Core -> front end: its part of a scrape, answered by a Collected."""
+
+    id: int
+    kind: str
+
+
+@dataclass
+class Collected:
+    """Front end -> core: its part of a scrape (its /stats dict or /metrics text)."""
+
+    id: int
+    part: object
+
+
+@dataclass
+class Scraped:
+    """Core -> front end: the whole server's /stats dict or /metrics text."""
+
+    id: int
+    answer: object

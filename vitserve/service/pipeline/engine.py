@@ -1,0 +1,341 @@
+"""The serving engine: one `encode` call for the app, behind it the decoder, the embedding cache and a backend.
+
+    request -> admit (the gate) -> fetch URLs (when enabled) -> the embedding cache (a hit is answered here)
+            -> Decoder.decode (worker processes; pixels in spool files) -> one WorkItem per image, submitted to the
+            backend -> its image queue, where a DeviceWorker takes batches from concurrent requests -> its device
+            (this process, or a process of its own) runs them -> each image's future is resolved on the event loop
+
+The engine owns admission, decoding, the cache keys and the answers; its backend (service/backend.py) owns the
+queue, the devices, the cache's entries, the loading and the lifecycle it shares with the engine: a `LocalBackend`
+in a server of one process, a `HubBackend` (service/hub.py) in a front end of a server with several, whose calls go
+to the core (service/core.py). When a part the engine cannot run without is gone (a device, the last decode worker,
+the core), the server turns FAILED, and the CLI exits for a supervisor to restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import multiprocessing
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ...encoder import VisionEncoder
+from ...encoder.features import Features
+from ...encoder.video import VideoConfig
+from ...encoder.video import unavailable as video_unavailable
+from ..decoding.budget import MemoryBudget
+from ..decoding.decoder import Decoder
+from ..devices.scheduler import WorkItem
+from ..ground.errors import ClientDisconnected, InputRejected, InputTooLarge, NotReady, QueueFull
+from ..ground.metrics import Metrics
+from ..ground.settings import Settings, resolve_devices
+from . import fetch
+from .backend import LocalBackend
+from .cache import CacheKeys
+from .hub import HubBackend
+from .lifecycle import NOT_READY, Lifecycle, State
+from .loader import ModelInfo, serving_text
+
+__all__ = ["NOT_READY", "Encoded", "Engine", "ModelInfo", "State", "serving_text"]
+log = logging.getLogger("vitserve.engine")
+
+
+@dataclass
+class Encoded:
+    """A request's answer: per item its Features (encoder/features.py: tokens, or their mean with mean pooling, the
+    deepstack features, the grid, and a video's timing: frame_indices, fps, timestamps, second_per_grid_t); how long
+    decoding its items took, and the longest queue and inference times among them; the images the cache answered."""
+
+    outputs: list[Features]
+    decode_s: float
+    queue_s: float
+    inference_s: float
+    cache_hits: int = 0
+
+
+class Engine:
+    """`encoders`: already loaded encoders to serve (one per device; tests), else the settings' model is loaded by
+    `start`. `core`: a front end's pipe to the core of a server with several (its backend is then the core's)."""
+
+    def __init__(self, settings: Settings, encoders: VisionEncoder | list[VisionEncoder] | None = None,
+                 metrics: Metrics | None = None, core=None):
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.life = Lifecycle(self.metrics)
+        self.started = time.time()
+        self.decoder = Decoder(settings, self.metrics, on_broken=self.fail)
+        self.videos_unavailable = video_unavailable()  # why videos cannot be decoded here (None: they can)
+        if self.videos_unavailable:
+            log.warning("videos cannot be decoded here: %s; video requests are answered 501", self.videos_unavailable)
+        devices, self.dtype = resolve_devices(settings)
+        if settings.preprocess == "fast" and any(d.startswith("cuda") for d in devices):
+            from ...encoder.preprocess_fast import nvjpeg_available
+
+            self.decoder.jpeg_on_device = nvjpeg_available()  # else the decode workers decode JPEGs too
+        self.fetch_budget = fetch.FetchBudget(settings.url_fetch_memory)
+        self.bodies = MemoryBudget(settings.body_memory, patience=math.inf)  # the gate's: small bodies never wait
+        self.metrics.memory_held.labels("bodies").set_function(lambda: self.bodies.used)  # on a large one
+        self.metrics.memory_held.labels("decode").set_function(lambda: self.decoder.budget.used)
+        self.cache_keys = CacheKeys(settings.model_name or "", per_client=settings.cache_scope == "api-key")
+        self.in_flight = 0
+        self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
+        self.metrics.watch_tiers(self.tier_figures)
+        self.device_processes = settings.device_processes  # default: on GPUs (measured faster for one and for two)
+        if self.device_processes is None:
+            self.device_processes = any(d.startswith("cuda") for d in devices)
+        preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
+        self.backend = HubBackend(core, self.life, devices, self.collect) if core is not None else LocalBackend(
+            settings, self.metrics, self.life, devices, self.dtype, self.decoder.spool_prefix, self.process_each(),
+            collect=self.collect, preloaded=preloaded, ready_text=self.ready_text)
+
+    def process_each(self) -> bool:
+        """A process per device: where asked for (the default on GPUs) and a spool directory holds their answers."""
+        if self.device_processes and self.decoder.spool_prefix is None:
+            log.warning("a process per device needs a spool directory (/dev/shm or --spool-dir): serving the "
+                        "devices from threads of this process")
+        return bool(self.device_processes and self.decoder.spool_prefix is not None)
+
+    def ready_text(self, process_each: bool, attention: dict) -> str:
+        return serving_text(self.settings, self.devices, process_each, self.dtype, attention, self.decoder.workers)
+
+    @property
+    def state(self) -> State:
+        return self.life.state
+
+    @property
+    def error(self) -> str | None:
+        return self.life.error
+
+    @property
+    def model(self) -> ModelInfo | None:
+        return self.backend.model
+
+    @property
+    def devices(self) -> list[str]:
+        return self.backend.devices
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.decoder.start()
+        await self.backend.start()
+
+    def fail(self, reason: str) -> None:
+        self.life.fail(reason)
+
+    def drain(self) -> None:
+        self.life.drain()
+
+    async def stop(self) -> None:
+        await self.backend.stop()
+        await self.decoder.close()
+
+    def abandon(self) -> None:
+        """A forced exit: kill the decode and device processes and remove the spool files, without waiting."""
+        for child in multiprocessing.active_children():
+            child.kill()
+        self.decoder.abandon()
+
+    # ---- admission -----------------------------------------------------------------------------------------------
+    @contextmanager
+    def admitted(self):
+        """A request in flight: refused (503 while not ready, 429 over --max-concurrent-requests), else counted."""
+        if self.state is not State.READY:
+            reason = f"server failed: {self.error}" if self.state is State.FAILED else \
+                "server is shutting down" if self.state is State.DRAINING else \
+                f"model is not ready yet ({self.state.value})"
+            raise NotReady(reason)
+        if self.in_flight >= self.settings.max_concurrent_requests:
+            raise QueueFull(f"too many requests in flight ({self.in_flight}); retry shortly")
+        self.in_flight += 1
+        self.metrics.requests_in_flight.set(self.in_flight)
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self.metrics.requests_in_flight.set(self.in_flight)
+
+    # ---- work ----------------------------------------------------------------------------------------------------
+    def preprocess_config(self, max_pixels: int | None):
+        """The model's image preprocessing, its resized size capped at a request's `max_pixels`."""
+        if self.model is None:
+            raise NotReady(f"model is not ready yet ({self.state.value})")
+        cfg = self.model.preprocess_config
+        if max_pixels is not None:
+            if max_pixels < cfg.min_pixels:
+                raise InputRejected(f"max_pixels must be at least this server's min_pixels ({cfg.min_pixels})",
+                                    "invalid_max_pixels", "max_pixels")
+            cfg = dataclasses.replace(cfg, max_pixels=min(max_pixels, cfg.max_pixels))
+        return cfg
+
+    async def encode(self, images: list, mean_pooling: bool = False, disconnected: asyncio.Future | None = None,
+                     field: str = "input", max_pixels: int | None = None, client: int | None = None) -> Encoded:
+        """Encode a request's images (MediaBytes, bytes, or URLs when fetching is on): decoding, then batching.
+        If `disconnected` resolves first, its images are dropped from the queue (ClientDisconnected). `field`
+        names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's; `client`
+        is the API key the request came with (the cache's scope). Admission (`admitted`) is the caller's: the gate
+        admits a request from its first byte."""
+        cfg = self.preprocess_config(max_pixels)
+        if self.settings.allow_url_fetch:
+            images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
+        outputs: list[Features | None] = [None] * len(images)
+        keys = await self.cache_keys.keys(images, cfg, mean_pooling, client) if self.settings.cache_bytes > 0 else []
+        todo, waits, hits = (await self._looked_up(keys, outputs)) if keys else (list(range(len(images))), [], 0)
+        times = (0.0, 0.0, 0.0)
+        try:
+            if todo:
+                times = await self._compute(images, todo, outputs, cfg, field, mean_pooling, disconnected, keys)
+        finally:  # the backend keeps what its devices answer; a claim left unanswered is let go
+            if unanswered := [keys[i] for i in todo if keys and outputs[i] is None]:
+                self.backend.release(unanswered)
+        for i, other in waits:
+            outputs[i] = await other
+            if outputs[i] is None:  # the other request failed: this one encodes it itself
+                times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected)
+        return Encoded(outputs, *times, hits)
+
+    async def _looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list, int]:
+        """The cache's answers filled into `outputs` (hits); the images to compute (claimed for this request), the
+        (index, future) of those another request computes, and the hits."""
+        todo, waits, hits = [], [], 0
+        for i, found in enumerate(await self.backend.lookup(keys)):
+            if isinstance(found, asyncio.Future):  # the same image is being encoded already
+                waits.append((i, found))
+            elif found is not None:
+                outputs[i], hits = found, hits + 1
+            else:
+                todo.append(i)
+        self.metrics.cache_hits.inc(hits)
+        self.metrics.cache_misses.inc(len(todo))
+        return todo, waits, hits
+
+    async def _compute(self, images: list, todo: list[int], outputs: list, cfg, field: str, mean_pooling: bool,
+                       disconnected: asyncio.Future | None, keys: list | None = None) -> tuple[float, float, float]:
+        """Decode and run the images at `todo` (indices of `images`), filling `outputs`; the seconds their decoding
+        took, and the longest queue and inference seconds among them. `keys`: the images' cache keys, under which
+        the backend keeps their answers."""
+        start = time.perf_counter()
+        decoded = await self._decoded(self.decoder.decode([images[i] for i in todo], cfg, field, todo), disconnected,
+                                      len(todo))
+        decode_s = time.perf_counter() - start
+        loop = asyncio.get_running_loop()
+        items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
+                 for i, (image, grid) in zip(todo, decoded)]
+        for i, output in zip(todo, await self._run(items, disconnected)):
+            outputs[i] = output
+        return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
+
+    async def _decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0):
+        """The result of a request's decoding; a client that leaves first frees its decode workers
+        (ClientDisconnected; `dropped` images counted as dropped before they were queued)."""
+        decoding = asyncio.ensure_future(decoding)
+        try:
+            await asyncio.wait({decoding} if disconnected is None else {decoding, disconnected},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not decoding.done():
+                self.metrics.dropped.inc(dropped)
+                raise ClientDisconnected("the client went away")
+        except BaseException:
+            decoding.cancel()
+            raise
+        return decoding.result()
+
+    async def _run(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list:
+        """Submit decoded items to the backend and wait for their Features (each with its item's grid); when the
+        client leaves first, they are taken out of the queue (ClientDisconnected)."""
+        self.backend.submit(items)
+        results = asyncio.gather(*(item.future for item in items))
+        await asyncio.wait({results} if disconnected is None else {results, disconnected},
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not results.done():
+            self.backend.drop(items)
+            results.cancel()
+            results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
+            raise ClientDisconnected("the client went away")
+        return results.result()
+
+    def video_config(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
+                     max_pixels: int | None = None, truncate_frames: bool = False) -> VideoConfig:
+        """The model's video preprocessing with a request's sampling (else --video-fps where set), within the
+        server's limits: at most --max-video-frames frames (a larger num_frames is refused, 413)."""
+        s = self.settings
+        if num_frames is not None and num_frames > s.max_video_frames:
+            raise InputTooLarge(f"num_frames {num_frames} is over this server's limit of {s.max_video_frames} frames "
+                                "a video", "too_many_frames", "num_frames")
+        if fps is None and num_frames is None and s.video_fps is not None:
+            fps = s.video_fps
+        cfg = self.model.video_config
+        if num_frames is not None and num_frames < cfg.temporal_patch_size:
+            raise InputRejected(f"num_frames must be at least {cfg.temporal_patch_size} (one temporal patch), got "
+                                f"{num_frames}", "invalid_num_frames", "num_frames")
+        if max_pixels is not None and max_pixels < cfg.min_pixels:
+            raise InputRejected(f"max_pixels must be at least this server's video min_pixels ({cfg.min_pixels})",
+                                "invalid_max_pixels", "max_pixels")
+        return cfg.with_request(fps, num_frames, min(max_frames or s.max_video_frames, s.max_video_frames),
+                                max_pixels, truncate_frames)
+
+    async def encode_videos(self, videos: list, options: dict, mean_pooling: bool = False,
+                            disconnected: asyncio.Future | None = None, field: str = "videos",
+                            max_pixels: int | None = None) -> Encoded:
+        """Encode a request's videos (MediaBytes, bytes, or URLs when fetching is on): each is decoded, sampled
+        and resized by a decode worker into slices of T frames, and its slices join the image queue as items of
+        their own (they batch beside images and other videos, over as many replays as they need); the answer per
+        video is its Features: its slices' tokens in order (their mean with `mean_pooling`), its grid and timing.
+        `options`: the request's fps, num_frames and max_frames (`video_config`). Not cached."""
+        if self.model is None:
+            raise NotReady(f"model is not ready yet ({self.state.value})")
+        cfg = self.video_config(max_pixels=max_pixels, **options)
+        if self.settings.allow_url_fetch:
+            videos = await fetch.fetch_all(videos, self.settings, field, self.fetch_budget)
+        start = time.perf_counter()
+        decoded = await self._decoded(self.decoder.decode_videos(videos, cfg, field), disconnected)
+        decode_s = time.perf_counter() - start
+        loop, items, owners = asyncio.get_running_loop(), [], []
+        for j, (slices, (t, h, w), _) in enumerate(decoded):
+            items += [WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]", modality="video")
+                      for s in slices]
+            owners += [j] * len(slices)
+        results = await self._run(items, disconnected)
+
+        def assemble() -> list[Features]:  # each video's slices joined: megabytes to copy, off the event loop
+            return [Features.join([output for owner, output in zip(owners, results) if owner == j], list(grid),
+                                  timing, mean=mean_pooling)
+                    for j, (_, grid, timing) in enumerate(decoded)]
+
+        outputs = await asyncio.to_thread(assemble)
+        return Encoded(outputs, decode_s, max((i.queue_s for i in items), default=0.0),
+                       max((i.inference_s for i in items), default=0.0))
+
+    # ---- /stats and /metrics -------------------------------------------------------------------------------------
+    def collect(self, kind: str):
+        """This process's front part of the server's /metrics (its exposition text) or /stats (from the core link's
+        thread, in a front end of a server with several)."""
+        if kind == "metrics":
+            from prometheus_client import generate_latest
+
+            return generate_latest(self.metrics.registry).decode()
+        count = lambda name: int(self.metrics.registry.get_sample_value(name) or 0)  # noqa: E731
+        return {"recent": self.metrics.recent(), "requests_in_flight": self.in_flight,
+                "tiers": self.tier_figures(),
+                "decode_workers": self.decoder.workers, "decode_workers_replaced": self.decoder.workers_replaced,
+                "memory": {"bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
+                           "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used}},
+                "counters": {"hits": count("vitserve_cache_hits_total"),
+                             "misses": count("vitserve_cache_misses_total")},
+                "videos": {"available": self.videos_unavailable is None, "reason": self.videos_unavailable}}
+
+    async def server_stats(self) -> dict:
+        """/stats of the whole server (the backend gathers its part and every front end's)."""
+        return await self.backend.scrape("stats")
+
+    async def server_metrics(self) -> bytes:
+        """/metrics' exposition text of the whole server (every process's series summed)."""
+        return await self.backend.scrape("metrics")
+
+    def tier_figures(self) -> dict:
+        """Each encoder tier's figures (/stats' `tiers`, the vitserve_ec_* and vitserve_sglang_* series)."""
+        return {name: figures() for name, figures in self.tiers.items()}

@@ -1,0 +1,217 @@
+"""A front end's backend: the core's (service/core.py) queue, devices and cache, over the front end's pipe.
+
+Records go out from the event loop, one reader thread takes the core's in. Answers are mapped from their spool files
+on the reader thread, and their futures resolved on the event loop. The front end's lifecycle mirrors the core's
+(its Status records); once the core is gone, whatever waits on it gets a 503 `core_lost` and the front end fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+
+from ...encoder.features import Features
+from ..devices.device_protocol import Output
+from ..ground.errors import InferenceFailed, Unavailable
+from .cache import WAIT
+from .core_link import (
+    SCRAPE_SECONDS,
+    Answers,
+    Collect,
+    Collected,
+    Drop,
+    Item,
+    Looked,
+    Lookup,
+    Release,
+    Scrape,
+    Scraped,
+    Settled,
+    Status,
+    Submit,
+    Up,
+)
+from .lifecycle import Lifecycle
+
+log = logging.getLogger("vitserve.core")
+
+
+class HubBackend:
+    """`collect(kind)`: this front end's part of the server's /stats or /metrics, which the core asks for."""
+
+    takes_signals = False  # the core drains its front ends (a Status record)
+
+    def __init__(self, conn, life: Lifecycle, devices: list[str], collect):
+        self.conn, self.life, self.devices, self.collect = conn, life, devices, collect
+        self.model = None
+        self.lock = threading.Lock()
+        self.ids = itertools.count()
+        self.items: dict[int, object] = {}  # item id -> its WorkItem, until its answer
+        self.lookups: dict[int, tuple] = {}  # lookup id -> (its future, the waits it holds by index)
+        self.scrapes: dict[int, asyncio.Future] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._read, name="vitserve-core-link", daemon=True)
+
+    # -- lifecycle: the core loads, and stops the devices
+    async def start(self) -> None:
+        """Read the core's records from now on, and tell it this front end is up."""
+        self.loop = asyncio.get_running_loop()
+        self.thread.start()
+        self.send(Up())
+
+    async def stop(self) -> None:
+        pass
+
+    def send(self, message) -> None:
+        try:
+            with self.lock:
+                self.conn.send(message)
+        except (OSError, ValueError):
+            raise self.lost_error() from None
+
+    @staticmethod
+    def lost_error() -> Unavailable:
+        return Unavailable("the server's core is gone; it is restarting", "core_lost")
+
+    # -- the engine's calls, on its event loop
+    async def lookup(self, keys: list[bytes]) -> list:
+        lookup = next(self.ids)
+        answered = self.loop.create_future()
+        self.lookups[lookup] = (answered, {})
+        self.send(Lookup(lookup, keys))
+        return await answered
+
+    def submit(self, items: list) -> None:
+        records = []
+        for item in items:
+            item.id = next(self.ids)
+            self.items[item.id] = item
+            records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key,
+                                item.modality))
+        self.send(Submit(records))
+
+    def drop(self, items: list) -> None:
+        for item in items:
+            self.items.pop(item.id, None)
+        self.send(Drop([item.id for item in items]))
+
+    def release(self, keys: list[bytes]) -> None:
+        self.send(Release(keys))
+
+    async def scrape(self, kind: str):
+        """The whole server's /stats dict or /metrics text, gathered by the core."""
+        scrape = next(self.ids)
+        future = self.scrapes[scrape] = self.loop.create_future()
+        self.send(Scrape(scrape, kind))
+        try:
+            answer = await asyncio.wait_for(future, SCRAPE_SECONDS * 2)
+        finally:
+            self.scrapes.pop(scrape, None)
+        return answer.encode() if kind == "metrics" else answer
+
+    # -- the reader thread
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self.loop.call_soon_threadsafe(self._gone)
+                return
+            try:
+                self._handle(message)
+            except Exception as e:  # a fault here would leave requests waiting: this front end fails instead
+                log.exception("a record from the core could not be handled")
+                self.loop.call_soon_threadsafe(self.life.fail, f"internal error: {type(e).__name__}: {e}")
+                return
+
+    def _handle(self, message) -> None:
+        call = self.loop.call_soon_threadsafe
+        match message:
+            case Status():
+                call(self._mirror, message)
+            case Answers(answers):
+                call(self._done, [(done, self._features(done.output, done.keep)) for done in answers
+                                  if done.error is None], [done for done in answers if done.error is not None])
+            case Looked(lookup, answers):
+                call(self._looked, lookup, [self._features(a, True) if a not in (None, WAIT) else a for a in answers])
+            case Settled(lookup, i, output):
+                call(self._settled, lookup, i, None if output is None else self._features(output, True))
+            case Collect(scrape, kind):  # answered from a thread of its own: this one keeps reading
+                threading.Thread(target=lambda: self.send(Collected(scrape, self.collect(kind))), daemon=True).start()
+            case Scraped(scrape, answer):
+                call(self._scraped, scrape, answer)
+
+    @staticmethod
+    def _features(output: Output, keep: bool) -> Features | None:
+        """An Output record (its grid set by the core) as the image's Features; None where its file is gone (an
+        evicted cache entry: a hit that is then a miss, computed here)."""
+        try:
+            return output.features(keep)
+        except OSError:
+            return None
+
+    # -- on the event loop
+    def _mirror(self, status: Status) -> None:
+        if status.model is not None:
+            self.model = status.model
+            self.devices = status.devices or self.devices
+        self.life.mirror(status.state, status.error)
+
+    def _gone(self) -> None:
+        """The core is gone: what waits on it (images, cache lookups and waits, scrapes) gets a 503 `core_lost` now,
+        so that this front end's requests end and it exits, failed, instead of waiting for answers that never come."""
+        error = self.lost_error()
+        futures = [item.future for item in self.items.values()] + list(self.scrapes.values())
+        for answered, waits in self.lookups.values():
+            futures += [answered, *waits.values()]
+        self.items.clear()
+        self.lookups.clear()
+        for future in futures:
+            if future is not None and not future.done():
+                future.set_exception(error)
+        self.life.fail("the server's core went away")
+
+    def _done(self, answers: list, errors: list) -> None:
+        for done, output in answers:
+            item = self.items.pop(done.id, None)
+            if item is None or item.future.done():
+                continue
+            item.queue_s, item.inference_s = done.queue_s, done.inference_s
+            if output is None:
+                item.future.set_exception(InferenceFailed(f"{item.param}: its answer was lost", "internal_error"))
+            else:
+                item.future.set_result(output)
+        for done in errors:
+            item = self.items.pop(done.id, None)
+            if item is not None and not item.future.done():
+                item.queue_s, item.inference_s = done.queue_s, done.inference_s
+                item.future.set_exception(done.error.error())
+
+    def _looked(self, lookup: int, answers: list) -> None:
+        answered, waits = self.lookups[lookup]
+        out = []
+        for i, answer in enumerate(answers):
+            if answer == WAIT:
+                waits[i] = self.loop.create_future()
+                answer = waits[i]
+            out.append(answer)
+        if not waits:
+            del self.lookups[lookup]
+        if not answered.done():
+            answered.set_result(out)
+
+    def _settled(self, lookup: int, i: int, output) -> None:
+        answered, waits = self.lookups.get(lookup, (None, {}))
+        future = waits.pop(i, None)
+        if not waits:
+            self.lookups.pop(lookup, None)
+        if future is not None and not future.done():
+            future.set_result(output)
+
+
+    def _scraped(self, scrape: int, answer) -> None:
+        future = self.scrapes.get(scrape)
+        if future is not None and not future.done():
+            future.set_result(answer)
