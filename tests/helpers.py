@@ -73,7 +73,7 @@ def client_for(encoder, **overrides) -> TestClient:
     from vitserve.service.ground.settings import Settings
     from vitserve.service.pipeline.engine import Engine
 
-    settings = Settings(model=encoder.name, load_format="dummy", **overrides)
+    settings = Settings.of(model=encoder.name, load_format="dummy", **overrides)
     return TestClient(create_app(settings, Engine(settings, encoders=encoder)))
 
 

@@ -220,7 +220,7 @@ def test_not_ready_and_draining_are_503(encoders, monkeypatch):
         await asyncio.Event().wait()
 
     monkeypatch.setattr(LocalBackend, "_load", never_loads)
-    settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy")
+    settings = Settings.of(model="tiny-qwen2.5-vl", load_format="dummy")
     with TestClient(create_app(settings)) as c:
         assert c.get("/health").status_code == 200
         r = c.get("/ready")
@@ -450,7 +450,7 @@ def test_a_body_that_finds_no_room_in_time_is_429():
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    settings = Settings(model="tiny-qwen3-vl", body_memory=4 * 2**20, body_timeout=0.3)
+    settings = Settings.of(model="tiny-qwen3-vl", body_memory=4 * 2**20, body_timeout=0.3)
     gate = Gate(app, settings, Metrics())
     client = TestClient(gate)  # no lifespan: the gate and a bare app
     gate.bodies.used = 3 * 2**20  # other requests' shares

@@ -362,15 +362,16 @@ def test_front_ends_whose_core_is_killed_answer_503_and_exit():
 
 
 def test_api_servers_default_and_checks(monkeypatch):
-    assert Settings(model=MODEL, device="cpu").api_server_count() == 1  # the CPU: one front end
-    assert Settings(model=MODEL, device="cpu", api_servers=3).api_server_count() == 3
+    assert Settings.of(model=MODEL, device="cpu").api_server_count() == 1  # the CPU: one front end
+    assert Settings.of(model=MODEL, device="cpu", api_servers=3).api_server_count() == 3
     with pytest.raises(ValueError, match="--device-processes"):
-        Settings(model=MODEL, api_servers=2, device_processes=False)
+        Settings.of(model=MODEL, api_servers=2, device_processes=False)
     from vitserve.service.ground import settings as settings_module
+    from vitserve.service.ground import settings_groups
 
-    monkeypatch.setattr(settings_module, "resolve_devices", lambda s: (["cuda:0"], "bfloat16"))
+    monkeypatch.setattr(settings_groups, "resolve_devices", lambda *given: (["cuda:0"], "bfloat16"))
     monkeypatch.setattr(settings_module, "available_cpus", lambda: 16)
-    assert Settings(model=MODEL).api_server_count() == 4  # a GPU and 16 CPUs
+    assert Settings.of(model=MODEL).api_server_count() == 4  # a GPU and 16 CPUs
     monkeypatch.setattr(settings_module, "available_cpus", lambda: 2)
-    assert Settings(model=MODEL).api_server_count() == 2
-    assert Settings(model=MODEL, device_processes=False).api_server_count() == 1
+    assert Settings.of(model=MODEL).api_server_count() == 2
+    assert Settings.of(model=MODEL, device_processes=False).api_server_count() == 1

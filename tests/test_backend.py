@@ -29,7 +29,7 @@ class Origin:
 
 def backend() -> LocalBackend:
     metrics = Metrics()
-    local = LocalBackend(Settings(model="tiny-qwen3-vl", load_format="dummy", cache_bytes=10**6), metrics,
+    local = LocalBackend(Settings.of(model="tiny-qwen3-vl", load_format="dummy", cache_bytes=10**6), metrics,
                          Lifecycle(metrics), ["cpu"], "float32", None, process_each=False)
     local.model = SimpleNamespace(config=SimpleNamespace(merge_unit=4, family="qwen3_vl"))
     return local
@@ -108,7 +108,7 @@ def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it(tmp_path):
     from vitserve.service.entry.core import Core, Link
     from vitserve.service.pipeline.core_link import Lookup
 
-    core = Core(Settings(model="tiny-qwen3-vl", load_format="dummy", device="cpu", spool_dir=str(tmp_path)), 2)
+    core = Core(Settings.of(model="tiny-qwen3-vl", load_format="dummy", device="cpu", spool_dir=str(tmp_path)), 2)
     sent, settlers = [], []
     link = Link(0, SimpleNamespace(send=lambda message: sent.append(type(message).__name__)), None)
     cache = core.backend.cache

@@ -64,7 +64,7 @@ def test_a_large_body_reaches_its_decode_worker_in_place(encoders, tmp_path, mon
     assert len(body) > SHARED
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_workers=1, spool_dir=str(tmp_path)), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_workers=1, spool_dir=str(tmp_path)), encoders=enc)
         await engine.start()
         decoder, cfg, bodies = engine.decoder, engine.model.preprocess_config, engine.decoder.bodies
         try:

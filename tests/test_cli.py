@@ -239,14 +239,15 @@ def test_a_bad_encoder_cache_folder_is_refused_before_it_binds(tmp_path, folder,
 def test_an_encoder_tier_without_its_package_is_refused_before_it_binds(monkeypatch, flags, module, message):
     """blake3 (vLLM's default digest) for --ec-shared-storage, pyzmq for --sglang-encoder: missing, a ValueError
     from the checks before anything loads or binds (the CLI's one line), naming the extra."""
-    from vitserve.service.ground import settings as settings_module
+    from vitserve.service.ground import preflight
+    from vitserve.service.ground.preflight import prepare
 
-    installed = settings_module._installed
-    monkeypatch.setattr(settings_module, "_installed", lambda name: name != module and installed(name))
+    installed = preflight.installed
+    monkeypatch.setattr(preflight, "installed", lambda name: name != module and installed(name))
     with pytest.raises(ValueError, match=re.escape(message)):
-        Settings(model="tiny-qwen2.5-vl", load_format="dummy", **flags).prepare()
+        prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", **flags))
     if module == "blake3":  # a consumer started with another digest needs no blake3
-        Settings(model="tiny-qwen2.5-vl", load_format="dummy", ec_hash_algorithm="sha256", **flags).prepare()
+        prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", ec_hash_algorithm="sha256", **flags))
 
 
 # ---- encode checks its files first (issue 25, item 12) --------------------------------------------------------------

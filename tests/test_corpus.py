@@ -29,7 +29,7 @@ FAMILY = "qwen2_5_vl"
 def served(checkpoints):
     path, hf_tower = checkpoints[FAMILY]
     enc = VisionEncoder.from_pretrained(path)
-    settings = Settings(model=path, served_model_name="tiny", max_batch_wait_ms=150, payload_limit=2 * 2**20,
+    settings = Settings.of(model=path, served_model_name="tiny", max_batch_wait_ms=150, payload_limit=2 * 2**20,
                         max_image_pixels=50_000_000)
     with TestClient(create_app(settings, Engine(settings, encoders=enc))) as client:
         yield client, hf_tower

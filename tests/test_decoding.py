@@ -88,7 +88,7 @@ def test_decode_workers_hand_pixels_over_through_the_spool(encoders, tmp_path):
     images = [b64(x) for x in IMAGES]
 
     async def scenario(spool_dir):
-        engine = Engine(Settings(model=enc.name, decode_workers=2, spool_dir=spool_dir), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_workers=2, spool_dir=spool_dir), encoders=enc)
         await engine.start()
         decoder, cfg = engine.decoder, engine.model.preprocess_config
         settled = lambda: images_in(spool_dir) == []  # noqa: E731  (decode jobs nobody waits for finish later)
@@ -134,7 +134,7 @@ def test_a_dead_decode_worker_fails_no_request(encoders, tmp_path):
     big = b64(png(3000, 3000))  # decodes long enough to be caught at it
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_workers=2, spool_dir=str(tmp_path)), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_workers=2, spool_dir=str(tmp_path)), encoders=enc)
         await engine.start()
         decoder, cfg = engine.decoder, engine.model.preprocess_config
         try:
@@ -260,7 +260,7 @@ def test_engine_without_decode_workers_fails_and_answers_503(encoders):
     enc = encoders["tiny-qwen2.5-vl"]
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_workers=1), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_workers=1), encoders=enc)
         await engine.start()
         try:
             pool = engine.decoder.pool
@@ -284,7 +284,7 @@ def test_decode_workers_import_no_torch(encoders):
     enc = encoders["tiny-qwen2.5-vl"]
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_workers=1), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_workers=1), encoders=enc)
         await engine.start()
         try:
             [(image, _)] = await engine.decoder.decode([IMAGES[0]], engine.model.preprocess_config)
@@ -386,7 +386,7 @@ def test_the_decoder_takes_decode_memory_in_the_requests_turn(encoders):
     enc = encoders["tiny-qwen2.5-vl"]
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_workers=1, decode_processes=False, decode_memory=1),
+        engine = Engine(Settings.of(model=enc.name, decode_workers=1, decode_processes=False, decode_memory=1),
                         encoders=enc)
         await engine.start()
         decoder, cfg = engine.decoder, engine.model.preprocess_config
@@ -487,7 +487,7 @@ def test_only_the_image_bytes_go_to_a_worker(encoders, monkeypatch):
     icc = encode_image(photo(40, 30, 61), "JPEG", icc_profile=bytes(100_000))  # its header past the first 64 KB
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_workers=1, spool_dir="none"), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_workers=1, spool_dir="none"), encoders=enc)
         await engine.start()
         cfg = engine.model.preprocess_config
         try:
@@ -516,7 +516,7 @@ def test_a_decode_thread_past_the_timeout_gives_413_at_once(encoders):
     enc, bomb = encoders["tiny-qwen2.5-vl"], progressive_jpeg(4000, 60)
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_processes=False, decode_timeout=0.2), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_processes=False, decode_timeout=0.2), encoders=enc)
         await engine.start()
         try:
             start = time.monotonic()
@@ -548,7 +548,7 @@ def test_text_sent_as_an_image_is_a_400_that_says_so(encoders):
     enc = encoders["tiny-qwen2.5-vl"]
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_workers=1), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_workers=1), encoders=enc)
         await engine.start()
         errors = []
         try:
@@ -598,7 +598,7 @@ def test_a_request_fails_at_its_first_bad_image_without_waiting_for_the_others(e
     monkeypatch.setattr(decoder_module, target, holding)
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, decode_processes=False, decode_workers=2), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_processes=False, decode_workers=2), encoders=enc)
         await engine.start()
         used = []
 
@@ -635,7 +635,7 @@ def test_a_video_whose_worker_dies_is_tried_again_then_refused_as_the_videos_fau
     clip = make_video(240, 30, 640, 480)  # decodes long enough to be caught at it
 
     async def scenario(kills: int):
-        engine = Engine(Settings(model=enc.name, decode_workers=2, spool_dir=str(tmp_path)), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, decode_workers=2, spool_dir=str(tmp_path)), encoders=enc)
         await engine.start()
         decoder = engine.decoder
         try:

@@ -27,7 +27,7 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
     enc = encoders["tiny-qwen3-vl"]
     spool_dir = tmp_path / "spool"
     spool_dir.mkdir()
-    settings = Settings(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True,
+    settings = Settings.of(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True,
                         spool_dir=str(spool_dir), max_batch_wait_ms=1, max_batch_tokens=256, decode_workers=2,
                         budgets="256,1024", attention_backend="sdpa", cache_bytes=0)
     direct = enc.encode(IMAGES)
@@ -80,7 +80,7 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the device must fail to load)")
 def test_a_device_process_that_cannot_load_fails_the_server(tmp_path):
     """The device process's load error reaches /health, and the server's own process is left clean."""
-    settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0", dtype="float32",
+    settings = Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0", dtype="float32",
                         device_processes=True, spool_dir=str(tmp_path))
     with TestClient(create_app(settings)) as c:
         wait_until(lambda: c.get("/health").status_code != 200, 120, "the load to fail")

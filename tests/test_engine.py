@@ -95,7 +95,7 @@ def test_disconnected_client_is_dropped_from_the_queue(encoders):
     enc = encoders["tiny-qwen2.5-vl"]
 
     async def scenario():
-        engine = Engine(Settings(model=enc.name, cache_bytes=0), encoders=enc)
+        engine = Engine(Settings.of(model=enc.name, cache_bytes=0), encoders=enc)
         await engine.start()
         device, release, held = engine.backend.workers[0].device, threading.Event(), threading.Event()
         launch = device.launch
@@ -133,7 +133,7 @@ def test_several_devices_share_the_load(encoders):
     did what, and every answer is right."""
     enc = encoders["tiny-qwen2.5-vl"]
     twin = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy")
-    settings = Settings(model=enc.name, load_format="dummy", max_batch_wait_ms=1, max_batch_tokens=256, cache_bytes=0)
+    settings = Settings.of(model=enc.name, load_format="dummy", max_batch_wait_ms=1, max_batch_tokens=256, cache_bytes=0)
     direct = [r.embeddings.mean(0) for r in enc.encode(IMAGES)]
     with TestClient(create_app(settings, Engine(settings, encoders=[enc, twin]))) as c:
         with ThreadPoolExecutor(12) as pool:
@@ -158,7 +158,7 @@ def test_several_devices_share_the_load(encoders):
 def test_device_processes_default(devices, flag, expected):
     """A process per device by default on CUDA, one GPU too (measured faster there than a thread); threads on CPU;
     the flag wins both ways. Only decided here: nothing is loaded or spawned."""
-    settings = Settings(model="tiny-qwen3-vl", load_format="dummy", devices=devices, device_processes=flag,
+    settings = Settings.of(model="tiny-qwen3-vl", load_format="dummy", devices=devices, device_processes=flag,
                         decode_processes=False)
     assert Engine(settings).device_processes is expected
 
@@ -167,7 +167,7 @@ def test_a_model_that_does_not_load_fails_the_engine():
     """A load error turns the engine FAILED with the reason (what /health reports and the CLI exits on), and nothing
     is admitted."""
     async def scenario():
-        engine = Engine(Settings(model="/no/such/checkpoint", decode_processes=False))
+        engine = Engine(Settings.of(model="/no/such/checkpoint", decode_processes=False))
         await engine.start()
         await until(lambda: engine.state is State.FAILED, what="the load to fail")
         try:

@@ -46,7 +46,7 @@ def run(urls, handler, **settings):
         seen.append(request)
         return handler(request)
 
-    result = asyncio.run(fetch.fetch_all(urls, Settings(model="m", **settings), transport=httpx.MockTransport(record)))
+    result = asyncio.run(fetch.fetch_all(urls, Settings.of(model="m", **settings), transport=httpx.MockTransport(record)))
     return result, seen
 
 
@@ -142,7 +142,7 @@ def test_compressed_bodies_are_inflated_with_a_cap_and_bytes_are_bounded():
 
 def test_the_servers_fetch_budget_is_429_beyond_and_given_back():
     budget = fetch.FetchBudget(1000)
-    settings = Settings(model="m", allow_url_fetch=True)
+    settings = Settings.of(model="m", allow_url_fetch=True)
 
     def fetch_with(body):
         transport = httpx.MockTransport(lambda r: respond(body))

@@ -140,7 +140,7 @@ def test_server_fast_path_answers_what_the_library_does(device_processes, tmp_pa
     from vitserve.service.ground.settings import Settings
     from vitserve.service.pipeline.engine import Engine
 
-    settings = Settings(model="tiny-qwen2.5-vl", load_format="dummy", preprocess="fast", cache_bytes=0,
+    settings = Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", preprocess="fast", cache_bytes=0,
                         device_processes=device_processes, spool_dir=str(tmp_path), device="cpu")
     engine = Engine(settings, encoders=None if device_processes else enc)
     engine.decoder.jpeg_on_device = True

@@ -292,7 +292,7 @@ def test_idle_connections_are_closed_by_the_client_not_under_it():
     keep-alive outlasts httpx's; `--timeout-keep-alive` is honored: open after 1 s idle, closed after 3 s at 2."""
     from vitserve.service.ground.settings import Settings
 
-    assert Settings(model=MODEL).timeout_keep_alive > 2 * httpx.Limits().keepalive_expiry
+    assert Settings.of(model=MODEL).server.timeout_keep_alive > 2 * httpx.Limits().keepalive_expiry
     proc, url = start_server("--timeout-keep-alive", "2")
     host, port = url.removeprefix("http://").split(":")
     try:

@@ -4,6 +4,7 @@ units, --help, and the CPUs the decode workers default to."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,19 +17,25 @@ import torch
 
 from vitserve.encoder.config import BUILTIN_CONFIGS
 from vitserve.service.entry.cli import build_parser, main
-from vitserve.service.ground.settings import (
-    DTYPE_NAMES,
+from vitserve.service.ground.flags import (
     GROUPS,
-    PREPROCESS_MODES,
     Parser,
-    Settings,
     add_arguments,
-    available_cpus,
     format_size,
     from_args,
     parse_size,
-    resolve_devices,
+    settings_fields,
 )
+from vitserve.service.ground.machine import available_cpus
+from vitserve.service.ground.preflight import prepare
+from vitserve.service.ground.settings import Settings
+from vitserve.service.ground.settings_groups import DTYPE_NAMES, PREPROCESS_MODES
+
+
+def flat(settings: Settings) -> dict:
+    """The settings by their flat names (the flags')."""
+    return {f.name: getattr(group, f.name) for group in (getattr(settings, g.name) for g in fields(settings))
+            for f in fields(group)}
 
 
 def parse(*argv: str) -> Settings:
@@ -43,34 +50,35 @@ def test_settings_from_env(monkeypatch):
     monkeypatch.setenv("VITSERVE_ALLOW_URL_FETCH", "true")
     monkeypatch.setenv("VITSERVE_ATTENTION_BACKEND", "cudnn")
     s = parse("--port", "9000")
-    assert (s.model, s.max_batch_tokens, s.allow_url_fetch, s.port) == ("tiny-qwen2-vl", 1024, True, 9000)
+    assert (s.model.model, s.batching.max_batch_tokens, s.server.allow_url_fetch, s.server.port) == \
+        ("tiny-qwen2-vl", 1024, True, 9000)
     # the attention backend reaches from_pretrained wherever a device loads (in-process or a device process)
-    assert s.attention_backend == "cudnn" and s.encoder_kwargs()["attention_backend"] == "cudnn"
+    assert s.devices.attention_backend == "cudnn" and s.encoder_kwargs()["attention_backend"] == "cudnn"
     with pytest.raises(ValueError, match="model"):
-        Settings()
+        Settings.of()
     with pytest.raises(ValueError, match="--attention-backend must be one of auto, cudnn, fa4, flash, sdpa"):
-        Settings(model="m", attention_backend="flash2")
-    assert json.loads(json.dumps(s.__dict__))["model"] == "tiny-qwen2-vl"
+        Settings.of(model="m", attention_backend="flash2")
+    assert json.loads(json.dumps(dataclasses.asdict(s)))["model"]["model"] == "tiny-qwen2-vl"
 
 
 def test_renamed_flags_keep_their_old_names(monkeypatch):
     """--decode-workers / --decode-processes were --preprocess-workers / --preprocess-processes: both spellings,
     as flags and as variables, set the same setting; the new name wins over the old variable."""
-    assert parse("--model", "m", "--preprocess-workers", "3").decode_workers == 3
-    assert parse("--model", "m", "--decode-workers", "5", "--preprocess-processes", "false").decode_processes is False
+    assert parse("--model", "m", "--preprocess-workers", "3").decoding.decode_workers == 3
+    assert parse("--model", "m", "--decode-workers", "5", "--preprocess-processes", "false").decoding.decode_processes is False
     monkeypatch.setenv("VITSERVE_PREPROCESS_WORKERS", "7")
-    assert parse("--model", "m").decode_workers == 7
+    assert parse("--model", "m").decoding.decode_workers == 7
     monkeypatch.setenv("VITSERVE_DECODE_WORKERS", "2")
-    assert parse("--model", "m").decode_workers == 2
+    assert parse("--model", "m").decoding.decode_workers == 2
 
 
 def test_device_resolution():
-    assert resolve_devices(Settings(model="m", device="cpu")) == (["cpu"], "float32")
-    assert resolve_devices(Settings(model="m", devices="cuda:0, cuda:1", dtype="float16")) == (["cuda:0", "cuda:1"],
+    assert Settings.of(model="m", device="cpu").devices.resolve() == (["cpu"], "float32")
+    assert Settings.of(model="m", devices="cuda:0, cuda:1", dtype="float16").devices.resolve() == (["cuda:0", "cuda:1"],
                                                                                                "float16")
-    assert resolve_devices(Settings(model="m", devices="cuda:2"))[1] == "bfloat16"
+    assert Settings.of(model="m", devices="cuda:2").devices.resolve()[1] == "bfloat16"
     if not torch.cuda.is_available():
-        assert resolve_devices(Settings(model="m", devices="all")) == (["cpu"], "float32")
+        assert Settings.of(model="m", devices="all").devices.resolve() == (["cpu"], "float32")
 
 
 @pytest.mark.parametrize("variable, value, message", [
@@ -117,44 +125,44 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys):
     (dict(port=0), "--port must be 1-65535")])
 def test_bad_values_are_rejected(values, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        Settings(model="m", **values)
+        Settings.of(model="m", **values)
 
 
 def test_good_values_pass():
     for dtype in ("auto", "float32", "fp32", "fp16", "bf16", "half", "bfloat16"):
-        assert Settings(model="m", dtype=dtype).dtype == dtype
+        assert Settings.of(model="m", dtype=dtype).devices.dtype == dtype
     for device in ("auto", "cpu", "cuda", "cuda:3"):
-        Settings(model="m", device=device)
-    assert Settings(model="m", devices="all").devices == "all"
-    assert Settings(model="m", budgets="256, 1024,").budget_list() == (256, 1024)
+        Settings.of(model="m", device=device)
+    assert Settings.of(model="m", devices="all").devices.devices == "all"
+    assert Settings.of(model="m", budgets="256, 1024,").devices.budget_list() == (256, 1024)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("values", [dict(device="cuda"), dict(device="cuda:1"), dict(devices="cpu,cuda:0")])
 def test_cuda_on_a_machine_without_it_is_rejected(values):
     with pytest.raises(ValueError, match=r"CUDA is not available on this machine \(torch.cuda.is_available\(\) is "):
-        Settings(model="tiny-qwen2-vl", **values).prepare()
-    assert Settings(model="tiny-qwen2-vl", load_format="dummy", devices="all").prepare() == []  # else the CPU
+        prepare(Settings.of(model="tiny-qwen2-vl", **values))
+    assert prepare(Settings.of(model="tiny-qwen2-vl", load_format="dummy", devices="all")) == []  # else the CPU
 
 
 def test_a_cuda_index_beyond_the_devices_is_rejected(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    Settings(model="tiny-qwen2-vl", load_format="dummy", devices="cuda:0,cuda:1").prepare()
+    prepare(Settings.of(model="tiny-qwen2-vl", load_format="dummy", devices="cuda:0,cuda:1"))
     with pytest.raises(ValueError, match=r"device cuda:2 asked for, but this machine has 2 CUDA device\(s\): "
                                          "cuda:0 to cuda:1"):
-        Settings(model="tiny-qwen2-vl", load_format="dummy", devices="cuda:0,cuda:2").prepare()
+        prepare(Settings.of(model="tiny-qwen2-vl", load_format="dummy", devices="cuda:0,cuda:2"))
 
 
 def test_a_tiny_builtin_implies_dummy_weights():
-    s = Settings(model="tiny-qwen2.5-vl", device="cpu")
-    notes = s.prepare()
-    assert s.load_format == "dummy" and s.encoder_kwargs()["load_format"] == "dummy"
+    s = Settings.of(model="tiny-qwen2.5-vl", device="cpu")
+    notes = prepare(s)
+    assert s.model.load_format == "dummy" and s.encoder_kwargs()["load_format"] == "dummy"
     assert notes == ["tiny-qwen2.5-vl is a built-in test tower with no checkpoint: using seeded random weights "
                      "(--load-format dummy)"]
-    assert Settings(model="tiny-qwen2.5-vl", load_format="dummy").prepare() == []
+    assert prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy")) == []
     with pytest.raises(ValueError, match="no checkpoint: use --load-format dummy"):
-        Settings(model="tiny-qwen2.5-vl", load_format="safetensors").prepare()
+        prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="safetensors"))
 
 
 def test_a_builtin_hub_id_not_in_the_cache_fails_at_once_with_the_fix(monkeypatch, tmp_path):
@@ -162,20 +170,20 @@ def test_a_builtin_hub_id_not_in_the_cache_fails_at_once_with_the_fix(monkeypatc
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     start = time.perf_counter()
     with pytest.raises(ValueError) as error:
-        Settings(model="Qwen/Qwen2.5-VL-3B-Instruct").prepare()
+        prepare(Settings.of(model="Qwen/Qwen2.5-VL-3B-Instruct"))
     assert time.perf_counter() - start < 2
     message = str(error.value)
     assert "not in the Hugging Face cache" in message and str(tmp_path) in message
     assert "add --load-format dummy" in message and "hf download Qwen/Qwen2.5-VL-3B-Instruct" in message
     assert "unset HF_HUB_OFFLINE" in message
-    assert Settings(model="Qwen/Qwen2.5-VL-3B-Instruct", load_format="dummy").prepare() == []
+    assert prepare(Settings.of(model="Qwen/Qwen2.5-VL-3B-Instruct", load_format="dummy")) == []
     # once in the cache it passes, found offline
     repo = tmp_path / "models--Qwen--Qwen2.5-VL-3B-Instruct"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0" * 40)
     (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
     (repo / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
-    assert Settings(model="Qwen/Qwen2.5-VL-3B-Instruct").prepare() == []
+    assert prepare(Settings.of(model="Qwen/Qwen2.5-VL-3B-Instruct")) == []
 
 
 def test_any_hub_id_not_in_the_cache_fails_at_once(monkeypatch, tmp_path):
@@ -184,9 +192,9 @@ def test_any_hub_id_not_in_the_cache_fails_at_once(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="'someone/some-vl' is not a local directory and is not in the Hugging Face "
                                          "cache") as error:
-        Settings(model="someone/some-vl").prepare()
+        prepare(Settings.of(model="someone/some-vl"))
     assert "--load-format dummy" not in str(error.value)
-    assert Settings(model=str(tmp_path / "missing")).prepare() == []
+    assert prepare(Settings.of(model=str(tmp_path / "missing"))) == []
 
 
 def test_encode_reads_the_model_settings_only(monkeypatch):
@@ -199,8 +207,9 @@ def test_encode_reads_the_model_settings_only(monkeypatch):
     args = build_parser().parse_args(["encode", "--model", "tiny-qwen3-vl", "--attention-backend", "sdpa", "a.png",
                                       "-o", "out"])
     s = from_args(args)
-    assert (s.dtype, s.device, s.devices, s.attention_backend) == ("bf16", "cpu", None, "sdpa")
-    assert resolve_devices(s) == (["cpu"], "bf16")
+    assert (s.devices.dtype, s.devices.device, s.devices.devices, s.devices.attention_backend) == \
+        ("bf16", "cpu", None, "sdpa")
+    assert s.devices.resolve() == (["cpu"], "bf16")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["encode", "--model", "m", "--port", "1", "a.png", "-o", "out"])
 
@@ -212,7 +221,7 @@ SIZES = ["payload_limit", "decode_memory_per_request", "decode_memory", "body_me
 
 def test_every_byte_count_is_a_size():
     """Every field that counts bytes reads sizes, and only those (a new one left out would take integers only)."""
-    assert sorted(f.name for f in fields(Settings) if f.metadata["size"]) == sorted(SIZES)
+    assert sorted(f.name for f in settings_fields() if f.metadata["size"]) == sorted(SIZES)
 
 
 @pytest.mark.parametrize("text, value", [("32MiB", 32 * 2**20), ("4GiB", 4 * 2**30), ("512KiB", 512 * 2**10),
@@ -220,10 +229,10 @@ def test_every_byte_count_is_a_size():
                                          ("3Gi", 3 * 2**30), ("0.5KiB", 512), ("12345", 12345)])
 def test_sizes_take_units_as_flags_and_variables(monkeypatch, text, value):
     for name in SIZES:
-        assert getattr(parse("--model", "m", f"--{name.replace('_', '-')}", text), name) == value, name
+        assert flat(parse("--model", "m", f"--{name.replace('_', '-')}", text))[name] == value, name
         monkeypatch.setenv(f"VITSERVE_{name.upper()}", text)
     s = parse("--model", "m")
-    assert all(getattr(s, name) == value for name in SIZES)
+    assert all(flat(s)[name] == value for name in SIZES)
 
 
 @pytest.mark.parametrize("text", ["1G", "1M", "12XB", "-1", "1e3", "MiB", ""])
@@ -340,7 +349,7 @@ def no_network(monkeypatch):
      "(org/name); did you mean Qwen/Qwen2-VL-7B-Instruct?")])
 def test_a_model_name_that_cannot_load_is_refused_at_once(no_network, values, message):
     with pytest.raises(ValueError) as error:
-        Settings(**values).prepare()
+        prepare(Settings.of(**values))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -348,17 +357,17 @@ def test_model_names_that_can_load_pass(no_network, tmp_path):
     for values in (dict(model="tiny-qwen3-vl", load_format="dummy"), dict(model="qwen2.5-vl-3b", load_format="dummy"),
                    dict(model="Qwen/Qwen3-VL-8B-Thinking", load_format="dummy"), dict(model=str(tmp_path),
                    load_format="dummy"), dict(model="someone/some-vl"), dict(model="Qwen/Qwen2.5-VL-7B-Instruct")):
-        assert Settings(**values).prepare() == [], values
+        assert prepare(Settings.of(**values)) == [], values
 
 
 @pytest.mark.parametrize("backend", ["flash", "fa4", "cudnn"])
 def test_an_attention_backend_that_cannot_run_here_is_refused(backend):
-    s = Settings(model="tiny-qwen2.5-vl", load_format="dummy", device="cpu", attention_backend=backend)
+    s = Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", device="cpu", attention_backend=backend)
     with pytest.raises(ValueError, match=rf"attention backend '{backend}' needs a CUDA device and float16 or "
                                          r"bfloat16 \(here cpu, float32\); use sdpa or auto"):
-        s.prepare()
+        prepare(s)
     for ok in ("auto", "sdpa"):
-        Settings(model="tiny-qwen2.5-vl", load_format="dummy", device="cpu", attention_backend=ok).prepare()
+        prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", device="cpu", attention_backend=ok))
 
 
 def test_an_attention_backend_not_installed_is_refused_on_cuda(monkeypatch):
@@ -371,12 +380,12 @@ def test_an_attention_backend_not_installed_is_refused_on_cuda(monkeypatch):
     for backend, extra in (("cudnn", "cudnn"), ("fa4", "fa4")):
         with pytest.raises(ValueError, match=rf"attention backend '{backend}' is unavailable: .* is not installed; "
                                              rf"pip install 'vitserve\[{extra}\]'"):
-            Settings(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0,cuda:1",
-                     attention_backend=backend).prepare()
+            prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0,cuda:1",
+                     attention_backend=backend))
     with pytest.raises(ValueError, match="needs a CUDA device and float16 or bfloat16 \\(here cuda, float32\\)"):
-        Settings(model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", dtype="fp32",
-                 attention_backend="flash").prepare()
-    Settings(model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", attention_backend="flash").prepare()
+        prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", dtype="fp32",
+                 attention_backend="flash"))
+    prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", attention_backend="flash"))
 
 
 # ---- the decode workers' default (issue 25, item 20c) --------------------------------------------------------------
@@ -418,13 +427,14 @@ def test_available_cpus_is_bounded_by_the_affinity_mask(monkeypatch, tmp_path):
 def test_the_decode_workers_default_to_the_cpus_available(monkeypatch):
     """--decode-workers 0 starts one worker per CPU of the pod's quota, not per core of the node."""
     from vitserve.service.decoding.decoder import Decoder
-    from vitserve.service.ground import settings
+    from vitserve.service.ground import settings_groups
     from vitserve.service.ground.metrics import Metrics
 
-    monkeypatch.setattr(settings, "available_cpus", lambda: 3)
-    assert Settings(model="m").decode_worker_count() == 3
-    assert Settings(model="m", decode_workers=5).decode_worker_count() == 5
-    decoder = Decoder(Settings(model="m", decode_processes=False), Metrics(), on_broken=lambda reason: None)
+    monkeypatch.setattr(settings_groups, "available_cpus", lambda: 3)
+    assert Settings.of(model="m").decoding.worker_count() == 3
+    assert Settings.of(model="m", decode_workers=5).decoding.worker_count() == 5
+    settings = Settings.of(model="m", decode_processes=False)
+    decoder = Decoder(settings.decoding, settings.limits, Metrics(), on_broken=lambda reason: None)
     try:
         assert decoder.threads._max_workers == 3
     finally:

@@ -755,7 +755,7 @@ def test_a_kept_socket_outlives_its_receivers_restart_and_expires_when_unused(mo
 def test_sglang_receivers_takes_networks_and_addresses():
     from vitserve.service.ground.settings import Settings
 
-    assert Settings(model="tiny-qwen3-vl", sglang_receivers="10.0.0.0/8, fd00::/8,192.0.2.7").sglang_receivers
+    assert Settings.of(model="tiny-qwen3-vl", sglang_receivers="10.0.0.0/8, fd00::/8,192.0.2.7").tiers.sglang_receivers
     for bad in ("10.0.0.0/33", "localhost", "10.0.0.0/8,,", "*"):
         with pytest.raises(ValueError, match="--sglang-receivers"):
-            Settings(model="tiny-qwen3-vl", sglang_receivers=bad)
+            Settings.of(model="tiny-qwen3-vl", sglang_receivers=bad)

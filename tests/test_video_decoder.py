@@ -54,7 +54,7 @@ def scenario(monkeypatch, settings: Settings, run):
     monkeypatch.setattr(decoder_module, "decode_video", held)
 
     async def main():
-        decoder = Decoder(settings, Metrics(), on_broken=lambda reason: None)
+        decoder = Decoder(settings.decoding, settings.limits, Metrics(), on_broken=lambda reason: None)
         try:
             return await run(decoder, held)
         finally:
@@ -79,7 +79,7 @@ def test_videos_leave_the_other_workers_to_images(monkeypatch):
         answers = await asyncio.gather(*videos)
         return done, running, held.most, answers
 
-    done, running, most, answers = scenario(monkeypatch, Settings(model="m", decode_processes=False,
+    done, running, most, answers = scenario(monkeypatch, Settings.of(model="m", decode_processes=False,
                                                                   decode_workers=2), run)
     assert len(done) == 1 and running == 1 and most == 1
     assert [len(slices) for (slices, _, _), in answers] == [2, 2]  # 4 frames: 2 slices each
@@ -98,7 +98,7 @@ def test_the_work_in_flight_on_the_server_is_bounded(monkeypatch):
         await asyncio.gather(*videos)
         return running, held.most
 
-    settings = Settings(model="m", decode_processes=False, decode_workers=4, video_decode_workers=2,
+    settings = Settings.of(model="m", decode_processes=False, decode_workers=4, video_decode_workers=2,
                         video_decode_work=WORK)
     assert scenario(monkeypatch, settings, run) == (1, 1)
 
@@ -113,7 +113,7 @@ def test_a_request_over_its_decode_work_is_refused_before_decoding(monkeypatch):
         return caught.value, held.most
 
     for videos, limit, param in ((2, 2 * WORK - 1, "videos"), (1, WORK - 1, "videos[0]")):
-        settings = Settings(model="m", decode_processes=False, decode_workers=2, video_decode_work_per_request=limit)
+        settings = Settings.of(model="m", decode_processes=False, decode_workers=2, video_decode_work_per_request=limit)
         error, most = scenario(monkeypatch, settings, lambda d, h: run_n(d, h, videos))
         assert (error.code, error.param, most) == ("decode_work", param, 0), error.message
         assert "G" in error.message and "send fewer, shorter or smaller" in error.message or "shorter" in error.message

@@ -17,7 +17,7 @@ from helpers import IMAGES, b64_bf16, client_for, data_uri, serving, wait_until
 from safetensors.torch import load, load_file
 
 from vitserve.encoder.features import Features
-from vitserve.service.ground.settings import EC_HASH_ALGORITHMS
+from vitserve.service.ground.settings_groups import EC_HASH_ALGORITHMS
 from vitserve.service.tiers import ec_storage
 from vitserve.service.tiers.ec_storage import ECStorage
 from vitserve.service.tiers.vllm_hash import ALGORITHMS, mm_hash
@@ -229,7 +229,7 @@ def test_an_image_pil_will_not_open_has_no_identifier_a_400(tmp_path, monkeypatc
     from vitserve.service.ground.settings import Settings
     from vitserve.service.tiers.vllm_tier import VLLMTier
 
-    tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path)), "float32")
+    tier = VLLMTier(Settings.of(model=MODEL, ec_shared_storage=str(tmp_path)).tiers, MODEL, "float32")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 40x30 is over twice that: PIL refuses to open it
     try:
         with pytest.raises(EngineError) as e:
@@ -249,7 +249,7 @@ def test_a_uuid_never_names_another_items_file(tmp_path):
     from vitserve.service.ground.settings import Settings
     from vitserve.service.tiers.vllm_tier import VLLMTier
 
-    tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path), ec_dtype="float32"), "float32")
+    tier = VLLMTier(Settings.of(model=MODEL, ec_shared_storage=str(tmp_path), ec_dtype="float32").tiers, MODEL, "float32")
     image = encode(photo(40, 30, 3), "PNG")
     victim = mm_hash("image", MODEL, data=image)
     try:
@@ -276,7 +276,7 @@ def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
     from vitserve.service.ground.settings import Settings
     from vitserve.service.tiers.vllm_tier import VLLMTier
 
-    tier = VLLMTier(Settings(model=MODEL, ec_shared_storage=str(tmp_path), ec_storage_bytes=2000), "float32")
+    tier = VLLMTier(Settings.of(model=MODEL, ec_shared_storage=str(tmp_path), ec_storage_bytes=2000).tiers, MODEL, "float32")
     try:
         tokens, deepstack = item(rows=6)  # a file of some 850 bytes: two fit
         for name in ("a", "b", "c"):

@@ -25,7 +25,7 @@ async def embeddings(request: Request) -> Response:
     api.check_model(body.model)
     inputs = body.input if isinstance(body.input, list) else [body.input]
     kind = body.modality or "image"
-    items = [decode_input(item, i, api.settings.allow_url_fetch, "input", kind) for i, item in enumerate(inputs)]
+    items = [decode_input(item, i, api.settings.server.allow_url_fetch, "input", kind) for i, item in enumerate(inputs)]
     mean = body.pooling == "mean"  # taken on the device: only the vectors come back
     if kind == "video":
         result = await encode_media(api, request, [], items, body, mean_pooling=mean, video_field="input")
@@ -35,7 +35,7 @@ async def embeddings(request: Request) -> Response:
     def build() -> Response:
         tokens = request.state.tokens
         data = embedding_data(result.outputs, body.normalize, body.encoding_format, mean)
-        return json_response({"object": "list", "data": data, "model": api.settings.model_name,
+        return json_response({"object": "list", "data": data, "model": api.settings.model.name,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     return await answer(api, request, result, build)

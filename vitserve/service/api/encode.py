@@ -69,7 +69,7 @@ async def form_input(api: Served, request: Request) -> EncodeInput:
 async def json_input(api: Served, request: Request) -> EncodeInput:
     """A JSON request: its `images`, then its `videos` (the answer's order)."""
     body = await read_json(request, EncodeRequest, api.limits.items, ("images", "videos"), api.engine.decoder.bodies)
-    allow_url = api.settings.allow_url_fetch
+    allow_url = api.settings.server.allow_url_fetch
     images = [decode_input(item, i, allow_url, "images") for i, item in enumerate(body.images)]
     videos = [decode_input(item, i, allow_url, "videos", "video") for i, item in enumerate(body.videos)]
     return EncodeInput(body, images, videos, [False] * len(images) + [True] * len(videos))
@@ -106,7 +106,7 @@ async def encode(request: Request) -> Response:
         tokens = request.state.tokens
         answers = [laid_out(item, body.layout) for item in result.outputs]
         if "application/octet-stream" in request.headers.get("accept", ""):
-            metadata = {"model": api.settings.model_name, "grid_thw": json.dumps([item.grid for item in answers]),
+            metadata = {"model": api.settings.model.name, "grid_thw": json.dumps([item.grid for item in answers]),
                         "dtype": body.dtype, "tokens": str(tokens), "layout": body.layout}
             if any(item.timing is not None for item in answers):  # per item: null for an image, a video's timing
                 metadata["videos"] = json.dumps([item.timing for item in answers])
@@ -115,7 +115,7 @@ async def encode(request: Request) -> Response:
             return PartsResponse(safetensors_parts(answers, body.dtype, metadata, body.deepstack),
                                  media_type="application/octet-stream")
         data = encode_data(answers, body.dtype, body.deepstack, ids)
-        return json_response({"object": "list", "model": api.settings.model_name, "layout": body.layout,
+        return json_response({"object": "list", "model": api.settings.model.name, "layout": body.layout,
                               "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                               "cache_hits": result.cache_hits})
 

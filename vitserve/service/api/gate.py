@@ -32,8 +32,9 @@ import uuid
 
 from ..decoding.budget import MemoryBudget
 from ..ground.errors import EngineError
+from ..ground.flags import format_size
 from ..ground.metrics import Metrics, outcome
-from ..ground.settings import Settings, format_size
+from ..ground.settings import Settings
 from .http_errors import ServiceError, error_response
 
 OPEN_PATHS = {"/health", "/ready", "/metrics"}  # no API key needed
@@ -125,15 +126,15 @@ class BodyMeter:
 class Gate:
     def __init__(self, app, settings: Settings, metrics: Metrics, engine=None):
         self.app, self.settings, self.metrics, self.engine = app, settings, metrics, engine
-        self.keys = [key.encode() for key in settings.api_keys()]
-        self.bodies = engine.bodies if engine is not None else MemoryBudget(settings.body_memory, patience=math.inf)
+        self.keys = [key.encode() for key in settings.server.api_keys()]
+        self.bodies = engine.bodies if engine is not None else MemoryBudget(settings.limits.body_memory, patience=math.inf)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         headers, path = dict(scope["headers"]), scope["path"]
-        limit = min(self.settings.payload_limit, SMALL_BODIES.get(path, self.settings.payload_limit))
+        limit = min(self.settings.limits.payload_limit, SMALL_BODIES.get(path, self.settings.limits.payload_limit))
         given = headers.get(b"x-request-id", b"")
         request_id = given.decode() if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
@@ -159,7 +160,7 @@ class Gate:
             return await refused(scope, receive, send)
         length = headers.get(b"content-length")
         body = BodyMeter(self.bodies, receive, limit, None if length is None else int(length),
-                         time.monotonic() + self.settings.body_timeout)
+                         time.monotonic() + self.settings.server.body_timeout)
         started = [False]
 
         async def started_send(message):
@@ -203,7 +204,7 @@ class Gate:
                                   headers={"Retry-After": "1", "Connection": "close"})
         if isinstance(e, PayloadTooLarge):
             return error_response(413, payload_message(limit), "payload_too_large")
-        return error_response(408, f"the request body did not arrive within {self.settings.body_timeout:g} s",
+        return error_response(408, f"the request body did not arrive within {self.settings.server.body_timeout:g} s",
                               "request_timeout", headers={"Connection": "close"})
 
     def _account(self, scope, status: int, seconds: float) -> None:

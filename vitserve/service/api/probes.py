@@ -19,8 +19,8 @@ async def models(request: Request):
     engine, settings = api.engine, api.settings
     cfg = engine.model.config if engine.model else None
     return {"object": "list", "data": [{
-        "id": settings.model_name, "object": "model", "created": int(engine.started), "owned_by": "vitserve",
-        "root": settings.model, "family": cfg.family if cfg else None,
+        "id": settings.model.name, "object": "model", "created": int(engine.started), "owned_by": "vitserve",
+        "root": settings.model.model, "family": cfg.family if cfg else None,
         "embedding_dim": cfg.out_hidden_size if cfg else None, "ready": engine.state is State.READY,
         "deepstack_layers": len(cfg.deepstack_visual_indexes) if cfg else None,
         "max_images_per_request": api.limits.images, "max_videos_per_request": api.limits.videos,

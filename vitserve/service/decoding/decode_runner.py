@@ -1,4 +1,4 @@
-"""Where a request's decodes run: `settings.decode_workers` worker processes (a DecodePool; `--decode-processes
+"""Where a request's decodes run: `--decode-workers` worker processes (a DecodePool; `--decode-processes
 false`: threads), the spool they write pixels to, and the body files they read images from (bodies.py).
 
 A job runs `fn(payload, is_base64, *args)` there: the payload is what `MediaBytes.payload` makes of the item (where
@@ -19,7 +19,7 @@ from typing import Callable
 import pybase64
 
 from ...encoder.media import MediaBytes
-from ..ground.settings import Settings
+from ..ground.settings_groups import DecodingSettings
 from . import spool
 from .bodies import SharedBodies
 from .decode import DecodedImage, DecodedVideo
@@ -48,22 +48,22 @@ class DecodeRunner:
     """The decode workers (processes, else threads), this server's spool prefix and its body files.
     `on_broken(reason)` is called on the event loop when the last worker is gone and none can be started."""
 
-    def __init__(self, settings: Settings, on_broken: Callable[[str], None]):
-        self.settings = settings
-        self.workers = workers = settings.decode_worker_count()
+    def __init__(self, decoding: DecodingSettings, on_broken: Callable[[str], None]):
+        self.decoding = decoding
+        self.workers = workers = decoding.worker_count()
         self.pool: DecodePool | None = None
         self.threads: ThreadPoolExecutor | None = None
-        if settings.decode_processes:
+        if decoding.decode_processes:
             self.pool = DecodePool(workers, on_orphan=discard_decoded, on_broken=on_broken,
-                                   timeout=settings.decode_timeout)
+                                   timeout=decoding.decode_timeout)
         else:
             self.threads = ThreadPoolExecutor(workers, thread_name_prefix="vitserve-decode")
         self.spool_prefix: str | None = None
-        if settings.decode_processes and settings.spool_dir != "none":
-            self.spool_prefix = spool.spool_prefix(settings.spool_dir)
+        if decoding.decode_processes and decoding.spool_dir != "none":
+            self.spool_prefix = spool.spool_prefix(decoding.spool_dir)
             if self.spool_prefix is None:
                 log.warning("no usable spool directory (%s): decoded images cross through a pipe, which costs the "
-                            "server about 2 ms of CPU per megabyte", settings.spool_dir or "/dev/shm")
+                            "server about 2 ms of CPU per megabyte", decoding.spool_dir or "/dev/shm")
         if "C extension active" not in pybase64.get_version():  # its pure-Python fallback is the standard library's
             log.warning("pybase64 runs without its C extension (%s): base64 decodes at a quarter of the speed",
                         pybase64.get_version())
@@ -144,7 +144,7 @@ class DecodeRunner:
     async def _in_thread(self, run, timeout: float | None = None):
         """run() on a decode thread; past the decode timeout (counted from when a thread takes it) JobTimedOut, while
         the thread, which cannot be stopped, finishes it for nobody."""
-        loop, timeout = asyncio.get_running_loop(), timeout or self.settings.decode_timeout
+        loop, timeout = asyncio.get_running_loop(), timeout or self.decoding.decode_timeout
         expired, timer = loop.create_future(), []
 
         def arm():

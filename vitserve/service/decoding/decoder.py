@@ -33,7 +33,7 @@ from ...encoder.image_errors import HeaderNotFound
 from ...encoder.preprocess import PreprocessConfig, target_size
 from ..ground.errors import InputRejected, InputTooLarge
 from ..ground.metrics import Metrics
-from ..ground.settings import Settings
+from ..ground.settings_groups import DecodingSettings, LimitSettings
 from . import spool
 from .budget import MemoryBudget
 from .decode import VIDEO_DECODE_THREADS, decode_and_resize, decode_video, measure_video, read_header
@@ -50,18 +50,20 @@ class Decoder(DecodeRunner):
 
     rejection = staticmethod(rejection)
 
-    def __init__(self, settings: Settings, metrics: Metrics, on_broken: Callable[[str], None]):
-        super().__init__(settings, on_broken)
+    def __init__(self, decoding: DecodingSettings, limits: LimitSettings, metrics: Metrics,
+                 on_broken: Callable[[str], None]):
+        super().__init__(decoding, on_broken)
+        self.limits = limits
         self.metrics = metrics
-        self.fast = settings.preprocess == "fast"  # the device resizes: images stay full size here
+        self.fast = decoding.preprocess == "fast"  # the device resizes: images stay full size here
         self.jpeg_on_device = False  # fast, and nvJPEG on the devices: JPEGs stay encoded (set by the engine)
         self._names = itertools.count()
         self._videos = 0  # videos being decoded now
-        self._cpus = settings.decode_worker_count()
-        self.budget = MemoryBudget(settings.decode_memory)
-        self.video_work = MemoryBudget(settings.video_decode_work)  # decode work, not bytes: the same waiting rules
+        self._cpus = decoding.worker_count()
+        self.budget = MemoryBudget(limits.decode_memory)
+        self.video_work = MemoryBudget(limits.video_decode_work)  # decode work, not bytes: the same waiting rules
         # the workers videos may hold at once: the others stay for images, whatever videos come
-        self.video_slots = asyncio.Semaphore(settings.video_decode_workers or max(1, self.workers // 2))
+        self.video_slots = asyncio.Semaphore(decoding.video_decode_workers or max(1, self.workers // 2))
 
     async def headers(self, images: list, field: str, names: list[int], owner) -> list[ImageHeader]:
         """Each image's header (its size checked against the limits), read in a thread from its first bytes, else by
@@ -75,7 +77,7 @@ class Decoder(DecodeRunner):
             if isinstance(header, Exception):
                 raise self.rejection(f"{field}[{names[i]}]", header, images[i])
             try:
-                header.check(self.settings.max_image_pixels)
+                header.check(self.limits.max_image_pixels)
             except Exception as e:
                 raise self.rejection(f"{field}[{names[i]}]", e, images[i]) from None
             return header
@@ -107,7 +109,7 @@ class Decoder(DecodeRunner):
         names = list(range(len(images))) if names is None else names
         owner = object()  # the request, for the decode pool's fair queue
         headers = await self.headers(images, field, names, owner)
-        costs, limit = [header.decode_bytes for header in headers], self.settings.decode_memory_per_request
+        costs, limit = [header.decode_bytes for header in headers], self.limits.decode_memory_per_request
         if sum(costs) > limit:
             raise InputTooLarge(f"decoding these {len(images)} image(s) takes about {sum(costs) / 2**20:.0f} MB; a "
                                 f"request may take {limit / 2**20:.0f} MB (send fewer or smaller images)",
@@ -144,7 +146,7 @@ class Decoder(DecodeRunner):
             if not sniff(first):
                 raise InputRejected(f"{param}: not a video (send MP4, WebM, MKV, AVI, MPEG-TS, FLV or Ogg; images go "
                                     "in images)", "not_a_video", param)
-        s = self.settings
+        s = self.limits
         limits = VideoLimits(max_seconds=s.max_video_seconds, max_frame_pixels=s.max_image_pixels,
                              max_bytes=s.decode_memory_per_request, max_work=s.video_decode_work_per_request)
         costs = await self.run_all([self._video_job(measure_video, data, owner, cfg, limits) for data in videos], field,
@@ -171,7 +173,7 @@ class Decoder(DecodeRunner):
         under --video-decode-timeout."""
         async with self.video_slots:
             return await self.tried_twice(lambda: self.run(fn, data, owner, *args,
-                                                            timeout=self.settings.video_decode_timeout))
+                                                            timeout=self.decoding.video_decode_timeout))
 
     async def _decode_video(self, data, cfg, limits, cost, owner):
         """A video's decode, once the memory and the work its header declares (`cost`) are taken from the server's
@@ -189,7 +191,7 @@ class Decoder(DecodeRunner):
                     def run():
                         path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
                         return self.run(decode_video, data, owner, cfg, limits, path or None, threads,
-                                        timeout=self.settings.video_decode_timeout,
+                                        timeout=self.decoding.video_decode_timeout,
                                         lost=path and functools.partial(spool.clear, f"{path}-"))
 
                     try:
@@ -207,7 +209,7 @@ class Decoder(DecodeRunner):
     async def _decode(self, data, end: int | None, cfg: PreprocessConfig, cost: int, owner):
         def run():
             path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-            return self.run(decode_and_resize, data, owner, self.settings.max_image_pixels, cfg, path or None,
+            return self.run(decode_and_resize, data, owner, self.limits.max_image_pixels, cfg, path or None,
                             self.fast, self.jpeg_on_device, end=end,
                             lost=path and functools.partial(spool.remove, path))
 

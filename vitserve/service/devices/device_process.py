@@ -24,7 +24,7 @@ from ...encoder.vision_encoder import load_configs, parse_device, video_config_o
 from ..decoding import spool
 from ..ground.errors import ErrorRecord, Unavailable
 from ..ground.logs import configure_logging
-from ..ground.settings import Settings, resolve_devices
+from ..ground.settings import Settings
 from ..ground.signals import leave_to_owner
 from .device_protocol import Batch, BatchAnswer, LoadFailed, Output, Ready, Stop, packed, unpacked
 from .worker import BATCHES_IN_FLIGHT, STOP, pipeline
@@ -38,9 +38,9 @@ def _load(settings: Settings, device: str, dtype: str) -> VisionEncoder:
         # barrier for its slowest member, and on a host busy decoding that made the plan and the pinned copies of a
         # batch take longer than the GPU's run of it
         torch.set_num_threads(1)
-        if settings.gpu_memory_fraction:
-            torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_fraction)
-    return VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())
+        if settings.devices.gpu_memory_fraction:
+            torch.cuda.set_per_process_memory_fraction(settings.devices.gpu_memory_fraction)
+    return VisionEncoder.from_pretrained(settings.model.model, device=device, dtype=dtype, **settings.encoder_kwargs())
 
 
 @dataclass
@@ -81,7 +81,7 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
     """The device process: load and capture, say Ready, then run the Batches the server sends, in order, until
     Stop."""
     # lines named by the device; a progress bar only where this is the one device (two would draw over each other)
-    configure_logging(settings.log_format, settings.log_level, bar=None if len(resolve_devices(settings)[0]) == 1
+    configure_logging(settings.logging.log_format, settings.logging.log_level, bar=None if len(settings.devices.resolve()[0]) == 1
                       else False, source=device)
     leave_to_owner()  # a group's SIGTERM or Ctrl-C: the server drains, then stops this process
     try:
@@ -216,10 +216,10 @@ def start_devices(settings: Settings, devices: list[str], dtype: str, prefix: st
     started (they load and capture from then on). On a failure the started processes are closed and the error
     raised."""
     s = settings
-    config, preprocess_config, ckpt = load_configs(s.model, s.load_format, s.revision, min_pixels=s.min_pixels,
-                                                   max_pixels=s.max_pixels)
-    video_config = video_config_of(config, ckpt, s.video_decoder, s.model, s.video_min_pixels,
-                                   s.video_max_pixels)
+    config, preprocess_config, ckpt = load_configs(s.model.model, s.model.load_format, s.model.revision, min_pixels=s.decoding.min_pixels,
+                                                   max_pixels=s.decoding.max_pixels)
+    video_config = video_config_of(config, ckpt, s.decoding.video_decoder, s.model.model, s.decoding.video_min_pixels,
+                                   s.decoding.video_max_pixels)
     processes = []
     try:
         for i, device in enumerate(devices):

@@ -28,16 +28,16 @@ ROUTERS = (embeddings.router, encode.router, vllm.router, sglang.router, probes.
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The app serving `engine` (else one made from `settings`), with the tiers its settings turn on."""
     engine = engine or Engine(settings)
-    vllm = VLLMTier(settings, engine.dtype) if settings.ec_shared_storage else None
-    sglang = (SGLangTier(engine.dtype, settings.sglang_timeout, receivers=settings.sglang_receivers)
-              if settings.sglang_encoder else None)
+    vllm = VLLMTier(settings.tiers, settings.model.model, engine.dtype) if settings.tiers.ec_shared_storage else None
+    sglang = (SGLangTier(engine.dtype, settings.tiers.sglang_timeout, receivers=settings.tiers.sglang_receivers)
+              if settings.tiers.sglang_encoder else None)
     if vllm is not None:
         engine.tiers["ec_storage"] = vllm.stats
     if sglang is not None:
         engine.tiers["sglang"] = sglang.stats
 
     app = FastAPI(title="vitserve", version=__version__, lifespan=lifespan)
-    app.state.served = Served(engine, settings, RequestLimits.of(settings), files=vllm)
+    app.state.served = Served(engine, settings, RequestLimits.of(settings.limits), files=vllm)
     app.state.engine, app.state.settings, app.state.vllm, app.state.sglang = engine, settings, vllm, sglang
     add_error_handlers(app)
     for router in ROUTERS:
@@ -54,10 +54,10 @@ async def lifespan(app: FastAPI):
     await served.engine.start()
     if vllm is not None:
         log.info("vLLM encoder tier on: /v1/chat/completions, files in %s (up to %d bytes)",
-                 served.settings.ec_shared_storage, served.settings.ec_storage_bytes)
+                 served.settings.tiers.ec_shared_storage, served.settings.tiers.ec_storage_bytes)
     if sglang is not None:
         log.info("SGLang encoder tier on: /encode and /scheduler_receive_url, features pushed to %s",
-                 served.settings.sglang_receivers or "any address but loopback, link-local and multicast ones")
+                 served.settings.tiers.sglang_receivers or "any address but loopback, link-local and multicast ones")
     yield
     served.engine.drain()
     await served.engine.stop()

@@ -14,7 +14,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from ..ground.settings import Parser, Settings, add_arguments, builtin_names, from_args
+from ..ground.flags import Parser, add_arguments, builtin_names, from_args
+from ..ground.preflight import prepare
+from ..ground.settings import Settings
 
 log = logging.getLogger("vitserve.cli")
 
@@ -93,7 +95,7 @@ def check_sampling(fps: float | None, num_frames: int | None) -> None:
 
 
 def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
-    log.info("loading %s (%s)", settings.model, settings.load_format)  # before the imports: torch's take seconds
+    log.info("loading %s (%s)", settings.model.model, settings.model.load_format)  # before the imports: torch's take seconds
     start = time.perf_counter()
     from ... import __version__
     from ...encoder import VisionEncoder
@@ -102,10 +104,9 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
     from ...encoder.video import VideoUnavailable, sniff
     from ..api.outputs import OUTPUT_DTYPES, safetensors_body
     from ..ground.logs import attention_text
-    from ..ground.settings import resolve_devices
 
-    (device,), dtype = resolve_devices(settings)
-    enc = VisionEncoder.from_pretrained(settings.model, device=device, dtype=dtype, **settings.encoder_kwargs())
+    (device,), dtype = settings.devices.resolve()
+    enc = VisionEncoder.from_pretrained(settings.model.model, device=device, dtype=dtype, **settings.encoder_kwargs())
     log.info("loaded in %.2f s: vitserve %s on %s (%s, attention %s)", time.perf_counter() - start, __version__,
              device, dtype, attention_text(enc.runner.stats.attention))
     videos = []
@@ -125,7 +126,7 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     seconds = time.perf_counter() - start
     name = next(name for name, t in OUTPUT_DTYPES.items() if t == enc.dtype)  # an alias's canonical name
-    metadata = {"model": settings.model, "family": enc.config.family, "dtype": name,
+    metadata = {"model": settings.model.model, "family": enc.config.family, "dtype": name,
                 "grid_thw": json.dumps([list(r.grid_thw) for r in results]), "sources": json.dumps(args.images)}
     if clips:  # per input, null for an image: what an LLM needs to place a video's tokens
         metadata["videos"] = json.dumps([video_metadata(r) if is_video else None
@@ -150,7 +151,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from ... import __version__
 
     fronts = settings.api_server_count()
-    log.info("starting vitserve %s for %s%s", __version__, settings.model,
+    log.info("starting vitserve %s for %s%s", __version__, settings.model.model,
              f", {fronts} front ends" if fronts > 1 else "")
     if fronts > 1:
         from .core import serve
@@ -206,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "encode":
             check_sampling(args.fps, args.num_frames)
             check_encode_paths(args.images, args.output)
-        notes = settings.prepare()
-        configure_logging(settings.log_format, settings.log_level)
+        notes = prepare(settings)
+        configure_logging(settings.logging.log_format, settings.logging.log_level)
         for note in notes:
             log.warning(note)
         return args.func(settings, args)

@@ -111,14 +111,13 @@ class Core:
     def __init__(self, settings: Settings, fronts: int):
         from ..decoding.spool import spool_prefix
         from ..ground.metrics import Metrics
-        from ..ground.settings import resolve_devices
 
         self.settings, self.fronts = settings, fronts
         self.metrics = Metrics()
         self.life = Lifecycle(self.metrics, log)
         self.life.listeners.append(self.broadcast)
-        devices, dtype = resolve_devices(settings)
-        self.prefix = spool_prefix(settings.spool_dir)
+        devices, dtype = settings.devices.resolve()
+        self.prefix = spool_prefix(settings.decoding.spool_dir)
         self.backend = LocalBackend(settings, self.metrics, self.life, devices, dtype, self.prefix,
                                     process_each=True, records=True)
         self.links: list[Link] = []
@@ -137,7 +136,7 @@ class Core:
         if backend.load(also=f", {self.fronts} front ends") and self.life.state is State.READY:
             log.info("ready in %.2f s: %s, %d front ends on port %d", backend.load_seconds, serving_text(
                 s, backend.devices, True, backend.dtype, backend.attention(),
-                front_settings(s, self.fronts).decode_workers * self.fronts), self.fronts, s.port)
+                front_settings(s, self.fronts).decoding.decode_workers * self.fronts), self.fronts, s.server.port)
 
     def status(self) -> Status:
         return Status(self.life.state, self.life.error, self.backend.model,
@@ -292,9 +291,9 @@ def serve(settings: Settings, fronts: int) -> int:
     core = Core(settings, fronts)
     if core.prefix is None:
         raise ValueError("--api-servers above 1 needs a spool directory (/dev/shm or --spool-dir)")
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
+    sock.bind((settings.server.host, settings.server.port))
     sock.listen(2048)
     sock.set_inheritable(True)
     context = multiprocessing.get_context("spawn")

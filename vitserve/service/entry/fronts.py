@@ -14,15 +14,20 @@ from ..ground.settings import Settings
 def front_settings(settings: Settings, fronts: int) -> Settings:
     """One front end's share of the server's limits (connections, requests in flight, memory budgets, decode
     workers, the encoder-cache files' space): each is split evenly, so that the server's totals hold."""
-    share = lambda n: max(1, math.ceil(n / fronts))  # noqa: E731
+    def share(n: int) -> int:
+        return max(1, math.ceil(n / fronts))
+
+    limits, decoding = settings.limits, settings.decoding
     return dataclasses.replace(
-        settings, decode_workers=max(1, settings.decode_worker_count() // fronts),
-        max_concurrent_requests=share(settings.max_concurrent_requests),
-        max_connections=share(settings.max_connections), body_memory=share(settings.body_memory),
-        decode_memory=share(settings.decode_memory), url_fetch_memory=share(settings.url_fetch_memory),
-        video_decode_work=share(settings.video_decode_work),
-        video_decode_workers=settings.video_decode_workers and max(1, settings.video_decode_workers // fronts),
-        ec_storage_bytes=share(settings.ec_storage_bytes))
+        settings, server=dataclasses.replace(settings.server, max_connections=share(settings.server.max_connections)),
+        limits=dataclasses.replace(limits, max_concurrent_requests=share(limits.max_concurrent_requests),
+                                   body_memory=share(limits.body_memory), decode_memory=share(limits.decode_memory),
+                                   url_fetch_memory=share(limits.url_fetch_memory),
+                                   video_decode_work=share(limits.video_decode_work)),
+        decoding=dataclasses.replace(decoding, decode_workers=max(1, decoding.worker_count() // fronts),
+                                     video_decode_workers=decoding.video_decode_workers
+                                     and max(1, decoding.video_decode_workers // fronts)),
+        tiers=dataclasses.replace(settings.tiers, ec_storage_bytes=share(settings.tiers.ec_storage_bytes)))
 
 
 def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> None:
@@ -36,7 +41,7 @@ def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> No
     leave_to_owner()
     import torch
 
-    configure_logging(settings.log_format, settings.log_level, bar=False, source=f"api{index}")
+    configure_logging(settings.logging.log_format, settings.logging.log_level, bar=False, source=f"api{index}")
     torch.set_num_threads(1)  # a front end runs no tower: its torch work is small, and OpenMP's barrier waits
     engine = Engine(settings, core=conn)
     code = run_server(settings, engine, sockets=[sock])

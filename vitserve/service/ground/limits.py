@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InputTooLarge
+from .settings_groups import LimitSettings
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,8 @@ class RequestLimits:
     videos: int
 
     @classmethod
-    def of(cls, settings) -> RequestLimits:
-        return cls(settings.max_images_per_request, settings.max_videos_per_request)
+    def of(cls, limits: LimitSettings) -> RequestLimits:
+        return cls(limits.max_images_per_request, limits.max_videos_per_request)
 
     @property
     def items(self) -> int:

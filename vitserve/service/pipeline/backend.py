@@ -100,7 +100,7 @@ class LocalBackend:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vitserve-load")
         self._loading: asyncio.Task | None = None
         self.queue = ImageQueue(metrics)
-        self.cache = Cache(settings.cache_bytes, metrics)
+        self.cache = Cache(settings.cache.cache_bytes, metrics)
         self.model: ModelInfo | None = None
         self.workers: list[DeviceWorker] = []
         self.batch_sizes: collections.Counter[int] = collections.Counter()
@@ -150,14 +150,14 @@ class LocalBackend:
 
         s = self.settings
         self.model = model
-        max_patches = s.max_batch_tokens * model.config.merge_unit
-        self.workers = [DeviceWorker(d, self.queue, max_patches, s.max_batch_wait_ms / 1e3, self.done)
+        max_patches = s.batching.max_batch_tokens * model.config.merge_unit
+        self.workers = [DeviceWorker(d, self.queue, max_patches, s.batching.max_batch_wait_ms / 1e3, self.done)
                         for d in devices]
         if len({w.name for w in self.workers}) < len(self.workers):  # replicas on one device (cpu,cpu): label apart
             for i, worker in enumerate(self.workers):
                 worker.name = f"{worker.name}#{i}"
         self.devices = [w.name for w in self.workers]
-        self.metrics.describe_build(torch=torch.__version__, model=s.model_name, family=model.config.family,
+        self.metrics.describe_build(torch=torch.__version__, model=s.model.name, family=model.config.family,
                                     dtype=self.dtype, attention="+".join(dict.fromkeys(self.attention().values())))
         self.metrics.watch_runners(lambda: {w.name: w.device.runner_stats() for w in self.workers})
         for worker in self.workers:

@@ -33,7 +33,7 @@ from ..decoding.decoder import Decoder
 from ..devices.scheduler import WorkItem
 from ..ground.errors import ClientDisconnected, InputRejected, InputTooLarge, NotReady, QueueFull
 from ..ground.metrics import Metrics
-from ..ground.settings import Settings, resolve_devices
+from ..ground.settings import Settings
 from . import fetch
 from .backend import LocalBackend
 from .cache import CacheKeys
@@ -68,24 +68,24 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.life = Lifecycle(self.metrics)
         self.started = time.time()
-        self.decoder = Decoder(settings, self.metrics, on_broken=self.fail)
+        self.decoder = Decoder(settings.decoding, settings.limits, self.metrics, on_broken=self.fail)
         self.videos_unavailable = video_unavailable()  # why videos cannot be decoded here (None: they can)
         if self.videos_unavailable:
             log.warning("videos cannot be decoded here: %s; video requests are answered 501", self.videos_unavailable)
-        devices, self.dtype = resolve_devices(settings)
-        if settings.preprocess == "fast" and any(d.startswith("cuda") for d in devices):
+        devices, self.dtype = settings.devices.resolve()
+        if settings.decoding.preprocess == "fast" and any(d.startswith("cuda") for d in devices):
             from ...encoder.preprocess_fast import nvjpeg_available
 
             self.decoder.jpeg_on_device = nvjpeg_available()  # else the decode workers decode JPEGs too
-        self.fetch_budget = fetch.FetchBudget(settings.url_fetch_memory)
-        self.bodies = MemoryBudget(settings.body_memory, patience=math.inf)  # the gate's: small bodies never wait
+        self.fetch_budget = fetch.FetchBudget(settings.limits.url_fetch_memory)
+        self.bodies = MemoryBudget(settings.limits.body_memory, patience=math.inf)  # the gate's: small bodies never wait
         self.metrics.memory_held.labels("bodies").set_function(lambda: self.bodies.used)  # on a large one
         self.metrics.memory_held.labels("decode").set_function(lambda: self.decoder.budget.used)
-        self.cache_keys = CacheKeys(settings.model_name or "", per_client=settings.cache_scope == "api-key")
+        self.cache_keys = CacheKeys(settings.model.name or "", per_client=settings.cache.cache_scope == "api-key")
         self.in_flight = 0
         self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
         self.metrics.watch_tiers(self.tier_figures)
-        self.device_processes = settings.device_processes  # default: on GPUs (measured faster for one and for two)
+        self.device_processes = settings.devices.device_processes  # default: on GPUs (measured faster for one and for two)
         if self.device_processes is None:
             self.device_processes = any(d.startswith("cuda") for d in devices)
         preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
@@ -149,7 +149,7 @@ class Engine:
                 "server is shutting down" if self.state is State.DRAINING else \
                 f"model is not ready yet ({self.state.value})"
             raise NotReady(reason)
-        if self.in_flight >= self.settings.max_concurrent_requests:
+        if self.in_flight >= self.settings.limits.max_concurrent_requests:
             raise QueueFull(f"too many requests in flight ({self.in_flight}); retry shortly")
         self.in_flight += 1
         self.metrics.requests_in_flight.set(self.in_flight)
@@ -180,10 +180,10 @@ class Engine:
         is the API key the request came with (the cache's scope). Admission (`admitted`) is the caller's: the gate
         admits a request from its first byte."""
         cfg = self.preprocess_config(max_pixels)
-        if self.settings.allow_url_fetch:
+        if self.settings.server.allow_url_fetch:
             images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
         outputs: list[Features | None] = [None] * len(images)
-        keys = await self.cache_keys.keys(images, cfg, mean_pooling, client) if self.settings.cache_bytes > 0 else []
+        keys = await self.cache_keys.keys(images, cfg, mean_pooling, client) if self.settings.cache.cache_bytes > 0 else []
         todo, waits, hits = (await self._looked_up(keys, outputs)) if keys else (list(range(len(images))), [], 0)
         times = (0.0, 0.0, 0.0)
         try:
@@ -263,11 +263,11 @@ class Engine:
         """The model's video preprocessing with a request's sampling (else --video-fps where set), within the
         server's limits: at most --max-video-frames frames (a larger num_frames is refused, 413)."""
         s = self.settings
-        if num_frames is not None and num_frames > s.max_video_frames:
-            raise InputTooLarge(f"num_frames {num_frames} is over this server's limit of {s.max_video_frames} frames "
+        if num_frames is not None and num_frames > s.limits.max_video_frames:
+            raise InputTooLarge(f"num_frames {num_frames} is over this server's limit of {s.limits.max_video_frames} frames "
                                 "a video", "too_many_frames", "num_frames")
-        if fps is None and num_frames is None and s.video_fps is not None:
-            fps = s.video_fps
+        if fps is None and num_frames is None and s.decoding.video_fps is not None:
+            fps = s.decoding.video_fps
         cfg = self.model.video_config
         if num_frames is not None and num_frames < cfg.temporal_patch_size:
             raise InputRejected(f"num_frames must be at least {cfg.temporal_patch_size} (one temporal patch), got "
@@ -275,7 +275,7 @@ class Engine:
         if max_pixels is not None and max_pixels < cfg.min_pixels:
             raise InputRejected(f"max_pixels must be at least this server's video min_pixels ({cfg.min_pixels})",
                                 "invalid_max_pixels", "max_pixels")
-        return cfg.with_request(fps, num_frames, min(max_frames or s.max_video_frames, s.max_video_frames),
+        return cfg.with_request(fps, num_frames, min(max_frames or s.limits.max_video_frames, s.limits.max_video_frames),
                                 max_pixels, truncate_frames)
 
     async def encode_videos(self, videos: list, options: dict, mean_pooling: bool = False,
@@ -289,7 +289,7 @@ class Engine:
         if self.model is None:
             raise NotReady(f"model is not ready yet ({self.state.value})")
         cfg = self.video_config(max_pixels=max_pixels, **options)
-        if self.settings.allow_url_fetch:
+        if self.settings.server.allow_url_fetch:
             videos = await fetch.fetch_all(videos, self.settings, field, self.fetch_budget)
         start = time.perf_counter()
         decoded = await self._decoded(self.decoder.decode_videos(videos, cfg, field), disconnected)

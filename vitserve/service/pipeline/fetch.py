@@ -158,14 +158,14 @@ async def fetch_all(images: list, settings: Settings, field: str = "input", budg
     urls = [(i, x) for i, x in enumerate(images) if isinstance(x, str)]  # the rest: MediaBytes or raw bytes
     if not urls:
         return images
-    allowance = Allowance(budget or FetchBudget(settings.url_fetch_memory), settings.payload_limit)
+    allowance = Allowance(budget or FetchBudget(settings.limits.url_fetch_memory), settings.limits.payload_limit)
     try:
-        async with httpx.AsyncClient(follow_redirects=False, timeout=settings.url_fetch_timeout, transport=transport,
+        async with httpx.AsyncClient(follow_redirects=False, timeout=settings.server.url_fetch_timeout, transport=transport,
                                      trust_env=False) as client:
             fetched = await asyncio.wait_for(asyncio.gather(*(
-                fetch_url(client, url, f"{field}[{i}]", allowance) for i, url in urls)), settings.url_fetch_timeout)
+                fetch_url(client, url, f"{field}[{i}]", allowance) for i, url in urls)), settings.server.url_fetch_timeout)
     except asyncio.TimeoutError:
-        raise InputRejected(f"{field}: fetching the image URLs took over {settings.url_fetch_timeout:g} s",
+        raise InputRejected(f"{field}: fetching the image URLs took over {settings.server.url_fetch_timeout:g} s",
                             "url_fetch_failed", field) from None
     finally:
         allowance.release()  # the bytes now belong to the request, bounded by --payload-limit

@@ -15,8 +15,9 @@ from ...encoder.preprocess import PreprocessConfig
 from ...encoder.video import VideoConfig
 from ..devices.device_process import start_devices
 from ..devices.worker import LocalDevice
+from ..ground.flags import format_size
 from ..ground.logs import attention_text
-from ..ground.settings import Settings, format_size
+from ..ground.settings import Settings
 from .lifecycle import Lifecycle
 
 log = logging.getLogger("vitserve.engine")
@@ -39,11 +40,11 @@ def serving_text(settings: Settings, devices: list[str], process_each: bool, dty
                  decode_workers: int) -> str:
     """What serves, for the startup's ready line: version, model, devices, dtype, attention, decode workers, cache."""
     s = settings
-    cache = "off" if not s.cache_bytes else \
-        f"{format_size(s.cache_bytes)} per {'API key' if s.cache_scope == 'api-key' else 'server'}"
-    return (f"vitserve {__version__}, {s.model} on {', '.join(devices)}{', one process each' * process_each} "
+    cache = "off" if not s.cache.cache_bytes else \
+        f"{format_size(s.cache.cache_bytes)} per {'API key' if s.cache.cache_scope == 'api-key' else 'server'}"
+    return (f"vitserve {__version__}, {s.model.model} on {', '.join(devices)}{', one process each' * process_each} "
             f"({dtype}, attention {attention_text(attention)}), {decode_workers} decode "
-            f"{'processes' if s.decode_processes else 'threads'}, cache {cache}")
+            f"{'processes' if s.decoding.decode_processes else 'threads'}, cache {cache}")
 
 
 def load_here(settings: Settings, devices: list[str], dtype: str, life: Lifecycle) -> tuple[ModelInfo, list]:
@@ -51,10 +52,10 @@ def load_here(settings: Settings, devices: list[str], dtype: str, life: Lifecycl
     s = settings
     encoders = []
     for device in devices:
-        if s.gpu_memory_fraction and device.startswith("cuda"):
-            torch.cuda.set_per_process_memory_fraction(s.gpu_memory_fraction, torch.device(device))
-        log.info("loading %s (%s) on %s as %s", s.model, s.load_format, device, dtype)
-        encoders.append(VisionEncoder.from_pretrained(s.model, device=device, dtype=dtype, capture=False,
+        if s.devices.gpu_memory_fraction and device.startswith("cuda"):
+            torch.cuda.set_per_process_memory_fraction(s.devices.gpu_memory_fraction, torch.device(device))
+        log.info("loading %s (%s) on %s as %s", s.model.model, s.model.load_format, device, dtype)
+        encoders.append(VisionEncoder.from_pretrained(s.model.model, device=device, dtype=dtype, capture=False,
                                                       **s.encoder_kwargs()))
     if any(e.runner.use_graphs for e in encoders):
         log.info("loaded; capturing CUDA graphs")
@@ -69,7 +70,7 @@ def load_processes(settings: Settings, devices: list[str], dtype: str, prefix: s
     """One process per device; done when all are loaded and captured. `records`: their answers stay Output records
     (spool files), not tensors. `also`: the log line's end (the core's front ends)."""
     s = settings
-    log.info("loading %s (%s) on %s as %s, one process per device%s", s.model, s.load_format, ", ".join(devices),
+    log.info("loading %s (%s) on %s as %s, one process per device%s", s.model.model, s.model.load_format, ", ".join(devices),
              dtype, also)
     config, preprocess_config, video_config, processes = start_devices(s, devices, dtype, prefix, records=records,
                                                                        started=life.capturing)

@@ -38,12 +38,12 @@ def server_stats(settings: Settings, backend: dict, fronts: list[dict], api_serv
                     "bytes": sum(p["memory"][use]["bytes"] for p in fronts)} for use in ("bodies", "decode")}
     cache = backend["cache"] | {"hits": count("hits"), "misses": count("misses")}
     cache = {key: cache[key] for key in ("enabled", "limit_bytes", "bytes", "entries", "hits", "misses", "evictions")}
-    batching = settings.batching(front_total(fronts, "decode_workers"))
+    batching = settings.batching_stats(front_total(fronts, "decode_workers"))
     topology = {}
     if api_servers is not None:
         batching |= {"api_servers": api_servers}
         topology = {"api_servers_replaced": api_servers_replaced, "api_servers": len(fronts)}
-    stats = {"version": __version__, "model": settings.model_name, "state": backend["state"],
+    stats = {"version": __version__, "model": settings.model.name, "state": backend["state"],
              "error": backend["error"], "device": backend["device"], "devices": backend["devices"],
              "latency": percentiles(recent), "dtype": backend["dtype"], "family": backend["family"],
              "uptime_seconds": backend["uptime_seconds"], "load_seconds": backend["load_seconds"],

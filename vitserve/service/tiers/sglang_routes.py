@@ -59,7 +59,7 @@ async def sglang_encode(request: Request) -> Response:
         call = await read_json(request, EncodeCall, api.limits.part_values, ("url",), api.engine.decoder.bodies)
         bounded(call)
         request.state.sglang_req_id = call.req_id
-        items = [decode_input(item.url, i, api.settings.allow_url_fetch, "mm_items", call.kind)
+        items = [decode_input(item.url, i, api.settings.server.allow_url_fetch, "mm_items", call.kind)
                  for i, item in enumerate(call.mm_items)]
         images, videos = (items, []) if call.kind == "image" else ([], items)
         await sglang.serve(call, lambda: encode_media(api, request, images, videos, Options(),

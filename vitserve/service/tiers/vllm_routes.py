@@ -30,12 +30,12 @@ async def chat_completions(request: Request) -> Response:
         raise NotServed("/v1/chat/completions serves vLLM's encoder tier: start the server with --ec-shared-storage",
                         "encoder_tier_off")
     body = await read_json(request, ChatRequest, api.limits.part_values, ("url",), api.engine.decoder.bodies)
-    api.check_model(body.model, api.settings.ec_model_id)  # (the consumer's model string names it too)
+    api.check_model(body.model, api.settings.tiers.ec_model_id)  # (the consumer's model string names it too)
     items, options = chat_items(body), chat_options(body)
     images, videos = [], []
     for item in items:
         given = images if item.modality == "image" else videos
-        item.data = decode_input(item.data, len(given), api.settings.allow_url_fetch, f"{item.modality}s",
+        item.data = decode_input(item.data, len(given), api.settings.server.allow_url_fetch, f"{item.modality}s",
                                  item.modality)
         given.append(item.data)
     order = [item.modality == "video" for item in items]

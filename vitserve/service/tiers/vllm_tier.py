@@ -30,6 +30,7 @@ from ...encoder.vision_encoder import DTYPES
 from ..api.schemas import MAX_PIXELS, ChatMediaURL, ChatRequest, VideoOptions
 from ..ground.errors import Conflict, InputRejected, StorageFailed, clip
 from ..ground.media import MediaItem
+from ..ground.settings_groups import TierSettings
 from .ec_storage import ECStorage, check_identifier
 from .vllm_hash import digest_shaped, hash_factors, mm_hash
 
@@ -105,14 +106,14 @@ def chat_options(body: ChatRequest) -> Options:
 
 
 class VLLMTier:
-    """The encoder-cache files of one front end: identifiers computed and files written off the event loop."""
+    """The encoder-cache files of one front end: identifiers computed and files written off the event loop. `model`:
+    --model, the consumer's model string unless --ec-model-id names another."""
 
-    def __init__(self, settings, dtype: str):
-        ec_dtype = DTYPES[dtype if settings.ec_dtype == "auto" else settings.ec_dtype]
-        self.storage = ECStorage(settings.ec_shared_storage, settings.ec_storage_bytes,
-                                 int(settings.ec_file_mode, 8), ec_dtype)
-        self.model_id = settings.ec_model_id or settings.model
-        self.algorithm = settings.ec_hash_algorithm
+    def __init__(self, tiers: TierSettings, model: str, dtype: str):
+        ec_dtype = DTYPES[dtype if tiers.ec_dtype == "auto" else tiers.ec_dtype]
+        self.storage = ECStorage(tiers.ec_shared_storage, tiers.ec_storage_bytes, int(tiers.ec_file_mode, 8), ec_dtype)
+        self.model_id = tiers.ec_model_id or model
+        self.algorithm = tiers.ec_hash_algorithm
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="vitserve-ec-io")
         self.write_failures = 0
         mm_hash("image", self.model_id, self.algorithm, uuid="x", mm_processor_kwargs={"x": 1})  # the digest loads
