@@ -78,8 +78,16 @@ def build_pieces(outputs: list, dtype: str, body: str) -> list:
     if body == "safetensors":
         return safetensors_parts(answer_items(outputs), dtype, {"model": "bench", "dtype": dtype})
     out = OUTPUT_DTYPES[dtype]
-    data = [{"index": i, "shape": list(e.shape), "dtype": dtype, "embeddings": b64(converted(e, out)),
-             "deepstack": [b64(converted(d, out)) for d in ds]} for i, (e, ds) in enumerate(outputs)]
+    data = [
+        {
+            "index": i,
+            "shape": list(e.shape),
+            "dtype": dtype,
+            "embeddings": b64(converted(e, out)),
+            "deepstack": [b64(converted(d, out)) for d in ds],
+        }
+        for i, (e, ds) in enumerate(outputs)
+    ]
     return render_json({"object": "list", "data": data})
 
 
@@ -103,18 +111,25 @@ def framed(pieces: list, guarded: bool) -> None:
 
 def build_table(repeat: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
-    answer = [(torch.randn(TOKENS, WIDTH, generator=gen).bfloat16(),
-               [torch.randn(TOKENS, WIDTH, generator=gen).bfloat16() for _ in range(DEEPSTACK)])]
+    answer = [
+        (
+            torch.randn(TOKENS, WIDTH, generator=gen).bfloat16(),
+            [torch.randn(TOKENS, WIDTH, generator=gen).bfloat16() for _ in range(DEEPSTACK)],
+        )
+    ]
     tensors = [answer[0][0], *answer[0][1]]
     rows = []
     for dtype in ("float32", "bfloat16"):
         for body in ("safetensors", "json"):
             pieces = build_pieces(answer, dtype, body)
             row = dict(dtype=dtype, body=body, mb=sum(len(p) for p in pieces) / 1e6)
-            for name, fn in (("build", lambda: build_pieces(answer, dtype, body)),
-                             ("convert", lambda: [converted(t, OUTPUT_DTYPES[dtype]) for t in tensors]),
-                             ("torch_to", lambda: [t.to(OUTPUT_DTYPES[dtype]) for t in tensors]),
-                             ("h11", lambda: framed(pieces, False)), ("protocol", lambda: framed(pieces, True))):
+            for name, fn in (
+                ("build", lambda: build_pieces(answer, dtype, body)),
+                ("convert", lambda: [converted(t, OUTPUT_DTYPES[dtype]) for t in tensors]),
+                ("torch_to", lambda: [t.to(OUTPUT_DTYPES[dtype]) for t in tensors]),
+                ("h11", lambda: framed(pieces, False)),
+                ("protocol", lambda: framed(pieces, True)),
+            ):
                 row[f"{name}_ms"], row[f"{name}_cpu_ms"] = median_ms(fn, repeat)
             rows.append(row)
     return rows
@@ -133,8 +148,12 @@ def post(port: int, body: bytes, accept: str, request_id: str) -> tuple[float, b
     conn = http.client.HTTPConnection("127.0.0.1", port)
     try:
         start = time.perf_counter()
-        conn.request("POST", "/v1/encode", body, {"content-type": "application/json", "accept": accept,
-                                                  "x-request-id": request_id})
+        conn.request(
+            "POST",
+            "/v1/encode",
+            body,
+            {"content-type": "application/json", "accept": accept, "x-request-id": request_id},
+        )
         response = conn.getresponse()
         data = response.read()
         seconds = time.perf_counter() - start
@@ -146,8 +165,19 @@ def post(port: int, body: bytes, accept: str, request_id: str) -> tuple[float, b
 
 def server_table(repeat: int, images: int, side: int, server_flags: list[str]) -> list[dict]:
     model = shallow_checkpoint("Qwen/Qwen3-VL-8B-Instruct", 3, "/tmp/vitserve-answers-qwen3-8b-depth3")
-    proc, url = start_server("--model", model, "--load-format", "dummy", "--dtype", "bfloat16",
-                             "--max-batch-wait-ms", "0", *server_flags, timeout=600, capture_log=True)
+    proc, url = start_server(
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--max-batch-wait-ms",
+        "0",
+        *server_flags,
+        timeout=600,
+        capture_log=True,
+    )
     port = int(url.rsplit(":", 1)[1])
     uris = [image_uri(seed, side) for seed in range(images)]
     rows, n = [], 0
@@ -167,15 +197,28 @@ def server_table(repeat: int, images: int, side: int, server_flags: list[str]) -
                     serialize.append(float(headers["x-serialize-time"]))
                     ids.append(f"answers-{n}")
                 process_cpu, loop_cpu = (cpu_seconds(path) - before for path, before in zip(stat, cpu))
-                rows.append(dict(dtype=dtype, body=body, mb=len(data) / 1e6, ids=ids,
-                                 client_ms=statistics.median(client), serialize_ms=statistics.median(serialize),
-                                 loop_cpu_ms=loop_cpu / repeat * 1e3, process_cpu_ms=process_cpu / repeat * 1e3))
+                rows.append(
+                    dict(
+                        dtype=dtype,
+                        body=body,
+                        mb=len(data) / 1e6,
+                        ids=ids,
+                        client_ms=statistics.median(client),
+                        serialize_ms=statistics.median(serialize),
+                        loop_cpu_ms=loop_cpu / repeat * 1e3,
+                        process_cpu_ms=process_cpu / repeat * 1e3,
+                    )
+                )
     finally:
         proc.terminate()
         proc.wait(timeout=60)
         proc.log_reader.join(timeout=10)
-    server = {m.group(2): float(m.group(1)) for line in proc.log
-              for m in [re.search(r"POST /v1/encode 200 ms=([\d.]+).* request_id=(\S+)", line)] if m}
+    server = {
+        m.group(2): float(m.group(1))
+        for line in proc.log
+        for m in [re.search(r"POST /v1/encode 200 ms=([\d.]+).* request_id=(\S+)", line)]
+        if m
+    }
     for row in rows:
         row["server_ms"] = statistics.median(server[i] for i in row.pop("ids"))
         row["rest_ms"] = row["server_ms"] - row["serialize_ms"]
@@ -194,22 +237,31 @@ def main():
     args = ap.parse_args()
     result = {"torch_threads": torch.get_num_threads(), "build": [] if args.skip_build else build_table(args.repeat)}
     if result["build"]:
-        print(f"Qwen3-VL-8B 448² answer ({TOKENS}x{WIDTH} + {DEEPSTACK} deepstack, bf16 in), "
-              "median wall ms / mean CPU ms")
-        print(f"{'dtype':10s} {'body':12s} {'MB':>5s} {'build':>12s} {'convert':>12s} {'torch .to':>12s} "
-              f"{'h11 send':>12s} {'protocol':>12s}")
+        print(
+            f"Qwen3-VL-8B 448² answer ({TOKENS}x{WIDTH} + {DEEPSTACK} deepstack, bf16 in), median wall ms / mean CPU ms"
+        )
+        print(
+            f"{'dtype':10s} {'body':12s} {'MB':>5s} {'build':>12s} {'convert':>12s} {'torch .to':>12s} "
+            f"{'h11 send':>12s} {'protocol':>12s}"
+        )
         for r in result["build"]:
-            cells = " ".join(f"{r[f'{k}_ms']:6.2f}/{r[f'{k}_cpu_ms']:5.2f}"
-                             for k in ("build", "convert", "torch_to", "h11", "protocol"))
+            cells = " ".join(
+                f"{r[f'{k}_ms']:6.2f}/{r[f'{k}_cpu_ms']:5.2f}"
+                for k in ("build", "convert", "torch_to", "h11", "protocol")
+            )
             print(f"{r['dtype']:10s} {r['body']:12s} {r['mb']:5.1f} {cells}")
     if not args.skip_server:
         result["server"] = server_table(args.repeat, args.images, args.side, args.server_flags.split())
         print(f"\nQwen3-VL-8B (3 blocks) server, {args.images} cached {args.side}² image(s) per request, median ms")
-        print(f"{'dtype':10s} {'body':12s} {'MB':>6s} {'client':>8s} {'server':>8s} {'serialize':>10s} {'rest':>8s} "
-              f"{'loop CPU':>9s} {'all CPU':>8s}")
+        print(
+            f"{'dtype':10s} {'body':12s} {'MB':>6s} {'client':>8s} {'server':>8s} {'serialize':>10s} {'rest':>8s} "
+            f"{'loop CPU':>9s} {'all CPU':>8s}"
+        )
         for r in result["server"]:
-            print(f"{r['dtype']:10s} {r['body']:12s} {r['mb']:6.1f} {r['client_ms']:8.2f} {r['server_ms']:8.2f} "
-                  f"{r['serialize_ms']:10.2f} {r['rest_ms']:8.2f} {r['loop_cpu_ms']:9.2f} {r['process_cpu_ms']:8.2f}")
+            print(
+                f"{r['dtype']:10s} {r['body']:12s} {r['mb']:6.1f} {r['client_ms']:8.2f} {r['server_ms']:8.2f} "
+                f"{r['serialize_ms']:10.2f} {r['rest_ms']:8.2f} {r['loop_cpu_ms']:9.2f} {r['process_cpu_ms']:8.2f}"
+            )
     json.dump(result, open(args.out, "w"), indent=1)
     return 0
 

@@ -62,7 +62,7 @@ def reference(q, k, v, lengths):
     out, start = [], 0
     for n in lengths:
         if n:
-            seg = [t[start:start + n].float().transpose(0, 1)[None] for t in (q, k, v)]
+            seg = [t[start : start + n].float().transpose(0, 1)[None] for t in (q, k, v)]
             out.append(F.scaled_dot_product_attention(*seg)[0].transpose(0, 1))
         start += n
     return torch.cat(out)
@@ -115,9 +115,16 @@ def check(backend, head_dim, seed=0):
         g.replay()
         torch.cuda.synchronize()
         graph = out[:real]
-        rows_out.append(dict(layout=name, head_dim=head_dim, eager_err=rel(eager, ref), graph_err=rel(graph, ref),
-                             eager_finite=bool(torch.isfinite(eager).all()),
-                             graph_finite=bool(torch.isfinite(graph).all())))
+        rows_out.append(
+            dict(
+                layout=name,
+                head_dim=head_dim,
+                eager_err=rel(eager, ref),
+                graph_err=rel(graph, ref),
+                eager_finite=bool(torch.isfinite(eager).all()),
+                graph_finite=bool(torch.isfinite(graph).all()),
+            )
+        )
     return rows_out
 
 
@@ -160,8 +167,9 @@ def main():
     ap.add_argument("--out", default="attention_probe.json")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                  backends={})
+    result = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"), backends={}
+    )
     for name in args.backends:
         try:
             t0 = time.perf_counter()
@@ -186,8 +194,9 @@ def main():
         result["backends"][name] = info
         json.dump(result, open(args.out, "w"), indent=1)
     # tables
-    flash_err = {(r["layout"], r["head_dim"]): r for r in result["backends"].get("flash", {}).get("check", [])
-                 if "layout" in r}
+    flash_err = {
+        (r["layout"], r["head_dim"]): r for r in result["backends"].get("flash", {}).get("check", []) if "layout" in r
+    }
     print(f"\n{'backend':7s} {'hd':>3s} {'layout':20s} {'eager err':>9s} {'graph err':>9s} {'x flash':>7s} ok")
     ok = True
     for name, info in result["backends"].items():
@@ -201,23 +210,38 @@ def main():
             passed = r["eager_finite"] and r["graph_finite"] and worst <= 2.0
             r["passed"] = passed
             ok &= passed
-            print(f"{name:7s} {r['head_dim']:3d} {r['layout']:20s} {r['eager_err']:9.2e} {r['graph_err']:9.2e} "
-                  f"{worst:7.2f} {'PASS' if passed else 'FAIL'}")
-    print(f"\n{'backend':7s} {'hd':>3s} {'layout':20s} {'exact ms':>8s} {'budget ms':>9s} {'TFLOP/s':>7s} {'1st call s':>10s}")
+            print(
+                f"{name:7s} {r['head_dim']:3d} {r['layout']:20s} {r['eager_err']:9.2e} {r['graph_err']:9.2e} "
+                f"{worst:7.2f} {'PASS' if passed else 'FAIL'}"
+            )
+    print(
+        f"\n{'backend':7s} {'hd':>3s} {'layout':20s} {'exact ms':>8s} {'budget ms':>9s} {'TFLOP/s':>7s} {'1st call s':>10s}"
+    )
     for name, info in result["backends"].items():
         for r in info.get("timings", []):
             if "layout" in r:
-                print(f"{name:7s} {r['head_dim']:3d} {r['layout']:20s} {r['exact_ms']:8.3f} {r['budget_ms']:9.3f} "
-                      f"{r['budget_tflops']:7.0f} {r['exact_first_call_s']:10.3f}")
-    print(f"\n{'backend':7s} {'hd':>3s} {'layout':8s} " + " ".join(f"cap {c:>5d}" for c in CAPACITIES) + "  (ms, max_seqlen 16384)")
+                print(
+                    f"{name:7s} {r['head_dim']:3d} {r['layout']:20s} {r['exact_ms']:8.3f} {r['budget_ms']:9.3f} "
+                    f"{r['budget_tflops']:7.0f} {r['exact_first_call_s']:10.3f}"
+                )
+    print(
+        f"\n{'backend':7s} {'hd':>3s} {'layout':8s} "
+        + " ".join(f"cap {c:>5d}" for c in CAPACITIES)
+        + "  (ms, max_seqlen 16384)"
+    )
     for name, info in result["backends"].items():
         for hd in (80, 72):
             for layout in CAPACITY:
-                cells = {r["capacity"]: r["ms"] for r in info.get("capacity", []) if r.get("layout") == layout
-                         and r["head_dim"] == hd}
+                cells = {
+                    r["capacity"]: r["ms"]
+                    for r in info.get("capacity", [])
+                    if r.get("layout") == layout and r["head_dim"] == hd
+                }
                 if cells:
-                    print(f"{name:7s} {hd:3d} {layout:8s} " + " ".join(f"{cells[c]:9.3f}" if c in cells else " " * 9
-                                                                     for c in CAPACITIES))
+                    print(
+                        f"{name:7s} {hd:3d} {layout:8s} "
+                        + " ".join(f"{cells[c]:9.3f}" if c in cells else " " * 9 for c in CAPACITIES)
+                    )
     result["all_passed"] = ok
     json.dump(result, open(args.out, "w"), indent=1)
     print("ALL PASSED" if ok else "SOME FAILED")

@@ -31,8 +31,15 @@ from vitserve.encoder.plan import make_plan, to_device  # noqa: E402
 from vitserve.encoder.runner import capture_graph  # noqa: E402
 
 MODELS = ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
-CASES = {"224²": [(224, 224)], "448²": [(448, 448)], "448×896": [(448, 896)], "896²": [(896, 896)],
-         "1344²": [(1344, 1344)], "8×448²": [(448, 448)] * 8, "32×224²": [(224, 224)] * 32}
+CASES = {
+    "224²": [(224, 224)],
+    "448²": [(448, 448)],
+    "448×896": [(448, 896)],
+    "896²": [(896, 896)],
+    "1344²": [(1344, 1344)],
+    "8×448²": [(448, 448)] * 8,
+    "32×224²": [(224, 224)] * 32,
+}
 EXTRA_CASES = {"qwen3_vl": {"8×512²": [(512, 512)] * 8}}  # 8192 patches at Qwen3's 16-pixel patches, as for the others
 _MAX = [0]  # the max_seqlen the registered attention uses when transformers hands it a tensor
 
@@ -77,8 +84,20 @@ def register_varlen_attention() -> str:
     from torch.nn.attention.varlen import varlen_attn
     from transformers import AttentionInterface
 
-    def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, cu_seq_lens_q=None,
-                  cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+    def attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        scaling=None,
+        dropout=0.0,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+        **kwargs,
+    ):
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
         m = max_length_q if isinstance(max_length_q, int) else _MAX[0]
         return varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, m, m).unsqueeze(0), None
@@ -136,9 +155,15 @@ def main():
     ap.add_argument("--models", nargs="*", default=MODELS)
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--compile-case", default="448²", help="the case timed under torch.compile (first model only)")
-    ap.add_argument("--ours-only", action="store_true", help="skip transformers' columns (a quick check, not the table)")
-    ap.add_argument("--attention-backends", nargs="*", default=["flash", "cudnn", "fa4"],
-                    help="a graph column per attention backend (those not installed are skipped); the others use auto")
+    ap.add_argument(
+        "--ours-only", action="store_true", help="skip transformers' columns (a quick check, not the table)"
+    )
+    ap.add_argument(
+        "--attention-backends",
+        nargs="*",
+        default=["flash", "cudnn", "fa4"],
+        help="a graph column per attention backend (those not installed are skipped); the others use auto",
+    )
     ap.add_argument("--out", default="bench.json")
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -151,16 +176,20 @@ def main():
         for backend in dict.fromkeys([*args.attention_backends, "auto"]):
             t0 = time.perf_counter()
             try:
-                encoders[backend] = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16",
-                                                                  load_format="dummy", attention_backend=backend)
+                encoders[backend] = VisionEncoder.from_pretrained(
+                    name, device="cuda", dtype="bfloat16", load_format="dummy", attention_backend=backend
+                )
             except ValueError as e:
                 print(f"{backend}: {e}")
                 continue
             stats = encoders[backend].runner.stats
-            startup[f"{name} {backend}"] = dict(seconds=time.perf_counter() - t0, pool_bytes=stats.pool_bytes,
-                                                capture_seconds=stats.capture_seconds)
-            print(f"{name} [{backend}]: load + capture {time.perf_counter() - t0:.1f} s (capture "
-                  f"{stats.capture_seconds:.2f} s, pool {stats.pool_bytes / 2**20:.0f} MiB)")
+            startup[f"{name} {backend}"] = dict(
+                seconds=time.perf_counter() - t0, pool_bytes=stats.pool_bytes, capture_seconds=stats.capture_seconds
+            )
+            print(
+                f"{name} [{backend}]: load + capture {time.perf_counter() - t0:.1f} s (capture "
+                f"{stats.capture_seconds:.2f} s, pool {stats.pool_bytes / 2**20:.0f} MiB)"
+            )
         columns = list(encoders)
         enc = encoders["auto"]
         auto = "+".join(dict.fromkeys(enc.runner.stats.attention.values()))  # full (+ window) backends
@@ -171,10 +200,12 @@ def main():
             hf_eager = hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16)
             hf_flash = use_varlen(hf_vision_tower(cfg, tensors, "cuda", torch.bfloat16), attn)
             del tensors
-        header = (f"{'model':14s} {'case':8s} {'patches':>7s} {'floor':>6s} "
-                  + " ".join(f"{'g-' + b:>7s}" for b in columns)
-                  + f" {'call':>7s} {'eager':>7s} {'hf-graph':>8s} {'hf-comp':>7s} {'hf-eager':>8s} {'graph%':>6s}"
-                  f" {'img/s':>7s} replays (auto: {auto})")
+        header = (
+            f"{'model':14s} {'case':8s} {'patches':>7s} {'floor':>6s} "
+            + " ".join(f"{'g-' + b:>7s}" for b in columns)
+            + f" {'call':>7s} {'eager':>7s} {'hf-graph':>8s} {'hf-comp':>7s} {'hf-eager':>8s} {'graph%':>6s}"
+            f" {'img/s':>7s} replays (auto: {auto})"
+        )
         print(header)
         cases = CASES | EXTRA_CASES.get(cfg.family, {})
         for case in args.cases + list(EXTRA_CASES.get(cfg.family, {})):
@@ -215,21 +246,43 @@ def main():
                     compiled = gpu_ms(lambda: ct(pxd, thw), warmup=1, reps=5)
                     startup["torch.compile first call s"] = compile_s
             flops = tower_flops(cfg, grids)
-            row = dict(model=name, case=case, patches=n, images=len(grids), replays=[b.budget for b in replays],
-                       attention=auto, graph_ms_by_backend=by_backend,
-                       flops=flops, floor_ms=flops / ceiling / 1e9,
-                       graph_ms=graph, call_ms=call, eager_ms=eager, hf_graph_ms=hf_graph_ms, hf_compile_ms=compiled,
-                       hf_eager_ms=hf_ms, graph_frac=flops / graph / 1e9 / ceiling, images_per_s=len(grids) / graph * 1e3)
+            row = dict(
+                model=name,
+                case=case,
+                patches=n,
+                images=len(grids),
+                replays=[b.budget for b in replays],
+                attention=auto,
+                graph_ms_by_backend=by_backend,
+                flops=flops,
+                floor_ms=flops / ceiling / 1e9,
+                graph_ms=graph,
+                call_ms=call,
+                eager_ms=eager,
+                hf_graph_ms=hf_graph_ms,
+                hf_compile_ms=compiled,
+                hf_eager_ms=hf_ms,
+                graph_frac=flops / graph / 1e9 / ceiling,
+                images_per_s=len(grids) / graph * 1e3,
+            )
             rows.append(row)
-            print(f"{name.split('/')[-1][:14]:14s} {case:8s} {n:7d} {row['floor_ms']:6.2f} "
-                  + " ".join(f"{by_backend[b]:7.2f}" for b in columns)
-                  + f" {call:7.2f} {eager:7.2f} {hf_graph_ms:8.2f} {compiled:7.2f} {hf_ms:8.2f} "
-                  f"{100 * row['graph_frac']:5.1f}% {row['images_per_s']:7.1f} {'+'.join(str(b.budget) for b in replays)}",
-                  flush=True)
+            print(
+                f"{name.split('/')[-1][:14]:14s} {case:8s} {n:7d} {row['floor_ms']:6.2f} "
+                + " ".join(f"{by_backend[b]:7.2f}" for b in columns)
+                + f" {call:7.2f} {eager:7.2f} {hf_graph_ms:8.2f} {compiled:7.2f} {hf_ms:8.2f} "
+                f"{100 * row['graph_frac']:5.1f}% {row['images_per_s']:7.1f} {'+'.join(str(b.budget) for b in replays)}",
+                flush=True,
+            )
         encoders = enc = runner = hf_eager = hf_flash = None  # free this model before the next
         torch.cuda.empty_cache()
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                  matmul_tflops=ceiling, startup=startup, rows=rows)
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        matmul_tflops=ceiling,
+        startup=startup,
+        rows=rows,
+    )
     json.dump(result, open(args.out, "w"), indent=1)
     if args.plot:
         plot(result, args.plot)
@@ -250,22 +303,39 @@ def plot(result, path):
         x = [r["patches"] for r in mine]
         backends = [b for b in mine[0]["graph_ms_by_backend"] if b != "auto"]
         series = [(lambda r, b=b: r["graph_ms_by_backend"][b], f"vitserve graph, {b}") for b in backends] + [
-            (lambda r, k=k: r[k], label) for k, label in (("eager_ms", "vitserve eager"),
-                                                          ("hf_graph_ms", "transformers + CUDA graph"),
-                                                          ("hf_eager_ms", "transformers eager"), ("floor_ms", "FLOP floor"))]
+            (lambda r, k=k: r[k], label)
+            for k, label in (
+                ("eager_ms", "vitserve eager"),
+                ("hf_graph_ms", "transformers + CUDA graph"),
+                ("hf_eager_ms", "transformers eager"),
+                ("floor_ms", "FLOP floor"),
+            )
+        ]
         for value, label in series:
             style = "k--" if label == "FLOP floor" else "o-"
             axes[0][col].plot(x, [value(r) for r in mine], style, label=label)
             axes[1][col].plot(x, [1e3 / value(r) for r in mine], style, label=label)
-        axes[0][col].set(title=f"{model.split('/')[-1]}: latency", xscale="log", yscale="log", xlabel="patches per image",
-                         ylabel="GPU ms per image")
-        axes[1][col].set(title="throughput (one image per call)", xscale="log", yscale="log", xlabel="patches per image",
-                         ylabel="images / s")
+        axes[0][col].set(
+            title=f"{model.split('/')[-1]}: latency",
+            xscale="log",
+            yscale="log",
+            xlabel="patches per image",
+            ylabel="GPU ms per image",
+        )
+        axes[1][col].set(
+            title="throughput (one image per call)",
+            xscale="log",
+            yscale="log",
+            xlabel="patches per image",
+            ylabel="images / s",
+        )
         axes[0][col].legend(fontsize=7)
         for ax in (axes[0][col], axes[1][col]):
             ax.xaxis.set_minor_formatter(NullFormatter())
-    fig.suptitle(f"{result['device']}, torch {result['torch']}, bf16, {result['date']} "
-                 f"(matmul ceiling {result['matmul_tflops']:.0f} TFLOP/s)")
+    fig.suptitle(
+        f"{result['device']}, torch {result['torch']}, bf16, {result['date']} "
+        f"(matmul ceiling {result['matmul_tflops']:.0f} TFLOP/s)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

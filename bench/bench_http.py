@@ -81,8 +81,15 @@ def cpu_costs(enc: VisionEncoder, files) -> dict:
         t5 = time.perf_counter()
         b"".join(render_json({"data": [{"embedding": embedding_payload(tokens, "base64")}]}))
         t6 = time.perf_counter()
-        rows.append(dict(decode=t1 - t0, resize=t2 - t1, normalize_patchify_on_host=(t3 - t2) - (t2 - t1),
-                         serialize_pooled=t5 - t4, serialize_tokens=t6 - t5))
+        rows.append(
+            dict(
+                decode=t1 - t0,
+                resize=t2 - t1,
+                normalize_patchify_on_host=(t3 - t2) - (t2 - t1),
+                serialize_pooled=t5 - t4,
+                serialize_tokens=t6 - t5,
+            )
+        )
     return {k: 1e3 * statistics.mean(r[k] for r in rows) for k in rows[0]}
 
 
@@ -118,8 +125,9 @@ def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: 
     cfg = enc.preprocess_config
     prepared = [resize_rgb(load_image(data), cfg) for _, data in files]
     lut = normalize_lut(cfg.image_mean, cfg.image_std)
-    batches = server_batches([prepared[i % len(prepared)] for i in range(images)], cfg.patch_size,
-                             max_batch_tokens * enc.config.merge_unit)
+    batches = server_batches(
+        [prepared[i % len(prepared)] for i in range(images)], cfg.patch_size, max_batch_tokens * enc.config.merge_unit
+    )
     run_batches(enc.runner, batches, lut)  # warm
     if barrier is not None:
         barrier.wait()
@@ -128,19 +136,22 @@ def engine_throughput(enc: VisionEncoder, files, images: int, max_batch_tokens: 
     return images / (time.perf_counter() - t)
 
 
-async def _drive(url: str, uris: list[str], model: str, indices: list[int], concurrency: int,
-                 pooling: str | None = None) -> list:
+async def _drive(
+    url: str, uris: list[str], model: str, indices: list[int], concurrency: int, pooling: str | None = None
+) -> list:
     latencies, failures, cpu = [], 0, time.process_time()
     extra = {"pooling": pooling} if pooling else {}
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=300,
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=concurrency)) as client:
+
         async def one(i):
             nonlocal failures
             async with sem:
                 t = time.perf_counter()
-                r = await client.post("/v1/embeddings", json={"model": model, "input": [uris[i % len(uris)]],
-                                                              "encoding_format": "base64", **extra})
+                r = await client.post(
+                    "/v1/embeddings",
+                    json={"model": model, "input": [uris[i % len(uris)]], "encoding_format": "base64", **extra},
+                )
                 phases = {p: float(r.headers[f"x-{p}-time"]) for p in PHASES if f"x-{p}-time" in r.headers}
                 latencies.append((i % len(uris), time.perf_counter() - t, time.time(), phases))
                 failures += r.status_code != 200
@@ -153,8 +164,15 @@ def _client_process(args):
     return asyncio.run(_drive(*args))
 
 
-def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int, processes: int = 1,
-          pooling: str | None = None) -> dict:
+def drive(
+    url: str,
+    uris: list[str],
+    model: str,
+    requests: int,
+    concurrency: int,
+    processes: int = 1,
+    pooling: str | None = None,
+) -> dict:
     """`requests` at `concurrency`, from several client processes so the client's own GIL is not the limit;
     `client_cpu_busiest` is the busiest client process's CPU seconds over the wall time (near 1: client-bound).
     `images_per_s` counts the whole run, client start-up and tail included; `steady_images_per_s` the middle 80%
@@ -171,23 +189,33 @@ def drive(url: str, uris: list[str], model: str, requests: int, concurrency: int
     for r in results:
         for image, seconds, _, times in r[0]:
             by_image.setdefault(image, []).append(seconds * 1e3)
-            for phase, ms in (times | {"total": seconds * 1e3, "http_and_rest": seconds * 1e3 - sum(times.values())}
-                              ).items():
+            for phase, ms in (
+                times | {"total": seconds * 1e3, "http_and_rest": seconds * 1e3 - sum(times.values())}
+            ).items():
                 phases.setdefault(phase, []).append(ms)
                 phases_by_image.setdefault(image, {}).setdefault(phase, []).append(ms)
     done = np.sort([end for r in results for _, _, end, _ in r[0]])
-    middle = done[len(done) // 10:len(done) - len(done) // 10]
+    middle = done[len(done) // 10 : len(done) - len(done) // 10]
     lat = np.array([x for v in by_image.values() for x in v])
-    return dict(requests=requests, concurrency=concurrency, client_processes=processes,
-                failures=sum(r[1] for r in results), images_per_s=requests / wall,
-                steady_images_per_s=float((len(middle) - 1) / (middle[-1] - middle[0])) if len(middle) > 1 else None,
-                p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
-                client_cpu_busiest=max(r[2] for r in results) / wall,
-                phases_ms={k: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)),
-                               "mean": float(np.mean(v))} for k, v in phases.items()},
-                p50_ms_by_image={k: float(np.percentile(v, 50)) for k, v in sorted(by_image.items())},
-                p50_phases_ms_by_image={k: {p: round(float(np.median(v)), 2) for p, v in d.items()}
-                                        for k, d in sorted(phases_by_image.items())})
+    return dict(
+        requests=requests,
+        concurrency=concurrency,
+        client_processes=processes,
+        failures=sum(r[1] for r in results),
+        images_per_s=requests / wall,
+        steady_images_per_s=float((len(middle) - 1) / (middle[-1] - middle[0])) if len(middle) > 1 else None,
+        p50_ms=float(np.percentile(lat, 50)),
+        p99_ms=float(np.percentile(lat, 99)),
+        client_cpu_busiest=max(r[2] for r in results) / wall,
+        phases_ms={
+            k: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)), "mean": float(np.mean(v))}
+            for k, v in phases.items()
+        },
+        p50_ms_by_image={k: float(np.percentile(v, 50)) for k, v in sorted(by_image.items())},
+        p50_phases_ms_by_image={
+            k: {p: round(float(np.median(v)), 2) for p, v in d.items()} for k, d in sorted(phases_by_image.items())
+        },
+    )
 
 
 def main():
@@ -198,8 +226,12 @@ def main():
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
     ap.add_argument("--port", type=int, default=8766)
-    ap.add_argument("--client-processes", type=int, default=8,
-                    help="client processes: one httpx process tops out near 50 requests/s of these payloads")
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=8,
+        help="client processes: one httpx process tops out near 50 requests/s of these payloads",
+    )
     ap.add_argument("--decode-workers", type=int, default=None, help="the server's decode pool (default: cores)")
     ap.add_argument("--profile", default=None, help="py-spy raw profile of the server under saturating load")
     ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags")
@@ -221,15 +253,32 @@ def main():
         print("CPU ms per image: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
         print(f"engine only: {engine:.1f} images/s")
     if args.server_tree:  # the server subprocess imports the project from there
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(args.server_tree).resolve()),
-                                                    *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                      if p and Path(p).resolve() != ROOT]])
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [
+                str(Path(args.server_tree).resolve()),
+                *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT],
+            ]
+        )
     extra = ["--decode-workers", str(args.decode_workers)] if args.decode_workers else []
     # the embedding cache off: the mix repeats, and every image would be a hit after the warm-up
-    server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", args.device,
-                               "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "warning",
-                               "--cache-bytes", "0", *extra, *args.server_flags.split(), port=args.port,
-                               cwd=Path(args.server_tree).resolve() if args.server_tree else None)
+    server, url = start_server(
+        "--model",
+        args.model,
+        "--load-format",
+        "dummy",
+        "--device",
+        args.device,
+        "--max-batch-tokens",
+        str(args.max_batch_tokens),
+        "--log-level",
+        "warning",
+        "--cache-bytes",
+        "0",
+        *extra,
+        *args.server_flags.split(),
+        port=args.port,
+        cwd=Path(args.server_tree).resolve() if args.server_tree else None,
+    )
     try:
         uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
         drive(url, uris, args.model, 32, 8)  # warm-up
@@ -239,8 +288,22 @@ def main():
             import shutil
 
             exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
-            spy = subprocess.Popen([exe, "record", "--pid", str(server.pid), "--duration", "6", "--format", "raw",
-                                    "--output", args.profile, "--nonblocking", "--threads"])
+            spy = subprocess.Popen(
+                [
+                    exe,
+                    "record",
+                    "--pid",
+                    str(server.pid),
+                    "--duration",
+                    "6",
+                    "--format",
+                    "raw",
+                    "--output",
+                    args.profile,
+                    "--nonblocking",
+                    "--threads",
+                ]
+            )
         high = drive(url, uris, args.model, args.requests, args.concurrency, args.client_processes)
         if spy is not None:
             spy.wait(timeout=60)
@@ -249,18 +312,36 @@ def main():
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     for name, r in (("low load (1 client)", low), (f"saturating ({args.concurrency} clients)", high)):
-        print(f"{name:24s} {r['images_per_s']:7.1f} images/s ({r['steady_images_per_s'] or 0:.1f} steady)  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  "
-              f"failures {r['failures']}")
-    print("low load by phase, ms (p50 / p99):  " + "  ".join(
-        f"{k} {v['p50']:.1f} / {v['p99']:.1f}" for k, v in low["phases_ms"].items()))
+        print(
+            f"{name:24s} {r['images_per_s']:7.1f} images/s ({r['steady_images_per_s'] or 0:.1f} steady)  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  "
+            f"failures {r['failures']}"
+        )
+    print(
+        "low load by phase, ms (p50 / p99):  "
+        + "  ".join(f"{k} {v['p50']:.1f} / {v['p99']:.1f}" for k, v in low["phases_ms"].items())
+    )
     if engine:
         print(f"HTTP / engine-only throughput: {high['images_per_s'] / engine:.1%}")
-    json.dump(dict(model=args.model, device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device, date=time.strftime("%Y-%m-%d"),
-                   images=[n for n, _ in files], grids=grids, cpu_ms_per_image=costs, engine_images_per_s=engine,
-                   low_load=low, saturating=high, http_over_engine=engine and high["images_per_s"] / engine,
-                   server_tree=args.server_tree,
-                   batch_size_histogram=stats["batch_size_histogram"], server_flags=args.server_flags,
-                   device_processes=stats["device_processes"]), open(args.out, "w"), indent=1)
+    json.dump(
+        dict(
+            model=args.model,
+            device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+            date=time.strftime("%Y-%m-%d"),
+            images=[n for n, _ in files],
+            grids=grids,
+            cpu_ms_per_image=costs,
+            engine_images_per_s=engine,
+            low_load=low,
+            saturating=high,
+            http_over_engine=engine and high["images_per_s"] / engine,
+            server_tree=args.server_tree,
+            batch_size_histogram=stats["batch_size_histogram"],
+            server_flags=args.server_flags,
+            device_processes=stats["device_processes"],
+        ),
+        open(args.out, "w"),
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

@@ -87,16 +87,28 @@ def server_phases(before: dict, after: dict) -> dict:
     """Mean seconds per image (per batch for inference, per request for the whole request) between two
     `histogram_sums`, and mean images per batch: where a request's time goes inside the server."""
     diff = {k: after[k] - before.get(k, 0.0) for k in after}
-    return {k: diff[f"vitserve_{k}_sum"] / max(diff[f"vitserve_{k}_count"], 1)
-            for k in ("request_seconds", "decode_seconds", "preprocess_seconds", "queue_seconds", "inference_seconds",
-                      "batch_images")}
+    return {
+        k: diff[f"vitserve_{k}_sum"] / max(diff[f"vitserve_{k}_count"], 1)
+        for k in (
+            "request_seconds",
+            "decode_seconds",
+            "preprocess_seconds",
+            "queue_seconds",
+            "inference_seconds",
+            "batch_images",
+        )
+    }
 
 
 def shallow_checkpoint(model: str, depth: int, directory: str) -> str:
     """A checkpoint directory (config.json alone, for dummy weights) of `model`'s tower cut to `depth` blocks."""
     cfg = builtin_config(model)
-    cfg = dataclasses.replace(cfg, depth=depth, fullatt_block_indexes=(depth - 1,) if cfg.fullatt_block_indexes else (),
-                              deepstack_visual_indexes=tuple(range(min(depth, len(cfg.deepstack_visual_indexes)))))
+    cfg = dataclasses.replace(
+        cfg,
+        depth=depth,
+        fullatt_block_indexes=(depth - 1,) if cfg.fullatt_block_indexes else (),
+        deepstack_visual_indexes=tuple(range(min(depth, len(cfg.deepstack_visual_indexes)))),
+    )
     vision = vision_config(cfg)
     os.makedirs(directory, exist_ok=True)
     with open(f"{directory}/config.json", "w") as f:
@@ -115,7 +127,9 @@ def main():
     ap.add_argument("--profile", default=None, help="directory for a py-spy profile of the server per leg")
     ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags for every leg")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-only measurement")
-    ap.add_argument("--depth", type=int, default=None, help="serve the tower cut to this many blocks (front-end ceiling)")
+    ap.add_argument(
+        "--depth", type=int, default=None, help="serve the tower cut to this many blocks (front-end ceiling)"
+    )
     ap.add_argument("--out", default="multi_gpu.json")
     args = ap.parse_args()
     legs = args.legs.split(";")
@@ -126,13 +140,27 @@ def main():
         model = shallow_checkpoint(args.model, args.depth, f"/tmp/vitserve-depth{args.depth}")
     files = image_files()
     uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
-    engine = {devices: 0.0 if args.no_engine else engine_only(model, devices.split(","), files, args.requests // 2)
-              for devices in legs}
+    engine = {
+        devices: 0.0 if args.no_engine else engine_only(model, devices.split(","), files, args.requests // 2)
+        for devices in legs
+    }
     print("engine only, images/s:", {k: round(v, 1) for k, v in engine.items()}, flush=True)
     results = {}
     for port, devices in enumerate(legs, start=8781):
-        proc, url = start_server("--model", model, "--load-format", "dummy", "--devices", devices,
-                                 "--log-level", "warning", "--cache-bytes", "0", *args.server_flags.split(), port=port)
+        proc, url = start_server(
+            "--model",
+            model,
+            "--load-format",
+            "dummy",
+            "--devices",
+            devices,
+            "--log-level",
+            "warning",
+            "--cache-bytes",
+            "0",
+            *args.server_flags.split(),
+            port=port,
+        )
         try:
             drive(url, uris, model, 64, 16, pooling=args.pooling)  # warm
             spy = None
@@ -140,14 +168,33 @@ def main():
                 os.makedirs(args.profile, exist_ok=True)
                 exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
                 name = devices.replace(",", "_").replace(":", "")
-                spy = [subprocess.Popen([exe, "record", "--pid", str(proc.pid), "--duration", "4", "--format", "raw",
-                                         "--output", f"{args.profile}/{name}{suffix}.txt", "--nonblocking",
-                                         "--threads", "--subprocesses", *flags]) for suffix, flags in (("", []), ("-gil", ["--gil"]))]
+                spy = [
+                    subprocess.Popen(
+                        [
+                            exe,
+                            "record",
+                            "--pid",
+                            str(proc.pid),
+                            "--duration",
+                            "4",
+                            "--format",
+                            "raw",
+                            "--output",
+                            f"{args.profile}/{name}{suffix}.txt",
+                            "--nonblocking",
+                            "--threads",
+                            "--subprocesses",
+                            *flags,
+                        ]
+                    )
+                    for suffix, flags in (("", []), ("-gil", ["--gil"]))
+                ]
             sums = histogram_sums(url)
             cpu0 = cpu_seconds(f"/proc/{proc.pid}/stat"), cpu_seconds(f"/proc/{proc.pid}/task/{proc.pid}/stat")
             t0 = time.perf_counter()
-            result = drive(url, uris, model, args.requests, args.concurrency, args.client_processes,
-                           pooling=args.pooling)
+            result = drive(
+                url, uris, model, args.requests, args.concurrency, args.client_processes, pooling=args.pooling
+            )
             wall = time.perf_counter() - t0
             cpu1 = cpu_seconds(f"/proc/{proc.pid}/stat"), cpu_seconds(f"/proc/{proc.pid}/task/{proc.pid}/stat")
             for p in spy or []:
@@ -164,27 +211,47 @@ def main():
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         print(devices, results[devices], flush=True)
-    print(f"{'devices':16s} {'mode':>9s} {'engine':>7s} {'images/s':>9s} {'steady':>7s} {'p50 ms':>8s} {'p99 ms':>8s} "
-          f"{'server':>7s} {'main':>6s} {'client':>7s}")
+    print(
+        f"{'devices':16s} {'mode':>9s} {'engine':>7s} {'images/s':>9s} {'steady':>7s} {'p50 ms':>8s} {'p99 ms':>8s} "
+        f"{'server':>7s} {'main':>6s} {'client':>7s}"
+    )
     for devices, r in results.items():
         mode = "processes" if r["device_processes"] else "threads"
-        print(f"{devices:16s} {mode:>9s} {engine[devices]:7.1f} {r['images_per_s']:9.1f} {r['steady_images_per_s']:7.1f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r['server_cpu']:7.2f} "
-              f"{r['server_main_thread_cpu']:6.2f} {r['client_cpu_busiest']:7.2f}")
+        print(
+            f"{devices:16s} {mode:>9s} {engine[devices]:7.1f} {r['images_per_s']:9.1f} {r['steady_images_per_s']:7.1f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r['server_cpu']:7.2f} "
+            f"{r['server_main_thread_cpu']:6.2f} {r['client_cpu_busiest']:7.2f}"
+        )
     names = [n for n, _ in files]
     for devices, r in results.items():
         m = r["server_means"]
         slow = sorted(r["p50_ms_by_image"].items(), key=lambda kv: -kv[1])[:3]
-        print(f"{devices}: server means: request {m['request_seconds'] * 1e3:.0f} ms, decode wall "
-              f"{m['decode_seconds'] * 1e3:.1f} ms (work {m['preprocess_seconds'] * 1e3:.1f}), queue "
-              f"{m['queue_seconds'] * 1e3:.1f} ms, batch {m['inference_seconds'] * 1e3:.1f} ms for "
-              f"{m['batch_images']:.1f} images; slowest p50: "
-              + ", ".join(f"{names[int(k)]} {v:.0f} ms" for k, v in slow))
+        print(
+            f"{devices}: server means: request {m['request_seconds'] * 1e3:.0f} ms, decode wall "
+            f"{m['decode_seconds'] * 1e3:.1f} ms (work {m['preprocess_seconds'] * 1e3:.1f}), queue "
+            f"{m['queue_seconds'] * 1e3:.1f} ms, batch {m['inference_seconds'] * 1e3:.1f} ms for "
+            f"{m['batch_images']:.1f} images; slowest p50: " + ", ".join(f"{names[int(k)]} {v:.0f} ms" for k, v in slow)
+        )
     ratio = results[legs[-1]]["images_per_s"] / results[legs[0]]["images_per_s"]
     steady = results[legs[-1]]["steady_images_per_s"] / results[legs[0]]["steady_images_per_s"]
-    print(f"{legs[-1]} / {legs[0]}: {ratio:.2f}x over HTTP, {steady:.2f}x steady (target 1.8x for two GPUs over "
-          f"one); engine only {engine[legs[-1]] / max(engine[legs[0]], 1e-9):.2f}x")
-    json.dump(dict(model=args.model, depth=args.depth, device=torch.cuda.get_device_name() if needed else "cpu", date=time.strftime("%Y-%m-%d"),
-                   pooling=args.pooling, server_flags=args.server_flags, results=results, ratio=ratio, steady_ratio=steady), open(args.out, "w"), indent=1)
+    print(
+        f"{legs[-1]} / {legs[0]}: {ratio:.2f}x over HTTP, {steady:.2f}x steady (target 1.8x for two GPUs over "
+        f"one); engine only {engine[legs[-1]] / max(engine[legs[0]], 1e-9):.2f}x"
+    )
+    json.dump(
+        dict(
+            model=args.model,
+            depth=args.depth,
+            device=torch.cuda.get_device_name() if needed else "cpu",
+            date=time.strftime("%Y-%m-%d"),
+            pooling=args.pooling,
+            server_flags=args.server_flags,
+            results=results,
+            ratio=ratio,
+            steady_ratio=steady,
+        ),
+        open(args.out, "w"),
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ def serve_from(tree: str | None) -> Path | None:
     if not tree:
         return None
     path = Path(tree).resolve()
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(path), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                             if p and Path(p).resolve() != ROOT]])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(path), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]]
+    )
     return path
 
 
@@ -51,19 +52,29 @@ def measure(url: str, requests: int) -> dict:
     times = {"miss": [], "hit": []}
     with httpx.Client(base_url=url, timeout=120) as client:
         for seed in range(5):  # warm
-            client.post("/v1/encode", json={"images": [image(10_000 + seed)]},
-                        headers={"accept": "application/octet-stream"})
+            client.post(
+                "/v1/encode", json={"images": [image(10_000 + seed)]}, headers={"accept": "application/octet-stream"}
+            )
         for seed in range(requests):
             uri = image(seed)
             for kind in ("miss", "hit"):
                 start = time.perf_counter()
                 r = client.post("/v1/encode", json={"images": [uri]}, headers={"accept": "application/octet-stream"})
                 elapsed = time.perf_counter() - start
-                assert r.status_code == 200 and r.headers["x-cache-hits"] == ("1" if kind == "hit" else "0"), \
-                    (r.status_code, r.headers.get("x-cache-hits"), r.text[:200])
+                assert r.status_code == 200 and r.headers["x-cache-hits"] == ("1" if kind == "hit" else "0"), (
+                    r.status_code,
+                    r.headers.get("x-cache-hits"),
+                    r.text[:200],
+                )
                 times[kind].append(elapsed)
-    result = {"requests": requests, **{f"{k}_{q}_ms": float(np.percentile(v, p) * 1e3) for k, v in times.items()
-                                       for q, p in (("p50", 50), ("p99", 99))}}
+    result = {
+        "requests": requests,
+        **{
+            f"{k}_{q}_ms": float(np.percentile(v, p) * 1e3)
+            for k, v in times.items()
+            for q, p in (("p50", 50), ("p99", 99))
+        },
+    }
     result["miss_over_hit_p50"] = result["miss_p50_ms"] / result["hit_p50_ms"]
     return result
 
@@ -78,15 +89,31 @@ def main():
     ap.add_argument("--out", default="cache.json")
     args = ap.parse_args()
     cwd = serve_from(args.server_tree)
-    proc, url = start_server("--model", args.model, "--load-format", "dummy", "--device", args.device,
-                             "--max-batch-wait-ms", "0", *args.server_flags.split(), timeout=600, cwd=cwd)
+    proc, url = start_server(
+        "--model",
+        args.model,
+        "--load-format",
+        "dummy",
+        "--device",
+        args.device,
+        "--max-batch-wait-ms",
+        "0",
+        *args.server_flags.split(),
+        timeout=600,
+        cwd=cwd,
+    )
     try:
         result = measure(url, args.requests)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    result = {"model": args.model, "device": args.device, "server_flags": args.server_flags,
-              "server_tree": args.server_tree, **result}
+    result = {
+        "model": args.model,
+        "device": args.device,
+        "server_flags": args.server_flags,
+        "server_tree": args.server_tree,
+        **result,
+    }
     print(f"{'448² image, one per request':30s} {'p50 ms':>8s} {'p99 ms':>8s}")
     for kind in ("miss", "hit"):
         print(f"{kind:30s} {result[f'{kind}_p50_ms']:8.2f} {result[f'{kind}_p99_ms']:8.2f}")

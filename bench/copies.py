@@ -96,8 +96,9 @@ def main():
             spool.write(path, [out])
             fd = os.open(path, os.O_RDONLY)
             try:
-                m = mmap.mmap(fd, out.size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
-                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                m = mmap.mmap(
+                    fd, out.size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
             finally:
                 os.close(fd)
                 os.unlink(path)
@@ -107,14 +108,21 @@ def main():
         def answer_read_float():
             return torch.from_numpy(answer_spool()).view(torch.bfloat16).float()
 
-        row = dict(image=name, pixels_mb=image.size / 2**20, tokens_mb=out.size / 2**20,
-                   spool_write_ms=best(write), spool_write_read_ms=best(read),
-                   stage_pinned_ms=best(lambda: stage(image)),
-                   write_then_read_into_pinned_ms=best(read_into_pinned),
-                   answer_spool_ms=best(answer_spool), answer_float_ms=best(lambda: tokens.float()),
-                   answer_read_float_ms=best(answer_read_float), answer_mmap_float_ms=best(answer_mmap),
-                   answer_base64_ms=best(lambda: pybase64.b64encode(tokens.float().numpy())),
-                   answer_spool_float_base64_ms=best(answer))
+        row = dict(
+            image=name,
+            pixels_mb=image.size / 2**20,
+            tokens_mb=out.size / 2**20,
+            spool_write_ms=best(write),
+            spool_write_read_ms=best(read),
+            stage_pinned_ms=best(lambda: stage(image)),
+            write_then_read_into_pinned_ms=best(read_into_pinned),
+            answer_spool_ms=best(answer_spool),
+            answer_float_ms=best(lambda: tokens.float()),
+            answer_read_float_ms=best(answer_read_float),
+            answer_mmap_float_ms=best(answer_mmap),
+            answer_base64_ms=best(lambda: pybase64.b64encode(tokens.float().numpy())),
+            answer_spool_float_base64_ms=best(answer),
+        )
         if cuda:
             raw = stage(image)
             row["h2d_ms"] = best(lambda: (raw.to("cuda", non_blocking=True), torch.cuda.synchronize()))
@@ -127,10 +135,20 @@ def main():
     print(f"{'mean':24s} " + " ".join(f"{means[k]:28.3f}" for k in keys))
     saved = means["spool_write_read_ms"] + means["stage_pinned_ms"] - means["write_then_read_into_pinned_ms"]
     print(f"reading the spool file straight into pinned memory would save {saved:.3f} ms per image (mean)")
-    print(f"mapping the answer's spool file instead of reading it: {means['answer_mmap_float_ms']:.3f} ms against "
-          f"{means['answer_read_float_ms']:.3f} (read, then float32; mean)")
-    json.dump(dict(device=torch.cuda.get_device_name() if cuda else "cpu", rows=rows, means=means,
-                   read_into_pinned_saves_ms=saved), open(args.out, "w"), indent=1)
+    print(
+        f"mapping the answer's spool file instead of reading it: {means['answer_mmap_float_ms']:.3f} ms against "
+        f"{means['answer_read_float_ms']:.3f} (read, then float32; mean)"
+    )
+    json.dump(
+        dict(
+            device=torch.cuda.get_device_name() if cuda else "cpu",
+            rows=rows,
+            means=means,
+            read_into_pinned_saves_ms=saved,
+        ),
+        open(args.out, "w"),
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

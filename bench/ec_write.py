@@ -60,6 +60,7 @@ def main():
         size = joined.nbytes
         root = Path(tempfile.mkdtemp(dir=args.dir, prefix="vitserve-ec-bench-"))
         try:
+
             def plain(i):
                 with open(root / f"plain{i}", "wb") as f:
                     f.write(memoryview(joined.view(torch.uint8).numpy()).cast("B"))
@@ -69,12 +70,15 @@ def main():
                 save_file({"ec_cache": joined}, root / f"st{i}")
                 (root / f"st{i}").unlink()
 
-            results = {"os.write (concatenated already)": timed(plain, args.repeats),
-                       "safetensors save_file (concatenated already)": timed(safetensors, args.repeats)}
+            results = {
+                "os.write (concatenated already)": timed(plain, args.repeats),
+                "safetensors save_file (concatenated already)": timed(safetensors, args.repeats),
+            }
             for writers in (1, 2, 4, 8):
                 storage = ECStorage(root / f"w{writers}", 64 * size, writers=writers)
                 results[f"ECStorage.write, {writers} writer{'s' * (writers > 1)}"] = timed(
-                    lambda i: storage.write(f"item{i}", Features(parts[0], parts[1:])), args.repeats)
+                    lambda i: storage.write(f"item{i}", Features(parts[0], parts[1:])), args.repeats
+                )
                 shutil.rmtree(root / f"w{writers}")
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -108,26 +112,52 @@ def http(args) -> list[dict]:
     rows = []
     try:
         for side, extra in (("without files", []), ("with --ec-shared-storage", ["--ec-shared-storage", str(root)])):
-            proc, url = start_server("--model", args.http, "--load-format", "dummy", "--device", args.device,
-                                     "--cache-bytes", "0", "--log-level", "warning", *extra, timeout=600)
+            proc, url = start_server(
+                "--model",
+                args.http,
+                "--load-format",
+                "dummy",
+                "--device",
+                args.device,
+                "--cache-bytes",
+                "0",
+                "--log-level",
+                "warning",
+                *extra,
+                timeout=600,
+            )
             try:
                 with httpx.Client(timeout=120) as client:
                     for accept in ("application/octet-stream", "application/json"):
                         times, serialize = [], []
                         for i in range(args.requests + 3):
-                            body = {"images": [uri], "layout": "vllm", "dtype": "bfloat16",
-                                    "multi_modal_uuids": {"image": [uuid.uuid4().hex]}}
+                            body = {
+                                "images": [uri],
+                                "layout": "vllm",
+                                "dtype": "bfloat16",
+                                "multi_modal_uuids": {"image": [uuid.uuid4().hex]},
+                            }
                             start = time.perf_counter()
                             r = client.post(url + "/v1/encode", json=body, headers={"accept": accept})
                             r.raise_for_status()
                             if i >= 3:
                                 times.append(time.perf_counter() - start)
                                 serialize.append(float(r.headers["x-serialize-time"]))
-                        rows.append(dict(side=side, answer=accept, p50_ms=statistics.median(times) * 1e3,
-                                         p90_ms=sorted(times)[int(0.9 * len(times))] * 1e3,
-                                         serialize_ms=statistics.median(serialize), bytes=len(r.content)))
-                        print(f"{side:28s} {accept:26s} p50 {rows[-1]['p50_ms']:7.2f} ms  p90 "
-                              f"{rows[-1]['p90_ms']:7.2f} ms  serialize {rows[-1]['serialize_ms']:.2f} ms", flush=True)
+                        rows.append(
+                            dict(
+                                side=side,
+                                answer=accept,
+                                p50_ms=statistics.median(times) * 1e3,
+                                p90_ms=sorted(times)[int(0.9 * len(times))] * 1e3,
+                                serialize_ms=statistics.median(serialize),
+                                bytes=len(r.content),
+                            )
+                        )
+                        print(
+                            f"{side:28s} {accept:26s} p50 {rows[-1]['p50_ms']:7.2f} ms  p90 "
+                            f"{rows[-1]['p90_ms']:7.2f} ms  serialize {rows[-1]['serialize_ms']:.2f} ms",
+                            flush=True,
+                        )
             finally:
                 proc.terminate()
                 proc.wait(60)

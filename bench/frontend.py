@@ -64,8 +64,15 @@ from loadgen import request_bytes, run_load  # noqa: E402
 from vitserve.service.entry.launch import start_server  # noqa: E402
 
 PARTS = ("ceiling", "body", "cached", "cache", "http", "handoff", "fast")
-SERVER_OF = {"ceiling": "cut", "body": "cached", "cached": "cached", "cache": "cached", "http": "plain",
-             "handoff": "plain", "fast": "fast"}
+SERVER_OF = {
+    "ceiling": "cut",
+    "body": "cached",
+    "cached": "cached",
+    "cache": "cached",
+    "http": "plain",
+    "handoff": "plain",
+    "fast": "fast",
+}
 JSON = {"content-type": "application/json"}
 SAFETENSORS = JSON | {"accept": "application/octet-stream"}
 
@@ -74,14 +81,29 @@ SAFETENSORS = JSON | {"accept": "application/octet-stream"}
 def server_flags(name: str, args) -> list[str]:
     cut = f"/tmp/vitserve-frontend-{Path(args.model).name}-depth{args.ceiling_depth}"
     model = shallow_checkpoint(args.model, args.ceiling_depth, cut) if name == "cut" else args.model
-    own = {"cut": ["--cache-bytes", "0"], "cached": [], "plain": ["--cache-bytes", "0"],
-           "fast": ["--cache-bytes", "0", "--preprocess", "fast"]}[name]
-    return ["--model", model, "--load-format", "dummy", "--device", args.device, "--log-level", "warning", *own,
-            *args.server_flags.split()]
+    own = {
+        "cut": ["--cache-bytes", "0"],
+        "cached": [],
+        "plain": ["--cache-bytes", "0"],
+        "fast": ["--cache-bytes", "0", "--preprocess", "fast"],
+    }[name]
+    return [
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--device",
+        args.device,
+        "--log-level",
+        "warning",
+        *own,
+        *args.server_flags.split(),
+    ]
 
 
 def start_servers(names: list[str], args, cwd) -> dict:
     """name -> (process, url), or name -> the error that kept it from starting; all started at once."""
+
     def start(name):
         try:
             return start_server(*server_flags(name, args), timeout=args.start_timeout, cwd=cwd)
@@ -173,8 +195,9 @@ class OneConnection:
         data = r.read()
         return time.perf_counter() - start, r, data
 
-    def median_ms(self, method: str, path: str, body: bytes | None, headers: dict | None, hits: int,
-                  cached: bool = True) -> tuple[float, int]:
+    def median_ms(
+        self, method: str, path: str, body: bytes | None, headers: dict | None, hits: int, cached: bool = True
+    ) -> tuple[float, int]:
         """The median of `hits` timed requests (each a cache hit when `cached`) after one untimed: ms, and the
         answer's bytes."""
         _, r, data = self.send(method, path, body, headers)
@@ -182,8 +205,11 @@ class OneConnection:
         times = []
         for _ in range(hits):
             seconds, r, data = self.send(method, path, body, headers)
-            assert r.status == 200 and (not cached or r.getheader("x-cache-hits") == "1"), \
-                (r.status, r.getheader("x-cache-hits"), data[:300])
+            assert r.status == 200 and (not cached or r.getheader("x-cache-hits") == "1"), (
+                r.status,
+                r.getheader("x-cache-hits"),
+                data[:300],
+            )
             times.append(seconds)
         return statistics.median(times) * 1e3, len(data)
 
@@ -193,12 +219,20 @@ class OneConnection:
 
 # ---- the parts -----------------------------------------------------------------------------------------------------
 def ceiling(url: str, proc, uris: list[str], args) -> dict:
-    payloads = [request_bytes("POST", "/v1/embeddings", json.dumps({"input": [u], "encoding_format": "base64"}).encode(),
-                              JSON) for u in uris]
-    run_load(url, payloads, max(2 * len(payloads), args.ceiling_concurrency), args.ceiling_concurrency,
-             args.ceiling_processes)  # warm: every image, every connection
-    return with_server_cores(proc, lambda: run_load(url, payloads, args.ceiling_requests, args.ceiling_concurrency,
-                                                    args.ceiling_processes))
+    payloads = [
+        request_bytes("POST", "/v1/embeddings", json.dumps({"input": [u], "encoding_format": "base64"}).encode(), JSON)
+        for u in uris
+    ]
+    run_load(
+        url,
+        payloads,
+        max(2 * len(payloads), args.ceiling_concurrency),
+        args.ceiling_concurrency,
+        args.ceiling_processes,
+    )  # warm: every image, every connection
+    return with_server_cores(
+        proc, lambda: run_load(url, payloads, args.ceiling_requests, args.ceiling_concurrency, args.ceiling_processes)
+    )
 
 
 def body_costs(url: str, args) -> dict:
@@ -208,8 +242,9 @@ def body_costs(url: str, args) -> dict:
             image = noise_png(size_bytes(label), seed)
             body = json.dumps({"input": [data_uri(image)], "encoding_format": "base64"}).encode()
             ms, _ = conn.median_ms("POST", "/v1/embeddings", body, JSON, args.hits)
-            rows[label] = dict(image_bytes=len(image), body_bytes=len(body), median_ms=ms,
-                               ms_per_mb_of_body=ms / (len(body) / 1e6))
+            rows[label] = dict(
+                image_bytes=len(image), body_bytes=len(body), median_ms=ms, ms_per_mb_of_body=ms / (len(body) / 1e6)
+            )
         health, _ = conn.median_ms("GET", "/health", None, None, args.hits, cached=False)
     finally:
         conn.close()
@@ -237,11 +272,14 @@ def http_loads(url: str, uris: list[str], args) -> dict:
 
 
 def handoff(url: str, proc, uris: list[str], args) -> dict:
-    payloads = [request_bytes("POST", "/v1/encode", json.dumps({"images": [u], "dtype": "bfloat16"}).encode(),
-                              SAFETENSORS) for u in uris]
+    payloads = [
+        request_bytes("POST", "/v1/encode", json.dumps({"images": [u], "dtype": "bfloat16"}).encode(), SAFETENSORS)
+        for u in uris
+    ]
     run_load(url, payloads, max(2 * len(payloads), 32), min(16, args.handoff_concurrency), 1)  # warm
-    return with_server_cores(proc, lambda: run_load(url, payloads, args.handoff_requests, args.handoff_concurrency,
-                                                    args.handoff_processes))
+    return with_server_cores(
+        proc, lambda: run_load(url, payloads, args.handoff_requests, args.handoff_concurrency, args.handoff_processes)
+    )
 
 
 def fast_low(url: str, uris: list[str], args) -> dict:
@@ -274,23 +312,35 @@ def figures(r: dict, engine: float | None) -> list[tuple[str, str]]:
     rows.append(("engine only, images/s", f"{engine:.1f}" if engine else "–"))
     row("HTTP, saturating: images/s (steady)", "http", lambda p: rate(p["saturating"]))
     row("HTTP / engine", "http", lambda p: share(p["saturating"]["images_per_s"]))
-    row("HTTP, saturating: failures, p50 / p99 ms", "http", lambda p: f"{p['saturating']['failures']}, "
-        f"{p['saturating']['p50_ms']:.0f} / {p['saturating']['p99_ms']:.0f}")
+    row(
+        "HTTP, saturating: failures, p50 / p99 ms",
+        "http",
+        lambda p: f"{p['saturating']['failures']}, {p['saturating']['p50_ms']:.0f} / {p['saturating']['p99_ms']:.0f}",
+    )
     row("LLM handoff: images/s (steady)", "handoff", rate)
     row("LLM handoff: answers MB/s", "handoff", lambda p: f"{p['answer_mb_per_s']:.0f}")
     row("LLM handoff / engine", "handoff", lambda p: share(p["images_per_s"]))
-    row("LLM handoff: failures, server / busiest client cores", "handoff",
-        lambda p: f"{p['failures']}, {p['server_cores']:.1f} / {p['client_cpu_busiest']:.2f}")
+    row(
+        "LLM handoff: failures, server / busiest client cores",
+        "handoff",
+        lambda p: f"{p['failures']}, {p['server_cores']:.1f} / {p['client_cpu_busiest']:.2f}",
+    )
     row("front-end ceiling: images/s (steady)", "ceiling", rate)
     row("front-end ceiling: p50 / p99 ms", "ceiling", lambda p: f"{p['p50_ms']:.0f} / {p['p99_ms']:.0f}")
-    row("front-end ceiling: failures, server / busiest client cores", "ceiling",
-        lambda p: f"{p['failures']}, {p['server_cores']:.1f} / {p['client_cpu_busiest']:.2f}")
+    row(
+        "front-end ceiling: failures, server / busiest client cores",
+        "ceiling",
+        lambda p: f"{p['failures']}, {p['server_cores']:.1f} / {p['client_cpu_busiest']:.2f}",
+    )
     for label in (parts.get("body") or {}).get("sizes", {}):
         row(f"image {label} in a JSON body, hit ms", "body", lambda p, k=label: f"{p['sizes'][k]['median_ms']:.2f}")
     row("/health, ms", "body", lambda p: f"{p['health_median_ms']:.2f}")
     for dtype in ("float32", "bfloat16"):
-        row(f"cached 448² tokens {dtype}: ms (MB)", "cached",
-            lambda p, d=dtype: f"{p[d]['median_ms']:.2f} ({p[d]['answer_bytes'] / 1e6:.1f})")
+        row(
+            f"cached 448² tokens {dtype}: ms (MB)",
+            "cached",
+            lambda p, d=dtype: f"{p[d]['median_ms']:.2f} ({p[d]['answer_bytes'] / 1e6:.1f})",
+        )
     row("bench/cache.py 448²: hit / miss p50 ms", "cache", lambda p: f"{p['hit_p50_ms']:.2f} / {p['miss_p50_ms']:.2f}")
     row("1 client p50 ms, exact", "http", lambda p: f"{p['low_load']['p50_ms']:.1f}")
     row("1 client p50 ms, fast", "fast", lambda p: f"{p['low_load']['p50_ms']:.1f}")
@@ -379,9 +429,17 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the servers
     servers = start_servers(names, args, cwd)
     results: dict[str, dict] = {}
-    result = dict(model=args.model, device=args.device, date=time.strftime("%Y-%m-%d"), images=[n for n, _ in files],
-                  server_tree=args.server_tree, server_flags=args.server_flags, engine_images_per_s=engine,
-                  args=vars(args), parts=results)
+    result = dict(
+        model=args.model,
+        device=args.device,
+        date=time.strftime("%Y-%m-%d"),
+        images=[n for n, _ in files],
+        server_tree=args.server_tree,
+        server_flags=args.server_flags,
+        engine_images_per_s=engine,
+        args=vars(args),
+        parts=results,
+    )
     try:
         for part in parts:
             server = servers[SERVER_OF[part]]
@@ -407,15 +465,17 @@ def main():
             print(f"{part}: {results[part]['seconds']:.1f} s", flush=True)
             if args.out:  # after every part: a run cut short keeps what it measured
                 json.dump(result, open(args.out, "w"), indent=1)
-            if not any(SERVER_OF[p] == SERVER_OF[part] for p in parts[parts.index(part) + 1:]):
+            if not any(SERVER_OF[p] == SERVER_OF[part] for p in parts[parts.index(part) + 1 :]):
                 t = time.perf_counter()
                 stop(servers.pop(SERVER_OF[part]))
                 print(f"server {SERVER_OF[part]} stopped in {time.perf_counter() - t:.1f} s", flush=True)
     finally:
         for server in servers.values():
             stop(server)
-    print(f"{args.model} on {args.device}, server flags {args.server_flags!r}, {time.perf_counter() - begin:.0f} s"
-          + (f", served from {args.server_tree}" if args.server_tree else ""))
+    print(
+        f"{args.model} on {args.device}, server flags {args.server_flags!r}, {time.perf_counter() - begin:.0f} s"
+        + (f", served from {args.server_tree}" if args.server_tree else "")
+    )
     print_table({"": figures(result, engine)})
     if args.out:
         json.dump(result, open(args.out, "w"), indent=1)

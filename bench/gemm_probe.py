@@ -29,8 +29,14 @@ MODELS = ["Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen
 
 def configs():
     out = []
-    for bm, bn, bk, stages, warps in [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (128, 128, 128, 3, 8),
-                                      (256, 128, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]:
+    for bm, bn, bk, stages, warps in [
+        (128, 128, 64, 4, 8),
+        (128, 256, 64, 3, 8),
+        (128, 128, 128, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+    ]:
         out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_stages=stages, num_warps=warps))
     return out
 
@@ -45,8 +51,20 @@ def _tile(tile, num_m, num_in_group, GROUP_M: tl.constexpr):
 
 @triton.autotune(configs=configs(), key=["M", "N", "K"])
 @triton.jit
-def _linear_persistent(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _linear_persistent(
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    NUM_SMS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
@@ -103,8 +121,11 @@ def graph_ms(fn, calls=20, reps=20):
 
 def shapes(cfg):
     d, width = cfg.hidden_size, round_up(cfg.intermediate_size, MLP_ALIGN)
-    mlp = [("gate_up", d, 2 * width), ("down", width, d)] if cfg.hidden_act == "silu" else \
-        [("fc1", d, width), ("fc2", width, d)]
+    mlp = (
+        [("gate_up", d, 2 * width), ("down", width, d)]
+        if cfg.hidden_act == "silu"
+        else [("fc1", d, width), ("fc2", width, d)]
+    )
     return [("qkv", d, 3 * d), ("proj", d, d), *mlp]
 
 
@@ -115,11 +136,15 @@ def main():
     args = ap.parse_args()
     big = [torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     ceiling = 2 * 8192**3 / graph_ms(lambda: big[0] @ big[1], calls=5, reps=10) / 1e9
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"bf16 matmul ceiling {ceiling:.0f} TFLOP/s"
+    )
     rows, seen = [], set()
-    print(f"{'gemm':18s} {'m':>5s} {'k':>5s} {'n':>5s} {'cublas':>7s} {'no bias':>7s} {'triton':>7s} {'of ceil':>7s} "
-          f"{'best':>7s} {'err cublas':>10s} {'err triton':>10s} {'lin+add':>7s} {'addmm':>7s}")
+    print(
+        f"{'gemm':18s} {'m':>5s} {'k':>5s} {'n':>5s} {'cublas':>7s} {'no bias':>7s} {'triton':>7s} {'of ceil':>7s} "
+        f"{'best':>7s} {'err cublas':>10s} {'err triton':>10s} {'lin+add':>7s} {'addmm':>7s}"
+    )
     for model in MODELS:
         cfg = builtin_config(model)
         for name, k, n in shapes(cfg):
@@ -154,15 +179,26 @@ def main():
             best = min(row["cublas_ms"], row["triton_ms"]) if row["triton_ms"] == row["triton_ms"] else row["cublas_ms"]
             row["cublas_of_ceiling"] = row["flops"] / row["cublas_ms"] / 1e9 / ceiling
             rows.append(row)
-            print(f"{model.split('/')[-1][:9]} {name:8s} {m:5d} {k:5d} {n:5d} {row['cublas_ms']:7.4f} "
-                  f"{row['cublas_no_bias_ms']:7.4f} {row['triton_ms']:7.4f} {row['cublas_of_ceiling']:7.0%} "
-                  f"{row['flops'] / best / 1e9 / ceiling:7.0%} {row['err_cublas']:10.2e} {row['err_triton']:10.2e} "
-                  f"{row.get('linear_add_ms', float('nan')):7.4f} {row.get('addmm_residual_ms', float('nan')):7.4f}",
-                  flush=True)
+            print(
+                f"{model.split('/')[-1][:9]} {name:8s} {m:5d} {k:5d} {n:5d} {row['cublas_ms']:7.4f} "
+                f"{row['cublas_no_bias_ms']:7.4f} {row['triton_ms']:7.4f} {row['cublas_of_ceiling']:7.0%} "
+                f"{row['flops'] / best / 1e9 / ceiling:7.0%} {row['err_cublas']:10.2e} {row['err_triton']:10.2e} "
+                f"{row.get('linear_add_ms', float('nan')):7.4f} {row.get('addmm_residual_ms', float('nan')):7.4f}",
+                flush=True,
+            )
             if "triton_error" in row:
                 print("   triton:", row["triton_error"])
-    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   matmul_tflops=ceiling, rows=rows), open(args.out, "w"), indent=1)
+    json.dump(
+        dict(
+            device=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            triton=triton.__version__,
+            matmul_tflops=ceiling,
+            rows=rows,
+        ),
+        open(args.out, "w"),
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

@@ -36,15 +36,31 @@ def jpeg(side: int) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Qwen/Qwen2.5-VL-7B-Instruct")
-    ap.add_argument("--fraction", type=float, default=0.08, help="of GPU memory: weights + graphs fit, a huge image not")
+    ap.add_argument(
+        "--fraction", type=float, default=0.08, help="of GPU memory: weights + graphs fit, a huge image not"
+    )
     ap.add_argument("--port", type=int, default=8767)
     ap.add_argument("--server-flags", default="", help="extra `vitserve serve` flags (e.g. --device-processes)")
     ap.add_argument("--out", default="gpu_faults.json")
     args = ap.parse_args()
-    server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", "cuda:0",
-                               "--gpu-memory-fraction", str(args.fraction), "--max-pixels", "400000000",
-                               "--max-image-pixels", "400000000", "--payload-limit", str(256 * 2**20),
-                               *args.server_flags.split(), port=args.port)
+    server, url = start_server(
+        "--model",
+        args.model,
+        "--load-format",
+        "dummy",
+        "--device",
+        "cuda:0",
+        "--gpu-memory-fraction",
+        str(args.fraction),
+        "--max-pixels",
+        "400000000",
+        "--max-image-pixels",
+        "400000000",
+        "--payload-limit",
+        str(256 * 2**20),
+        *args.server_flags.split(),
+        port=args.port,
+    )
     rows = []
     try:
         small = jpeg(448)
@@ -52,16 +68,26 @@ def main():
             r = httpx.post(url + "/v1/embeddings", json={"input": [jpeg(side)]}, timeout=600)
             after = httpx.post(url + "/v1/embeddings", json={"input": [small]}, timeout=120)
             error = r.json().get("error", {}) if r.status_code != 200 else {}
-            rows.append(dict(side=side, status=r.status_code, code=error.get("code"), message=error.get("message"),
-                             next_request_status=after.status_code))
+            rows.append(
+                dict(
+                    side=side,
+                    status=r.status_code,
+                    code=error.get("code"),
+                    message=error.get("message"),
+                    next_request_status=after.status_code,
+                )
+            )
             print(rows[-1], flush=True)
             if r.status_code == 507:
                 break
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=120)
-    passed = any(r["status"] == 507 for r in rows) and all(r["next_request_status"] == 200 for r in rows) and \
-        all(r["status"] in (200, 507) for r in rows)
+    passed = (
+        any(r["status"] == 507 for r in rows)
+        and all(r["next_request_status"] == 200 for r in rows)
+        and all(r["status"] in (200, 507) for r in rows)
+    )
     json.dump(dict(rows=rows, exit_code=code, passed=passed), open(args.out, "w"), indent=1)
     print("PASS" if passed else "FAIL")
 

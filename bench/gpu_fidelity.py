@@ -23,10 +23,14 @@ from vitserve.encoder.checkpoint import build_tower, dummy_tensors  # noqa: E402
 from vitserve.encoder.plan import make_plan, to_device  # noqa: E402
 
 MODELS = ["Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"]
-CASES = {"448x448": [(1, 32, 32)], "640x480": [(1, 34, 46)],
-         "mixed": [(1, 20, 28), (1, 12, 6), (1, 16, 16), (1, 2, 2), (1, 64, 40)],
-         # videos: temporal patches (frame pairs) of one grid, attention within each; beside an image
-         "video": [(6, 30, 54)], "video+image": [(4, 16, 24), (1, 32, 32), (2, 10, 14)]}
+CASES = {
+    "448x448": [(1, 32, 32)],
+    "640x480": [(1, 34, 46)],
+    "mixed": [(1, 20, 28), (1, 12, 6), (1, 16, 16), (1, 2, 2), (1, 64, 40)],
+    # videos: temporal patches (frame pairs) of one grid, attention within each; beside an image
+    "video": [(6, 30, 54)],
+    "video+image": [(4, 16, 24), (1, 32, 32), (2, 10, 14)],
+}
 
 
 def rel(a, b):
@@ -71,16 +75,33 @@ def main():
                 outs.append((f"deepstack{j}", d, o16.deepstack_features[j], deepstack[j]))
             for what, r32, r16, mine in outs:
                 e_hf, e_ours = rel(r16, r32), rel(mine, r32)
-                row = dict(model=name, attention=backend, case=case, output=what, tokens=n // cfg.merge_unit, hf_bf16_err=e_hf, ours_bf16_err=e_ours,
-                           ratio=e_ours / e_hf, finite=bool(torch.isfinite(mine).all()),
-                           passed=bool(torch.isfinite(mine).all()) and e_ours <= 1.5 * e_hf)
+                row = dict(
+                    model=name,
+                    attention=backend,
+                    case=case,
+                    output=what,
+                    tokens=n // cfg.merge_unit,
+                    hf_bf16_err=e_hf,
+                    ours_bf16_err=e_ours,
+                    ratio=e_ours / e_hf,
+                    finite=bool(torch.isfinite(mine).all()),
+                    passed=bool(torch.isfinite(mine).all()) and e_ours <= 1.5 * e_hf,
+                )
                 rows.append(row)
-                print(f"{name:28s} {backend:5s} {case:8s} {what:10s} hf_bf16 {e_hf:.3e}  ours {e_ours:.3e}  ratio {row['ratio']:.2f}"
-                      f"  {'PASS' if row['passed'] else 'FAIL'}", flush=True)
+                print(
+                    f"{name:28s} {backend:5s} {case:8s} {what:10s} hf_bf16 {e_hf:.3e}  ours {e_ours:.3e}  ratio {row['ratio']:.2f}"
+                    f"  {'PASS' if row['passed'] else 'FAIL'}",
+                    flush=True,
+                )
         del ref32, ref16, towers
         torch.cuda.empty_cache()
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M"),
-                  rows=rows, all_passed=all(r["passed"] for r in rows))
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        time=time.strftime("%Y-%m-%d %H:%M"),
+        rows=rows,
+        all_passed=all(r["passed"] for r in rows),
+    )
     json.dump(result, open(args.out, "w"), indent=1)
     print("ALL PASSED" if result["all_passed"] else "SOME FAILED")
     return 0 if result["all_passed"] else 1

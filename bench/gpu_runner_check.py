@@ -33,16 +33,22 @@ def rel(a, b):
 
 def batches(rng: random.Random, n: int):
     out = [
-        ("same-total A", [(1, 16, 32)]), ("same-total B", [(1, 32, 16)]), ("same-total C", [(1, 8, 64)]),
+        ("same-total A", [(1, 16, 32)]),
+        ("same-total B", [(1, 32, 16)]),
+        ("same-total C", [(1, 8, 64)]),
         ("same-total D", [(1, 16, 16), (1, 16, 16)]),
-        ("fills 4096 exactly", [(1, 64, 64)]), ("fills 16384 exactly", [(1, 128, 128)]),
+        ("fills 4096 exactly", [(1, 64, 64)]),
+        ("fills 16384 exactly", [(1, 128, 128)]),
         ("16 images", [(1, 16, 16)] * 16),
     ]
     for i in range(n):
         k = rng.randint(1, 16)
         out.append((f"random {i}", [(1, 2 * rng.randint(2, 40), 2 * rng.randint(2, 40)) for _ in range(k)]))
-    out += [("over largest budget (eager)", [(1, 136, 136)]), ("grows past all earlier", [(1, 126, 130)]),
-            ("after growth, small again", [(1, 4, 6), (1, 10, 8)])]
+    out += [
+        ("over largest budget (eager)", [(1, 136, 136)]),
+        ("grows past all earlier", [(1, 126, 130)]),
+        ("after growth, small again", [(1, 4, 6), (1, 10, 8)]),
+    ]
     return out
 
 
@@ -59,8 +65,9 @@ def main():
     for name, backend in itertools.product(MODELS, args.attention_backends):
         t0 = time.perf_counter()
         try:
-            enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy",
-                                                attention_backend=backend)
+            enc = VisionEncoder.from_pretrained(
+                name, device="cuda", dtype="bfloat16", load_format="dummy", attention_backend=backend
+            )
         except ValueError as e:
             print(f"{backend}: {e}")
             continue
@@ -78,7 +85,9 @@ def main():
             for grid, (g, _), (e, _) in zip(grids, graph, eager):
                 rows = grid[0] * grid[1] * grid[2]
                 with torch.inference_mode():
-                    alone, _ = enc.tower(to_device(make_plan([grid], cfg), px[start:start + rows], enc.device, enc.dtype))
+                    alone, _ = enc.tower(
+                        to_device(make_plan([grid], cfg), px[start : start + rows], enc.device, enc.dtype)
+                    )
                 start += rows
                 nan |= not bool(torch.isfinite(g).all())
                 worst_same = max(worst_same, rel(g, e))
@@ -87,13 +96,26 @@ def main():
         stats = runner.stats.as_dict()
         passed = worst_same <= 1e-3 and worst_exact <= 3e-2 and not nan and stats["eager_fallbacks"] >= 2
         ok &= passed
-        fam = dict(model=name, attention=backend, load_and_capture_s=round(load_s, 2), capture_s=stats["capture_seconds"],
-                   pool_mib=round(stats["pool_bytes"] / 2**20, 1), images=count, worst_same_plan=worst_same,
-                   worst_exact_plan=worst_exact, any_nan=nan, passed=passed, stats=stats)
+        fam = dict(
+            model=name,
+            attention=backend,
+            load_and_capture_s=round(load_s, 2),
+            capture_s=stats["capture_seconds"],
+            pool_mib=round(stats["pool_bytes"] / 2**20, 1),
+            images=count,
+            worst_same_plan=worst_same,
+            worst_exact_plan=worst_exact,
+            any_nan=nan,
+            passed=passed,
+            stats=stats,
+        )
         report["families"].append(fam)
-        print(f"{name:28s} {backend:5s} images {count:4d} same-plan {worst_same:.2e} exact-plan {worst_exact:.2e} nan {nan} "
-              f"capture {stats['capture_seconds']:.2f}s pool {fam['pool_mib']} MiB eager {stats['eager_fallbacks']} "
-              f"{'PASS' if passed else 'FAIL'}", flush=True)
+        print(
+            f"{name:28s} {backend:5s} images {count:4d} same-plan {worst_same:.2e} exact-plan {worst_exact:.2e} nan {nan} "
+            f"capture {stats['capture_seconds']:.2f}s pool {fam['pool_mib']} MiB eager {stats['eager_fallbacks']} "
+            f"{'PASS' if passed else 'FAIL'}",
+            flush=True,
+        )
         del enc, runner
         torch.cuda.empty_cache()
     report["all_passed"] = ok

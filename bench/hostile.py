@@ -113,8 +113,9 @@ PAUSE = 0.1  # seconds an attacking client waits after an answer before its next
 _sent = iter(range(10**9))  # normal requests sent so far
 
 
-def normal_latencies(client: httpx.Client, url: str, n: int,
-                     stop: threading.Event | None = None) -> tuple[list[float], list[int]]:
+def normal_latencies(
+    client: httpx.Client, url: str, n: int, stop: threading.Event | None = None
+) -> tuple[list[float], list[int]]:
     out, codes = [], []
     for _ in range(n):
         if stop is not None and stop.is_set():
@@ -122,8 +123,11 @@ def normal_latencies(client: httpx.Client, url: str, n: int,
         body = normal_body(next(_sent))
         start = time.perf_counter()
         try:
-            codes.append(client.post(url + "/v1/embeddings", content=body,
-                                     headers={"content-type": "application/json"}).status_code)
+            codes.append(
+                client.post(
+                    url + "/v1/embeddings", content=body, headers={"content-type": "application/json"}
+                ).status_code
+            )
         except httpx.HTTPError:
             codes.append(0)
         out.append(time.perf_counter() - start)
@@ -154,8 +158,10 @@ def post_raw(port: int, path: str, body: bytes, timeout: float = 120) -> int:
     """One POST over a fresh socket (no client-side parsing of the body): the status, 0 for none."""
     sock = socket.create_connection(("127.0.0.1", port))
     try:
-        sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                     b"connection: close\r\n\r\n" % (path.encode(), len(body)))
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (path.encode(), len(body))
+        )
         sock.sendall(body)
     except OSError:
         pass
@@ -169,6 +175,7 @@ def data_uri(data: bytes, media: str = "image/png") -> str:
 
 
 # ---- the attacks: each runs while normal requests are timed beside it, and returns (statuses, details) ----------
+
 
 def repeat(clients: int, send, stop: threading.Event, pause: float = PAUSE) -> tuple[list[int], list[float]]:
     """`clients` threads each calling `send(i)` (its i-th request; returns a status) until `stop`, `pause` seconds
@@ -203,8 +210,10 @@ def attack_bomb(url: str, port: int, stop: threading.Event):
 
 def attack_numbers(url: str, port: int, stop: threading.Event):
     """Lists of 0s (3.8 MB and 7.6 MB), nulls and objects in place of images, from two clients."""
-    bodies = [b'{"images": [' + b",".join([item] * (size // (len(item) + 1))) + b"]}"
-              for item, size in ((b"0", 3_800_000), (b"0", 7_600_000), (b"null", 3_800_000), (b"{}", 3_800_000))]
+    bodies = [
+        b'{"images": [' + b",".join([item] * (size // (len(item) + 1))) + b"]}"
+        for item, size in ((b"0", 3_800_000), (b"0", 7_600_000), (b"null", 3_800_000), (b"{}", 3_800_000))
+    ]
     statuses, seconds = repeat(2, lambda i: post_raw(port, "/v1/encode", bodies[i % len(bodies)]), stop)
     return statuses, {"requests": len(statuses), "max_seconds": max(seconds, default=0)}
 
@@ -216,7 +225,7 @@ def scan_bomb(side: int = 7000, scans: int = 2000) -> bytes:
     Image.new("L", (side, side), 128).save(buf, "JPEG", progressive=True, quality=90)
     data = buf.getvalue()
     starts = [i for i in range(len(data) - 1) if data[i] == 0xFF and data[i + 1] == 0xDA]
-    return data[:-2] + data[starts[-1]:-2] * (scans - len(starts)) + b"\xff\xd9"
+    return data[:-2] + data[starts[-1] : -2] * (scans - len(starts)) + b"\xff\xd9"
 
 
 def attack_scan_bomb(url: str, port: int, stop: threading.Event):
@@ -227,12 +236,17 @@ def attack_scan_bomb(url: str, port: int, stop: threading.Event):
     def send(i):
         comment = f"bomb {next(sent)}".encode()
         image = bomb[:2] + b"\xff\xfe" + struct.pack(">H", len(comment) + 2) + comment + bomb[2:]
-        return post_raw(port, "/v1/embeddings", json.dumps({"input": [data_uri(image, "image/jpeg")]}).encode(),
-                        timeout=3)
+        return post_raw(
+            port, "/v1/embeddings", json.dumps({"input": [data_uri(image, "image/jpeg")]}).encode(), timeout=3
+        )
 
     statuses, seconds = repeat(2, send, stop)
-    return [s for s in statuses if s], {"bytes": len(bomb), "answered": sum(1 for s in statuses if s),
-                                        "sent": len(statuses), "max_seconds": max(seconds, default=0)}
+    return [s for s in statuses if s], {
+        "bytes": len(bomb),
+        "answered": sum(1 for s in statuses if s),
+        "sent": len(statuses),
+        "max_seconds": max(seconds, default=0),
+    }
 
 
 def junk() -> dict[str, bytes]:
@@ -244,8 +258,17 @@ def junk() -> dict[str, bytes]:
     pngs = raw[:33] + chunk * (4 * 2**20 // len(chunk)) + raw[33:]
     strips = 2_400_000  # its base64 within the 32 MiB payload limit
     tiff = bytearray(b"II*\x00" + struct.pack("<I", 8))
-    entries = [(256, 4, 1, 16), (257, 4, 1, 16), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1),
-               (273, 4, strips, 0), (277, 3, 1, 1), (278, 4, 1, 1), (279, 4, strips, 0)]
+    entries = [
+        (256, 4, 1, 16),
+        (257, 4, 1, 16),
+        (258, 3, 1, 8),
+        (259, 3, 1, 1),
+        (262, 3, 1, 1),
+        (273, 4, strips, 0),
+        (277, 3, 1, 1),
+        (278, 4, 1, 1),
+        (279, 4, strips, 0),
+    ]
     table = 8 + 2 + 12 * len(entries) + 4
     tiff += struct.pack("<H", len(entries))
     offsets = {273: table, 279: table + 4 * strips}
@@ -253,17 +276,24 @@ def junk() -> dict[str, bytes]:
         tiff += struct.pack("<HHII", tag, kind, count, offsets.get(tag, value))
     tiff += struct.pack("<I", 0) + struct.pack(f"<{strips}I", *([table + 8 * strips] * strips))
     tiff += struct.pack(f"<{strips}I", *([1] * strips)) + b"\x00" * 16
-    return {"jpeg 22 MB of fill bytes": b"\xff\xd8" + b"\xff" * (22 * 2**20) + jpeg.getvalue()[2:],
-            "png 4 MB of small chunks": pngs, "tiff 2.4 M strip offsets": bytes(tiff)}
+    return {
+        "jpeg 22 MB of fill bytes": b"\xff\xd8" + b"\xff" * (22 * 2**20) + jpeg.getvalue()[2:],
+        "png 4 MB of small chunks": pngs,
+        "tiff 2.4 M strip offsets": bytes(tiff),
+    }
 
 
 def attack_header_junk(url: str, port: int, stop: threading.Event):
     """Three kinds of header junk (5 to 29 MB each), each from a client of its own (three at once), a second apart."""
     bodies = [json.dumps({"input": [data_uri(data, "image/jpeg")]}).encode() for data in junk().values()]
-    statuses, seconds = repeat(3, lambda i: post_raw(port, "/v1/embeddings", bodies[i % 3], timeout=60), stop,
-                               pause=1.0)
-    return statuses, {"requests": len(statuses), "max_seconds": max(seconds, default=0),
-                      "sizes_mb": [round(len(b) / 2**20, 1) for b in bodies]}
+    statuses, seconds = repeat(
+        3, lambda i: post_raw(port, "/v1/embeddings", bodies[i % 3], timeout=60), stop, pause=1.0
+    )
+    return statuses, {
+        "requests": len(statuses),
+        "max_seconds": max(seconds, default=0),
+        "sizes_mb": [round(len(b) / 2**20, 1) for b in bodies],
+    }
 
 
 def attack_idle_connections(url: str, port: int, stop: threading.Event):
@@ -316,8 +346,10 @@ def attack_one_byte_chunks(url: str, port: int, stop: threading.Event):
         while not stop.is_set():
             sock = socket.create_connection(("127.0.0.1", port))
             try:
-                sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")
+                sock.sendall(
+                    b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
                 while not stop.is_set():
                     sock.sendall(b"1\r\n \r\n")
             except OSError:
@@ -341,8 +373,10 @@ def attack_unfinished_bodies(url: str, port: int, stop: threading.Event):
     socks = []
     for _ in range(10):
         sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"POST /v1/encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n" % limit)
+        sock.sendall(
+            b"POST /v1/encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % limit
+        )
         socks.append(sock)
 
     def send(sock):
@@ -395,22 +429,23 @@ def attack_none(url: str, port: int, stop: threading.Event):
     return [], {}
 
 
-CASES = {"quiet": ("no attack (the reference)", attack_none),
-         "bomb": ("16 × 8000² transparent WebP", attack_bomb),
-         "numbers": ("lists of numbers, nulls, objects", attack_numbers),
-         "header_junk": ("header junk (JPEG, PNG, TIFF)", attack_header_junk),
-         "idle_connections": ("1030 idle connections", attack_idle_connections),
-         "bodies_in_flight": ("20 × 29 MB bodies in flight", attack_bodies_in_flight),
-         "one_byte_chunks": ("1-byte chunks on 4 connections", attack_one_byte_chunks),
-         "unfinished_bodies": ("10 unfinished 32 MiB bodies", attack_unfinished_bodies),
-         "huge_header": ("a 120 MB header", attack_huge_header),
-         "scan_bomb": ("progressive-JPEG scan bomb", attack_scan_bomb)}  # last: unbounded, it outlasts its case
+CASES = {
+    "quiet": ("no attack (the reference)", attack_none),
+    "bomb": ("16 × 8000² transparent WebP", attack_bomb),
+    "numbers": ("lists of numbers, nulls, objects", attack_numbers),
+    "header_junk": ("header junk (JPEG, PNG, TIFF)", attack_header_junk),
+    "idle_connections": ("1030 idle connections", attack_idle_connections),
+    "bodies_in_flight": ("20 × 29 MB bodies in flight", attack_bodies_in_flight),
+    "one_byte_chunks": ("1-byte chunks on 4 connections", attack_one_byte_chunks),
+    "unfinished_bodies": ("10 unfinished 32 MiB bodies", attack_unfinished_bodies),
+    "huge_header": ("a 120 MB header", attack_huge_header),
+    "scan_bomb": ("progressive-JPEG scan bomb", attack_scan_bomb),
+}  # last: unbounded, it outlasts its case
 SECONDS = 8.0  # how long the open-ended attacks run
 ARMED_LATER = {"idle_connections"}  # measured from when the attack says it is in place (stop.armed)
 
 
-def run_case(name: str, url: str, port: int, proc, sampler: Sampler, unloaded_p99: float,
-             client: httpx.Client) -> dict:
+def run_case(name: str, url: str, port: int, proc, sampler: Sampler, unloaded_p99: float, client: httpx.Client) -> dict:
     label, attack = CASES[name]
     stop, done = threading.Event(), threading.Event()
     stop.armed = threading.Event()
@@ -437,15 +472,27 @@ def run_case(name: str, url: str, port: int, proc, sampler: Sampler, unloaded_p9
     t0, t1 = t0[0], time.monotonic()
     latencies, codes = beside[0]
     health_p99, health_failed = sampler.health_in(t0, t1)
-    result = dict(case=label, seconds=round(t1 - t0, 2), peak_rss_growth_mb=(sampler.peak_since(t0) - base) / 2**20,
-                  health_p99_ms=health_p99, health_failed=health_failed,
-                  normal_p50_ms=float(np.median(latencies) * 1e3) if latencies else float("nan"),
-                  normal_p99_ms=p99(latencies),
-                  normal_requests=len(latencies), normal_failed=sum(c != 200 for c in codes),
-                  statuses={str(s): statuses.count(s) for s in sorted(set(statuses))}, **details)
-    result["passed"] = bool(result["peak_rss_growth_mb"] <= 1024 and health_p99 <= 50 and not health_failed
-                            and result["normal_p99_ms"] <= 2 * unloaded_p99 and not result["normal_failed"]
-                            and not any(500 <= s < 600 for s in statuses))
+    result = dict(
+        case=label,
+        seconds=round(t1 - t0, 2),
+        peak_rss_growth_mb=(sampler.peak_since(t0) - base) / 2**20,
+        health_p99_ms=health_p99,
+        health_failed=health_failed,
+        normal_p50_ms=float(np.median(latencies) * 1e3) if latencies else float("nan"),
+        normal_p99_ms=p99(latencies),
+        normal_requests=len(latencies),
+        normal_failed=sum(c != 200 for c in codes),
+        statuses={str(s): statuses.count(s) for s in sorted(set(statuses))},
+        **details,
+    )
+    result["passed"] = bool(
+        result["peak_rss_growth_mb"] <= 1024
+        and health_p99 <= 50
+        and not health_failed
+        and result["normal_p99_ms"] <= 2 * unloaded_p99
+        and not result["normal_failed"]
+        and not any(500 <= s < 600 for s in statuses)
+    )
     time.sleep(1.0)  # let the server settle before the next case
     return result
 
@@ -457,8 +504,15 @@ def main():
     ap.add_argument("--server-flags", default="", help="extra flags for the server (default: none, its defaults)")
     args = ap.parse_args()
     names = [n for n in args.cases.split(",") if n]
-    proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", *args.server_flags.split(),
-                             timeout=120, capture_log=True)
+    proc, url = start_server(
+        "--model",
+        "tiny-qwen2.5-vl",
+        "--load-format",
+        "dummy",
+        *args.server_flags.split(),
+        timeout=120,
+        capture_log=True,
+    )
     port = int(url.rsplit(":", 1)[1])
     sampler = Sampler(proc.pid, url)
     sampler.start()
@@ -483,14 +537,20 @@ def main():
             proc.wait()
     result["all_passed"] = all(c["passed"] for c in result["cases"].values())
     unloaded = result["unloaded_p99_ms"]
-    print(f"\nunloaded normal request: p50 {result['unloaded_p50_ms']:.1f} ms, p99 {unloaded:.1f} ms; targets per case: "
-          f"RSS growth <= 1024 MB, /health p99 <= 50 ms, normal p99 <= {2 * unloaded:.1f} ms, no 5xx\n")
-    print(f"{'case':34s} {'RSS +MB':>8s} {'health p99':>11s} {'normal p50':>11s} {'normal p99':>11s} "
-          f"{'normal n':>9s}  statuses")
+    print(
+        f"\nunloaded normal request: p50 {result['unloaded_p50_ms']:.1f} ms, p99 {unloaded:.1f} ms; targets per case: "
+        f"RSS growth <= 1024 MB, /health p99 <= 50 ms, normal p99 <= {2 * unloaded:.1f} ms, no 5xx\n"
+    )
+    print(
+        f"{'case':34s} {'RSS +MB':>8s} {'health p99':>11s} {'normal p50':>11s} {'normal p99':>11s} "
+        f"{'normal n':>9s}  statuses"
+    )
     for c in result["cases"].values():
-        print(f"{c['case']:34s} {c['peak_rss_growth_mb']:8.0f} {c['health_p99_ms']:9.1f}ms "
-              f"{c['normal_p50_ms']:9.1f}ms {c['normal_p99_ms']:9.1f}ms {c['normal_requests']:9d}  {c['statuses']} "
-              f"{'PASS' if c['passed'] else 'FAIL'}")
+        print(
+            f"{c['case']:34s} {c['peak_rss_growth_mb']:8.0f} {c['health_p99_ms']:9.1f}ms "
+            f"{c['normal_p50_ms']:9.1f}ms {c['normal_p99_ms']:9.1f}ms {c['normal_requests']:9d}  {c['statuses']} "
+            f"{'PASS' if c['passed'] else 'FAIL'}"
+        )
     json.dump(result, open(args.out, "w"), indent=1)
     return 0 if result["all_passed"] else 1
 

@@ -83,8 +83,14 @@ async def _clients(host: str, port: int, indices: list[int], concurrency: int) -
                 if not keep:
                     writer.close()
                     writer = None
-            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError,
-                    IndexError):  # a failure, counted; a request never answered counts after ANSWER_SECONDS
+            except (
+                OSError,
+                asyncio.IncompleteReadError,
+                asyncio.TimeoutError,
+                ConnectionError,
+                ValueError,
+                IndexError,
+            ):  # a failure, counted; a request never answered counts after ANSWER_SECONDS
                 failures += 1
                 if writer is not None:
                     writer.close()
@@ -127,16 +133,24 @@ def run_load(url: str, payloads: list[bytes], requests: int, concurrency: int, p
     results, wall = in_processes(_client_process, jobs)
     rows = [row for r in results for row in r[0]]
     done = np.sort([row[2] for row in rows])
-    middle = done[len(done) // 10:len(done) - len(done) // 10]
+    middle = done[len(done) // 10 : len(done) - len(done) // 10]
     lat = np.array([row[1] * 1e3 for row in rows]) if rows else np.zeros(1)
     by_image: dict[int, list[float]] = {}
     for i, seconds, *_ in rows:
         by_image.setdefault(i, []).append(seconds * 1e3)
-    return dict(requests=requests, concurrency=concurrency, client_processes=processes, answered=len(rows),
-                failures=sum(r[1] for r in results), images_per_s=len(rows) / wall, wall_s=wall,
-                steady_images_per_s=float((len(middle) - 1) / (middle[-1] - middle[0])) if len(middle) > 1 else None,
-                p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
-                answer_mb_per_s=sum(row[4] for row in rows) / wall / 1e6,
-                answer_mb_mean=float(np.mean([row[4] for row in rows]) / 1e6) if rows else 0.0,
-                client_cpu_busiest=max(r[2] for r in results) / wall,
-                p50_ms_by_image={k: float(np.percentile(v, 50)) for k, v in sorted(by_image.items())})
+    return dict(
+        requests=requests,
+        concurrency=concurrency,
+        client_processes=processes,
+        answered=len(rows),
+        failures=sum(r[1] for r in results),
+        images_per_s=len(rows) / wall,
+        wall_s=wall,
+        steady_images_per_s=float((len(middle) - 1) / (middle[-1] - middle[0])) if len(middle) > 1 else None,
+        p50_ms=float(np.percentile(lat, 50)),
+        p99_ms=float(np.percentile(lat, 99)),
+        answer_mb_per_s=sum(row[4] for row in rows) / wall / 1e6,
+        answer_mb_mean=float(np.mean([row[4] for row in rows]) / 1e6) if rows else 0.0,
+        client_cpu_busiest=max(r[2] for r in results) / wall,
+        p50_ms_by_image={k: float(np.percentile(v, 50)) for k, v in sorted(by_image.items())},
+    )

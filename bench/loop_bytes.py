@@ -41,8 +41,7 @@ def photo(pixels: int, seed: int = 0) -> bytes:
     y, x = np.mgrid[0:h, 0:w]
     base = np.stack([x * 255 // w, y * 255 // h, (x + y) * 255 // (w + h)], -1)
     out = io.BytesIO()
-    Image.fromarray(np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)).save(out, "JPEG",
-                                                                                                  quality=90)
+    Image.fromarray(np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
     return out.getvalue()
 
 
@@ -51,8 +50,13 @@ def body_of(target: int) -> bytes:
     pixels = target * 3 / 4 / 0.67
     for _ in range(8):
         image = photo(int(pixels))
-        body = json.dumps({"input": "data:image/jpeg;base64," + base64.b64encode(image).decode(),
-                           "pooling": "mean", "max_pixels": 224 * 224}).encode()
+        body = json.dumps(
+            {
+                "input": "data:image/jpeg;base64," + base64.b64encode(image).decode(),
+                "pooling": "mean",
+                "max_pixels": 224 * 224,
+            }
+        ).encode()
         if abs(len(body) - target) < 0.03 * target:
             return body
         pixels *= target / len(body)
@@ -79,9 +83,29 @@ def free_port() -> int:
 
 
 def serve(port: int, extra: list[str]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "vitserve", "serve", "--model", "tiny-qwen2.5-vl", "--load-format",
-                             "dummy", "--device", "cpu", "--cache-bytes", "0", "--host", "127.0.0.1", "--port",
-                             str(port), "--log-level", "warning", *extra])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vitserve",
+            "serve",
+            "--model",
+            "tiny-qwen2.5-vl",
+            "--load-format",
+            "dummy",
+            "--device",
+            "cpu",
+            "--cache-bytes",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -120,8 +144,11 @@ def measure(pid: int, port: int, method: str, path: str, body: bytes | None, n: 
     time.sleep(0.2)  # what the request left to threads (a spool file's removal, a timer) is counted too
     main1, all1 = cpu_ns(pid, pid), process_ns(pid)
     conn.close()
-    return {"loop_ms": (main1 - main0) / n / 1e6, "process_ms": (all1 - all0) / n / 1e6,
-            "wall_ms": statistics.median(walls) * 1e3}
+    return {
+        "loop_ms": (main1 - main0) / n / 1e6,
+        "process_ms": (all1 - all0) / n / 1e6,
+        "wall_ms": statistics.median(walls) * 1e3,
+    }
 
 
 def main():
@@ -139,8 +166,13 @@ def main():
         floor = measure(proc.pid, port, "GET", "/health", None, args.requests)
         rows.append({"body": "GET /health", "bytes": 0, **floor})
         for name, body in bodies.items():
-            rows.append({"body": name, "bytes": len(body),
-                         **measure(proc.pid, port, "POST", "/v1/embeddings", body, args.requests)})
+            rows.append(
+                {
+                    "body": name,
+                    "bytes": len(body),
+                    **measure(proc.pid, port, "POST", "/v1/embeddings", body, args.requests),
+                }
+            )
     finally:
         proc.terminate()
         proc.wait(30)
@@ -148,8 +180,10 @@ def main():
     for row in rows:
         per_mb = (row["loop_ms"] - floor["loop_ms"]) / (row["bytes"] / 1e6) if row["bytes"] else float("nan")
         row["loop_ms_per_mb_over_health"] = per_mb
-        print(f"{row['body']:>12} {row['bytes']:>9} {row['loop_ms']:>8.3f} {per_mb:>10.3f} {row['process_ms']:>10.3f} "
-              f"{row['wall_ms']:>8.2f}")
+        print(
+            f"{row['body']:>12} {row['bytes']:>9} {row['loop_ms']:>8.3f} {per_mb:>10.3f} {row['process_ms']:>10.3f} "
+            f"{row['wall_ms']:>8.2f}"
+        )
     with open(args.out, "w") as f:
         json.dump({"label": args.label, "cpus": os.cpu_count(), "requests": args.requests, "rows": rows}, f, indent=1)
 

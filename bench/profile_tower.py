@@ -25,11 +25,16 @@ from vitserve.encoder import VisionEncoder  # noqa: E402
 from vitserve.encoder.layers import MLP_ALIGN, round_up  # noqa: E402
 from vitserve.encoder.plan import make_plan, to_device  # noqa: E402
 
-CASES = {"Qwen/Qwen2.5-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
-         "Qwen/Qwen2-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
-         "Qwen/Qwen3-VL-8B-Instruct": {"8×512²": [(32, 32)] * 8, "1344²": [(84, 84)]}}
-KINDS = [("attention", re.compile(r"flash|fmha|attn|sdpa|cudnn", re.I)),
-         ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)), ("fused", re.compile(r"^_\w+_kernel$|triton", re.I))]
+CASES = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
+    "Qwen/Qwen2-VL-7B-Instruct": {"8×448²": [(32, 32)] * 8, "1344²": [(96, 96)]},
+    "Qwen/Qwen3-VL-8B-Instruct": {"8×512²": [(32, 32)] * 8, "1344²": [(84, 84)]},
+}
+KINDS = [
+    ("attention", re.compile(r"flash|fmha|attn|sdpa|cudnn", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)),
+    ("fused", re.compile(r"^_\w+_kernel$|triton", re.I)),
+]
 
 
 def kind_of(name: str) -> str:
@@ -57,26 +62,40 @@ def kernel_breakdown(enc, grids) -> dict:
     for name, (ms, _) in kernels.items():
         by_kind[kind_of(name)] += ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
-    return {"patches": n, "total_ms": sum(by_kind.values()), "by_kind_ms": dict(by_kind),
-            "top": [{"kernel": k[:110], "kind": kind_of(k), "ms": v[0], "count": v[1]} for k, v in top]}
+    return {
+        "patches": n,
+        "total_ms": sum(by_kind.values()),
+        "by_kind_ms": dict(by_kind),
+        "top": [{"kernel": k[:110], "kind": kind_of(k), "ms": v[0], "count": v[1]} for k, v in top],
+    }
 
 
 def gemm_table(enc, ceiling: float, m: int = 8192) -> list[dict]:
     cfg, d = enc.config, enc.config.hidden_size
     width = round_up(cfg.intermediate_size, MLP_ALIGN)
-    mlp = [("gate_up", d, 2 * width), ("down", width, d)] if cfg.hidden_act == "silu" else [("fc1", d, width),
-                                                                                           ("fc2", width, d)]
+    mlp = (
+        [("gate_up", d, 2 * width), ("down", width, d)]
+        if cfg.hidden_act == "silu"
+        else [("fc1", d, width), ("fc2", width, d)]
+    )
     rows = []
     u = cfg.merge_unit
-    for name, k, nout in [("qkv", d, 3 * d), ("proj", d, d), *mlp, ("merger.fc1", u * d, u * d),
-                          ("merger.fc2", u * d, cfg.out_hidden_size)]:
+    for name, k, nout in [
+        ("qkv", d, 3 * d),
+        ("proj", d, d),
+        *mlp,
+        ("merger.fc1", u * d, u * d),
+        ("merger.fc2", u * d, cfg.out_hidden_size),
+    ]:
         rows_m = m // u if name.startswith("merger") else m
         x = torch.randn(rows_m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(nout, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         b = torch.randn(nout, device="cuda", dtype=torch.bfloat16)
         ms = gpu_ms(lambda x=x, w=w, b=b: F.linear(x, w, b), warmup=5, reps=30)
         tflops = 2 * rows_m * k * nout / ms / 1e9
-        rows.append({"gemm": name, "m": rows_m, "k": k, "n": nout, "ms": ms, "tflops": tflops, "of_ceiling": tflops / ceiling})
+        rows.append(
+            {"gemm": name, "m": rows_m, "k": k, "n": nout, "ms": ms, "tflops": tflops, "of_ceiling": tflops / ceiling}
+        )
         if cfg.hidden_act == "gelu_pytorch_tanh" and name == "fc1":  # cuBLASLt's bias + GELU(tanh) epilogue
             from vitserve.encoder import kernels
 
@@ -84,9 +103,15 @@ def gemm_table(enc, ceiling: float, m: int = 8192) -> list[dict]:
             fused = gpu_ms(lambda x=x, w=w, b=b: torch._addmm_activation(b, x, w.t(), use_gelu=True), warmup=5, reps=30)
             ref = kernels.ACT_REFERENCE["gelu_pytorch_tanh"](F.linear(x.float(), w.float(), b.float()))
             err = lambda y: ((y.float() - ref).norm() / ref.norm()).item()  # noqa: E731
-            rows.append({"gemm": "fc1+gelu", "linear_then_act_ms": sep, "epilogue_ms": fused,
-                         "err_linear_then_act": err(kernels.act(F.linear(x, w, b), "gelu_pytorch_tanh")),
-                         "err_epilogue": err(torch._addmm_activation(b, x, w.t(), use_gelu=True))})
+            rows.append(
+                {
+                    "gemm": "fc1+gelu",
+                    "linear_then_act_ms": sep,
+                    "epilogue_ms": fused,
+                    "err_linear_then_act": err(kernels.act(F.linear(x, w, b), "gelu_pytorch_tanh")),
+                    "err_epilogue": err(torch._addmm_activation(b, x, w.t(), use_gelu=True)),
+                }
+            )
     return rows
 
 
@@ -99,9 +124,14 @@ def attention_table(heads: int, head_dim: int) -> list[dict]:
         total = frames * n
         q, k, v = (torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         cu = torch.arange(0, total + 1, n, device="cuda", dtype=torch.int32)
-        row = {"frames": frames, "seq": n, "heads": heads, "head_dim": head_dim,
-               "flops": 4 * frames * n * n * heads * head_dim,
-               "varlen_ms": gpu_ms(lambda q=q, k=k, v=v, cu=cu, n=n: varlen_attn(q, k, v, cu, cu, n, n))}
+        row = {
+            "frames": frames,
+            "seq": n,
+            "heads": heads,
+            "head_dim": head_dim,
+            "flops": 4 * frames * n * n * heads * head_dim,
+            "varlen_ms": gpu_ms(lambda q=q, k=k, v=v, cu=cu, n=n: varlen_attn(q, k, v, cu, cu, n, n)),
+        }
         dense = [t.view(frames, n, heads, head_dim).transpose(1, 2) for t in (q, k, v)]
         for name, backend in (("cudnn_ms", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash_ms", SDPBackend.FLASH_ATTENTION)):
             try:
@@ -121,15 +151,28 @@ def main():
     args = ap.parse_args()
     ceiling = matmul_tflops()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul ceiling {ceiling:.0f} TFLOP/s")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "matmul_tflops": ceiling,
-              "models": {}}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "matmul_tflops": ceiling,
+        "models": {},
+    }
     for name in args.models:
-        enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy", capture=False,
-                                            attention_backend=args.attention_backend)
+        enc = VisionEncoder.from_pretrained(
+            name,
+            device="cuda",
+            dtype="bfloat16",
+            load_format="dummy",
+            capture=False,
+            attention_backend=args.attention_backend,
+        )
         cfg = enc.config
         print(f"{name}: attention {enc.runner.stats.attention}")
-        out = {"cases": {case: kernel_breakdown(enc, grids) for case, grids in CASES[name].items()},
-               "gemms": gemm_table(enc, ceiling), "attention": attention_table(cfg.num_heads, cfg.head_dim)}
+        out = {
+            "cases": {case: kernel_breakdown(enc, grids) for case, grids in CASES[name].items()},
+            "gemms": gemm_table(enc, ceiling),
+            "attention": attention_table(cfg.num_heads, cfg.head_dim),
+        }
         result["models"][name] = out
         print(f"\n== {name}")
         for case, r in out["cases"].items():

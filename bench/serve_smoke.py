@@ -40,10 +40,28 @@ def main():
     ap.add_argument("--out", default="serve_smoke.json")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "vitserve", "serve", "--model", args.model, "--load-format",
-                             "dummy", "--device", "cuda:0", "--host", "127.0.0.1", "--port", str(args.port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vitserve",
+            "serve",
+            "--model",
+            args.model,
+            "--load-format",
+            "dummy",
+            "--device",
+            "cuda:0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(args.port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{args.port}"
     health_s = ready_s = None
     while time.perf_counter() - t0 < 300:
@@ -84,12 +102,22 @@ def main():
     code = proc.wait(timeout=60)
     log = proc.stdout.read()
     lat = np.array(latencies) * 1e3
-    report = dict(model=args.model, health_s=health_s, ready_s=ready_s,
-                  load_log=[l for l in log.splitlines() if re.search(r"loaded in|captured \d+ budgets|ready in", l)],
-                  single_448_ms_p50=float(np.median(single) * 1e3), requests=args.requests,
-                  concurrency=args.concurrency, ok=statuses.count(200), p50_ms=float(np.percentile(lat, 50)),
-                  p99_ms=float(np.percentile(lat, 99)), images_per_s=args.requests / wall, exit_code=code,
-                  batch_size_histogram=stats["batch_size_histogram"], runner=next(iter(stats["devices"].values()))["runner"]["capture_seconds"])
+    report = dict(
+        model=args.model,
+        health_s=health_s,
+        ready_s=ready_s,
+        load_log=[l for l in log.splitlines() if re.search(r"loaded in|captured \d+ budgets|ready in", l)],
+        single_448_ms_p50=float(np.median(single) * 1e3),
+        requests=args.requests,
+        concurrency=args.concurrency,
+        ok=statuses.count(200),
+        p50_ms=float(np.percentile(lat, 50)),
+        p99_ms=float(np.percentile(lat, 99)),
+        images_per_s=args.requests / wall,
+        exit_code=code,
+        batch_size_histogram=stats["batch_size_histogram"],
+        runner=next(iter(stats["devices"].values()))["runner"]["capture_seconds"],
+    )
     print(json.dumps({k: v for k, v in report.items() if k != "runner"}, indent=1))
     json.dump(report | {"stats": stats}, open(args.out, "w"), indent=1)
     return 0 if code == 0 and report["ok"] == args.requests else 1

@@ -65,11 +65,14 @@ async def drive(url: str, uris: list[str], requests: int, concurrency: int) -> d
     latencies = []
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=concurrency)) as c:
+
         async def one(i):
             async with sem:
                 t = time.perf_counter()
                 try:
-                    r = await c.post("/v1/embeddings", json={"input": [uris[i % len(uris)]], "encoding_format": "base64"})
+                    r = await c.post(
+                        "/v1/embeddings", json={"input": [uris[i % len(uris)]], "encoding_format": "base64"}
+                    )
                     key = str(r.status_code)
                     if r.status_code == 200 and len(base64.b64decode(r.json()["data"][0]["embedding"])) == 0:
                         key = "empty"
@@ -95,8 +98,18 @@ def main():
     ap.add_argument("--rss-growth-bound-mib", type=float, default=256)
     ap.add_argument("--out", default="soak.json")
     args = ap.parse_args()
-    server, url = start_server("--model", args.model, "--load-format", "dummy", "--device", args.device,
-                               "--max-concurrent-requests", str(args.max_concurrent_requests), "--log-level", "warning")
+    server, url = start_server(
+        "--model",
+        args.model,
+        "--load-format",
+        "dummy",
+        "--device",
+        args.device,
+        "--max-concurrent-requests",
+        str(args.max_concurrent_requests),
+        "--log-level",
+        "warning",
+    )
     try:
         uris = images()
         asyncio.run(drive(url, uris, 64, 16))  # warm: workers forked, caches filled
@@ -111,17 +124,38 @@ def main():
     counts = result["counts"]
     answered, throttled = counts.get("200", 0), counts.get("429", 0)
     server_errors = sum(v for k, v in counts.items() if k.startswith("5"))
-    lost = args.requests - answered - throttled - server_errors - sum(
-        v for k, v in counts.items() if k.startswith("4") and k != "429")
-    report = dict(model=args.model, requests=args.requests, concurrency=args.concurrency, answered=answered,
-                  status_429=throttled, status_5xx=server_errors, lost=lost, other=counts, seconds=result["seconds"],
-                  requests_per_s=args.requests / result["seconds"], p50_ms=result["p50_ms"], p99_ms=result["p99_ms"],
-                  rss_start_mib=rss_start, rss_end_mib=rss_end, rss_growth_bound_mib=args.rss_growth_bound_mib,
-                  spool_files_left=len(left), device_processes=stats["device_processes"],
-                  decode_workers_replaced=stats["decode_workers_replaced"], exit_code=code,
-                  batch_size_histogram=stats["batch_size_histogram"])
-    report["passed"] = (server_errors == 0 and lost == 0 and code == 0 and not left
-                        and rss_end - rss_start <= args.rss_growth_bound_mib)
+    lost = (
+        args.requests
+        - answered
+        - throttled
+        - server_errors
+        - sum(v for k, v in counts.items() if k.startswith("4") and k != "429")
+    )
+    report = dict(
+        model=args.model,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        answered=answered,
+        status_429=throttled,
+        status_5xx=server_errors,
+        lost=lost,
+        other=counts,
+        seconds=result["seconds"],
+        requests_per_s=args.requests / result["seconds"],
+        p50_ms=result["p50_ms"],
+        p99_ms=result["p99_ms"],
+        rss_start_mib=rss_start,
+        rss_end_mib=rss_end,
+        rss_growth_bound_mib=args.rss_growth_bound_mib,
+        spool_files_left=len(left),
+        device_processes=stats["device_processes"],
+        decode_workers_replaced=stats["decode_workers_replaced"],
+        exit_code=code,
+        batch_size_histogram=stats["batch_size_histogram"],
+    )
+    report["passed"] = (
+        server_errors == 0 and lost == 0 and code == 0 and not left and rss_end - rss_start <= args.rss_growth_bound_mib
+    )
     print(json.dumps(report, indent=1))
     json.dump(report, open(args.out, "w"), indent=1)
     return 0 if report["passed"] else 1

@@ -27,12 +27,14 @@ def run(lengths, max_seqlen, extra_empty=0, reps=50):
     with torch.cuda.graph(g):
         for _ in range(10):
             varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen)
-    g.replay(); torch.cuda.synchronize()
+    g.replay()
+    torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(reps):
         g.replay()
-    e.record(); torch.cuda.synchronize()
+    e.record()
+    torch.cuda.synchronize()
     return s.elapsed_time(e) / reps / 10 * 1000  # us per call
 
 

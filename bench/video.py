@@ -76,10 +76,24 @@ from frontend import process_tree  # noqa: E402
 from videos import frames_of  # noqa: E402
 
 PHASES = ("single", "throughput", "long")
-CPU_DEFAULTS = dict(model="tiny-qwen3-vl", device="cpu", dtype="float32", clip="4x320x240",
-                    mix="4x320x240,3x256x192,6x320x180", clients=2, seconds=10.0, engine_seconds=3.0, engine_batches=1,
-                    repeats=3, long_seconds=60.0, long_size="320x180", image_clients=2, image_seconds=5.0,
-                    request_timeout=120.0, start_timeout=180.0)
+CPU_DEFAULTS = dict(
+    model="tiny-qwen3-vl",
+    device="cpu",
+    dtype="float32",
+    clip="4x320x240",
+    mix="4x320x240,3x256x192,6x320x180",
+    clients=2,
+    seconds=10.0,
+    engine_seconds=3.0,
+    engine_batches=1,
+    repeats=3,
+    long_seconds=60.0,
+    long_size="320x180",
+    image_clients=2,
+    image_seconds=5.0,
+    request_timeout=120.0,
+    start_timeout=180.0,
+)
 HEADERS = ("decode", "queue", "inference", "serialize")  # the answers' x-<phase>-time, ms
 
 
@@ -150,14 +164,19 @@ def with_video_config(args) -> None:
 
         video = PUBLISHED[cfg.family]
     else:
-        video = json.loads(Path(args.video_config).read_text() if Path(args.video_config).is_file()
-                           else args.video_config)
+        video = json.loads(
+            Path(args.video_config).read_text() if Path(args.video_config).is_file() else args.video_config
+        )
     from hf_reference import vision_config
 
     vision = vision_config(cfg)
     config = dict(model_type=cfg.family, vision_config=vision)
-    pixels = dict(image_mean=list(cfg.image_mean), image_std=list(cfg.image_std), min_pixels=cfg.min_pixels,
-                  max_pixels=cfg.max_pixels)
+    pixels = dict(
+        image_mean=list(cfg.image_mean),
+        image_std=list(cfg.image_std),
+        min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels,
+    )
     tower = lambda c: {k: v for k, v in vars(c).items() if k not in pixels}  # noqa: E731
     assert tower(from_hf_config(config)) == tower(cfg), "the written config.json is not the model's"
     key = hashlib.sha1(json.dumps([args.model, args.dtype, video], sort_keys=True).encode()).hexdigest()[:12]
@@ -166,8 +185,16 @@ def with_video_config(args) -> None:
         t = time.perf_counter()
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(config))
-        (directory / "preprocessor_config.json").write_text(json.dumps(pixels | dict(
-            patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size, merge_size=cfg.spatial_merge_size)))
+        (directory / "preprocessor_config.json").write_text(
+            json.dumps(
+                pixels
+                | dict(
+                    patch_size=cfg.patch_size,
+                    temporal_patch_size=cfg.temporal_patch_size,
+                    merge_size=cfg.spatial_merge_size,
+                )
+            )
+        )
         (directory / "video_preprocessor_config.json").write_text(json.dumps(video))
         dtype = parse_dtype(args.dtype)
         tensors = {f"visual.{k}": v.to(dtype).contiguous() for k, v in checkpoint.dummy_tensors(cfg).items()}
@@ -182,6 +209,7 @@ def with_video_config(args) -> None:
 @contextlib.contextmanager
 def bounded(seconds: float, what: str):
     """TimeoutError in this (the main) thread once `seconds` have passed: a phase that hangs fails instead."""
+
     def fire(*_):
         raise TimeoutError(f"{what}: over {seconds:.0f} s")
 
@@ -197,9 +225,10 @@ def bounded(seconds: float, what: str):
 def multipart(fields: dict, name: str, data: bytes) -> tuple[bytes, dict]:
     """A multipart /v1/encode body of one video and its fields, and its headers (bfloat16 safetensors back)."""
     b = "vitserve-bench-video-boundary"
-    head = "".join(f"--{b}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n" for k, v in fields.items())
-    head += f"--{b}\r\nContent-Disposition: form-data; name=\"videos\"; filename=\"{name}\"\r\n" \
-            "Content-Type: video/mp4\r\n\r\n"
+    head = "".join(f'--{b}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n' for k, v in fields.items())
+    head += (
+        f'--{b}\r\nContent-Disposition: form-data; name="videos"; filename="{name}"\r\nContent-Type: video/mp4\r\n\r\n'
+    )
     body = head.encode() + data + f"\r\n--{b}--\r\n".encode()
     return body, {"content-type": f"multipart/form-data; boundary={b}", "accept": "application/octet-stream"}
 
@@ -238,15 +267,16 @@ class Connection:
 def answer_frames(data: bytes) -> int:
     """Sampled frames in a safetensors answer (its metadata's `videos` timing: frame_indices per video)."""
     n = struct.unpack("<Q", data[:8])[0]
-    videos = json.loads(json.loads(data[8:8 + n])["__metadata__"]["videos"])
+    videos = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["videos"])
     return sum(len(v["frame_indices"]) for v in videos if v)
 
 
 def percentiles(ms: list[float]) -> dict:
     if not ms:
         return dict(count=0, p50_ms=None, p99_ms=None)
-    return dict(count=len(ms), p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
-                max_ms=float(max(ms)))
+    return dict(
+        count=len(ms), p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)), max_ms=float(max(ms))
+    )
 
 
 # ---- the server's memory -------------------------------------------------------------------------------------------
@@ -279,6 +309,7 @@ class RssSampler(threading.Thread):
 
     def by_process(self, idle: tuple[float, float], busy: tuple[float, float]) -> dict[str, float]:
         """Each process's peak RSS over `busy` above its median over `idle`, MB, by pid and command."""
+
         def of(span):
             out: dict[int, list[int]] = {}
             for t, _, each in list(self.samples):
@@ -314,8 +345,7 @@ def engine_only(args, paths: list[Path]) -> dict:
     from vitserve.encoder import VisionEncoder
     from vitserve.encoder.video import load_video
 
-    enc = VisionEncoder.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        load_format=args.load_format)
+    enc = VisionEncoder.from_pretrained(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format)
     try:
         cfg = enc.video_config.with_request(fps=args.fps, max_frames=args.max_video_frames)
         t = time.perf_counter()
@@ -334,11 +364,19 @@ def engine_only(args, paths: list[Path]) -> dict:
             run_batches(enc.runner, batches, enc.video_lut)
             passes += 1
         wall = time.perf_counter() - t
-        return dict(frames_per_s=passes * frames / wall, slices_per_s=passes * len(slices) / wall, passes=passes,
-                    wall_s=wall, mix_per_pass=repeat, frames_per_pass=frames, slices_per_pass=len(slices),
-                    batches_per_pass=len(batches),
-                    grids=[[len(v.slices()), v.frames.shape[1] // p, v.frames.shape[2] // p] for v in videos],
-                    decode_s_once=decode_s, attention=enc.attention_backend)
+        return dict(
+            frames_per_s=passes * frames / wall,
+            slices_per_s=passes * len(slices) / wall,
+            passes=passes,
+            wall_s=wall,
+            mix_per_pass=repeat,
+            frames_per_pass=frames,
+            slices_per_pass=len(slices),
+            batches_per_pass=len(batches),
+            grids=[[len(v.slices()), v.frames.shape[1] // p, v.frames.shape[2] // p] for v in videos],
+            decode_s_once=decode_s,
+            attention=enc.attention_backend,
+        )
     finally:
         del enc
         free_device()
@@ -354,11 +392,17 @@ def hf_processor(family: str, vcfg):
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor as Processor
     else:
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor as Processor
-    return Processor(size={"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels},
-                     patch_size=vcfg.patch_size, temporal_patch_size=vcfg.temporal_patch_size,
-                     merge_size=vcfg.merge_size, image_mean=list(vcfg.image_mean), image_std=list(vcfg.image_std),
-                     min_frames=vcfg.min_frames, max_frames=vcfg.max_frames,
-                     cap_pixels_per_frame=vcfg.cap_pixels_per_frame)
+    return Processor(
+        size={"shortest_edge": vcfg.min_pixels, "longest_edge": vcfg.max_pixels},
+        patch_size=vcfg.patch_size,
+        temporal_patch_size=vcfg.temporal_patch_size,
+        merge_size=vcfg.merge_size,
+        image_mean=list(vcfg.image_mean),
+        image_std=list(vcfg.image_std),
+        min_frames=vcfg.min_frames,
+        max_frames=vcfg.max_frames,
+        cap_pixels_per_frame=vcfg.cap_pixels_per_frame,
+    )
 
 
 def transformers_single(args, path: Path) -> dict:
@@ -374,6 +418,7 @@ def transformers_single(args, path: Path) -> dict:
     vcfg = video_config_of(cfg, ckpt).with_request(fps=args.fps, max_frames=args.max_video_frames)
     try:
         from transformers.video_utils import load_video
+
         processor = hf_processor(vcfg.family, vcfg)
     except Exception as e:  # noqa: BLE001  (what keeps it from running is the figure)
         return {"skipped": f"{type(e).__name__}: {e}"[:500]}
@@ -394,8 +439,16 @@ def transformers_single(args, path: Path) -> dict:
             tokens = result.pooler_output.cpu()
             deepstack = [d.cpu() for d in (getattr(result, "deepstack_features", None) or [])]
         t3 = time.perf_counter()
-        return dict(total=t3 - t0, decode=t1 - t0, processor=t2 - t1, tower=t3 - t2, frames=len(frames),
-                    grid=out["video_grid_thw"][0].tolist(), tokens=tokens.shape[0], deepstack=len(deepstack))
+        return dict(
+            total=t3 - t0,
+            decode=t1 - t0,
+            processor=t2 - t1,
+            tower=t3 - t2,
+            frames=len(frames),
+            grid=out["video_grid_thw"][0].tolist(),
+            tokens=tokens.shape[0],
+            deepstack=len(deepstack),
+        )
 
     try:
         try:
@@ -406,10 +459,16 @@ def transformers_single(args, path: Path) -> dict:
     finally:
         tower = None  # noqa: F841  (freed before the server takes the device)
         free_device()
-    return dict(seconds=statistics.median(r["total"] for r in runs), runs=[r["total"] for r in runs],
-                median_by_step_s={k: statistics.median(r[k] for r in runs) for k in ("decode", "processor", "tower")},
-                frames=runs[0]["frames"], grid=runs[0]["grid"], tokens=runs[0]["tokens"],
-                attention=args.hf_attention, processor=type(processor).__name__)
+    return dict(
+        seconds=statistics.median(r["total"] for r in runs),
+        runs=[r["total"] for r in runs],
+        median_by_step_s={k: statistics.median(r[k] for r in runs) for k in ("decode", "processor", "tower")},
+        frames=runs[0]["frames"],
+        grid=runs[0]["grid"],
+        tokens=runs[0]["tokens"],
+        attention=args.hf_attention,
+        processor=type(processor).__name__,
+    )
 
 
 # ---- over HTTP -----------------------------------------------------------------------------------------------------
@@ -452,9 +511,14 @@ def http_single(url: str, path: Path, args) -> dict:
     finally:
         conn.close()
     n = struct.unpack("<Q", data[:8])[0]
-    return dict(seconds=statistics.median(s for s, _ in runs), runs=[s for s, _ in runs], frames=answer_frames(data),
-                grid=json.loads(json.loads(data[8:8 + n])["__metadata__"]["grid_thw"])[0], body_mb=len(body[0]) / 1e6,
-                median_by_header_s={h: statistics.median(p[h] for _, p in runs) for h in HEADERS})
+    return dict(
+        seconds=statistics.median(s for s, _ in runs),
+        runs=[s for s, _ in runs],
+        frames=answer_frames(data),
+        grid=json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["grid_thw"])[0],
+        body_mb=len(body[0]) / 1e6,
+        median_by_header_s={h: statistics.median(p[h] for _, p in runs) for h in HEADERS},
+    )
 
 
 def http_throughput(url: str, paths: list[Path], args) -> dict:
@@ -491,13 +555,24 @@ def http_throughput(url: str, paths: list[Path], args) -> dict:
     rows = sorted(rows)
     end = rows[-1][0] if rows else time.perf_counter()
     frames = sum(r[2] for r in rows)
-    middle = rows[len(rows) // 10:len(rows) - len(rows) // 10]
+    middle = rows[len(rows) // 10 : len(rows) - len(rows) // 10]
     steady = (sum(r[2] for r in middle[1:]) / (middle[-1][0] - middle[0][0])) if len(middle) > 1 else None
-    return dict(clients=args.clients, answered=len(rows), failures=len(failures), failure_examples=failures[:3],
-                hung_clients=hung, frames=frames, wall_s=end - start, frames_per_s=frames / (end - start),
-                steady_frames_per_s=steady, latency=percentiles([r[1] * 1e3 for r in rows]),
-                p50_ms_by_clip={paths[j].name: float(np.median([r[1] * 1e3 for r in rows if r[3] == j]))
-                                for j in sorted({r[3] for r in rows})})
+    return dict(
+        clients=args.clients,
+        answered=len(rows),
+        failures=len(failures),
+        failure_examples=failures[:3],
+        hung_clients=hung,
+        frames=frames,
+        wall_s=end - start,
+        frames_per_s=frames / (end - start),
+        steady_frames_per_s=steady,
+        latency=percentiles([r[1] * 1e3 for r in rows]),
+        p50_ms_by_clip={
+            paths[j].name: float(np.median([r[1] * 1e3 for r in rows if r[3] == j]))
+            for j in sorted({r[3] for r in rows})
+        },
+    )
 
 
 class ImageClients:
@@ -571,15 +646,25 @@ def http_long(url: str, proc, sampler: RssSampler, path: Path, args) -> dict:
     time.sleep(0.5)
     stuck += beside.finish()
     peak = sampler.between(start, time.perf_counter())
-    return dict(clip=path.name, body_mb=len(body[0]) / 1e6, status=status, answer_error=error, seconds=seconds,
-                frames=frames, by_header_s={h: float(headers.get(f"x-{h}-time", "nan")) / 1e3 for h in HEADERS},
-                idle_rss_mb=idle_rss / 2**20 if idle_rss else None,
-                peak_rss_mb=max(peak) / 2**20 if peak else None,
-                peak_rss_growth_mb=(max(peak) - idle_rss) / 2**20 if peak and idle_rss else None,
-                server_processes=len(process_tree(proc.pid)), rss_samples=len(peak),
-                peak_rss_growth_mb_by_process=sampler.by_process(idle_span, (start, time.perf_counter())),
-                image_clients=args.image_clients, images_unloaded=unloaded,
-                images_beside_long=beside.between(start, end), stuck_image_clients=stuck)
+    return dict(
+        clip=path.name,
+        body_mb=len(body[0]) / 1e6,
+        status=status,
+        answer_error=error,
+        seconds=seconds,
+        frames=frames,
+        by_header_s={h: float(headers.get(f"x-{h}-time", "nan")) / 1e3 for h in HEADERS},
+        idle_rss_mb=idle_rss / 2**20 if idle_rss else None,
+        peak_rss_mb=max(peak) / 2**20 if peak else None,
+        peak_rss_growth_mb=(max(peak) - idle_rss) / 2**20 if peak and idle_rss else None,
+        server_processes=len(process_tree(proc.pid)),
+        rss_samples=len(peak),
+        peak_rss_growth_mb_by_process=sampler.by_process(idle_span, (start, time.perf_counter())),
+        image_clients=args.image_clients,
+        images_unloaded=unloaded,
+        images_beside_long=beside.between(start, end),
+        stuck_image_clients=stuck,
+    )
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------
@@ -608,36 +693,83 @@ def figures(r: dict) -> list[tuple[str, str]]:
     single, hf = ph.get("single", {}), ph.get("transformers", {})
     if "server" in ph:
         rows.append(("server", "did not start: " + ph["server"]["error"][-80:].replace("\n", " ")))
-    row("video processor: pixels (min, max), frames (min, max)", lambda: f"{r['video_config']['min_pixels']}, "
-        f"{r['video_config']['max_pixels']}, {r['video_config']['min_frames']}, {r['video_config']['max_frames']}")
-    row("single: clip", lambda: f"{r['clips']['single']} at {r['fps']:g} fps: {single['frames']} frames, grid "
-        f"{single['grid']}")
-    row("single: vitserve over HTTP, s (median)", lambda: single.get("error") or
-        f"{single['seconds']:.3f} (of {len(single['runs'])})")
-    row("single: vitserve decode / inference, s", lambda: f"{single['median_by_header_s']['decode']:.3f} / "
-        f"{single['median_by_header_s']['inference']:.3f}")
-    row("single: transformers processor + tower, s", lambda: ("skipped: " + hf["skipped"][:60]) if "skipped" in hf
-        else hf.get("error") or f"{hf['seconds']:.3f} ({hf['attention']})")
-    row("single: transformers decode / processor / tower, s",
-        lambda: " / ".join(f"{hf['median_by_step_s'][k]:.3f}" for k in ("decode", "processor", "tower")))
-    row("single: transformers / vitserve", lambda: f"{hf['seconds'] / single['seconds']:.2f}x"
-        + ("" if hf["grid"] == single["grid"] else f" (grids differ: transformers {hf['grid']})"))
+    row(
+        "video processor: pixels (min, max), frames (min, max)",
+        lambda: (
+            f"{r['video_config']['min_pixels']}, "
+            f"{r['video_config']['max_pixels']}, {r['video_config']['min_frames']}, {r['video_config']['max_frames']}"
+        ),
+    )
+    row(
+        "single: clip",
+        lambda: f"{r['clips']['single']} at {r['fps']:g} fps: {single['frames']} frames, grid {single['grid']}",
+    )
+    row(
+        "single: vitserve over HTTP, s (median)",
+        lambda: single.get("error") or f"{single['seconds']:.3f} (of {len(single['runs'])})",
+    )
+    row(
+        "single: vitserve decode / inference, s",
+        lambda: f"{single['median_by_header_s']['decode']:.3f} / {single['median_by_header_s']['inference']:.3f}",
+    )
+    row(
+        "single: transformers processor + tower, s",
+        lambda: (
+            ("skipped: " + hf["skipped"][:60])
+            if "skipped" in hf
+            else hf.get("error") or f"{hf['seconds']:.3f} ({hf['attention']})"
+        ),
+    )
+    row(
+        "single: transformers decode / processor / tower, s",
+        lambda: " / ".join(f"{hf['median_by_step_s'][k]:.3f}" for k in ("decode", "processor", "tower")),
+    )
+    row(
+        "single: transformers / vitserve",
+        lambda: (
+            f"{hf['seconds'] / single['seconds']:.2f}x"
+            + ("" if hf["grid"] == single["grid"] else f" (grids differ: transformers {hf['grid']})")
+        ),
+    )
     tp, eng = ph.get("throughput", {}), ph.get("engine", {})
     row("throughput: clips", lambda: ", ".join(r["clips"]["mix"]))
-    row("throughput: HTTP frames/s (steady)", lambda: tp.get("error") or
-        f"{tp['frames_per_s']:.1f} ({tp['steady_frames_per_s'] or 0:.1f}), {tp['clients']} clients")
-    row("throughput: HTTP answers, failures, p50 / p99 ms", lambda: f"{tp['answered']}, {tp['failures']}, "
-        f"{ms(tp['latency']['p50_ms'])} / {ms(tp['latency']['p99_ms'])}")
+    row(
+        "throughput: HTTP frames/s (steady)",
+        lambda: (
+            tp.get("error")
+            or f"{tp['frames_per_s']:.1f} ({tp['steady_frames_per_s'] or 0:.1f}), {tp['clients']} clients"
+        ),
+    )
+    row(
+        "throughput: HTTP answers, failures, p50 / p99 ms",
+        lambda: f"{tp['answered']}, {tp['failures']}, {ms(tp['latency']['p50_ms'])} / {ms(tp['latency']['p99_ms'])}",
+    )
     row("throughput: engine only frames/s", lambda: eng.get("error") or f"{eng['frames_per_s']:.1f}")
     row("throughput: HTTP / engine", lambda: f"{tp['frames_per_s'] / eng['frames_per_s']:.1%}")
     lg = ph.get("long", {})
-    row("long: clip, frames sampled, s", lambda: lg.get("error") or f"{r['clips']['long']}, {lg['frames']}, "
-        f"{lg['seconds']:.1f}" + (f" (status {lg['status']}: {lg['answer_error'][:60]})" if lg["answer_error"] else ""))
+    row(
+        "long: clip, frames sampled, s",
+        lambda: (
+            lg.get("error")
+            or f"{r['clips']['long']}, {lg['frames']}, {lg['seconds']:.1f}"
+            + (f" (status {lg['status']}: {lg['answer_error'][:60]})" if lg["answer_error"] else "")
+        ),
+    )
     row("long: server RSS idle / peak growth, MB", lambda: f"{lg['idle_rss_mb']:.0f} / +{lg['peak_rss_growth_mb']:.0f}")
-    row("long: image p50 / p99 ms, alone", lambda: f"{ms(lg['images_unloaded']['p50_ms'])} / "
-        f"{ms(lg['images_unloaded']['p99_ms'])} ({lg['images_unloaded']['count']})")
-    row("long: image p50 / p99 ms, beside the long clip", lambda: f"{ms(lg['images_beside_long']['p50_ms'])} / "
-        f"{ms(lg['images_beside_long']['p99_ms'])} ({lg['images_beside_long']['count']})")
+    row(
+        "long: image p50 / p99 ms, alone",
+        lambda: (
+            f"{ms(lg['images_unloaded']['p50_ms'])} / "
+            f"{ms(lg['images_unloaded']['p99_ms'])} ({lg['images_unloaded']['count']})"
+        ),
+    )
+    row(
+        "long: image p50 / p99 ms, beside the long clip",
+        lambda: (
+            f"{ms(lg['images_beside_long']['p50_ms'])} / "
+            f"{ms(lg['images_beside_long']['p99_ms'])} ({lg['images_beside_long']['count']})"
+        ),
+    )
     return rows
 
 
@@ -649,16 +781,23 @@ def print_table(rows: list[tuple[str, str]]) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="a fast smoke configuration on the CPU: " +
-                    ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in CPU_DEFAULTS.items()))
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="a fast smoke configuration on the CPU: "
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in CPU_DEFAULTS.items()),
+    )
     ap.add_argument("--model", default="Qwen/Qwen3-VL-8B-Instruct")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--video-config", default=None,
-                    help="video processor settings (a JSON file or text, or `published`: those of the family's "
-                         "published checkpoints)\nfor dummy weights, served from a checkpoint directory written once "
-                         "(default: the processor classes' defaults)")
+    ap.add_argument(
+        "--video-config",
+        default=None,
+        help="video processor settings (a JSON file or text, or `published`: those of the family's "
+        "published checkpoints)\nfor dummy weights, served from a checkpoint directory written once "
+        "(default: the processor classes' defaults)",
+    )
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     ap.add_argument("--fps", type=float, default=2.0, help="frames sampled a second of video (every request)")
     ap.add_argument("--clip", default="30x1280x720", help="single: SECONDSxWIDTHxHEIGHT[@FPS]")
@@ -690,14 +829,19 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the server
 
     # the clips
-    specs = {"single": parse_clip(args.clip, args.clip_fps),
-             "mix": [parse_clip(c, args.clip_fps) for c in args.mix.split(",")],
-             "long": parse_clip(f"{args.long_seconds:g}x{args.long_size}", args.clip_fps)}
+    specs = {
+        "single": parse_clip(args.clip, args.clip_fps),
+        "mix": [parse_clip(c, args.clip_fps) for c in args.mix.split(",")],
+        "long": parse_clip(f"{args.long_seconds:g}x{args.long_size}", args.clip_fps),
+    }
     clip_dir, photos = Path(args.clip_dir), ("sample.jpg", "portrait.png")
     with bounded(1800, "making the clips"):
         single_path = make_clip(specs["single"], clip_dir, args.x264_preset) if "single" in phases else None
-        mix_paths = [make_clip(c, clip_dir, args.x264_preset, photos[i % 2]) for i, c in enumerate(specs["mix"])] \
-            if "throughput" in phases else []
+        mix_paths = (
+            [make_clip(c, clip_dir, args.x264_preset, photos[i % 2]) for i, c in enumerate(specs["mix"])]
+            if "throughput" in phases
+            else []
+        )
         long_path = make_clip(specs["long"], clip_dir, args.x264_preset) if "long" in phases else None
         warm_path = make_clip(parse_clip("2x320x240", 30), clip_dir, args.x264_preset)  # every decode worker's first
     if args.make_clips:
@@ -709,21 +853,50 @@ def main():
     # what a long clip needs of the server's limits; the bench's own flags, then --server-flags
     largest = max((p.stat().st_size for p in [single_path, long_path, *mix_paths] if p), default=0)
     args.max_video_frames = max(768, int(args.long_seconds * args.fps) + 2)
-    flags = ["--model", args.model, "--load-format", args.load_format, "--device", args.device, "--dtype", args.dtype,
-             "--log-level", "warning", "--cache-bytes", "0", "--max-batch-tokens", str(args.max_batch_tokens),
-             "--payload-limit", str(max(32 * 2**20, 2 * largest)), "--max-video-frames", str(args.max_video_frames),
-             *args.server_flags.split()]
+    flags = [
+        "--model",
+        args.model,
+        "--load-format",
+        args.load_format,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--log-level",
+        "warning",
+        "--cache-bytes",
+        "0",
+        "--max-batch-tokens",
+        str(args.max_batch_tokens),
+        "--payload-limit",
+        str(max(32 * 2**20, 2 * largest)),
+        "--max-video-frames",
+        str(args.max_video_frames),
+        *args.server_flags.split(),
+    ]
     results: dict[str, dict] = {}
     from vitserve.encoder.vision_encoder import load_configs, video_config_of
 
     cfg, _, ckpt = load_configs(args.model, args.load_format)
     vcfg = video_config_of(cfg, ckpt).with_request(fps=args.fps, max_frames=args.max_video_frames)
-    result = dict(model=model_name, checkpoint=args.model if args.video_config else None, device=args.device,
-                  dtype=args.dtype, date=time.strftime("%Y-%m-%d"), fps=args.fps, server_flags=flags, args=vars(args),
-                  video_config=dataclasses.asdict(vcfg), phases=results,
-                  clips={"single": clip_name(specs["single"]), "mix": [clip_name(c) for c in specs["mix"]],
-                         "long": clip_name(specs["long"])},
-                  clip_mb={p.name: p.stat().st_size / 1e6 for p in [single_path, long_path, *mix_paths] if p})
+    result = dict(
+        model=model_name,
+        checkpoint=args.model if args.video_config else None,
+        device=args.device,
+        dtype=args.dtype,
+        date=time.strftime("%Y-%m-%d"),
+        fps=args.fps,
+        server_flags=flags,
+        args=vars(args),
+        video_config=dataclasses.asdict(vcfg),
+        phases=results,
+        clips={
+            "single": clip_name(specs["single"]),
+            "mix": [clip_name(c) for c in specs["mix"]],
+            "long": clip_name(specs["long"]),
+        },
+        clip_mb={p.name: p.stat().st_size / 1e6 for p in [single_path, long_path, *mix_paths] if p},
+    )
 
     def save():
         if args.out:
@@ -737,8 +910,11 @@ def main():
         except Exception as e:  # noqa: BLE001  (one phase's failure is reported; the others still run)
             results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         results[name]["phase_s"] = time.perf_counter() - t
-        print(f"{name}: {time.perf_counter() - t:.1f} s" + (f" ({results[name]['error'][:200]})"
-                                                             if "error" in results[name] else ""), flush=True)
+        print(
+            f"{name}: {time.perf_counter() - t:.1f} s"
+            + (f" ({results[name]['error'][:200]})" if "error" in results[name] else ""),
+            flush=True,
+        )
         save()
 
     # in this process, before the server holds the device
@@ -764,22 +940,34 @@ def main():
         print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
         try:
             bodies = [video_body(p, args.fps) for p in ([single_path] if single_path else []) + mix_paths]
-            phase("warm-up", (3 + len(bodies)) * args.request_timeout,
-                  lambda: warm(url, video_body(warm_path, args.fps), bodies, args,
-                               max(2, min(args.clients, os.cpu_count() or 1))))
+            phase(
+                "warm-up",
+                (3 + len(bodies)) * args.request_timeout,
+                lambda: warm(
+                    url, video_body(warm_path, args.fps), bodies, args, max(2, min(args.clients, os.cpu_count() or 1))
+                ),
+            )
             if "single" in phases:
                 phase("single", (args.repeats + 2) * args.request_timeout, lambda: http_single(url, single_path, args))
             if "throughput" in phases:
-                phase("throughput", args.seconds + 2 * args.request_timeout + 30,
-                      lambda: http_throughput(url, mix_paths, args))
+                phase(
+                    "throughput",
+                    args.seconds + 2 * args.request_timeout + 30,
+                    lambda: http_throughput(url, mix_paths, args),
+                )
             if "long" in phases:
-                phase("long", args.image_seconds + 3 * args.request_timeout + 60,
-                      lambda: http_long(url, proc, sampler, long_path, args))
+                phase(
+                    "long",
+                    args.image_seconds + 3 * args.request_timeout + 60,
+                    lambda: http_long(url, proc, sampler, long_path, args),
+                )
         finally:
             sampler.done.set()
             stop_server(proc)
-    print(f"{model_name} on {args.device} ({args.dtype}), {time.perf_counter() - begin:.0f} s; server flags: "
-          f"{' '.join(flags[2:])}")
+    print(
+        f"{model_name} on {args.device} ({args.dtype}), {time.perf_counter() - begin:.0f} s; server flags: "
+        f"{' '.join(flags[2:])}"
+    )
     rows = figures(result)
     print_table(rows)
     result["figures"] = dict(rows)

@@ -53,13 +53,21 @@ def main():
             row[f"{decoder}_s"] = statistics.median(times)
             row[f"{decoder}_ran"] = video.decoder
         diff = np.abs(frames["nvdec"].astype(np.int16) - frames["cpu"].astype(np.int16))
-        row |= {"frames": len(frames["cpu"]), "size": list(frames["cpu"].shape[1:3]),
-                "differing_pixels": float((diff.max(axis=-1) > 0).mean()), "max_abs": int(diff.max()),
-                "mean_abs": float(diff.mean()), "nvdec_refused": V.nvdec_refused()}
+        row |= {
+            "frames": len(frames["cpu"]),
+            "size": list(frames["cpu"].shape[1:3]),
+            "differing_pixels": float((diff.max(axis=-1) > 0).mean()),
+            "max_abs": int(diff.max()),
+            "mean_abs": float(diff.mean()),
+            "nvdec_refused": V.nvdec_refused(),
+        }
         rows.append(row)
-        print(f"{row['clip']:42s} {row['frames']:4d} frames  cpu {row['cpu_s']:.3f} s  nvdec {row['nvdec_s']:.3f} s "
-              f"({row['nvdec_ran']})  differing {row['differing_pixels']:.2%}  max {row['max_abs']}  "
-              f"mean {row['mean_abs']:.4f}", flush=True)
+        print(
+            f"{row['clip']:42s} {row['frames']:4d} frames  cpu {row['cpu_s']:.3f} s  nvdec {row['nvdec_s']:.3f} s "
+            f"({row['nvdec_ran']})  differing {row['differing_pixels']:.2%}  max {row['max_abs']}  "
+            f"mean {row['mean_abs']:.4f}",
+            flush=True,
+        )
     if args.out:
         json.dump(dict(model=args.model, fps=args.fps, rows=rows), open(args.out, "w"), indent=1)
 

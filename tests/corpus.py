@@ -41,7 +41,7 @@ def tiff_with_unknown_compression() -> bytes:
     data = bytearray(encode(photo(32, 32, 5), "TIFF", compression="tiff_deflate"))
     entry = struct.pack("<HHI", 259, 3, 1)  # tag Compression, type SHORT, count 1
     at = data.index(entry)
-    data[at + 8:at + 10] = struct.pack("<H", 50000)  # a compression scheme nobody implements
+    data[at + 8 : at + 10] = struct.pack("<H", 50000)  # a compression scheme nobody implements
     return bytes(data)
 
 
@@ -72,14 +72,20 @@ INVALID_IMAGES = {
     "text": (uri(b"hello, this is plain text and not an image at all"), 400, "undecodable_image"),  # a file
     "words": ("a photo of a cat", 400, "text_input"),
     "words that are not base64": ("a photo of a cat!", 400, "text_input"),
-    "pdf": (uri(b"%PDF-1.7\n1 0 obj <</Type /Catalog>> endobj\ntrailer <</Root 1 0 R>>\n%%EOF\n"), 400,
-            "undecodable_image"),
+    "pdf": (
+        uri(b"%PDF-1.7\n1 0 obj <</Type /Catalog>> endobj\ntrailer <</Root 1 0 R>>\n%%EOF\n"),
+        400,
+        "undecodable_image",
+    ),
     "truncated jpeg": (uri(encode(photo(200, 150, 1), "JPEG")[:600], "image/jpeg"), 400, "undecodable_image"),
     "truncated png": (uri(encode(photo(200, 150, 2), "PNG")[:900]), 400, "undecodable_image"),
     "invalid base64": ("!!!this is not base64###", 400, "invalid_base64"),
     "wrong media type": (uri(encode(photo(32, 32, 3), "PNG"), "text/plain"), 400, "invalid_media_type"),
-    "missing media type": ("data:;base64," + base64.b64encode(encode(photo(32, 32, 3), "PNG")).decode(), 400,
-                           "invalid_media_type"),
+    "missing media type": (
+        "data:;base64," + base64.b64encode(encode(photo(32, 32, 3), "PNG")).decode(),
+        400,
+        "invalid_media_type",
+    ),
     "decompression bomb": (uri(bomb_png()), 413, "image_too_large"),
     "aspect ratio 300:1": (uri(encode(photo(600, 2, 4), "PNG")), 400, "bad_aspect_ratio"),
     "undecodable tiff compression": (uri(tiff_with_unknown_compression(), "image/tiff"), 400, "undecodable_image"),
@@ -129,11 +135,14 @@ def every_format() -> dict[str, bytes]:
         "gif comment": encode(photo(64, 48, 39).convert("P"), "GIF", comment=b"x" * 600),
         **{f"bmp {mode}": encode(photo(50, 40, 40, mode), "BMP") for mode in ("1", "L", "P", "RGB", "RGBA")},
         "bmp gray palette": encode(gray_palette, "BMP"),
-        **{f"tiff {mode}": encode(photo(48, 32, 41, mode), "TIFF")
-           for mode in ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "YCbCr", "I", "F")},
+        **{
+            f"tiff {mode}": encode(photo(48, 32, 41, mode), "TIFF")
+            for mode in ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "YCbCr", "I", "F")
+        },
         "tiff I;16": encode(Image.fromarray(np.arange(48 * 32, dtype=np.uint16).reshape(32, 48)), "TIFF"),
-        "tiff I;16B": encode(Image.fromarray(np.arange(48 * 32, dtype=np.uint16).reshape(32, 48)).convert("I;16B"),
-                             "TIFF"),
+        "tiff I;16B": encode(
+            Image.fromarray(np.arange(48 * 32, dtype=np.uint16).reshape(32, 48)).convert("I;16B"), "TIFF"
+        ),
         **{f"tiff {c}": encode(rgb, "TIFF", compression=c) for c in ("tiff_lzw", "tiff_deflate", "packbits", "jpeg")},
         "tiff group4": encode(photo(48, 32, 42, "1"), "TIFF", compression="group4"),
         "tiff rotated": encode(rgb, "TIFF", exif=exif),
@@ -169,7 +178,7 @@ def progressive_jpeg(side: int, scans: int, mode: str = "L") -> bytes:
     over every block, while a repeated refinement scan of a flat image is a few bytes)."""
     data = encode(Image.new(mode, (side, side), 128), "JPEG", progressive=True, quality=90)
     starts = [i for i in range(len(data) - 1) if data[i] == 0xFF and data[i + 1] == 0xDA]
-    return data[:-2] + data[starts[-1]:-2] * (scans - len(starts)) + b"\xff\xd9"
+    return data[:-2] + data[starts[-1] : -2] * (scans - len(starts)) + b"\xff\xd9"
 
 
 def fill_before_jpeg(fill: int) -> bytes:
@@ -188,13 +197,26 @@ def png_chunk_flood(size: int) -> bytes:
 def tiff_strip_flood(strips: int) -> bytes:
     """An uncompressed 16x16 gray TIFF whose StripOffsets array has `strips` entries (PIL makes a Python int and a
     tile of each)."""
-    entries = [(256, 3, 1, 16), (257, 3, 1, 16), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1),
-               (273, 4, strips, None), (277, 3, 1, 1), (278, 3, 1, 1), (279, 4, 1, 256)]
+    entries = [
+        (256, 3, 1, 16),
+        (257, 3, 1, 16),
+        (258, 3, 1, 8),
+        (259, 3, 1, 1),
+        (262, 3, 1, 1),
+        (273, 4, strips, None),
+        (277, 3, 1, 1),
+        (278, 3, 1, 1),
+        (279, 4, 1, 256),
+    ]
     array = 8 + 2 + 12 * len(entries) + 4  # where the StripOffsets array starts, after the IFD
     ifd = struct.pack("<H", len(entries))
     for tag, kind, count, value in entries:
-        ifd += struct.pack("<HHI", tag, kind, count) + (struct.pack("<I", array) if value is None else
-                                                        struct.pack("<HH", value, 0) if kind == 3 else
-                                                        struct.pack("<I", value))
+        ifd += struct.pack("<HHI", tag, kind, count) + (
+            struct.pack("<I", array)
+            if value is None
+            else struct.pack("<HH", value, 0)
+            if kind == 3
+            else struct.pack("<I", value)
+        )
     offsets = np.full(strips, array + 4 * strips, "<u4").tobytes()  # every strip: the 256 pixels after the array
     return b"II*\x00" + struct.pack("<I", 8) + ifd + bytes(4) + offsets + bytes(256)

@@ -116,4 +116,3 @@ def serving(*flags: str, timeout: float = 60):
     proc.wait(timeout=30)
     proc.log_reader.join(10)
     assert "Traceback" not in "".join(proc.log)
-

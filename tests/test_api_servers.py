@@ -103,8 +103,10 @@ def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct
         for r in replies:
             assert r.status_code == 200, r.text
             assert_served(torch.tensor(r.json()["data"][0]["embedding"]), expected[3], exact=False)
-        assert [metric(url, name) for name in ("vitserve_cache_misses_total", images_total)] \
-            == [before[0] + 1, before[1] + 1]
+        assert [metric(url, name) for name in ("vitserve_cache_misses_total", images_total)] == [
+            before[0] + 1,
+            before[1] + 1,
+        ]
         computed_by = [front(line) for line in proc.log if "cache_hits=0" in line and "images=1" in line][-1]
         for _ in range(50):  # until a front end that did not compute it answers it from the cache
             posts(url, [{"input": [data_uri(IMAGES[3])]}] * 2, connections=2)
@@ -131,7 +133,9 @@ def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct
         assert stats["latency"]["request"]["count"] >= 32 and stats["latency"]["inference"]["count"] >= 1
 
         # a bad image fails its own request, in either front end, and never its neighbours
-        bad = posts(url, [{"input": ["%%%"]}, {"input": [data_uri(b"GIF89a broken")]}, {"input": [data_uri(IMAGES[0])]}])
+        bad = posts(
+            url, [{"input": ["%%%"]}, {"input": [data_uri(b"GIF89a broken")]}, {"input": [data_uri(IMAGES[0])]}]
+        )
         assert [r.status_code for r in bad] == [400, 400, 200]
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -150,10 +154,17 @@ def test_sigterm_drains_every_front_end_then_exits_0_without_leftovers(direct):
         os.kill(device, signal.SIGSTOP)  # the requests wait for the device, however fast it would run them
         try:
             with ThreadPoolExecutor(8) as pool:
-                futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i % 8])]},
-                                       timeout=60) for i in range(8)]
-                wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 8, 30,
-                           "8 images decoded (each queued, or taken by the held device)")
+                futures = [
+                    pool.submit(
+                        httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i % 8])]}, timeout=60
+                    )
+                    for i in range(8)
+                ]
+                wait_until(
+                    lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 8,
+                    30,
+                    "8 images decoded (each queued, or taken by the held device)",
+                )
                 proc.send_signal(signal.SIGTERM)
                 wait_until(lambda: refuses(url), 10, "the drain to begin")
                 assert not any(f.done() for f in futures)
@@ -168,8 +179,9 @@ def test_sigterm_drains_every_front_end_then_exits_0_without_leftovers(direct):
         with pytest.raises(OSError):  # the port is free: nobody listens any more
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2)
         if spool:  # the core's spool files, and each front end's, are gone
-            assert not [p for p in glob.glob("/dev/shm/vitserve-*") if any(
-                p.startswith(s.removesuffix("lock")) for s in spool)]
+            assert not [
+                p for p in glob.glob("/dev/shm/vitserve-*") if any(p.startswith(s.removesuffix("lock")) for s in spool)
+            ]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -184,26 +196,46 @@ def test_sigterm_to_the_whole_group_answers_everything_admitted(direct, fronts):
     the signal to the server, whose drain answers every admitted request, those being decoded included."""
     unique = [png(40 + 8 * i, 56, 100 + i) for i in range(16)]
     want = [r.embeddings.mean(0) for r in direct.encode(unique)]
-    proc, url = launch.start_server("--model", MODEL, "--load-format", "dummy", "--api-servers", fronts,
-                                    "--device-processes", "--decode-workers", "2", "--cache-bytes", "0", timeout=60,
-                                    capture_log=True, start_new_session=True)
+    proc, url = launch.start_server(
+        "--model",
+        MODEL,
+        "--load-format",
+        "dummy",
+        "--api-servers",
+        fronts,
+        "--device-processes",
+        "--decode-workers",
+        "2",
+        "--cache-bytes",
+        "0",
+        timeout=60,
+        capture_log=True,
+        start_new_session=True,
+    )
     try:
         parts = roles(proc.pid, url, int(fronts))
         assert len(parts["front end"]) == (int(fronts) if fronts != "1" else 0) and len(parts["device"]) == 1
         assert parts["decode worker"] and parts["fork server"]
         for pid in parts["device"] + parts["decode worker"] + parts["fork server"]:  # SIGTERM and SIGINT ignored
-            ignored = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                               if line.startswith("SigIgn:")).split()[1], 16)
+            ignored = int(
+                next(
+                    line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigIgn:")
+                ).split()[1],
+                16,
+            )
             assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1, pid
         held = parts["device"] + parts["decode worker"]
         for pid in held:  # the images wait in the decode workers and for the device when the signal comes
             os.kill(pid, signal.SIGSTOP)
         try:
             with ThreadPoolExecutor(16) as pool:
-                futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(x)]}, timeout=60)
-                           for x in unique]
-                wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 16, 30,
-                           "16 requests admitted")
+                futures = [
+                    pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(x)]}, timeout=60)
+                    for x in unique
+                ]
+                wait_until(
+                    lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 16, 30, "16 requests admitted"
+                )
                 os.killpg(proc.pid, signal.SIGTERM)  # every process of the group
                 proc.send_signal(signal.SIGTERM)  # and the main one again, as timeout(1) does
                 wait_until(lambda: refuses(url), 10, "the drain to begin")
@@ -232,7 +264,7 @@ def connections(pid: int, port: int) -> int:
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -273,8 +305,11 @@ def test_a_front_end_that_dies_is_started_again_while_the_other_serves(direct):
                 wait_until(lambda: sum(connections(f, port) for f in fronts) == len(futures), 30, "accepted")
             accepted = {f: connections(f, port) for f in fronts}
             assert accepted[survivor], accepted
-            wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == len(futures), 30,
-                       "every request admitted")
+            wait_until(
+                lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == len(futures),
+                30,
+                "every request admitted",
+            )
             time.sleep(0.5)  # their cache lookups answered: the survivor's wait on the victim's claim
             os.kill(victim, signal.SIGKILL)
         finally:
@@ -282,8 +317,10 @@ def test_a_front_end_that_dies_is_started_again_while_the_other_serves(direct):
         replies = [f.result() for f in futures]
         pool.shutdown()
         answered = [r for r in replies if isinstance(r, httpx.Response)]
-        assert len(answered) == accepted[survivor] and len(replies) - len(answered) == accepted[victim], \
-            (accepted, replies)
+        assert len(answered) == accepted[survivor] and len(replies) - len(answered) == accepted[victim], (
+            accepted,
+            replies,
+        )
         for r in answered:
             assert r.status_code == 200, r.text
             assert_served(torch.tensor(r.json()["data"][0]["embedding"]), want, exact=False)
@@ -315,8 +352,16 @@ def test_a_device_that_dies_fails_the_server():
         (device,) = roles(proc.pid, url)["device"]
         os.kill(device, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
-        wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b"Z" not in Path(f"/proc/{p}/stat").read_bytes()
-                                   .split(b")")[1][:3] for p in kids), 30, "every child gone")
+        wait_until(
+            lambda: (
+                not any(
+                    Path(f"/proc/{p}").exists() and b"Z" not in Path(f"/proc/{p}/stat").read_bytes().split(b")")[1][:3]
+                    for p in kids
+                )
+            ),
+            30,
+            "every child gone",
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -335,18 +380,26 @@ def test_front_ends_whose_core_is_killed_answer_503_and_exit():
         os.kill(device, signal.SIGSTOP)  # the images wait for the device
         decoded = metric(url, "vitserve_preprocess_seconds_count")
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i])]},
-                                   timeout=60) for i in range(8)]
-            wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 8, 30,
-                       "8 images decoded")
+            futures = [
+                pool.submit(httpx.post, url + "/v1/embeddings", json={"input": [data_uri(IMAGES[i])]}, timeout=60)
+                for i in range(8)
+            ]
+            wait_until(lambda: metric(url, "vitserve_preprocess_seconds_count") == decoded + 8, 30, "8 images decoded")
             proc.kill()
             proc.wait(timeout=10)
             os.kill(device, signal.SIGCONT)  # its server gone, it exits on its own
             replies = [f.result() for f in futures]
         for r in replies:
             assert r.status_code == 503 and r.json()["error"]["code"] == "core_lost", r.text
-        wait_until(lambda: not any(Path(f"/proc/{p}").exists() and b") Z" not in Path(f"/proc/{p}/stat").read_bytes()
-                                   for p in everyone), 30, "every process of the server gone")
+        wait_until(
+            lambda: (
+                not any(
+                    Path(f"/proc/{p}").exists() and b") Z" not in Path(f"/proc/{p}/stat").read_bytes() for p in everyone
+                )
+            ),
+            30,
+            "every process of the server gone",
+        )
         gone = True
         with pytest.raises(OSError):  # nobody listens any more
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2)

@@ -41,7 +41,9 @@ def test_auto_passes_over_a_missing_package_with_one_log_line(monkeypatch, caplo
     assert lines[0].startswith("attention: fa4 unavailable") and "vitserve[fa4]" in lines[0]
     assert lines[1].startswith("attention: cudnn unavailable") and "vitserve[cudnn]" in lines[1]
     assert lines[2] == "attention: flash (auto: the fastest available on a test GPU)"
-    with pytest.raises(ValueError, match=r"'cudnn' is unavailable: nvidia-cudnn-frontend is not importable.*vitserve\[cudnn\]"):
+    with pytest.raises(
+        ValueError, match=r"'cudnn' is unavailable: nvidia-cudnn-frontend is not importable.*vitserve\[cudnn\]"
+    ):
         attention.select("cudnn", torch.device("cuda", 0), torch.bfloat16, 16, 80)
 
 
@@ -55,9 +57,9 @@ def test_sdpa_attends_within_segments_only():
     out = attention.SDPA().bind(cu, 7, lengths)(q, k, v)
     start = 0
     for n in lengths:
-        seg = [t[start:start + n].transpose(0, 1)[None] for t in (q, k, v)]
+        seg = [t[start : start + n].transpose(0, 1)[None] for t in (q, k, v)]
         if n:
-            torch.testing.assert_close(out[start:start + n], F.scaled_dot_product_attention(*seg)[0].transpose(0, 1))
+            torch.testing.assert_close(out[start : start + n], F.scaled_dot_product_attention(*seg)[0].transpose(0, 1))
         start += n
     assert torch.equal(out[15:], torch.zeros(3, 2, 8))
     q2, k2, v2 = (t.clone() for t in (q, k, v))

@@ -13,7 +13,12 @@ from vitserve.encoder.runner import capture_graph
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 HEADS = 4
 # (segment lengths, capacity, max_seqlen as a budget graph passes it, padding rows after the last segment)
-LAYOUTS = [([300, 0, 17, 1000], 8, 1536, 219), ([1536], 8, 1536, 0), ([64] * 24, 32, 1536, 0), ([5, 1, 2], 8, 1536, 1528)]
+LAYOUTS = [
+    ([300, 0, 17, 1000], 8, 1536, 219),
+    ([1536], 8, 1536, 0),
+    ([64] * 24, 32, 1536, 0),
+    ([5, 1, 2], 8, 1536, 1528),
+]
 
 
 def backend_or_skip(name: str, head_dim: int):
@@ -25,8 +30,8 @@ def backend_or_skip(name: str, head_dim: int):
 
 def cu_of(lengths, capacity):
     cu = torch.zeros(capacity + 1, dtype=torch.int32)
-    cu[1:len(lengths) + 1] = torch.tensor(lengths).cumsum(0)
-    cu[len(lengths) + 1:] = cu[len(lengths)]
+    cu[1 : len(lengths) + 1] = torch.tensor(lengths).cumsum(0)
+    cu[len(lengths) + 1 :] = cu[len(lengths)]
     return cu.cuda()
 
 
@@ -48,8 +53,10 @@ def inputs(lengths, pad, head_dim, seed, padding=float("nan")):
 def exact(q, k, v, lengths):
     out, start = [], 0
     for n in lengths:
-        seg = [t[start:start + n].float().transpose(0, 1)[None] for t in (q, k, v)]
-        out.append(F.scaled_dot_product_attention(*seg)[0].transpose(0, 1) if n else q.new_zeros(0, *q.shape[1:]).float())
+        seg = [t[start : start + n].float().transpose(0, 1)[None] for t in (q, k, v)]
+        out.append(
+            F.scaled_dot_product_attention(*seg)[0].transpose(0, 1) if n else q.new_zeros(0, *q.shape[1:]).float()
+        )
         start += n
     return torch.cat(out)
 

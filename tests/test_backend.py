@@ -29,8 +29,15 @@ class Origin:
 
 def backend() -> LocalBackend:
     metrics = Metrics()
-    local = LocalBackend(Settings.of(model="tiny-qwen3-vl", load_format="dummy", cache_bytes=10**6), metrics,
-                         Lifecycle(metrics), ["cpu"], "float32", None, process_each=False)
+    local = LocalBackend(
+        Settings.of(model="tiny-qwen3-vl", load_format="dummy", cache_bytes=10**6),
+        metrics,
+        Lifecycle(metrics),
+        ["cpu"],
+        "float32",
+        None,
+        process_each=False,
+    )
     local.model = SimpleNamespace(config=SimpleNamespace(merge_unit=4, family="qwen3_vl"))
     return local
 
@@ -52,8 +59,10 @@ def test_a_batch_is_one_delivery_per_origin_and_its_answers_are_cached():
     assert first.keep and torch.equal(first.output.tokens, torch.ones(3)) and first.inference_s == 0.5
     assert isinstance(third.error, InputRejected) and third.error.message == "input[0]: not an image"
     assert len(waited) == 1 and isinstance(waited[0], Features) and local.cache.get(b"k") is waited[0]
-    assert local.batch_sizes == {3: 1} and local.metrics.registry.get_sample_value(
-        "vitserve_images_total", {"device": "cpu"}) == 3
+    assert (
+        local.batch_sizes == {3: 1}
+        and local.metrics.registry.get_sample_value("vitserve_images_total", {"device": "cpu"}) == 3
+    )
 
 
 def test_a_failed_batch_lets_its_claims_go_and_a_lost_device_fails_the_server():
@@ -77,10 +86,16 @@ def test_claims_are_let_go_by_owner():
 
 
 def front(in_flight: int, hits: int) -> dict:
-    return {"recent": {"request": [0.1]}, "requests_in_flight": in_flight, "tiers": {"sglang": {"sockets": 1}},
-            "decode_workers": 2, "decode_workers_replaced": 0, "counters": {"hits": hits, "misses": 1},
-            "memory": {use: {"limit_bytes": 10, "bytes": 1} for use in ("bodies", "decode")},
-            "videos": {"available": True, "reason": None}}
+    return {
+        "recent": {"request": [0.1]},
+        "requests_in_flight": in_flight,
+        "tiers": {"sglang": {"sockets": 1}},
+        "decode_workers": 2,
+        "decode_workers_replaced": 0,
+        "counters": {"hits": hits, "misses": 1},
+        "memory": {use: {"limit_bytes": 10, "bytes": 1} for use in ("bodies", "decode")},
+        "videos": {"available": True, "reason": None},
+    }
 
 
 def test_stats_of_one_process_and_of_several_front_ends():
@@ -90,11 +105,15 @@ def test_stats_of_one_process_and_of_several_front_ends():
     assert "api_servers" not in one and "api_servers" not in one["batching"]
     assert one["requests_in_flight"] == 1 and one["cache"]["hits"] == 2 and one["batching"]["decode_workers"] == 2
     assert one["tiers"] == {"sglang": {"sockets": 1}} and one["latency"]["request"]["count"] == 1
-    several = server_stats(settings, local.stats(recent=True), [front(1, 2), front(3, 4)], api_servers=2,
-                           api_servers_replaced=1)
+    several = server_stats(
+        settings, local.stats(recent=True), [front(1, 2), front(3, 4)], api_servers=2, api_servers_replaced=1
+    )
     assert (several["api_servers"], several["api_servers_replaced"], several["batching"]["api_servers"]) == (2, 1, 2)
-    assert several["requests_in_flight"] == 4 and several["cache"]["hits"] == 6 and several["tiers"]["sglang"] == {
-        "sockets": 2}
+    assert (
+        several["requests_in_flight"] == 4
+        and several["cache"]["hits"] == 6
+        and several["tiers"]["sglang"] == {"sockets": 2}
+    )
     assert several["memory"]["bodies"] == {"limit_bytes": 20, "bytes": 2}
     assert set(one) | {"api_servers", "api_servers_replaced"} == set(several)
 

@@ -37,7 +37,7 @@ class Arriving:
     def __init__(self, body: bytes, chunk: int = 65536 + 7):
         self.headers = {"content-length": str(len(body))}
         self.scope = {"state": {}}
-        self.pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)]
+        self.pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)]
 
     async def stream(self):
         for piece in self.pieces:
@@ -56,8 +56,9 @@ def test_a_large_body_reaches_its_decode_worker_in_place(encoders, tmp_path, mon
     outlives its request is removed instead of used again; the server's stop leaves nothing."""
     enc, sent = encoders["tiny-qwen2.5-vl"], []
     send = decode_pool._Link.send
-    monkeypatch.setattr(decode_pool._Link, "send", lambda link, call, payload: (sent.append(len(payload)),
-                                                                               send(link, call, payload)))
+    monkeypatch.setattr(
+        decode_pool._Link, "send", lambda link, call, payload: (sent.append(len(payload)), send(link, call, payload))
+    )
     large, small = png(600, 600, 5), png(16, 16, 6)
     texts = [data_uri(large), base64.b64encode(small).decode() + "QUJD" * 100_000]  # a PNG, then junk after IEND
     body = ('{"images": ["%s", "%s"]}' % tuple(texts)).encode()
@@ -74,8 +75,10 @@ def test_a_large_body_reaches_its_decode_worker_in_place(encoders, tmp_path, mon
             assert all(image.shared is not None for image in images)
             shared = [spool.pixels([image])[0] for image, _ in await decoder.decode(images, cfg)]
             sent_shared = list(sent)
-            plain = [spool.pixels([image])[0] for image, _ in
-                     await decoder.decode([MediaBytes(text, text.find(",") + 1) for text in texts], cfg)]
+            plain = [
+                spool.pixels([image])[0]
+                for image, _ in await decoder.decode([MediaBytes(text, text.find(",") + 1) for text in texts], cfg)
+            ]
             files = body_files(tmp_path)
             del parsed, images  # the request's views of its body: gone with it
             request.end()
@@ -105,9 +108,21 @@ def test_body_files_are_given_back_whatever_the_request_becomes(tmp_path):
     their client halfway, or are refused as too many values: each gives its body file back when it ends, so one
     file serves them all in turn (a lost release would leave a file per request); the answers are those of the same
     images in a chunked body (not shared: sent to the worker); SIGTERM leaves no file."""
-    proc, url = launch.start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--cache-bytes", "0",
-                                    "--spool-dir", str(tmp_path), "--decode-workers", "1", "--api-servers", "1",
-                                    timeout=60)  # one front end: its body files are the ones counted
+    proc, url = launch.start_server(
+        "--model",
+        "tiny-qwen2.5-vl",
+        "--load-format",
+        "dummy",
+        "--cache-bytes",
+        "0",
+        "--spool-dir",
+        str(tmp_path),
+        "--decode-workers",
+        "1",
+        "--api-servers",
+        "1",
+        timeout=60,
+    )  # one front end: its body files are the ones counted
     try:
         port = int(url.rsplit(":", 1)[1])
         image = png(700, 700, 7)  # ~1.5 MB: its body is shared
@@ -118,18 +133,28 @@ def test_body_files_are_given_back_whatever_the_request_becomes(tmp_path):
         assert len(body_files(tmp_path)) == 1
         bad = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(image), "A" * 2**20 + "!"]}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[1]"
-        many = httpx.post(url + "/v1/embeddings", content=b'{"input": [' + b",".join([b"1"] * 600_000) + b"]}",
-                          headers={"content-type": "application/json"}, timeout=60)
+        many = httpx.post(
+            url + "/v1/embeddings",
+            content=b'{"input": [' + b",".join([b"1"] * 600_000) + b"]}",
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
         assert many.status_code == 413
         payload = httpx.Request("POST", url + "/v1/embeddings", json=big).read()
         with socket.create_connection(("127.0.0.1", port)) as sock:  # half the body, then gone
-            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n" % len(payload) + payload[:len(payload) // 2])
+            sock.sendall(
+                b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % len(payload) + payload[: len(payload) // 2]
+            )
             wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 1, 10, "the body read")
         wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 0, 10, "the request ended")
         r = httpx.post(url + "/v1/embeddings", json=big, timeout=60)
-        chunked = httpx.post(url + "/v1/embeddings", content=iter([payload]),  # no length: not shared, sent
-                             headers={"content-type": "application/json"}, timeout=60)
+        chunked = httpx.post(
+            url + "/v1/embeddings",
+            content=iter([payload]),  # no length: not shared, sent
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
         assert r.status_code == chunked.status_code == 200
         assert r.json()["data"] == chunked.json()["data"]
         wait_until(lambda: len(body_files(tmp_path)) == 1, 5, "one body file, idle")

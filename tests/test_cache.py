@@ -62,8 +62,13 @@ def test_different_preprocessing_never_shares_an_entry(client):
     cfg, other = PreprocessConfig(), PreprocessConfig(max_pixels=100_000)
     cache_a, cache_b = CacheKeys("model-a"), CacheKeys("model-b")
     data = MediaBytes("aGVsbG8=")
-    keys = {cache_a.key(data, cfg, False), cache_a.key(data, other, False), cache_a.key(data, cfg, True),
-            cache_b.key(data, cfg, False), cache_a.key(MediaBytes("aGVsbG9=="), cfg, False)}
+    keys = {
+        cache_a.key(data, cfg, False),
+        cache_a.key(data, other, False),
+        cache_a.key(data, cfg, True),
+        cache_b.key(data, cfg, False),
+        cache_a.key(MediaBytes("aGVsbG9=="), cfg, False),
+    }
     assert len(keys) == 5 and cache_a.key(data, cfg, False) == cache_a.key(MediaBytes("aGVsbG8="), cfg, False)
 
 
@@ -76,7 +81,9 @@ def test_eviction_keeps_the_bound_least_recently_used_first():
     assert cache.get(b"a") is not None  # a is now the most recently used
     cache.put(b"d", entry())
     assert cache.get(b"b") is None and all(cache.get(k) is not None for k in (b"a", b"c", b"d"))
-    assert cache.bytes == 1200 <= cache.limit and metrics.registry.get_sample_value("vitserve_cache_evictions_total") == 1
+    assert (
+        cache.bytes == 1200 <= cache.limit and metrics.registry.get_sample_value("vitserve_cache_evictions_total") == 1
+    )
     cache.put(b"huge", Features(torch.zeros(1000), [], [1, 2, 2]))  # larger than the whole cache: not stored
     assert cache.get(b"huge") is None and cache.bytes == 1200
 

@@ -29,7 +29,9 @@ def rewrite_single(path: Path, edit) -> None:
 def test_missing_tensor_is_named(checkpoints, tmp_path):
     path = copy_ckpt(checkpoints, "qwen2_5_vl", tmp_path)
     rewrite_single(path, lambda t: t.pop("visual.blocks.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing vision tensor visual\.blocks\.1\.mlp\.up_proj\.weight \(90, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"missing vision tensor visual\.blocks\.1\.mlp\.up_proj\.weight \(90, 64\)"
+    ):
         VisionEncoder.from_pretrained(str(path))
 
 
@@ -43,7 +45,9 @@ def test_unexpected_tensor_is_named(checkpoints, tmp_path):
 def test_wrong_shape_is_named(checkpoints, tmp_path):
     path = copy_ckpt(checkpoints, "qwen3_vl", tmp_path)
     rewrite_single(path, lambda t: t.__setitem__("model.visual.pos_embed.weight", torch.zeros(100, 64)))
-    with pytest.raises(CheckpointError, match=r"visual\.pos_embed\.weight: checkpoint \(100, 64\), qwen3_vl config expects \(64, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"visual\.pos_embed\.weight: checkpoint \(100, 64\), qwen3_vl config expects \(64, 64\)"
+    ):
         VisionEncoder.from_pretrained(str(path))
 
 
@@ -70,10 +74,16 @@ def test_reads_only_vision_shards(checkpoints, tmp_path):
     VisionEncoder.from_pretrained(str(path))
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "not a Qwen-VL checkpoint: model_type 'llama'"),
-    ({"model_type": "qwen2_5_vl", "vision_config": {"hidden_size": 64}}, "vision_config lacks or mistypes 'depth'"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+            "not a Qwen-VL checkpoint: model_type 'llama'",
+        ),
+        ({"model_type": "qwen2_5_vl", "vision_config": {"hidden_size": 64}}, "vision_config lacks or mistypes 'depth'"),
+    ],
+)
 def test_bad_config_is_explained(checkpoints, tmp_path, config, message):
     path = copy_ckpt(checkpoints, "qwen2_5_vl", tmp_path)
     (path / "config.json").write_text(json.dumps(config))
@@ -82,8 +92,14 @@ def test_bad_config_is_explained(checkpoints, tmp_path, config, message):
 
 
 def test_no_weights_and_no_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {
-        "depth": 1, "embed_dim": 64, "num_heads": 4, "hidden_size": 32}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2_vl",
+                "vision_config": {"depth": 1, "embed_dim": 64, "num_heads": 4, "hidden_size": 32},
+            }
+        )
+    )
     with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor model.safetensors"):
         VisionEncoder.from_pretrained(str(tmp_path))
     with pytest.raises(CheckpointError, match="does not exist"):

@@ -40,11 +40,18 @@ def encode_reply(n: int) -> httpx.Response:
 def test_retries_honour_retry_after_and_are_bounded(monkeypatch):
     waits = []
     monkeypatch.setattr("vitserve.client.time.sleep", waits.append)
-    answers = iter([httpx.Response(429, headers={"retry-after": "2"}, json={"error": {"code": "queue_full",
-                                                                                      "message": "busy"}}),
-                    httpx.Response(503, json={"error": {"code": "not_ready", "message": "loading"}}),
-                    encode_reply(1)])
-    with Client("http://vitserve", max_images_per_request=8, transport=httpx.MockTransport(lambda r: next(answers))) as c:
+    answers = iter(
+        [
+            httpx.Response(
+                429, headers={"retry-after": "2"}, json={"error": {"code": "queue_full", "message": "busy"}}
+            ),
+            httpx.Response(503, json={"error": {"code": "not_ready", "message": "loading"}}),
+            encode_reply(1),
+        ]
+    )
+    with Client(
+        "http://vitserve", max_images_per_request=8, transport=httpx.MockTransport(lambda r: next(answers))
+    ) as c:
         (item,) = c.encode([b"img"])
     assert waits == [2.0, 1.0] and item.grid_thw == (1, 4, 4) and item.embeddings.shape == (4, 8)
     busy = httpx.MockTransport(lambda r: httpx.Response(429, json={"error": {"code": "queue_full", "message": "x"}}))
@@ -55,8 +62,12 @@ def test_retries_honour_retry_after_and_are_bounded(monkeypatch):
 
 
 def test_errors_carry_the_servers_code_and_param():
-    bad = httpx.MockTransport(lambda r: httpx.Response(400, json={"error": {
-        "code": "undecodable_image", "param": "images[0]", "message": "images[0]: not an image"}}))
+    bad = httpx.MockTransport(
+        lambda r: httpx.Response(
+            400,
+            json={"error": {"code": "undecodable_image", "param": "images[0]", "message": "images[0]: not an image"}},
+        )
+    )
     with Client("http://vitserve", max_images_per_request=8, transport=bad) as c:
         with pytest.raises(VitserveError) as e:
             c.encode([b"not an image"])
@@ -88,8 +99,10 @@ def multipart_kinds(request: httpx.Request) -> list[bool]:
 def mixed_reply(kinds: list[bool]) -> httpx.Response:
     """A /v1/encode answer of images and videos in the order of `kinds` (whether each is a video)."""
     tensors = {f"images.{i}.embeddings": torch.full((4, 8), float(i)) for i in range(len(kinds))}
-    timing = [{"frame_indices": [0, 1], "fps": 2.0, "timestamps": [0.5], "second_per_grid_t": 1.0} if video else None
-              for video in kinds]
+    timing = [
+        {"frame_indices": [0, 1], "fps": 2.0, "timestamps": [0.5], "second_per_grid_t": 1.0} if video else None
+        for video in kinds
+    ]
     body = save(tensors, metadata={"grid_thw": json.dumps([[1, 4, 4]] * len(kinds)), "videos": json.dumps(timing)})
     return httpx.Response(200, content=body)
 
@@ -105,8 +118,9 @@ def test_videos_are_split_at_the_servers_video_limit_in_order():
         if request.url.path == "/v1/embeddings":
             body = json.loads(request.content)
             sent.append((body["modality"], len(body["input"]), body["num_frames"]))
-            return httpx.Response(200, json={"data": [{"embedding": base64.b64encode(bytes(32)).decode()}
-                                                      for _ in body["input"]]})
+            return httpx.Response(
+                200, json={"data": [{"embedding": base64.b64encode(bytes(32)).decode()} for _ in body["input"]]}
+            )
         sent.append(multipart_kinds(request))
         return mixed_reply(sent[-1])
 
@@ -188,21 +202,27 @@ def test_one_image_in_one_result_out(server):
             assert isinstance(one, EncodedImage) and one.grid_thw == listed.grid_thw and one.deepstack == []
             assert torch.equal(one.embeddings, listed.embeddings)
         both = client.encode([SAMPLE, PORTRAIT])
-        assert [i.grid_thw for i in both] == [listed.grid_thw, client.encode(PORTRAIT).grid_thw] and \
-            both[0].grid_thw != both[1].grid_thw
+        assert [i.grid_thw for i in both] == [listed.grid_thw, client.encode(PORTRAIT).grid_thw] and both[
+            0
+        ].grid_thw != both[1].grid_thw
         vector, (listed_vector,) = client.embed(str(SAMPLE)), client.embed([str(SAMPLE)])
         assert vector.shape == (listed.embeddings.shape[1],) and torch.equal(vector, listed_vector)
         assert rel_err(vector, listed.embeddings.mean(0)) <= 1e-5
-    assert torch.equal(vllm_multi_modal_data(listed)["image"]["image_embeds"],  # consumers take one image too
-                       vllm_multi_modal_data([listed])["image"]["image_embeds"])
+    assert torch.equal(
+        vllm_multi_modal_data(listed)["image"]["image_embeds"],  # consumers take one image too
+        vllm_multi_modal_data([listed])["image"]["image_embeds"],
+    )
     library = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy").encode(str(SAMPLE))
     assert library.deepstack == [] and library.grid_thw == listed.grid_thw
     assert rel_err(listed.embeddings, library.embeddings) <= SERVED_REL_ERR
 
     async def fetch():
         async with AsyncClient(server) as client:
-            return await client.encode(str(SAMPLE)), await client.embed(SAMPLE.read_bytes()), \
-                await client.encode([str(SAMPLE)])
+            return (
+                await client.encode(str(SAMPLE)),
+                await client.embed(SAMPLE.read_bytes()),
+                await client.encode([str(SAMPLE)]),
+            )
 
     one, vector, many = asyncio.run(fetch())
     assert isinstance(one, EncodedImage) and torch.equal(one.embeddings, listed.embeddings) and one.deepstack == []
@@ -289,8 +309,9 @@ def test_timeouts_and_broken_connections_are_reported_not_retried(monkeypatch):
             with pytest.raises(VitserveError) as e:
                 client.embed([SAMPLE.read_bytes()])
         thread.join(timeout=30)
-    assert (e.value.status, e.value.code) == (None, "transport_error") and isinstance(e.value.__cause__,
-                                                                                       httpx.TransportError)
+    assert (e.value.status, e.value.code) == (None, "transport_error") and isinstance(
+        e.value.__cause__, httpx.TransportError
+    )
     assert waits == []  # neither was retried: the request may have reached the server
 
 

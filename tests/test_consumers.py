@@ -22,24 +22,39 @@ from vitserve.consumers import (
 )
 
 IMAGE = EncodedImage(torch.randn(4, 8), (1, 4, 4))
-VIDEO = EncodedVideo(torch.randn(8, 8), (2, 4, 4), [], frame_indices=[0, 1, 2, 3], fps=2.0, timestamps=[0.5, 1.5],
-                     second_per_grid_t=1.0)
+VIDEO = EncodedVideo(
+    torch.randn(8, 8), (2, 4, 4), [], frame_indices=[0, 1, 2, 3], fps=2.0, timestamps=[0.5, 1.5], second_per_grid_t=1.0
+)
 
 
-@pytest.mark.parametrize("helper, given, message", [
-    (sglang_image_data, [IMAGE, VIDEO], "sglang_image_data takes images: items[1] is a video"),
-    (sglang_image_data, VIDEO, "items[0] is a video (EncodedVideo); send the videos as video_data"),
-    (sglang_video_data, IMAGE, "sglang_video_data takes videos: items[0] is an image (EncodedImage); send the images"),
-    (sglang_video_data, [VIDEO, IMAGE], "items[1] is an image"),
-    (vllm_image_embeds_part, VIDEO, "takes one image (EncodedImage), not a video (EncodedVideo): "
-                                    "vllm_multi_modal_data takes videos"),
-    (vllm_image_embeds_part, [IMAGE], "not a list: one part per image"),
-    (second_per_grid_ts, [VIDEO, IMAGE], "second_per_grid_ts takes videos: items[1] is an image"),
-    (vllm_multi_modal_data, [IMAGE, torch.zeros(4, 8)], "items[1] is a Tensor, not vitserve's result"),
-    (vllm_multi_modal_data, torch.zeros(4, 8), "not Tensor"),
-    (grid_tensor, 5, "grid_tensor takes vitserve's results (EncodedImage, EncodedVideo) or a list of them, not int"),
-    (vllm_features, [IMAGE], "vllm_features takes one result (EncodedImage, EncodedVideo), not list"),
-])
+@pytest.mark.parametrize(
+    "helper, given, message",
+    [
+        (sglang_image_data, [IMAGE, VIDEO], "sglang_image_data takes images: items[1] is a video"),
+        (sglang_image_data, VIDEO, "items[0] is a video (EncodedVideo); send the videos as video_data"),
+        (
+            sglang_video_data,
+            IMAGE,
+            "sglang_video_data takes videos: items[0] is an image (EncodedImage); send the images",
+        ),
+        (sglang_video_data, [VIDEO, IMAGE], "items[1] is an image"),
+        (
+            vllm_image_embeds_part,
+            VIDEO,
+            "takes one image (EncodedImage), not a video (EncodedVideo): vllm_multi_modal_data takes videos",
+        ),
+        (vllm_image_embeds_part, [IMAGE], "not a list: one part per image"),
+        (second_per_grid_ts, [VIDEO, IMAGE], "second_per_grid_ts takes videos: items[1] is an image"),
+        (vllm_multi_modal_data, [IMAGE, torch.zeros(4, 8)], "items[1] is a Tensor, not vitserve's result"),
+        (vllm_multi_modal_data, torch.zeros(4, 8), "not Tensor"),
+        (
+            grid_tensor,
+            5,
+            "grid_tensor takes vitserve's results (EncodedImage, EncodedVideo) or a list of them, not int",
+        ),
+        (vllm_features, [IMAGE], "vllm_features takes one result (EncodedImage, EncodedVideo), not list"),
+    ],
+)
 def test_a_helper_refuses_what_it_does_not_take(helper, given, message):
     with pytest.raises(TypeError) as error:
         helper(given)

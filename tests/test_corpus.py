@@ -29,8 +29,13 @@ FAMILY = "qwen2_5_vl"
 def served(checkpoints):
     path, hf_tower = checkpoints[FAMILY]
     enc = VisionEncoder.from_pretrained(path)
-    settings = Settings.of(model=path, served_model_name="tiny", max_batch_wait_ms=150, payload_limit=2 * 2**20,
-                        max_image_pixels=50_000_000)
+    settings = Settings.of(
+        model=path,
+        served_model_name="tiny",
+        max_batch_wait_ms=150,
+        payload_limit=2 * 2**20,
+        max_image_pixels=50_000_000,
+    )
     with TestClient(create_app(settings, Engine(settings, encoders=enc))) as client:
         yield client, hf_tower
 
@@ -90,17 +95,27 @@ def test_exif_rotation_is_applied(served):
     assert rotated["grid_thw"][1] > rotated["grid_thw"][2]  # 96x64 stored, shown 64 wide x 96 tall
 
 
-@pytest.mark.parametrize("body, status", [
-    ('{"input": ' + "[" * 50_000 + "]" * 50_000 + "}", 400),  # deep nesting
-    (json.dumps({"input": ["x"] * 10_000}), 413),  # 10 000 items
-    (json.dumps({"input": "x" * (3 * 2**20)}), 413),  # over the 2 MiB payload limit
-    (json.dumps({"input": 5}), 422), (json.dumps({"input": ["a"], "encoding_format": 1}), 422),
-    (json.dumps({"input": ["a"], "pooling": []}), 422), (json.dumps({"input": ["a"], "model": 3}), 422),
-    (json.dumps({"input": ["a"], "user": {}}), 422), (json.dumps({"input": ["a"], "modality": "audio"}), 422),
-    (json.dumps({"input": ["a"], "dimensions": "x"}), 422), (json.dumps({"input": ["a"], "extra": True}), 422),
-    (json.dumps({"input": ["a"], "model": "some-other-model"}), 404),
-    ("not json at all", 400), ('"just a string"', 422), ("[]", 422), ("null", 422),
-])
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ('{"input": ' + "[" * 50_000 + "]" * 50_000 + "}", 400),  # deep nesting
+        (json.dumps({"input": ["x"] * 10_000}), 413),  # 10 000 items
+        (json.dumps({"input": "x" * (3 * 2**20)}), 413),  # over the 2 MiB payload limit
+        (json.dumps({"input": 5}), 422),
+        (json.dumps({"input": ["a"], "encoding_format": 1}), 422),
+        (json.dumps({"input": ["a"], "pooling": []}), 422),
+        (json.dumps({"input": ["a"], "model": 3}), 422),
+        (json.dumps({"input": ["a"], "user": {}}), 422),
+        (json.dumps({"input": ["a"], "modality": "audio"}), 422),
+        (json.dumps({"input": ["a"], "dimensions": "x"}), 422),
+        (json.dumps({"input": ["a"], "extra": True}), 422),
+        (json.dumps({"input": ["a"], "model": "some-other-model"}), 404),
+        ("not json at all", 400),
+        ('"just a string"', 422),
+        ("[]", 422),
+        ("null", 422),
+    ],
+)
 def test_malformed_bodies_are_4xx(served, body, status):
     client, _ = served
     for path in ("/v1/embeddings", "/v1/encode"):

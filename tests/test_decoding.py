@@ -63,8 +63,10 @@ def test_spool_round_trip_and_fallback(tmp_path):
 def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
     """A server killed with SIGKILL leaves its spool files; the next server on the directory removes them, never a
     live server's."""
-    code = ("import sys, time; from vitserve.service.decoding import spool; p = spool.spool_prefix(sys.argv[1]); "
-            "open(p + '7', 'wb').write(b'x' * 10); print(p, flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from vitserve.service.decoding import spool; p = spool.spool_prefix(sys.argv[1]); "
+        "open(p + '7', 'wb').write(b'x' * 10); print(p, flush=True); time.sleep(60)"
+    )
     other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         theirs = other.stdout.readline().strip()
@@ -151,7 +153,13 @@ def test_a_dead_decode_worker_fails_no_request(encoders, tmp_path):
             got = await asyncio.gather(*tasks)
             read = [(spool.pixels([image])[0], grid) for image, grid in [*want, *(g[0] for g in got)]]
             left = images_in(tmp_path)
-            return read[:len(want)], read[len(want):], decoder.pool.replaced, (await engine.server_stats())["decode_workers_replaced"], left
+            return (
+                read[: len(want)],
+                read[len(want) :],
+                decoder.pool.replaced,
+                (await engine.server_stats())["decode_workers_replaced"],
+                left,
+            )
         finally:
             await engine.stop()
 
@@ -164,6 +172,7 @@ def test_a_dead_decode_worker_fails_no_request(encoders, tmp_path):
 def test_decode_pool_worker_death_and_errors():
     """The pool on its own: results in order of submission per job, exceptions back to their job, a job that kills
     its worker fails alone (WorkerDied) while the other jobs finish, and closing fails what still waits."""
+
     async def scenario():
         pool = DecodePool(2)
         await pool.start()
@@ -202,6 +211,7 @@ async def cannot_start():
 def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
     """When no worker is left and none can be started (the system out of processes or memory), what waits and what
     comes after fails with PoolUnavailable at once, instead of waiting forever, and the owner is told."""
+
     async def scenario():
         told = []
         pool = DecodePool(2, on_broken=told.append)
@@ -231,6 +241,7 @@ def test_decode_pool_that_cannot_replace_its_last_worker_fails_what_waits():
 def test_decode_pool_tries_again_to_replace_a_worker():
     """A replacement that fails to start once (the system briefly out of processes) is tried again: the pool gets
     back to its size and serves, instead of shrinking for good."""
+
     async def scenario():
         pool = DecodePool(1)
         await pool.start()
@@ -289,7 +300,9 @@ def test_decode_workers_import_no_torch(encoders):
         try:
             [(image, _)] = await engine.decoder.decode([IMAGES[0]], engine.model.preprocess_config)
             imported = await engine.decoder.pool.submit(
-                eval, b"'torch' in __import__('sys').modules or 'vitserve.service.pipeline.engine' in __import__('sys').modules")
+                eval,
+                b"'torch' in __import__('sys').modules or 'vitserve.service.pipeline.engine' in __import__('sys').modules",
+            )
             return spool.pixels([image])[0], imported
         finally:
             await engine.stop()
@@ -386,8 +399,9 @@ def test_the_decoder_takes_decode_memory_in_the_requests_turn(encoders):
     enc = encoders["tiny-qwen2.5-vl"]
 
     async def scenario():
-        engine = Engine(Settings.of(model=enc.name, decode_workers=1, decode_processes=False, decode_memory=1),
-                        encoders=enc)
+        engine = Engine(
+            Settings.of(model=enc.name, decode_workers=1, decode_processes=False, decode_memory=1), encoders=enc
+        )
         await engine.start()
         decoder, cfg = engine.decoder, engine.model.preprocess_config
         budget = decoder.budget
@@ -424,8 +438,12 @@ def test_decode_memory_is_estimated_from_the_header_alone():
         Image.new(mode, size).save(buf, fmt, **kw)
         return buf.getvalue()
 
-    for data, mode in ((encoded("RGBA", "WEBP", lossless=True), "RGBA"), (encoded("RGB", "WEBP", quality=50), "RGB"),
-                       (encoded("RGB", "PNG"), "RGB"), (encoded("L", "JPEG"), "L")):
+    for data, mode in (
+        (encoded("RGBA", "WEBP", lossless=True), "RGBA"),
+        (encoded("RGB", "WEBP", quality=50), "RGB"),
+        (encoded("RGB", "PNG"), "RGB"),
+        (encoded("L", "JPEG"), "L"),
+    ):
         header = probe(head(b64(data)))  # from the first 64 KB of its base64 text
         assert (header.width, header.height, header.mode) == (6000, 4000, mode)
     opaque, clear = probe(encoded("RGB", "PNG")), probe(encoded("RGBA", "PNG"))
@@ -481,8 +499,9 @@ def test_only_the_image_bytes_go_to_a_worker(encoders, monkeypatch):
 
     enc, sent = encoders["tiny-qwen2.5-vl"], []
     send = decode_pool._Link.send
-    monkeypatch.setattr(decode_pool._Link, "send", lambda link, call, payload: (sent.append(len(payload)),
-                                                                               send(link, call, payload)))
+    monkeypatch.setattr(
+        decode_pool._Link, "send", lambda link, call, payload: (sent.append(len(payload)), send(link, call, payload))
+    )
     small = encode_image(photo(16, 16, 60), "PNG")
     icc = encode_image(photo(40, 30, 61), "JPEG", icc_profile=bytes(100_000))  # its header past the first 64 KB
 
@@ -503,6 +522,7 @@ def test_only_the_image_bytes_go_to_a_worker(encoders, monkeypatch):
     assert np.array_equal(junked, plain) and np.array_equal(junked64, plain)
     assert submitted == 5  # 3 decodes, then a header read off the loop and its decode
     from vitserve.encoder.preprocess import PreprocessConfig, load_image, resize_rgb
+
     assert np.array_equal(far, resize_rgb(load_image(icc), PreprocessConfig()))
 
 
@@ -531,12 +551,21 @@ def test_a_decode_thread_past_the_timeout_gives_413_at_once(encoders):
     assert seconds < 1.2
 
 
-@pytest.mark.parametrize("item,text", [
-    ("a photo of a cat", True), ("a photo of a cat!", True), ("一只猫的照片", True),
-    (b"Dear team,\nhere it is.", True),
-    (base64.b64encode(b"plain words in a text file, base64 as a data URI").decode(), False),  # a file
-    (base64.b64encode(np.random.default_rng(0).bytes(900)).decode(), False), ("aGVsbG8gd29ybGQ", False),
-    (IMAGES[0], False), (b"%PDF-1.7\n1 0 obj <</Type /Catalog>> endobj\n", False), ("", False)])
+@pytest.mark.parametrize(
+    "item,text",
+    [
+        ("a photo of a cat", True),
+        ("a photo of a cat!", True),
+        ("一只猫的照片", True),
+        (b"Dear team,\nhere it is.", True),
+        (base64.b64encode(b"plain words in a text file, base64 as a data URI").decode(), False),  # a file
+        (base64.b64encode(np.random.default_rng(0).bytes(900)).decode(), False),
+        ("aGVsbG8gd29ybGQ", False),
+        (IMAGES[0], False),
+        (b"%PDF-1.7\n1 0 obj <</Type /Catalog>> endobj\n", False),
+        ("", False),
+    ],
+)
 def test_text_is_told_apart_from_images_and_base64(item, text):
     from vitserve.service.decoding.decoder import looks_like_text
 
@@ -588,7 +617,7 @@ def test_a_request_fails_at_its_first_bad_image_without_waiting_for_the_others(e
     real = getattr(decoder_module, target)
 
     def holding(data, *args, **kwargs):
-        if bytes(data[:len(slow)]) == slow:
+        if bytes(data[: len(slow)]) == slow:
             held.set()
             release.wait(30)
         elif stage == "decode":  # the bad image fails while the slow one is being decoded, however threads start
@@ -644,8 +673,11 @@ def test_a_video_whose_worker_dies_is_tried_again_then_refused_as_the_videos_fau
                 busy = []
 
                 def on_video():  # the worker decoding it (not the one reading its header first)
-                    busy[:] = [link.process for link in decoder.pool._links
-                               if link.job is not None and b"decode_video" in link.job.call]
+                    busy[:] = [
+                        link.process
+                        for link in decoder.pool._links
+                        if link.job is not None and b"decode_video" in link.job.call
+                    ]
                     return busy
 
                 await until(on_video, what="a worker decoding the video")

@@ -35,14 +35,14 @@ TINY = ["--model", "tiny-qwen2.5-vl", "--load-format", "dummy"]
 def dockerfile() -> dict:
     """ENTRYPOINT, CMD, HEALTHCHECK (exec form) and ENV of the final stage."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    final = text[text.rindex("\nFROM "):]
+    final = text[text.rindex("\nFROM ") :]
     out: dict = {"env": {}}
     for line in final.splitlines():
         word, _, rest = line.strip().partition(" ")
         if word in ("ENTRYPOINT", "CMD"):
             out[word] = json.loads(rest)
         elif word == "HEALTHCHECK":
-            out[word] = json.loads(rest[rest.index("CMD") + 3:])
+            out[word] = json.loads(rest[rest.index("CMD") + 3 :])
         elif word == "ENV":
             out["env"].update(dict(pair.split("=", 1) for pair in shlex.split(rest)))
     return out
@@ -83,33 +83,70 @@ def test_image_commands_work_in_a_clean_venv(tmp_path):
     spec = dockerfile()
     assert spec["ENTRYPOINT"] == ["vitserve", "serve"] and spec["env"]["HF_HOME"] == "/data"
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
-                    str(ROOT)], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+        check=True,
+        timeout=300,
+    )
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     # the base image's packages (torch, ...): this environment's site-packages, without its editable vitserve
     site_dir = next(venv.glob("lib/python*/site-packages"))
     (site_dir / "base_image.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
     # --ignore-installed: the vitserve this environment has (visible through the .pth) must not stand in for it
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--ignore-installed", *map(str, wheels.glob("*.whl"))], check=True, timeout=300)
+    subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            *map(str, wheels.glob("*.whl")),
+        ],
+        check=True,
+        timeout=300,
+    )
     exe = venv / "bin" / spec["ENTRYPOINT"][0]
     assert exe.exists()
-    help_text = subprocess.run([str(exe), *spec["ENTRYPOINT"][1:], "--help"], capture_output=True, text=True,
-                               timeout=120, cwd=tmp_path)
+    help_text = subprocess.run(
+        [str(exe), *spec["ENTRYPOINT"][1:], "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert help_text.returncode == 0 and "VITSERVE_MAX_BATCH_TOKENS" in help_text.stdout
     # the image's CMD parses, and the container's command line runs (tiny dummy model instead of the 7B default)
     build_parser().parse_args(["serve", *spec["CMD"]])
     port = free_port()
-    env = os.environ | spec["env"] | {"HF_HOME": str(tmp_path / "hf"), "VITSERVE_HOST": "127.0.0.1",
-                                      "VITSERVE_PORT": str(port), "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
-    proc = subprocess.Popen([str(exe), *spec["ENTRYPOINT"][1:], *TINY], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    env = (
+        os.environ
+        | spec["env"]
+        | {
+            "HF_HOME": str(tmp_path / "hf"),
+            "VITSERVE_HOST": "127.0.0.1",
+            "VITSERVE_PORT": str(port),
+            "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+        }
+    )
+    proc = subprocess.Popen(
+        [str(exe), *spec["ENTRYPOINT"][1:], *TINY],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_ready(proc, port)
         # --pid: other servers may run on this machine (in the container the server is PID 1)
-        check = subprocess.run([*spec["HEALTHCHECK"], "--pid", str(proc.pid)], env=env, timeout=30,
-                               capture_output=True, text=True, cwd=tmp_path)
+        check = subprocess.run(
+            [*spec["HEALTHCHECK"], "--pid", str(proc.pid)],
+            env=env,
+            timeout=30,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
         assert check.returncode == 0, check.stderr
     finally:
         stop(proc)
@@ -117,16 +154,23 @@ def test_image_commands_work_in_a_clean_venv(tmp_path):
 
 def serve(args: list[str], env: dict, tmp_path: Path) -> subprocess.Popen:
     """`vitserve serve ARGS` as the image runs it (this interpreter's), with `env`."""
-    return subprocess.Popen([sys.executable, "-m", "vitserve", "serve", *args], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "vitserve", "serve", *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def run_healthcheck(pid: int, env: dict) -> subprocess.CompletedProcess:
     """The image's HEALTHCHECK command (this interpreter for its `python`), for the server of `pid`."""
     command = dockerfile()["HEALTHCHECK"]
     assert command[0] == "python"
-    return subprocess.run([sys.executable, *command[1:], "--pid", str(pid)], env=env, timeout=60,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, *command[1:], "--pid", str(pid)], env=env, timeout=60, capture_output=True, text=True
+    )
 
 
 @pytest.mark.slow
@@ -136,8 +180,11 @@ def test_healthcheck_finds_the_port_the_server_binds(how, tmp_path):
     another by `docker run IMAGE --port N`, or by a variable of its own environment. The check probes the port the
     server bound: healthy."""
     port, elsewhere = free_port(), free_port()
-    image_env = os.environ | dockerfile()["env"] | {"HF_HOME": str(tmp_path / "hf"), "VITSERVE_HOST": "127.0.0.1",
-                                                    "VITSERVE_PORT": str(elsewhere)}
+    image_env = (
+        os.environ
+        | dockerfile()["env"]
+        | {"HF_HOME": str(tmp_path / "hf"), "VITSERVE_HOST": "127.0.0.1", "VITSERVE_PORT": str(elsewhere)}
+    )
     if how == "flag":
         proc = serve([*TINY, "--port", str(port)], image_env, tmp_path)
     else:
@@ -161,9 +208,14 @@ def test_healthcheck_is_unhealthy_until_ready(tmp_path):
         hub.bind(("127.0.0.1", 0))
         hub.listen(8)
         port = free_port()
-        env = os.environ | {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}",
-                            "HF_HUB_OFFLINE": "0", "HF_HUB_ETAG_TIMEOUT": "600", "HF_HUB_DOWNLOAD_TIMEOUT": "600",
-                            "VITSERVE_PORT": str(port)}
+        env = os.environ | {
+            "HF_HOME": str(tmp_path / "hf"),
+            "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}",
+            "HF_HUB_OFFLINE": "0",
+            "HF_HUB_ETAG_TIMEOUT": "600",
+            "HF_HUB_DOWNLOAD_TIMEOUT": "600",
+            "VITSERVE_PORT": str(port),
+        }
         proc = serve(["--model", "Qwen/Qwen2-VL-2B-Instruct", "--host", "127.0.0.1"], env, tmp_path)
         try:
             deadline = time.time() + 120
@@ -200,13 +252,23 @@ def test_healthcheck_finds_the_server_behind_an_init(tmp_path):
     loopback."""
     image = {"VITSERVE_HOST": "0.0.0.0", "VITSERVE_PORT": "8000", "HF_HOME": "/data"}
     script = ["/opt/conda/bin/python", "/opt/conda/bin/vitserve", "serve", "--model", "m"]
-    proc = fake_proc(tmp_path, {
-        1: (["/sbin/tini", "--", "vitserve", "serve", "--port", "9000"], image),
-        7: ([*script, "--port", "9000"], image),
-        9: (["/opt/conda/bin/python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()",
-             "--multiprocessing-fork"], image),
-        12: (["python", "-u", "-m", "vitserve", "serve", "--model", "m"], image | {"VITSERVE_PORT": "9100"}),
-    })
+    proc = fake_proc(
+        tmp_path,
+        {
+            1: (["/sbin/tini", "--", "vitserve", "serve", "--port", "9000"], image),
+            7: ([*script, "--port", "9000"], image),
+            9: (
+                [
+                    "/opt/conda/bin/python",
+                    "-c",
+                    "from multiprocessing.spawn import spawn_main; spawn_main()",
+                    "--multiprocessing-fork",
+                ],
+                image,
+            ),
+            12: (["python", "-u", "-m", "vitserve", "serve", "--model", "m"], image | {"VITSERVE_PORT": "9100"}),
+        },
+    )
     assert healthcheck.servers(proc) == [7, 12]
     assert healthcheck.address(7, proc) == ("0.0.0.0", 9000)  # --port beats the image's VITSERVE_PORT
     assert healthcheck.address(12, proc) == ("0.0.0.0", 9100)
@@ -231,8 +293,16 @@ def manifests() -> list[tuple[str, dict]]:
 def test_manifests_validate_against_kubernetes_schemas(version):
     kv = pytest.importorskip("kubernetes_validate")
     docs = manifests()
-    assert {d["kind"] for _, d in docs} >= {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-                                           "ServiceMonitor", "PersistentVolumeClaim", "ConfigMap", "ScaledObject"}
+    assert {d["kind"] for _, d in docs} >= {
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "ServiceMonitor",
+        "PersistentVolumeClaim",
+        "ConfigMap",
+        "ScaledObject",
+    }
     for name, doc in docs:
         if doc["kind"] not in CUSTOM_KINDS:
             kv.validate(doc, version, strict=True)  # raises ValidationError naming the field
@@ -242,8 +312,9 @@ def render(kustomization: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl (with kustomize) not installed")
-    rendered = subprocess.run([kubectl, "kustomize", str(DEPLOY / kustomization)], capture_output=True, text=True,
-                              timeout=60)
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / kustomization)], capture_output=True, text=True, timeout=60
+    )
     assert rendered.returncode == 0, rendered.stderr
     return [d for d in yaml.safe_load_all(rendered.stdout) if d]
 
@@ -254,8 +325,11 @@ def test_kustomization_renders_and_hangs_together(kustomization, workload):
     cache per pod, for clusters without ReadWriteMany) render, validate, and hang together alike."""
     docs = {d["kind"]: d for d in render(kustomization)}
     claims = {"PersistentVolumeClaim"} if workload == "Deployment" else set()
-    assert set(docs) == {"Namespace", workload, "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-                         "ServiceMonitor"} | claims
+    assert (
+        set(docs)
+        == {"Namespace", workload, "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"}
+        | claims
+    )
     kv = pytest.importorskip("kubernetes_validate")
     for kind, doc in docs.items():
         if kind not in CUSTOM_KINDS:
@@ -315,6 +389,7 @@ def image_tags() -> list[tuple[str, str]]:
     """(file, tag) of every image tag in deploy/: kustomizations' `newTag`, and every `image:` that names one."""
     tags = []
     for path in sorted(DEPLOY.rglob("*.yaml")):
+
         def walk(node):
             if isinstance(node, dict):
                 for key, value in node.items():
@@ -327,6 +402,7 @@ def image_tags() -> list[tuple[str, str]]:
             elif isinstance(node, list):
                 for item in node:
                     walk(item)
+
         for doc in yaml.safe_load_all(path.read_text()):
             walk(doc)
     return tags
@@ -342,14 +418,14 @@ def test_the_docs_say_the_cache_must_be_writable_by_the_images_user():
     """The image runs as the uid its Dockerfile creates and owns /data with; where the README and
     docs/deployment.md show `docker run -v ...:/data`, they say that uid must be able to write there, and how."""
     text = (ROOT / "Dockerfile").read_text()
-    final = text[text.rindex("\nFROM "):]
+    final = text[text.rindex("\nFROM ") :]
     (uid,) = set(re.findall(r"^USER (\d+):\d+$", final, re.M))
     assert f"useradd --create-home --uid {uid} " in final and f"chown {uid}:{uid} /data" in final
     for doc in (ROOT / "README.md", ROOT / "docs" / "deployment.md"):
         doc_text = doc.read_text()
         run = re.search(r"docker run [^\n]*-v \S+:/data", doc_text)
         assert run, doc.name
-        before = doc_text[:run.start()].rsplit("\n\n", 2)[-2:]  # the paragraph and block leading to it
+        before = doc_text[: run.start()].rsplit("\n\n", 2)[-2:]  # the paragraph and block leading to it
         said = "\n\n".join(before)
         assert f"uid {uid}" in said and f"chown -R {uid}:{uid}" in said and "--user" in said, doc.name
 
@@ -361,8 +437,9 @@ def test_healthcheck_waits_for_ready_as_long_as_kubernetes_does():
     assert dockerfile()["HEALTHCHECK"] == ["python", "-m", "vitserve.service.entry.healthcheck"]
     assert healthcheck.PATH == "/ready"
     start = int(re.search(r"HEALTHCHECK .*--start-period=(\d+)s", text).group(1))
-    probe = yaml.safe_load((DEPLOY / "base" / "deployment.yaml").read_text())["spec"]["template"]["spec"][
-        "containers"][0]["startupProbe"]
+    probe = yaml.safe_load((DEPLOY / "base" / "deployment.yaml").read_text())["spec"]["template"]["spec"]["containers"][
+        0
+    ]["startupProbe"]
     assert start >= probe["periodSeconds"] * probe["failureThreshold"]
 
 
@@ -373,7 +450,9 @@ def test_autoscaling_uses_a_metric_the_service_exports():
     hpa = yaml.safe_load((DEPLOY / "base" / "hpa.yaml").read_text())
     metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert metric in exported
-    adapter = yaml.safe_load(yaml.safe_load((DEPLOY / "prometheus-adapter" / "rules.yaml").read_text())["data"]["config.yaml"])
+    adapter = yaml.safe_load(
+        yaml.safe_load((DEPLOY / "prometheus-adapter" / "rules.yaml").read_text())["data"]["config.yaml"]
+    )
     assert adapter["rules"][0]["name"]["as"] == metric and metric in adapter["rules"][0]["seriesQuery"]
     keda = yaml.safe_load((DEPLOY / "keda" / "scaledobject.yaml").read_text())
     assert keda["spec"]["scaleTargetRef"]["name"] == hpa["spec"]["scaleTargetRef"]["name"]

@@ -27,15 +27,26 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
     enc = encoders["tiny-qwen3-vl"]
     spool_dir = tmp_path / "spool"
     spool_dir.mkdir()
-    settings = Settings.of(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True,
-                        spool_dir=str(spool_dir), max_batch_wait_ms=1, max_batch_tokens=256, decode_workers=2,
-                        budgets="256,1024", attention_backend="sdpa", cache_bytes=0)
+    settings = Settings.of(
+        model="tiny-qwen3-vl",
+        load_format="dummy",
+        devices="cpu,cpu",
+        device_processes=True,
+        spool_dir=str(spool_dir),
+        max_batch_wait_ms=1,
+        max_batch_tokens=256,
+        decode_workers=2,
+        budgets="256,1024",
+        attention_backend="sdpa",
+        cache_bytes=0,
+    )
     direct = enc.encode(IMAGES)
     with TestClient(create_app(settings)) as c:
         wait_until(lambda: c.get("/ready").status_code == 200, 120, "the device processes ready")
         with ThreadPoolExecutor(8) as pool:
-            pooled = list(pool.map(lambda i: c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[i % 3])]}),
-                                   range(16)))
+            pooled = list(
+                pool.map(lambda i: c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[i % 3])]}), range(16))
+            )
         for i, r in enumerate(pooled):
             assert r.status_code == 200
             assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), direct[i % 3].embeddings.mean(0)) <= 1e-6
@@ -80,8 +91,14 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the device must fail to load)")
 def test_a_device_process_that_cannot_load_fails_the_server(tmp_path):
     """The device process's load error reaches /health, and the server's own process is left clean."""
-    settings = Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0", dtype="float32",
-                        device_processes=True, spool_dir=str(tmp_path))
+    settings = Settings.of(
+        model="tiny-qwen2.5-vl",
+        load_format="dummy",
+        devices="cuda:0",
+        dtype="float32",
+        device_processes=True,
+        spool_dir=str(tmp_path),
+    )
     with TestClient(create_app(settings)) as c:
         wait_until(lambda: c.get("/health").status_code != 200, 120, "the load to fail")
         health = c.get("/health")

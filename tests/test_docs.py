@@ -50,10 +50,12 @@ def test_install_lines_take_torchs_cpu_build_in_range():
     would then replace it with PyPI's)."""
     low, high = re.search(r'"torch>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text()).groups()
     code = "".join(re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S))
-    commands = [part for line in code.splitlines() for part in re.split(r"&&|;", line.split("  #")[0])
-                if "pip install" in part]
-    torch_installs = [words for words in map(shlex.split, commands)
-                      if any(re.match(r"torch(?![\w-])", w) for w in words)]
+    commands = [
+        part for line in code.splitlines() for part in re.split(r"&&|;", line.split("  #")[0]) if "pip install" in part
+    ]
+    torch_installs = [
+        words for words in map(shlex.split, commands) if any(re.match(r"torch(?![\w-])", w) for w in words)
+    ]
     assert len(torch_installs) >= 2  # the test command and the Quickstart
     for words in torch_installs:
         (spec,) = [w for w in words if re.match(r"torch(?![\w-])", w)]

@@ -42,7 +42,7 @@ def blocks(kind: str | None = None) -> list[tuple[str, str, str]]:
         text = doc.read_text()
         for m in BLOCK.finditer(text):
             if kind is None or m.group(1) == kind:
-                line = text[:m.start()].count("\n") + 1
+                line = text[: m.start()].count("\n") + 1
                 out.append((f"{doc.name}:{line}", m.group(2), m.group(3), m.group(1)))
     return out
 
@@ -63,8 +63,9 @@ def vitserve_commands(code: str) -> list[list[str]]:
     return out
 
 
-@pytest.mark.parametrize("where, code", [(w, c) for w, lang, c, _ in blocks("install") + blocks("serve")
-                                         if lang == "bash"])
+@pytest.mark.parametrize(
+    "where, code", [(w, c) for w, lang, c, _ in blocks("install") + blocks("serve") if lang == "bash"]
+)
 def test_install_and_serve_blocks_parse(where, code):
     assert subprocess.run(["bash", "-n", "-c", code]).returncode == 0, where
     for args in vitserve_commands(code):
@@ -89,8 +90,13 @@ def files_read(language: str, code: str) -> set[str]:
     paths = set(IMAGE_PATH.findall(code))
     if language == "python":
         for node in ast.walk(ast.parse(code)):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "open" \
-                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", "")) == "open"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 mode = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else "r"
                 if not set(mode) & set("wax"):
                     paths.add(node.args[0].value)
@@ -101,8 +107,12 @@ def files_read(language: str, code: str) -> set[str]:
 
 def test_the_files_blocks_read_are_in_the_repository():
     """What a block reads is shipped, at the path it names from the repository's root (where the snippets run)."""
-    missing = [f"{where}: {path}" for where, language, code, _ in blocks()
-               for path in sorted(files_read(language, code)) if not (ROOT / path).is_file()]
+    missing = [
+        f"{where}: {path}"
+        for where, language, code, _ in blocks()
+        for path in sorted(files_read(language, code))
+        if not (ROOT / path).is_file()
+    ]
     assert missing == [], "blocks read files the repository does not have: " + ", ".join(missing)
 
 
@@ -129,8 +139,22 @@ def requirements(extras: set[str] = frozenset()) -> set[str]:
     return names
 
 
-PIP_OPTIONS_WITH_VALUES = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-r", "--requirement",
-                           "-c", "--constraint", "-t", "--target", "--prefix", "--root", "--python-version"}
+PIP_OPTIONS_WITH_VALUES = {
+    "-i",
+    "--index-url",
+    "--extra-index-url",
+    "-f",
+    "--find-links",
+    "-r",
+    "--requirement",
+    "-c",
+    "--constraint",
+    "-t",
+    "--target",
+    "--prefix",
+    "--root",
+    "--python-version",
+}
 
 
 def pip_installed(code: str) -> set[str]:
@@ -139,9 +163,9 @@ def pip_installed(code: str) -> set[str]:
     for line in code.replace("\\\n", " ").splitlines():
         for part in re.split(r"&&|;|\|", line) if re.search(r"pip3? install", line) else []:
             words = shlex.split(part, comments=True)
-            if "install" not in words or not any(w.endswith("pip") for w in words[:words.index("install")]):
+            if "install" not in words or not any(w.endswith("pip") for w in words[: words.index("install")]):
                 continue
-            args = iter(words[words.index("install") + 1:])
+            args = iter(words[words.index("install") + 1 :])
             for word in args:
                 if word in PIP_OPTIONS_WITH_VALUES:
                     next(args, None)
@@ -179,9 +203,10 @@ def test_the_modules_blocks_import_are_installed_as_the_docs_say():
                 allowed = requirements() | shown
                 for module in sorted(imported(code) - set(sys.stdlib_module_names) - {"vitserve"}):
                     if not {_name(d) for d in distributions.get(module, [])} & allowed:
-                        missing.append(f"{doc.name}:{text[:m.start()].count(chr(10)) + 1}: {module}")
-    assert missing == [], "blocks import modules neither vitserve requires nor the doc installs first: " + \
-        ", ".join(missing)
+                        missing.append(f"{doc.name}:{text[: m.start()].count(chr(10)) + 1}: {module}")
+    assert missing == [], "blocks import modules neither vitserve requires nor the doc installs first: " + ", ".join(
+        missing
+    )
 
 
 def scratch(tmp_path: Path) -> dict:
@@ -235,13 +260,19 @@ def error_codes() -> set[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 for stmt in node.body:
-                    if isinstance(stmt, ast.Assign) and [t.id for t in stmt.targets if isinstance(t, ast.Name)] == \
-                            ["code"] and isinstance(stmt.value, ast.Constant):
+                    if (
+                        isinstance(stmt, ast.Assign)
+                        and [t.id for t in stmt.targets if isinstance(t, ast.Name)] == ["code"]
+                        and isinstance(stmt.value, ast.Constant)
+                    ):
                         codes.add(stmt.value.value)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 name, at = node.func.id, positions.get(node.func.id, 1)
-                if name in positions or name in domain or name.endswith(("Rejected", "TooLarge", "Unavailable",
-                                                                         "Failed")):
+                if (
+                    name in positions
+                    or name in domain
+                    or name.endswith(("Rejected", "TooLarge", "Unavailable", "Failed"))
+                ):
                     if len(node.args) > at and isinstance(node.args[at], ast.Constant):
                         codes.add(node.args[at].value)
     return codes - {"error", "image_error", "client_disconnected"}  # base classes' placeholders; a 499 has no body

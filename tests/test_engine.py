@@ -37,13 +37,17 @@ def test_bad_request_does_not_fail_its_batch_neighbours(encoders, monkeypatch):
     def slow_first(images, lut, mean_pooling=None, slice_lut=None):
         calls.append(len(images))
         if len(calls) == 1:  # the device is busy until every good image is in this batch or waits for it
-            wait_until(lambda: len(images) + len(c.app.state.engine.backend.queue) >= len(IMAGES), 30, "the good images queued")
+            wait_until(
+                lambda: len(images) + len(c.app.state.engine.backend.queue) >= len(IMAGES), 30, "the good images queued"
+            )
         return real_launch(images, lut, mean_pooling, slice_lut)
 
     monkeypatch.setattr(enc.runner, "launch_images", slow_first)
     with client_for(enc, max_batch_wait_ms=300) as c:
-        bodies = [{"input": [data_uri(x)]} for x in IMAGES] + [{"input": ["%%%"]},
-                                                               {"input": [data_uri(b"GIF89a broken")]}]
+        bodies = [{"input": [data_uri(x)]} for x in IMAGES] + [
+            {"input": ["%%%"]},
+            {"input": [data_uri(b"GIF89a broken")]},
+        ]
         with ThreadPoolExecutor(len(bodies)) as pool:
             replies = list(pool.map(lambda b: c.post("/v1/embeddings", json=b), bodies))
         assert [r.status_code for r in replies] == [200, 200, 200, 400, 400]
@@ -133,12 +137,15 @@ def test_several_devices_share_the_load(encoders):
     did what, and every answer is right."""
     enc = encoders["tiny-qwen2.5-vl"]
     twin = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", load_format="dummy")
-    settings = Settings.of(model=enc.name, load_format="dummy", max_batch_wait_ms=1, max_batch_tokens=256, cache_bytes=0)
+    settings = Settings.of(
+        model=enc.name, load_format="dummy", max_batch_wait_ms=1, max_batch_tokens=256, cache_bytes=0
+    )
     direct = [r.embeddings.mean(0) for r in enc.encode(IMAGES)]
     with TestClient(create_app(settings, Engine(settings, encoders=[enc, twin]))) as c:
         with ThreadPoolExecutor(12) as pool:
-            replies = list(pool.map(lambda i: (i, c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[i % 3])]})),
-                                    range(24)))
+            replies = list(
+                pool.map(lambda i: (i, c.post("/v1/embeddings", json={"input": [data_uri(IMAGES[i % 3])]})), range(24))
+            )
         for i, r in replies:
             assert r.status_code == 200
             assert rel_err(torch.tensor(r.json()["data"][0]["embedding"]), direct[i % 3]) <= 1e-6
@@ -152,20 +159,30 @@ def test_several_devices_share_the_load(encoders):
         assert 'vitserve_eager_runs_total{device="cpu#1"}' in metrics
 
 
-@pytest.mark.parametrize("devices, flag, expected", [
-    ("cpu", None, False), ("cpu,cpu", None, False), ("cuda:0", None, True), ("cuda:0,cuda:1", None, True),
-    ("cuda:0", False, False), ("cpu,cpu", True, True)])
+@pytest.mark.parametrize(
+    "devices, flag, expected",
+    [
+        ("cpu", None, False),
+        ("cpu,cpu", None, False),
+        ("cuda:0", None, True),
+        ("cuda:0,cuda:1", None, True),
+        ("cuda:0", False, False),
+        ("cpu,cpu", True, True),
+    ],
+)
 def test_device_processes_default(devices, flag, expected):
     """A process per device by default on CUDA, one GPU too (measured faster there than a thread); threads on CPU;
     the flag wins both ways. Only decided here: nothing is loaded or spawned."""
-    settings = Settings.of(model="tiny-qwen3-vl", load_format="dummy", devices=devices, device_processes=flag,
-                        decode_processes=False)
+    settings = Settings.of(
+        model="tiny-qwen3-vl", load_format="dummy", devices=devices, device_processes=flag, decode_processes=False
+    )
     assert Engine(settings).device_processes is expected
 
 
 def test_a_model_that_does_not_load_fails_the_engine():
     """A load error turns the engine FAILED with the reason (what /health reports and the CLI exits on), and nothing
     is admitted."""
+
     async def scenario():
         engine = Engine(Settings.of(model="/no/such/checkpoint", decode_processes=False))
         await engine.start()

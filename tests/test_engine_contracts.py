@@ -62,15 +62,34 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
     storage = tmp_path / "ec"
     storage.mkdir()
     pixels = photo(120, 90, 7)
-    images = {"png": encode(pixels, "PNG"), "jpeg": encode(pixels, "JPEG"),
-              "rgba": encode(pixels.convert("RGBA"), "PNG")}
+    images = {
+        "png": encode(pixels, "PNG"),
+        "jpeg": encode(pixels, "JPEG"),
+        "rgba": encode(pixels.convert("RGBA"), "PNG"),
+    }
     video = make_video(20, 10, 128, 96)
     cases, expected = [], []
-    for _, url in serving("--model", "tiny-qwen3-vl", "--load-format", "dummy", "--ec-shared-storage", str(storage),
-                          "--ec-dtype", "bfloat16", "--ec-model-id", model_id, "--ec-hash-algorithm", algorithm):
-        body = {"images": [data_uri(images[k], f"image/{'jpeg' if k == 'jpeg' else 'png'}") for k in images] * 2,
-                "videos": [data_uri(video, "video/mp4")], "layout": "vllm", "dtype": "bfloat16",
-                "multi_modal_uuids": {"image": [None, None, None, "u-png", "u-jpeg", None], "video": ["clip-7"]}}
+    for _, url in serving(
+        "--model",
+        "tiny-qwen3-vl",
+        "--load-format",
+        "dummy",
+        "--ec-shared-storage",
+        str(storage),
+        "--ec-dtype",
+        "bfloat16",
+        "--ec-model-id",
+        model_id,
+        "--ec-hash-algorithm",
+        algorithm,
+    ):
+        body = {
+            "images": [data_uri(images[k], f"image/{'jpeg' if k == 'jpeg' else 'png'}") for k in images] * 2,
+            "videos": [data_uri(video, "video/mp4")],
+            "layout": "vllm",
+            "dtype": "bfloat16",
+            "multi_modal_uuids": {"image": [None, None, None, "u-png", "u-jpeg", None], "video": ["clip-7"]},
+        }
         r = httpx.post(url + "/v1/encode", json=body, timeout=60)
         assert r.status_code == 200, r.text
         data = r.json()["data"]
@@ -81,8 +100,14 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
                 source = tmp_path / f"{i}.{names[i]}"
                 source.write_bytes(images[names[i]])
             uuid = body["multi_modal_uuids"]["image"][i] if item["modality"] == "image" else "clip-7"
-            cases.append({"identifier": item["ec_id"], "file": str(source) if source else None, "uuid": uuid,
-                          "algorithm": algorithm})
+            cases.append(
+                {
+                    "identifier": item["ec_id"],
+                    "file": str(source) if source else None,
+                    "uuid": uuid,
+                    "algorithm": algorithm,
+                }
+            )
             expected.append(answer_tensor(item))
             assert file_of(storage, item["ec_id"]).exists()
         # the proxy's chat request with mm_processor_kwargs: the uuid is hashed with them, as vLLM does
@@ -92,24 +117,49 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
         assert r.status_code == 200, r.text
         ((identifier, entry),) = r.json()["ec_transfer_params"].items()
         clip = {"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4")}, "uuid": "clip-9"}
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [clip]}]},
-                       timeout=60)
+        r = httpx.post(
+            url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [clip]}]}, timeout=60
+        )
         video_entry = r.json()["ec_transfer_params"]["clip-9"]
         assert identifier != "u-kw"
         source = tmp_path / "kw.png"
         source.write_bytes(images["png"])
-        cases.append({"identifier": identifier, "file": str(source), "uuid": "u-kw", "algorithm": algorithm,
-                      "mm_processor_kwargs": {"max_pixels": 100000}})
-        small = httpx.post(url + "/v1/encode", json={"images": [data_uri(images["png"], "image/png")], "max_pixels": 100000,
-                                                     "layout": "vllm", "dtype": "bfloat16"}, timeout=60)
+        cases.append(
+            {
+                "identifier": identifier,
+                "file": str(source),
+                "uuid": "u-kw",
+                "algorithm": algorithm,
+                "mm_processor_kwargs": {"max_pixels": 100000},
+            }
+        )
+        small = httpx.post(
+            url + "/v1/encode",
+            json={
+                "images": [data_uri(images["png"], "image/png")],
+                "max_pixels": 100000,
+                "layout": "vllm",
+                "dtype": "bfloat16",
+            },
+            timeout=60,
+        )
         expected.append(answer_tensor(small.json()["data"][0]))
         assert entry["metadata"] == {"image_grid_thw": small.json()["data"][0]["grid_thw"]}
         assert file_of(storage, identifier).exists()
     (tmp_path / "cases.json").write_text(json.dumps({"storage": str(storage), "model_id": model_id, "items": cases}))
     env = dict(os.environ, PYTHONPATH=path, VLLM_TARGET_DEVICE="cpu")
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "engine_contracts" / "vllm_consumer.py"),
-                          str(tmp_path / "cases.json"), str(tmp_path / "out.json")], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "engine_contracts" / "vllm_consumer.py"),
+            str(tmp_path / "cases.json"),
+            str(tmp_path / "out.json"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["vllm"] == "0.34.0"
@@ -127,8 +177,13 @@ def test_vllm_finds_loads_and_names_what_vitserve_wrote(tmp_path, algorithm):
     from vitserve.service.ground.media import MediaItem
     from vitserve.service.tiers.vllm_tier import VLLMTier
 
-    qwen2 = VLLMTier.transfer_params(["i", "v"], [MediaItem("image", None, "i", ""), MediaItem("video", None, "v", "")],
-                                     [[1, 4, 4], [2, 4, 4]], [None, video_entry["metadata"] | {"fps": 10}], False)
+    qwen2 = VLLMTier.transfer_params(
+        ["i", "v"],
+        [MediaItem("image", None, "i", ""), MediaItem("video", None, "v", "")],
+        [[1, 4, 4], [2, 4, 4]],
+        [None, video_entry["metadata"] | {"fps": 10}],
+        False,
+    )
     assert fields["qwen2_vl"] == {m: sorted(qwen2[k]["metadata"]) for m, k in (("image", "i"), ("video", "v"))}
 
 
@@ -151,8 +206,9 @@ def test_sglangs_receiver_takes_what_vitserve_pushed(tmp_path, model, model_type
     address = f"127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
     messages = []
     try:
-        for _, url in serving("--model", model, "--load-format", "dummy", "--sglang-encoder",
-                              "--sglang-receivers", "127.0.0.1"):
+        for _, url in serving(
+            "--model", model, "--load-format", "dummy", "--sglang-encoder", "--sglang-receivers", "127.0.0.1"
+        ):
             expected = reference(url, images=[image], videos=[video])
             for k, (modality, item) in enumerate((("IMAGE", image), ("VIDEO", video))):
                 req_id = f"rid_local_part_{k}"
@@ -170,21 +226,30 @@ def test_sglangs_receiver_takes_what_vitserve_pushed(tmp_path, model, model_type
         sock.close(linger=0)
         context.term()
     env = dict(os.environ, PYTHONPATH=path)
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "engine_contracts" / "sglang_receiver.py"), model_type,
-                          "rid", *messages], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "engine_contracts" / "sglang_receiver.py"), model_type, "rid", *messages],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["sglang"] == "0.5.23"
-    assert all(p["is_embedding_data"] and p["class"].startswith("sglang.srt.disaggregation.encoder.receiver")
-               for p in out["parts"])
+    assert all(
+        p["is_embedding_data"] and p["class"].startswith("sglang.srt.disaggregation.encoder.receiver")
+        for p in out["parts"]
+    )
     for path_name in ("zmq_to_scheduler", "zmq_to_tokenizer"):
         got = out[path_name]
         assert got["status"] == "SUCCESS", got
         for modality, x in zip(("IMAGE", "VIDEO"), expected):
             t = x["tensor"]
             assert got["received"]["embeddings"][modality] == {
-                "shape": list(t.shape), "dtype": "float32",
-                "sha256": hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()}
+                "shape": list(t.shape),
+                "dtype": "float32",
+                "sha256": hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest(),
+            }
         meta = got["received"]["meta"]
         assert meta["img_grid_thw"] == [expected[0]["grid_thw"]] and meta["video_grid_thw"] == [expected[1]["grid_thw"]]
         if model_type == "qwen3_vl":

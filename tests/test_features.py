@@ -20,8 +20,9 @@ def tensor(rows: int, width: int, seed: int, dtype: torch.dtype = torch.float32,
     return t.to(dtype)
 
 
-def item(rows: int = 7, widths=(48, 16, 16, 16), dtype: torch.dtype = torch.float32, seed: int = 0,
-         edges: bool = True) -> Features:
+def item(
+    rows: int = 7, widths=(48, 16, 16, 16), dtype: torch.dtype = torch.float32, seed: int = 0, edges: bool = True
+) -> Features:
     tokens, *deepstack = [tensor(rows, w, seed + k, dtype, edges) for k, w in enumerate(widths)]
     return Features(tokens, deepstack, [1, 2 * rows, 2])
 
@@ -72,7 +73,7 @@ def test_rows_are_views_of_the_parts_in_the_packed_order(dtype):
     want = raw_view(hand_laid(features.tokens, features.deepstack)).tobytes()
     row = rows.row_bytes
     assert b"".join(bytes(p) for p in rows.pieces(0, rows.count)) == want
-    assert b"".join(bytes(p) for p in rows.pieces(2, 5)) == want[2 * row:5 * row]
+    assert b"".join(bytes(p) for p in rows.pieces(2, 5)) == want[2 * row : 5 * row]
     assert len(rows.pieces(2, 5)) == 3 * len(features.parts)
 
 
@@ -117,8 +118,10 @@ def test_join_puts_a_videos_slices_one_after_another():
 def test_join_takes_the_engines_pairs_and_pools_the_mean():
     """The engine's (tokens, deepstack list) per slice join as Features do; `mean` is the float32 mean of every
     slice's tokens, without deepstack."""
-    slices = [item(rows=3, seed=1, dtype=torch.bfloat16, edges=False),
-              item(rows=2, seed=2, dtype=torch.bfloat16, edges=False)]
+    slices = [
+        item(rows=3, seed=1, dtype=torch.bfloat16, edges=False),
+        item(rows=2, seed=2, dtype=torch.bfloat16, edges=False),
+    ]
     pairs = [(s.tokens, s.deepstack) for s in slices]
     assert same_bits(Features.join(pairs).packed(), Features.join(slices).packed())
     pooled = Features.join(pairs, mean=True)

@@ -15,9 +15,14 @@ from vitserve.service.ground.errors import EngineError
 from vitserve.service.ground.settings import Settings
 from vitserve.service.pipeline import fetch
 
-DNS = {"images.example": ["93.184.216.34"], "cdn.example": ["151.101.1.1"], "internal.example": ["10.1.2.3"],
-       "mixed.example": ["93.184.216.34", "127.0.0.1"], "metadata.example": ["169.254.169.254"],
-       "v6.example": ["2606:4700::6810:84e5"]}
+DNS = {
+    "images.example": ["93.184.216.34"],
+    "cdn.example": ["151.101.1.1"],
+    "internal.example": ["10.1.2.3"],
+    "mixed.example": ["93.184.216.34", "127.0.0.1"],
+    "metadata.example": ["169.254.169.254"],
+    "v6.example": ["2606:4700::6810:84e5"],
+}
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +34,9 @@ def fake_dns(monkeypatch):
             pass
         if host not in DNS:
             raise socket.gaierror("unknown host")
-        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in DNS[host]]
+        return [
+            (socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in DNS[host]
+        ]
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
@@ -46,7 +53,9 @@ def run(urls, handler, **settings):
         seen.append(request)
         return handler(request)
 
-    result = asyncio.run(fetch.fetch_all(urls, Settings.of(model="m", **settings), transport=httpx.MockTransport(record)))
+    result = asyncio.run(
+        fetch.fetch_all(urls, Settings.of(model="m", **settings), transport=httpx.MockTransport(record))
+    )
     return result, seen
 
 
@@ -60,8 +69,16 @@ def test_connection_is_pinned_to_the_checked_address():
     assert seen[0].url.host == "2606:4700::6810:84e5" and seen[0].url.port == 8080
 
 
-@pytest.mark.parametrize("url", ["http://internal.example/x.png", "http://mixed.example/x.png",
-                                 "http://metadata.example/latest/meta-data", "http://127.0.0.1/x", "http://[::1]/x"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://internal.example/x.png",
+        "http://mixed.example/x.png",
+        "http://metadata.example/latest/meta-data",
+        "http://127.0.0.1/x",
+        "http://[::1]/x",
+    ],
+)
 def test_non_public_addresses_are_refused_before_connecting(url):
     with pytest.raises(EngineError) as e:
         run([url], lambda r: pytest.fail("must not connect"))
@@ -104,8 +121,17 @@ def test_size_status_and_scheme_limits():
     assert e.value.code == "invalid_url"
 
 
-@pytest.mark.parametrize("url", ["http://example.com:99999/", "http://example.com:-1/", "http://[::1/",
-                                 "http://exa\r\nmple.com/", "http://images.example/a b", "ftp://images.example/"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://example.com:99999/",
+        "http://example.com:-1/",
+        "http://[::1/",
+        "http://exa\r\nmple.com/",
+        "http://images.example/a b",
+        "ftp://images.example/",
+    ],
+)
 def test_malformed_urls_are_400_invalid_url(url):
     with pytest.raises(EngineError) as e:
         run([url], lambda r: pytest.fail("must not connect"))
@@ -113,8 +139,16 @@ def test_malformed_urls_are_400_invalid_url(url):
     assert len(e.value.message) < 400
 
 
-@pytest.mark.parametrize("address", ["::ffff:10.0.0.1", "2002:0a00:0001::1", "2002:7f00:0001::1",
-                                     "2001:0000:4136:e378:8000:63bf:f5ff:fffe", "64:ff9b::a00:1"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "::ffff:10.0.0.1",
+        "2002:0a00:0001::1",
+        "2002:7f00:0001::1",
+        "2001:0000:4136:e378:8000:63bf:f5ff:fffe",
+        "64:ff9b::a00:1",
+    ],
+)
 def test_private_ipv4_inside_ipv6_is_refused(address, monkeypatch):
     """IPv4-mapped, 6to4, Teredo and NAT64 addresses that carry a private (or loopback) IPv4 address."""
     monkeypatch.setitem(DNS, "sneaky.example", [address])
@@ -131,8 +165,7 @@ def test_compressed_bodies_are_inflated_with_a_cap_and_bytes_are_bounded():
     assert data == [b"PNG" * 100]
     bomb = gzip.compress(b"\0" * (64 * 2**20))  # 64 KB that inflate to 64 MiB
     with pytest.raises(EngineError) as e:
-        run(["http://images.example/a"], lambda r: respond(bomb, **{"content-encoding": "gzip"}),
-            payload_limit=2**20)
+        run(["http://images.example/a"], lambda r: respond(bomb, **{"content-encoding": "gzip"}), payload_limit=2**20)
     assert ServiceError.of(e.value).status == 413
     # one request's URLs together: 3 x 400 bytes against a 1000-byte limit
     with pytest.raises(EngineError) as e:
@@ -157,6 +190,7 @@ def test_the_servers_fetch_budget_is_429_beyond_and_given_back():
 
 def test_one_deadline_for_the_whole_fetch():
     """A host that answers byte by byte, each in time for a per-read timeout, is cut off at the overall deadline."""
+
     class Trickle(httpx.AsyncByteStream):
         async def __aiter__(self):
             for _ in range(100):

@@ -15,22 +15,37 @@ KEY = {"authorization": "Bearer fuzz-key"}
 
 
 def test_no_server_errors_from_any_generated_request():
-    proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--max-batch-wait-ms", "1",
-                             "--api-key", "fuzz-key", timeout=60, capture_log=True)
+    proc, url = start_server(
+        "--model",
+        "tiny-qwen2.5-vl",
+        "--load-format",
+        "dummy",
+        "--max-batch-wait-ms",
+        "1",
+        "--api-key",
+        "fuzz-key",
+        timeout=60,
+        capture_log=True,
+    )
     try:
         schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=KEY)
         operations = [result.ok() for result in schema.get_all_operations()]
         assert {op.path for op in operations} >= {"/v1/embeddings", "/v1/encode", "/health", "/ready", "/stats"}
         seen = []
         for operation in operations:
+
             @given(case=operation.as_strategy())
             @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
             def check(case):
                 for headers in (KEY, {}):
                     response = case.call(headers=headers, timeout=30)
                     seen.append(response.status_code)
-                    assert response.status_code < 500, (case.method, case.path, response.status_code,
-                                                        response.text[:300])
+                    assert response.status_code < 500, (
+                        case.method,
+                        case.path,
+                        response.status_code,
+                        response.text[:300],
+                    )
 
             check()
         assert len(seen) >= 50 and any(400 <= s < 500 for s in seen)

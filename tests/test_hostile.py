@@ -21,10 +21,27 @@ from vitserve.service.entry.launch import start_server
 
 pytestmark = pytest.mark.slow
 # one front end: these are the limits of one (on a GPU machine the default is several, each with a share of them)
-FLAGS = ("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--api-servers", "1", "--body-timeout", "1",
-         "--header-timeout", "1",
-         "--max-concurrent-requests", "4", "--decode-memory-per-request", str(256 * 2**20), "--allow-url-fetch",
-         "--max-connections", "48", "--body-memory", str(8 * 2**20))
+FLAGS = (
+    "--model",
+    "tiny-qwen2.5-vl",
+    "--load-format",
+    "dummy",
+    "--api-servers",
+    "1",
+    "--body-timeout",
+    "1",
+    "--header-timeout",
+    "1",
+    "--max-concurrent-requests",
+    "4",
+    "--decode-memory-per-request",
+    str(256 * 2**20),
+    "--allow-url-fetch",
+    "--max-connections",
+    "48",
+    "--body-memory",
+    str(8 * 2**20),
+)
 NORMAL = {"input": [data_uri(png(64, 48, 9))]}
 
 
@@ -38,12 +55,14 @@ def encoded(image: Image.Image, fmt: str, **options) -> bytes:
 def bombs() -> dict[str, bytes]:
     """Small files that declare far more pixels than --max-image-pixels (50 M); the BMP a header alone."""
     big = Image.new("RGBA", (8000, 8000))
-    return {"webp 8000² transparent": encoded(big, "WEBP", lossless=True),
-            "png 8000²": encoded(Image.new("L", (8000, 8000)), "PNG"),
-            "gif 8000²": encoded(Image.new("P", (8000, 8000)), "GIF"),
-            "tiff 8000²": encoded(Image.new("L", (8000, 8000)), "TIFF", compression="tiff_deflate"),
-            "bmp 8000²": encoded(Image.new("1", (8000, 8000)), "BMP")[:4096],
-            "jpeg 8000²": encoded(Image.new("L", (8000, 8000)), "JPEG", quality=10)}
+    return {
+        "webp 8000² transparent": encoded(big, "WEBP", lossless=True),
+        "png 8000²": encoded(Image.new("L", (8000, 8000)), "PNG"),
+        "gif 8000²": encoded(Image.new("P", (8000, 8000)), "GIF"),
+        "tiff 8000²": encoded(Image.new("L", (8000, 8000)), "TIFF", compression="tiff_deflate"),
+        "bmp 8000²": encoded(Image.new("1", (8000, 8000)), "BMP")[:4096],
+        "jpeg 8000²": encoded(Image.new("L", (8000, 8000)), "JPEG", quality=10),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +115,9 @@ def posting(port: int, framing: bytes, start: bytes = b'{"input": ["') -> socket
     """A connection that has sent the headers of a POST /v1/embeddings (`framing`: its Content-Length or
     Transfer-Encoding header) and the `start` of its body."""
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + framing +
-                 b"\r\n\r\n" + start)
+    sock.sendall(
+        b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + framing + b"\r\n\r\n" + start
+    )
     return sock
 
 
@@ -178,9 +198,17 @@ def test_errors_echo_nothing_large_and_no_decoder_text(server):
     assert r.json()["error"]["message"] == "input[0]: could not decode image data (truncated or corrupt file?)"
 
 
-@pytest.mark.parametrize("target", ["http://example.com:99999/", "http://example.com:-1/", "http://[::1/",
-                                    "http://exa\\r\\nmple.com/x", "http://[::ffff:127.0.0.1]/x",
-                                    "http://[2002:7f00:1::1]/x"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "http://example.com:99999/",
+        "http://example.com:-1/",
+        "http://[::1/",
+        "http://exa\\r\\nmple.com/x",
+        "http://[::ffff:127.0.0.1]/x",
+        "http://[2002:7f00:1::1]/x",
+    ],
+)
 def test_malformed_and_disguised_urls_are_400(server, target):
     _, url = server
     r = httpx.post(url + "/v1/embeddings", json={"input": [target.replace("\\\\r\\\\n", "\\r\\n")]}, timeout=30)
@@ -190,8 +218,15 @@ def test_malformed_and_disguised_urls_are_400(server, target):
 def test_planted_lock_files_are_left_alone(tmp_path, monkeypatch):
     """A spool sweep removes only a dead server's files: named as servers name them and owned by this user; a
     planted file with another name, or a file of another user, stays."""
-    planted = [tmp_path / name for name in ("vitserve-x-lock", "vitserve-1-2-3-lock", "vitserve-12-zzzzzzzz-lock",
-                                            "vitserve-12-0123abcd-lock.bak")]
+    planted = [
+        tmp_path / name
+        for name in (
+            "vitserve-x-lock",
+            "vitserve-1-2-3-lock",
+            "vitserve-12-zzzzzzzz-lock",
+            "vitserve-12-0123abcd-lock.bak",
+        )
+    ]
     for path in planted:
         path.write_bytes(b"")
     dead = tmp_path / "vitserve-12-0123abcd-lock"
@@ -275,9 +310,11 @@ def test_content_length_and_transfer_encoding_together_are_refused_and_closed(se
     body = b'{"input": []}'
     smuggled = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n%s"
-                 % (len(body), len(body), body, smuggled))
+    sock.sendall(
+        b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n%s"
+        % (len(body), len(body), body, smuggled)
+    )
     reply = reply_of(sock)
     sock.close()
     assert reply.startswith(b"HTTP/1.1 400") and b"invalid_framing" in reply, reply[:300]
@@ -294,8 +331,10 @@ def test_pipelined_requests_each_count_their_own_bytes(server):
     assert len(large) > 2**20
 
     def post(body: bytes, close: bool = False) -> bytes:
-        return (b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\n%s\r\n%s" % (len(body), b"connection: close\r\n" if close else b"", body))
+        return (
+            b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n%s\r\n%s" % (len(body), b"connection: close\r\n" if close else b"", body)
+        )
 
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(post(small) + post(large, close=True))
@@ -327,8 +366,12 @@ def test_a_body_in_one_byte_chunks_is_refused_at_once(server):
     normal_ok(url)
     # a chunked body in reasonable pieces is served
     data = ('{"input": ["%s"]}' % NORMAL["input"][0]).encode()
-    r = httpx.post(url + "/v1/embeddings", content=(data[i:i + 4096] for i in range(0, len(data), 4096)),
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        url + "/v1/embeddings",
+        content=(data[i : i + 4096] for i in range(0, len(data), 4096)),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
 
 
@@ -366,10 +409,24 @@ def test_idle_connections_make_room_and_probes_always_answer(server):
 
 @pytest.fixture
 def small_server():
-    proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--api-servers", "1",
-                             "--max-connections", "4",
-                             "--max-concurrent-requests", "16", "--body-timeout", "3", "--body-memory", "4MiB",
-                             timeout=60, capture_log=True)
+    proc, url = start_server(
+        "--model",
+        "tiny-qwen2.5-vl",
+        "--load-format",
+        "dummy",
+        "--api-servers",
+        "1",
+        "--max-connections",
+        "4",
+        "--max-concurrent-requests",
+        "16",
+        "--body-timeout",
+        "3",
+        "--body-memory",
+        "4MiB",
+        timeout=60,
+        capture_log=True,
+    )
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -383,8 +440,11 @@ def test_with_every_connection_busy_the_probes_still_answer(small_server):
     url = small_server
     port = int(url.rsplit(":", 1)[1])
     busy = [unfinished(port, 1000) for _ in range(4)]
-    in_flight = lambda: next(float(line.split()[-1]) for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
-                             if line.startswith("vitserve_requests_in_flight "))  # noqa: E731 (/stats is not a probe)
+    in_flight = lambda: next(
+        float(line.split()[-1])
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+        if line.startswith("vitserve_requests_in_flight ")
+    )  # noqa: E731 (/stats is not a probe)
     wait_until(lambda: in_flight() == 4, 5, "4 requests in flight")
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(url + path, timeout=5).status_code == 200, path

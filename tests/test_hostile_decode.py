@@ -22,8 +22,20 @@ from helpers import children, data_uri, wait_until
 from vitserve.service.entry.launch import start_server
 
 pytestmark = pytest.mark.slow
-FLAGS = ("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--api-servers", "1", "--decode-workers", "2",
-         "--decode-timeout", "0.5", "--payload-limit", str(48 * 2**20))  # one front end: its own decode workers
+FLAGS = (
+    "--model",
+    "tiny-qwen2.5-vl",
+    "--load-format",
+    "dummy",
+    "--api-servers",
+    "1",
+    "--decode-workers",
+    "2",
+    "--decode-timeout",
+    "0.5",
+    "--payload-limit",
+    str(48 * 2**20),
+)  # one front end: its own decode workers
 HEALTH_BOUND = 1.0  # seconds: /health answers in ~1 ms; on a loaded 2-core CI box allow a scheduling hiccup (the
 # old probe blocked it 4-36 s on these)
 
@@ -118,9 +130,11 @@ def test_header_junk_is_a_clean_400_and_health_stays_up(server, name):
     """Issue 25: the old probe read these whole on the event loop with PIL (FFD8 + 22 MB of 0xFF: /health blocked
     ~11 s; 4 MB of PNG chunks 5.5 s; 3 M StripOffsets 9.4 s and +1.1 GB)."""
     _, url = server
-    data = {"FFD8 + 22 MB of 0xFF": lambda: fill_before_jpeg(22 << 20),
-            "4 MB of PNG chunks": lambda: png_chunk_flood(4 << 20),
-            "3 M TIFF StripOffsets": lambda: tiff_strip_flood(3_000_000)}[name]()
+    data = {
+        "FFD8 + 22 MB of 0xFF": lambda: fill_before_jpeg(22 << 20),
+        "4 MB of PNG chunks": lambda: png_chunk_flood(4 << 20),
+        "3 M TIFF StripOffsets": lambda: tiff_strip_flood(3_000_000),
+    }[name]()
     start = time.monotonic()
     with Health(url):
         r = post(url, data)
@@ -143,8 +157,9 @@ def test_text_is_told_it_is_not_an_image(server):
     """Issue 16: words as an input, or a text file uploaded, were "not a recognized image format (9 bytes of data)"."""
     _, url = server
     words = post(url, "a photo of a cat")
-    upload = httpx.post(url + "/v1/encode", files=[("images", ("notes.txt", b"notes: a photo of a cat on a mat\n"))],
-                        timeout=60)
+    upload = httpx.post(
+        url + "/v1/encode", files=[("images", ("notes.txt", b"notes: a photo of a cat on a mat\n"))], timeout=60
+    )
     for r, param in ((words, "input[0]"), (upload, "images[0]")):
         error = r.json()["error"]
         assert r.status_code == 400 and error["code"] == "text_input" and error["param"] == param, r.text
@@ -171,17 +186,30 @@ def test_a_client_that_leaves_mid_decode_frees_its_worker():
     being decoded. Its worker is killed a second later (the rest are never started), so a normal request is answered
     at once, not after the gone request's 6 s of decoding. The test stops the worker (SIGSTOP) once it decodes, so the
     first image outlasts the grace however fast this CPU is (a fast one finished it within the grace: no kill)."""
-    proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--decode-workers", "1",
-                             "--decode-timeout", "60", "--api-servers", "1",  # the decode pool is the main process's
-                             timeout=60, capture_log=True)
+    proc, url = start_server(
+        "--model",
+        "tiny-qwen2.5-vl",
+        "--load-format",
+        "dummy",
+        "--decode-workers",
+        "1",
+        "--decode-timeout",
+        "60",
+        "--api-servers",
+        "1",  # the decode pool is the main process's
+        timeout=60,
+        capture_log=True,
+    )
     try:
         [worker] = _decode_workers(proc.pid)
         body = ('{"input": [' + ",".join(['"' + data_uri(slow_jpeg(), "image/jpeg") + '"'] * 3) + "]}").encode()
         port = int(url.rsplit(":", 1)[1])
         sock = socket.create_connection(("127.0.0.1", port))
         cpu = _cpu_seconds(worker)
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body
+        )
         wait_until(lambda: _cpu_seconds(worker) > cpu + 0.2, 30, "the worker decoding the first image")
         os.kill(worker, signal.SIGSTOP)  # still decoding when the grace ends; SIGKILL ends a stopped process
         sock.close()

@@ -17,17 +17,34 @@ class Transport(asyncio.Transport):
     def __init__(self):
         super().__init__()
         self.out, self.closed = bytearray(), False
+
     def get_extra_info(self, name, default=None):
         return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
-    def write(self, data): self.out += data
+
+    def write(self, data):
+        self.out += data
+
     def writelines(self, pieces):
-        for p in pieces: self.out += p
-    def is_closing(self): return self.closed
-    def close(self): self.closed = True
-    def pause_reading(self): pass
-    def resume_reading(self): pass
-    def set_write_buffer_limits(self, high=None, low=None): pass
-    def get_write_buffer_size(self): return 0
+        for p in pieces:
+            self.out += p
+
+    def is_closing(self):
+        return self.closed
+
+    def close(self):
+        self.closed = True
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def set_write_buffer_limits(self, high=None, low=None):
+        pass
+
+    def get_write_buffer_size(self):
+        return 0
 
 
 async def app(scope, receive, send):
@@ -40,8 +57,9 @@ async def app(scope, receive, send):
         if not m.get("more_body"):
             break
     body = str(size).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]}
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -52,11 +70,13 @@ def request(body: bytes) -> bytes:
 def test_one_read_holding_two_requests_counts_each_requests_own_bytes():
     """A small body then a 300 KB one in the same read: both are answered. Counting the bytes received instead of
     those h11 parsed charged the second request's 300 KB to the first one's framing: a 400 body_pieces."""
+
     async def main():
         config = uvicorn.Config(app, log_config=None, lifespan="off")
         config.load()
-        protocol = guarded_h11(10)(config=config, server_state=ServerState(), app_state={},
-                                   _loop=asyncio.get_running_loop())
+        protocol = guarded_h11(10)(
+            config=config, server_state=ServerState(), app_state={}, _loop=asyncio.get_running_loop()
+        )
         t = Transport()
         protocol.connection_made(t)
         protocol.data_received(request(b"x" * 10) + request(b"y" * 300_000))
@@ -65,6 +85,7 @@ def test_one_read_holding_two_requests_counts_each_requests_own_bytes():
             if t.out.count(b"HTTP/1.1 ") >= 2:
                 break
         return bytes(t.out)
+
     out = asyncio.run(main())
     assert out.count(b"HTTP/1.1 200") == 2, out[:400]
     assert out.endswith(b"300000"), out[-50:]

@@ -45,7 +45,7 @@ def scanned(text: bytes, limit: int = 10**6, pieces: int = 1, rng=random) -> Sca
 def reference_commas(text: bytes) -> int:
     spans, inside = reference_spans(text), bytearray(len(text))
     for start, end in spans:
-        inside[start:end + 1] = b"\x01" * (end + 1 - start)
+        inside[start : end + 1] = b"\x01" * (end + 1 - start)
     return sum(1 for c, i in zip(text, inside) if c == 0x2C and not i)
 
 
@@ -57,7 +57,7 @@ def test_the_scan_matches_a_byte_by_byte_scanner_however_the_text_arrives():
         assert scan.spans == reference_spans(text), text
         if scan._open is None:  # (an unterminated string holds the commas after its quote)
             assert scan.commas == reference_commas(text), text
-    for value in ["plain", 'quote " inside', "back\\slash", "\\\\\\\"", "", "x" * 5000 + '\\"' + "y"]:
+    for value in ["plain", 'quote " inside', "back\\slash", '\\\\\\"', "", "x" * 5000 + '\\"' + "y"]:
         text = json.dumps({"a": value, "b": [1, value]}).encode()
         scan = scanned(text, 100, pieces=3, rng=rng)
         assert scan.spans == reference_spans(text) and scan.commas == 2
@@ -125,7 +125,7 @@ class Arriving:
 
     def __init__(self, body: bytes, chunk: int, declared: bool = True):
         self.headers = {"content-length": str(len(body))} if declared else {}
-        self.pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)]
+        self.pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)]
 
     async def stream(self):
         for piece in self.pieces:

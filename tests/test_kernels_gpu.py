@@ -35,8 +35,9 @@ def test_add_norm(dtype, d, rms):
         assert torch.equal(res, ref_res)  # the residual add rounds exactly like torch's
         eps = torch.finfo(dtype).eps  # statistics summed in another order: at most a rounding step apart
         torch.testing.assert_close(out, ref_out, rtol=2 * eps, atol=2 * eps)
-        torch.testing.assert_close(kernels.norm(x, w, b, 1e-6), reference(kernels.norm, x, w, b, 1e-6),
-                                   rtol=2 * eps, atol=2 * eps)
+        torch.testing.assert_close(
+            kernels.norm(x, w, b, 1e-6), reference(kernels.norm, x, w, b, 1e-6), rtol=2 * eps, atol=2 * eps
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,5 +66,6 @@ def test_act(dtype, kind):
 def test_silu_mul(dtype):
     x = rand(1234, 2 * 3456, dtype=dtype, scale=3)
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(kernels.gated_act(x, "silu"), reference(kernels.gated_act, x, "silu"),
-                               rtol=2 * eps, atol=2 * eps)
+    torch.testing.assert_close(
+        kernels.gated_act(x, "silu"), reference(kernels.gated_act, x, "silu"), rtol=2 * eps, atol=2 * eps
+    )

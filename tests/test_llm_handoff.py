@@ -43,8 +43,10 @@ def processor(family: str):
 
     qwen3 = family == "qwen3_vl"
     return Qwen2VLImageProcessorPil(
-        patch_size=16 if qwen3 else 14, **(dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if qwen3 else {}),
-        size={"shortest_edge": 65536 if qwen3 else 3136, "longest_edge": 16777216 if qwen3 else 12845056})
+        patch_size=16 if qwen3 else 14,
+        **(dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if qwen3 else {}),
+        size={"shortest_edge": 65536 if qwen3 else 3136, "longest_edge": 16777216 if qwen3 else 12845056},
+    )
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -54,8 +56,9 @@ def served(request, checkpoints):
     path, _ = checkpoints[request.param]
     # on the CPU in float32 wherever the tests run: the handoff's layout is held to the model's own tower exactly
     # (a GPU server's bf16 features are the fidelity bench's business: bench/gpu_fidelity.py)
-    proc, url = start_server("--model", path, "--device", "cpu", "--max-batch-wait-ms", "1", timeout=120,
-                             capture_log=True)
+    proc, url = start_server(
+        "--model", path, "--device", "cpu", "--max-batch-wait-ms", "1", timeout=120, capture_log=True
+    )
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     yield request.param, url, model
     proc.terminate()
@@ -111,8 +114,11 @@ def test_transformers_answers_videos_as_with_its_own_tower(served, checkpoints):
     prompt = [5, start, cfg.image_token_id, end, 6, *clip_ids, 7, 8]
     inputs = transformers_inputs(prompt, [image, video], cfg)
     assert torch.equal(inputs["video_grid_thw"], grids)
-    own = {**inputs, "pixel_values": processor(family)(images()[:1], return_tensors="pt")["pixel_values"],
-           "pixel_values_videos": pixels}
+    own = {
+        **inputs,
+        "pixel_values": processor(family)(images()[:1], return_tensors="pt")["pixel_values"],
+        "pixel_values_videos": pixels,
+    }
     with torch.no_grad():
         reference = model(**own).logits
         greedy = model.generate(**own, max_new_tokens=8, do_sample=False)
@@ -121,7 +127,7 @@ def test_transformers_answers_videos_as_with_its_own_tower(served, checkpoints):
             assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False), greedy)
         assert rel_err(ours, reference) <= 1e-5
         data = vllm_multi_modal_data([image, video])  # vLLM splits video_embeds per video by prod(grid) // merge²
-        merge = cfg.vision_config.spatial_merge_size ** 2
+        merge = cfg.vision_config.spatial_merge_size**2
         assert data["video"]["video_embeds"].shape[0] == int(data["video"]["video_grid_thw"].prod()) // merge
         assert torch.equal(data["video"]["video_embeds"], vllm_features(video))
         assert data["image"]["image_embeds"].shape[0] == image.num_tokens
@@ -141,7 +147,7 @@ def test_consumer_layouts_split_as_vllm_and_sglang_split_them(served):
         laid = client.encode(images(), layout="vllm")
     width = items[0].embeddings.shape[1]
     assert width == model.config.text_config.hidden_size and len(items[0].deepstack) == layers
-    merge = model.config.vision_config.spatial_merge_size ** 2
+    merge = model.config.vision_config.spatial_merge_size**2
     data = vllm_multi_modal_data(items)["image"]
     assert data["image_grid_thw"].dtype == torch.int64 and data["image_grid_thw"].shape == (3, 3)
     assert data["image_embeds"].shape[1] == width * (1 + layers)
@@ -150,16 +156,19 @@ def test_consumer_layouts_split_as_vllm_and_sglang_split_them(served):
     for part, item, server_side in zip(parts, items, laid):
         assert torch.equal(part[:, :width], item.embeddings)
         for j, d in enumerate(item.deepstack):  # deepstack after the tokens, in deepstack_visual_indexes order
-            assert torch.equal(part[:, width * (1 + j):width * (2 + j)], d)
+            assert torch.equal(part[:, width * (1 + j) : width * (2 + j)], d)
         assert torch.equal(server_side.embeddings, part) and server_side.deepstack == []  # layout=vllm agrees
     part = vllm_image_embeds_part(items[1])
     assert part["type"] == "image_embeds"
     loaded = {k: torch.load(io.BytesIO(base64.b64decode(v))) for k, v in part["image_embeds"].items()}
-    assert torch.equal(loaded["image_embeds"], parts[1]) and loaded["image_grid_thw"].tolist() == list(items[1].grid_thw)
+    assert torch.equal(loaded["image_embeds"], parts[1]) and loaded["image_grid_thw"].tolist() == list(
+        items[1].grid_thw
+    )
     (sglang,) = sglang_image_data(items)
     assert sglang["format"] == "precomputed_embedding" and sglang["modality"] == "IMAGE"
-    assert torch.equal(sglang["feature"], data["image_embeds"]) and torch.equal(sglang["image_grid_thw"],
-                                                                                data["image_grid_thw"])
+    assert torch.equal(sglang["feature"], data["image_embeds"]) and torch.equal(
+        sglang["image_grid_thw"], data["image_grid_thw"]
+    )
 
 
 def test_the_async_client_and_pooled_vectors(served):

@@ -26,8 +26,10 @@ def old_key(given, base64_: bool, start: int = 0) -> bytes:
         digest.update(given[start:].encode("ascii", "replace") if isinstance(given, str) else bytes(given[start:]))
     else:
         digest.update(given)
-    digest.update(f"\0{'base64' if base64_ else 'bytes'}\0m\0{PreprocessConfig().min_pixels}\0"
-                  f"{PreprocessConfig().max_pixels}\0{0}\0".encode())
+    digest.update(
+        f"\0{'base64' if base64_ else 'bytes'}\0m\0{PreprocessConfig().min_pixels}\0"
+        f"{PreprocessConfig().max_pixels}\0{0}\0".encode()
+    )
     return digest.digest()
 
 
@@ -81,13 +83,13 @@ def test_what_a_worker_is_sent_reads_back_as_the_item_or_its_first_bytes(body_fi
                     assert callable(payload)  # made when a worker takes the job
                     payload = payload()
                 # base64 is cut at the whole quads that hold the first `end` bytes; raw bytes at `end` itself
-                want = DATA if end is None else DATA[:-(-end // 3) * 3] if is_base64 else DATA[:end]
+                want = DATA if end is None else DATA[: -(-end // 3) * 3] if is_base64 else DATA[:end]
                 assert received(payload, is_base64) == want, (name, end, in_file)
 
 
 def test_a_body_file_handle_sends_no_bytes_and_refuses_a_short_file(body_file):
     path, body, at = body_file
-    media = Text(body[at:at + len(PREFIX) + len(TEXT)], (path, at)).skip(len(PREFIX))
+    media = Text(body[at : at + len(PREFIX) + len(TEXT)], (path, at)).skip(len(PREFIX))
     handle = media.payload(None)
     assert handle == MediaHandle(path, at + len(PREFIX), len(TEXT), None) and len(handle) == len(TEXT)
     with open(path, "r+b") as f:
@@ -97,7 +99,7 @@ def test_a_body_file_handle_sends_no_bytes_and_refuses_a_short_file(body_file):
 
 
 def test_line_broken_base64_and_bad_base64():
-    wrapped = "\n".join(TEXT[i:i + 76] for i in range(0, len(TEXT), 76))
+    wrapped = "\n".join(TEXT[i : i + 76] for i in range(0, len(TEXT), 76))
     media = MediaBytes(wrapped)
     assert media.head(5000)[:5000] == DATA[:5000] and media.decode() == DATA
     assert DATA.startswith(media.head(2**16))  # whitespace counts against the bounded prefix: fewer bytes, same ones

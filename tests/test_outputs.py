@@ -121,8 +121,12 @@ def test_the_protocols_send_frames_as_h11_and_passes_body_pieces_through(length)
     Content-Length body's piece is the very object sent (h11 itself joins it into new bytes: a copy of a memoryview)."""
     piece = memoryview(np.arange(3000, dtype=np.uint8))
     headers = [(b"content-length", b"6000")] if length else []
-    events = [h11.Response(status_code=200, headers=headers), h11.Data(data=piece), h11.Data(data=b"x" * 3000),
-              h11.EndOfMessage()]
+    events = [
+        h11.Response(status_code=200, headers=headers),
+        h11.Data(data=piece),
+        h11.Data(data=b"x" * 3000),
+        h11.EndOfMessage(),
+    ]
     request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
     protocol = _Protocol()
     ours = _sending(CountedConnection(_server(request), protocol), events)

@@ -39,13 +39,16 @@ def server():
 def answered(url: str) -> int:
     """Requests answered 200 so far (the gate counts a request once the app has returned)."""
     metrics = httpx.get(url + "/metrics", timeout=10).text
-    return sum(int(float(n)) for n in re.findall(r'vitserve_requests_total\{code="200",endpoint="[^"]+"\} ([\d.]+)',
-                                                  metrics))
+    return sum(
+        int(float(n)) for n in re.findall(r'vitserve_requests_total\{code="200",endpoint="[^"]+"\} ([\d.]+)', metrics)
+    )
 
 
 def request_bytes(path: str, body: bytes) -> bytes:
-    return (b"POST %s HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
-            b"accept: application/octet-stream\r\ncontent-length: %d\r\n\r\n" % (path.encode(), len(body))) + body
+    return (
+        b"POST %s HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        b"accept: application/octet-stream\r\ncontent-length: %d\r\n\r\n" % (path.encode(), len(body))
+    ) + body
 
 
 def read_responses(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
@@ -80,9 +83,14 @@ def test_a_big_answer_is_handed_over_whole_and_the_next_waits_for_it(server):
     uri = data_uri(smooth_png(SIDE))
     body, small = json.dumps({"images": [uri] * COPIES}).encode(), json.dumps({"input": [uri]}).encode()
     reference, reference_small = (
-        httpx.post(url + path, content=b, timeout=120,
-                   headers={"content-type": "application/json", "accept": "application/octet-stream"})
-        for path, b in (("/v1/encode", body), ("/v1/embeddings", small)))
+        httpx.post(
+            url + path,
+            content=b,
+            timeout=120,
+            headers={"content-type": "application/json", "accept": "application/octet-stream"},
+        )
+        for path, b in (("/v1/encode", body), ("/v1/embeddings", small))
+    )
     assert reference.status_code == 200 and len(reference.content) > 12 * 10**6
     start = answered(url)
     with socket.socket() as sock:
@@ -102,6 +110,7 @@ def test_a_big_answer_is_handed_over_whole_and_the_next_waits_for_it(server):
     js = httpx.post(url + "/v1/encode", json={"images": [uri] * 2}, timeout=60).json()["data"]
     for i in range(COPIES):
         for key, want in [("embeddings", js[i % 2]["embeddings"])] + [
-                (f"deepstack.{j}", d) for j, d in enumerate(js[i % 2]["deepstack"])]:
+            (f"deepstack.{j}", d) for j, d in enumerate(js[i % 2]["deepstack"])
+        ]:
             got = tensors[f"images.{i}.{key}"]
             assert got.dtype == torch.float32 and got.numpy().tobytes() == base64.b64decode(want)

@@ -12,8 +12,9 @@ from vitserve.encoder.plan import make_plan
 
 vu = pytest.importorskip("transformers.vision_utils")
 
-QWEN2, QWEN25, QWEN3 = (builtin_config(n) for n in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct",
-                                                       "Qwen/Qwen3-VL-8B-Instruct"))
+QWEN2, QWEN25, QWEN3 = (
+    builtin_config(n) for n in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct")
+)
 
 
 def random_grids(rng: random.Random, n: int):
@@ -49,8 +50,9 @@ def test_plan_equals_transformers_metadata(seed):
     assert torch.equal(p25.token_order, torch.argsort(window_index))
 
     p3 = make_plan(grids, QWEN3)
-    idx, wts = vu.get_vision_interpolation_indices_and_weights(grid_thw, 48, mode="bilinear", align_corners=True,
-                                                                spatial_merge_size=2)
+    idx, wts = vu.get_vision_interpolation_indices_and_weights(
+        grid_thw, 48, mode="bilinear", align_corners=True, spatial_merge_size=2
+    )
     assert torch.equal(p3.interp_indices, idx)
     assert torch.equal(p3.interp_weights, wts)
     offsets = [0]
@@ -70,8 +72,8 @@ def test_padding_forms_segments_of_its_own(cfg):
     assert plan.num_patches == real and plan.total_patches == 1024
     assert plan.full.cu_seqlens.tolist() == unpadded.full.cu_seqlens.tolist() + [1024]
     if plan.window is not None:  # 868 padding rows: 13 windows of 64, then 36
-        pad = plan.window.cu_seqlens.tolist()[len(unpadded.window.cu_seqlens):]
-        assert plan.window.cu_seqlens.tolist()[:len(unpadded.window.cu_seqlens)] == unpadded.window.cu_seqlens.tolist()
+        pad = plan.window.cu_seqlens.tolist()[len(unpadded.window.cu_seqlens) :]
+        assert plan.window.cu_seqlens.tolist()[: len(unpadded.window.cu_seqlens)] == unpadded.window.cu_seqlens.tolist()
         assert pad == [real + 64 * i for i in range(1, 14)] + [1024]
         assert plan.window.max_seqlen == 64
     assert make_plan(grids, cfg, pad_to=real).full.cu_seqlens.tolist() == unpadded.full.cu_seqlens.tolist()
@@ -82,7 +84,7 @@ def test_padding_forms_segments_of_its_own(cfg):
         assert torch.equal(plan.patch_order[:real], unpadded.patch_order)
         assert torch.equal(plan.patch_order[real:], torch.arange(real, 1024))
         u = cfg.merge_unit
-        assert torch.equal(plan.token_order[real // u:], torch.arange(real // u, 1024 // u))
+        assert torch.equal(plan.token_order[real // u :], torch.arange(real // u, 1024 // u))
 
 
 def test_rejects_bad_grids_and_padding():

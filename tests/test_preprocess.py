@@ -103,13 +103,47 @@ def png_bytes(arr: np.ndarray | None, *, width=None, height=None, color_type=0, 
 
 # (h, w) pairs, tiny to huge, all aspect ratios <= 200.
 SIZES = [
-    (1, 1), (2, 2), (1, 2), (3, 5), (1, 200), (200, 1), (10, 300), (300, 10), (27, 27), (28, 28),
-    (29, 29), (31, 33), (55, 57), (56, 56), (64, 64), (100, 100), (111, 222), (224, 224), (240, 320),
-    (256, 256), (333, 444), (480, 640), (500, 375), (13, 1777), (3000, 20), (20, 3000), (17, 3399),
+    (1, 1),
+    (2, 2),
+    (1, 2),
+    (3, 5),
+    (1, 200),
+    (200, 1),
+    (10, 300),
+    (300, 10),
+    (27, 27),
+    (28, 28),
+    (29, 29),
+    (31, 33),
+    (55, 57),
+    (56, 56),
+    (64, 64),
+    (100, 100),
+    (111, 222),
+    (224, 224),
+    (240, 320),
+    (256, 256),
+    (333, 444),
+    (480, 640),
+    (500, 375),
+    (13, 1777),
+    (3000, 20),
+    (20, 3000),
+    (17, 3399),
     (799, 601),
     # math only (too big to push real pixels through the slow reference in a unit test)
-    (1080, 1920), (1920, 1080), (3000, 4000), (4000, 3000), (3584, 3584), (3585, 3583), (4096, 4096),
-    (8192, 8192), (12000, 60), (7000, 35), (20000, 15000), (100000, 500),
+    (1080, 1920),
+    (1920, 1080),
+    (3000, 4000),
+    (4000, 3000),
+    (3584, 3584),
+    (3585, 3583),
+    (4096, 4096),
+    (8192, 8192),
+    (12000, 60),
+    (7000, 35),
+    (20000, 15000),
+    (100000, 500),
 ]
 REAL_PIXEL_LIMIT = 320_000
 
@@ -140,9 +174,16 @@ def test_grid_thw_matches_transformers(name):
 
 
 NO_RESIZE_CASES = [
-    ("qwen2", (28 * 4, 28 * 6)), ("qwen2", (448, 224)), ("qwen2", (896, 140)), ("qwen2", (28, 3136)),
-    ("defaults", (448, 448)), ("defaults", (56, 56)),
-    ("qwen3", (256, 256)), ("qwen3", (256, 320)), ("qwen3", (640, 480)), ("qwen3", (32, 2048)),
+    ("qwen2", (28 * 4, 28 * 6)),
+    ("qwen2", (448, 224)),
+    ("qwen2", (896, 140)),
+    ("qwen2", (28, 3136)),
+    ("defaults", (448, 448)),
+    ("defaults", (56, 56)),
+    ("qwen3", (256, 256)),
+    ("qwen3", (256, 320)),
+    ("qwen3", (640, 480)),
+    ("qwen3", (32, 2048)),
 ]
 
 
@@ -260,8 +301,12 @@ def test_patch_layout_independent_of_reference():
 def test_smart_resize_sweep_matches_transformers():
     rng = np.random.default_rng(10)
     settings = [
-        (28, 3136, 12845056), (28, 56 * 56, 28 * 28 * 1280), (32, 65536, 16777216), (28, 200_000, 400_000),
-        (14, 1, 10_000), (32, 1024, 1024 * 64),
+        (28, 3136, 12845056),
+        (28, 56 * 56, 28 * 28 * 1280),
+        (32, 65536, 16777216),
+        (28, 200_000, 400_000),
+        (14, 1, 10_000),
+        (32, 1024, 1024 * 64),
     ]
     hs = list(range(1, 120)) + rng.integers(1, 20000, 200).tolist()
     count = 0
@@ -309,20 +354,35 @@ def test_config_properties_and_overrides():
 def test_config_from_hf():
     base = PreprocessConfig(max_image_pixels=1234)
     qwen25 = {
-        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD), "rescale_factor": 0.00392156862745098,
-        "resample": 3, "image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True,
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": list(OPENAI_CLIP_MEAN),
+        "image_std": list(OPENAI_CLIP_STD),
+        "rescale_factor": 0.00392156862745098,
+        "resample": 3,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_convert_rgb": True,
     }
     c = PreprocessConfig.from_hf(qwen25, base)
     assert (c.min_pixels, c.max_pixels, c.patch_size, c.factor) == (3136, 12845056, 14, 28)
     assert c.max_image_pixels == 1234  # not an HF key: from base
-    qwen3 = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
-             "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    qwen3 = {
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
     c = PreprocessConfig.from_hf(qwen3, base)
     assert c == QWEN3.with_overrides(max_image_pixels=1234)
     # missing keys fall back to base; top-level min/max_pixels beat size (as in transformers' __init__)
-    c = PreprocessConfig.from_hf({"size": {"shortest_edge": 100, "longest_edge": 5000}, "max_pixels": 7000},
-                                 base.with_overrides(patch_size=16))
+    c = PreprocessConfig.from_hf(
+        {"size": {"shortest_edge": 100, "longest_edge": 5000}, "max_pixels": 7000}, base.with_overrides(patch_size=16)
+    )
     assert (c.min_pixels, c.max_pixels, c.patch_size, c.image_mean) == (100, 7000, 16, OPENAI_CLIP_MEAN)
     assert PreprocessConfig.from_hf({}, base) == base
     # the HF reference built from the same dict agrees on the pixel bounds
@@ -557,8 +617,13 @@ def _pil_header(data: bytes):
     from vitserve.encoder.headers import ImageHeader
 
     with Image.open(io.BytesIO(data)) as img:  # an MPO is the JPEG it starts with
-        return ImageHeader("JPEG" if img.format == "MPO" else img.format, img.width, img.height, img.mode,
-                           "transparency" in img.info or "A" in img.getbands())
+        return ImageHeader(
+            "JPEG" if img.format == "MPO" else img.format,
+            img.width,
+            img.height,
+            img.mode,
+            "transparency" in img.info or "A" in img.getbands(),
+        )
 
 
 def test_header_readers_agree_with_pil_on_every_format_and_find_the_end():
@@ -584,7 +649,7 @@ def test_header_readers_agree_with_pil_on_every_format_and_find_the_end():
         if whole.end is not None:
             ends += 1
             assert whole.end <= len(data)
-            np.testing.assert_array_equal(np.asarray(load_image(data[:whole.end])), np.asarray(load_image(data)))
+            np.testing.assert_array_equal(np.asarray(load_image(data[: whole.end])), np.asarray(load_image(data)))
     assert ends >= 30  # JPEG, PNG, GIF, BMP and WebP files end where their walk says
 
 
@@ -605,9 +670,11 @@ def test_probe_on_the_loop_is_bounded_whatever_the_bytes():
     from vitserve.encoder.headers import probe
     from vitserve.encoder.image_errors import HeaderNotFound
 
-    cases = {"fill": (fill_before_jpeg(22 << 20), "junk between JPEG markers"),
-             "chunks": (png_chunk_flood(4 << 20), "chunks before the image data"),
-             "strips": (tiff_strip_flood(3_000_000), "3000000 numbers in tag 273, for 16x16 pixels")}
+    cases = {
+        "fill": (fill_before_jpeg(22 << 20), "junk between JPEG markers"),
+        "chunks": (png_chunk_flood(4 << 20), "chunks before the image data"),
+        "strips": (tiff_strip_flood(3_000_000), "3000000 numbers in tag 273, for 16x16 pixels"),
+    }
     for name, (data, why) in cases.items():
         start = time.perf_counter()
         with pytest.raises(UndecodableImage):  # refused, or HeaderNotFound: a worker reads it
@@ -653,6 +720,6 @@ def test_base64_is_sent_up_to_the_image_end():
     data = encode(rand_image(8, 8), "PNG")
     text = base64.b64encode(data + bytes(30_000)).decode()
     sent = MediaBytes("data:image/png;base64," + text, 22).ascii(len(data))
-    assert len(sent) == -(-len(data) // 3) * 4 and base64.b64decode(bytes(sent))[:len(data)] == data
-    wrapped = MediaBytes("\n".join(text[i:i + 76] for i in range(0, len(text), 76)))
+    assert len(sent) == -(-len(data) // 3) * 4 and base64.b64decode(bytes(sent))[: len(data)] == data
+    wrapped = MediaBytes("\n".join(text[i : i + 76] for i in range(0, len(text), 76)))
     assert len(wrapped.ascii(len(data))) == len(wrapped)  # whitespace before the end: all of it

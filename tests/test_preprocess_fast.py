@@ -49,13 +49,17 @@ def broken_scan(jpeg: bytes) -> bytes:
     """A JPEG whose start-of-scan header claims 9 components: every marker before it reads (PIL's header parse
     stops there), the pixels do not."""
     sos = jpeg.find(b"\xff\xda")
-    return jpeg[:sos + 2] + b"\x00\x0c\x09" + jpeg[sos + 5:]
+    return jpeg[: sos + 2] + b"\x00\x0c\x09" + jpeg[sos + 5 :]
 
 
-IMAGES = [encoded(photo(300, 451, 1), "PNG"), encoded(photo(640, 427, 2), "JPEG", quality=90),
-          encoded(photo(90, 700, 3), "PNG"), encoded(photo(1000, 872, 4), "JPEG", quality=85),
-          encoded(photo(40, 40, 5)[..., 0], "PNG"), encoded(np.dstack([photo(200, 300, 6), photo(200, 300, 7)[..., :1]]),
-                                                             "PNG")]
+IMAGES = [
+    encoded(photo(300, 451, 1), "PNG"),
+    encoded(photo(640, 427, 2), "JPEG", quality=90),
+    encoded(photo(90, 700, 3), "PNG"),
+    encoded(photo(1000, 872, 4), "JPEG", quality=85),
+    encoded(photo(40, 40, 5)[..., 0], "PNG"),
+    encoded(np.dstack([photo(200, 300, 6), photo(200, 300, 7)[..., :1]]), "PNG"),
+]
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -81,7 +85,7 @@ def test_only_rgb_and_grayscale_jpegs_stay_encoded():
     assert jpeg_for_device(cmyk.getvalue()) is None  # PIL decodes CMYK
     with pytest.raises(UndecodableImage):
         jpeg_for_device(b"not an image at all")
-    assert jpeg_for_device(IMAGES[1][:len(IMAGES[1]) // 2]) is None  # truncated: PIL decodes it (and refuses it)
+    assert jpeg_for_device(IMAGES[1][: len(IMAGES[1]) // 2]) is None  # truncated: PIL decodes it (and refuses it)
     assert isinstance(jpeg_for_device(broken_scan(IMAGES[1])), EncodedJpeg)  # its header reads
     with pytest.raises(UndecodableImage):
         load_image(broken_scan(IMAGES[1]))
@@ -140,8 +144,15 @@ def test_server_fast_path_answers_what_the_library_does(device_processes, tmp_pa
     from vitserve.service.ground.settings import Settings
     from vitserve.service.pipeline.engine import Engine
 
-    settings = Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", preprocess="fast", cache_bytes=0,
-                        device_processes=device_processes, spool_dir=str(tmp_path), device="cpu")
+    settings = Settings.of(
+        model="tiny-qwen2.5-vl",
+        load_format="dummy",
+        preprocess="fast",
+        cache_bytes=0,
+        device_processes=device_processes,
+        spool_dir=str(tmp_path),
+        device="cpu",
+    )
     engine = Engine(settings, encoders=None if device_processes else enc)
     engine.decoder.jpeg_on_device = True
     with TestClient(create_app(settings, engine)) as c:

@@ -22,8 +22,10 @@ from vitserve.encoder.preprocess import (
     target_size,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not preprocess_fast.nvjpeg_available(),
-                                                  reason="needs CUDA and torchvision")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not preprocess_fast.nvjpeg_available(), reason="needs CUDA and torchvision"),
+]
 
 
 def processor():
@@ -49,8 +51,9 @@ def test_fast_equals_transformers_fast_processor_on_cuda():
     hf = processor()
     for data in IMAGES:
         if data[:2] == b"\xff\xd8":
-            source = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                                 device="cuda")
+            source = decode_jpeg(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB, device="cuda"
+            )
         else:
             source = load_image(data)
         with warnings.catch_warnings():
@@ -66,8 +69,13 @@ def test_nvjpeg_decodes_as_pil_does_within_a_level_or_two():
     from torchvision.io import ImageReadMode, decode_jpeg
 
     for data in (IMAGES[1], IMAGES[3], encoded(photo(480, 640, 9)[..., 0], "JPEG")):
-        ours = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                           device="cuda").permute(1, 2, 0).cpu().numpy().astype(int)
+        ours = (
+            decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB, device="cuda")
+            .permute(1, 2, 0)
+            .cpu()
+            .numpy()
+            .astype(int)
+        )
         pil = np.asarray(load_image(data)).astype(int)
         diff = np.abs(ours - pil)
         print(f"nvJPEG against PIL: mean {diff.mean():.3f} levels, largest {diff.max()}")
@@ -92,8 +100,14 @@ def test_a_jpeg_nvjpeg_refuses_fails_alone_or_falls_back_to_pil():
 
 
 def test_fast_encoder_on_cuda_matches_its_processor_layout():
-    enc = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", load_format="dummy",
-                                        budgets=(256, 1024, 4096), preprocess="fast")
+    enc = VisionEncoder.from_pretrained(
+        "tiny-qwen2.5-vl",
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        budgets=(256, 1024, 4096),
+        preprocess="fast",
+    )
     direct = enc.encode(IMAGES)
     pixels, grids = enc.preprocess(IMAGES)
     for a, b in zip(direct, enc.encode_pixels(pixels, grids)):

@@ -19,8 +19,11 @@ def crossed(error: BaseException) -> BaseException:
 
 
 def test_a_domain_error_comes_back_with_its_class_code_and_param():
-    for error in (InputRejected("images[1]: bad", "invalid_base64", "images[1]"), QueueFull("full"),
-                  Unavailable("gone", "device_lost")):
+    for error in (
+        InputRejected("images[1]: bad", "invalid_base64", "images[1]"),
+        QueueFull("full"),
+        Unavailable("gone", "device_lost"),
+    ):
         back = crossed(error)
         assert type(back) is type(error)
         assert (back.message, back.code, back.param) == (error.message, error.code, error.param)
@@ -54,10 +57,9 @@ def test_a_call_answers_its_value_or_its_error_and_an_unpicklable_value_as_an_er
     failed = Call(int, ()).run(b"x")
     assert failed.value is None and failed.error.kind == "ValueError"
     frame = JobResult(lambda: None).frame()
-    result = pickle.loads(frame[ANSWER_HEADER.size:])
+    result = pickle.loads(frame[ANSWER_HEADER.size :])
     assert ANSWER_HEADER.unpack_from(frame)[0] == len(frame) - ANSWER_HEADER.size
-    assert result.value is None and isinstance(result.error.error(), (pickle.PicklingError, AttributeError,
-                                                                     TypeError))
+    assert result.value is None and isinstance(result.error.error(), (pickle.PicklingError, AttributeError, TypeError))
 
 
 def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_path):
@@ -74,8 +76,10 @@ def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_
     record = pickle.loads(pickle.dumps(packed(UndecodableImage("cannot decode the image", "nvjpeg"), "unused")))
     assert isinstance(record, ErrorRecord)
     error = unpacked(record)
-    assert isinstance(error, UndecodableImage) and (error.public, error.code) == ("cannot decode the image",
-                                                                                 "undecodable_image")
+    assert isinstance(error, UndecodableImage) and (error.public, error.code) == (
+        "cannot decode the image",
+        "undecodable_image",
+    )
 
 
 def test_the_domain_errors_and_the_pipes_records_import_no_web_framework():
@@ -85,8 +89,10 @@ def test_the_domain_errors_and_the_pipes_records_import_no_web_framework():
     import subprocess
     import sys
 
-    code = ("import sys; import vitserve.service.ground.errors, vitserve.service.decoding.decode_protocol, vitserve.service.ground.limits; "
-            "print(sorted(m for m in ('fastapi', 'starlette', 'torch') if m in sys.modules))")
+    code = (
+        "import sys; import vitserve.service.ground.errors, vitserve.service.decoding.decode_protocol, vitserve.service.ground.limits; "
+        "print(sorted(m for m in ('fastapi', 'starlette', 'torch') if m in sys.modules))"
+    )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
     service = pathlib.Path(__file__).resolve().parents[1] / "vitserve" / "service" / "tiers"

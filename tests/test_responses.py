@@ -14,9 +14,18 @@ from vitserve.service.api.encoding import merged
 from vitserve.service.ground import errors
 from vitserve.service.pipeline.engine import Encoded
 
-ROUTES = {("/v1/embeddings", "post"), ("/v1/encode", "post"), ("/v1/chat/completions", "post"), ("/encode", "post"),
-          ("/scheduler_receive_url", "post"), ("/v1/models", "get"), ("/health", "get"), ("/ready", "get"),
-          ("/stats", "get"), ("/metrics", "get")}
+ROUTES = {
+    ("/v1/embeddings", "post"),
+    ("/v1/encode", "post"),
+    ("/v1/chat/completions", "post"),
+    ("/encode", "post"),
+    ("/scheduler_receive_url", "post"),
+    ("/v1/models", "get"),
+    ("/health", "get"),
+    ("/ready", "get"),
+    ("/stats", "get"),
+    ("/metrics", "get"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +40,13 @@ def test_openapi_documents_every_answer(client):
     for path, method in ROUTES:
         content = spec["paths"][path][method]["responses"]["200"]["content"]
         assert all(entry["schema"] for entry in content.values()), (path, method)  # not FastAPI's empty `{}`
-    assert spec["paths"]["/v1/encode"]["post"]["responses"]["200"]["content"]["application/json"]["schema"] == \
-        {"$ref": "#/components/schemas/EncodeAnswer"}
+    assert spec["paths"]["/v1/encode"]["post"]["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/EncodeAnswer"
+    }
     assert "application/octet-stream" in spec["paths"]["/v1/encode"]["post"]["responses"]["200"]["content"]
-    assert spec["paths"]["/v1/embeddings"]["post"]["responses"]["404"]["content"]["application/json"]["schema"] == \
-        {"$ref": "#/components/schemas/ErrorAnswer"}
+    assert spec["paths"]["/v1/embeddings"]["post"]["responses"]["404"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorAnswer"
+    }
 
 
 def test_answers_validate_against_their_models(client):
@@ -44,8 +55,11 @@ def test_answers_validate_against_their_models(client):
     responses.Readiness.model_validate(client.get("/ready").json())
     responses.Stats.model_validate(client.get("/stats").json())
     inputs = [data_uri(x) for x in IMAGES[:2]]
-    for body in ({"input": inputs}, {"input": inputs, "pooling": "none"},
-                 {"input": inputs, "pooling": "none", "encoding_format": "base64"}):
+    for body in (
+        {"input": inputs},
+        {"input": inputs, "pooling": "none"},
+        {"input": inputs, "pooling": "none", "encoding_format": "base64"},
+    ):
         answer = client.post("/v1/embeddings", json=body)
         assert answer.status_code == 200
         responses.EmbeddingAnswer.model_validate(answer.json())
@@ -62,9 +76,21 @@ def test_answers_validate_against_their_models(client):
 
 
 def part(n: int, start: int, video: bool) -> Encoded:
-    return Encoded([Features(torch.full((1, 1), float(start + i)), [], [1, 1, start + i],
-                             {"fps": float(start + i)} if video else None) for i in range(n)],
-                   0.1 * (1 + video), 0.2, 0.3 * (2 - video), 0 if video else 1)
+    return Encoded(
+        [
+            Features(
+                torch.full((1, 1), float(start + i)),
+                [],
+                [1, 1, start + i],
+                {"fps": float(start + i)} if video else None,
+            )
+            for i in range(n)
+        ],
+        0.1 * (1 + video),
+        0.2,
+        0.3 * (2 - video),
+        0 if video else 1,
+    )
 
 
 def test_a_mixed_answer_keeps_the_requests_order():

@@ -40,7 +40,7 @@ def unpadded(enc, px, grids):
     for grid in grids:
         n = grid[0] * grid[1] * grid[2]
         plan = make_plan([grid], enc.config)
-        merged, deepstack = enc.tower(to_device(plan, px[start:start + n], CPU, torch.float32))
+        merged, deepstack = enc.tower(to_device(plan, px[start : start + n], CPU, torch.float32))
         out.append((merged, deepstack))
         start += n
     return out
@@ -73,8 +73,14 @@ def test_same_patch_count_different_grids(encoders, family):
     """Batches with equal totals (112 patches, same budget) but different grids and splits all match: nothing
     depends on the grids is frozen between replays."""
     enc = encoders[family]
-    batches = [[(1, 8, 12), (1, 4, 4)], [(1, 12, 8), (1, 4, 4)], [(1, 4, 28)], [(1, 4, 4), (1, 8, 12)],
-               [(1, 2, 56)], [(1, 4, 4)] * 7]
+    batches = [
+        [(1, 8, 12), (1, 4, 4)],
+        [(1, 12, 8), (1, 4, 4)],
+        [(1, 4, 28)],
+        [(1, 4, 4), (1, 8, 12)],
+        [(1, 2, 56)],
+        [(1, 4, 4)] * 7,
+    ]
     outputs = [check(enc, grids, seed=1) for grids in batches]
     # different grids really give different outputs (a frozen plan would make them equal)
     assert not torch.allclose(outputs[0][0].embeddings, outputs[1][0].embeddings)
@@ -88,7 +94,7 @@ def test_padding_cannot_reach_real_tokens(encoders, family, monkeypatch):
 
     def poisoned(self, plan, px, budget):
         inputs = load(self, plan, px, budget)
-        self.static.pixel_values[plan.num_patches:budget] = float("nan")
+        self.static.pixel_values[plan.num_patches : budget] = float("nan")
         return inputs
 
     monkeypatch.setattr(GraphRunner, "_load", poisoned)
@@ -151,8 +157,16 @@ def test_overlapping_use_is_refused(encoders):
 
 def test_stats_dict(encoders):
     stats = encoders["qwen3_vl"].runner.stats.as_dict()
-    assert set(stats) == {"mode", "budgets", "eager_runs", "eager_patches", "eager_fallbacks", "pool_bytes",
-                          "capture_seconds", "attention"}
+    assert set(stats) == {
+        "mode",
+        "budgets",
+        "eager_runs",
+        "eager_patches",
+        "eager_fallbacks",
+        "pool_bytes",
+        "capture_seconds",
+        "attention",
+    }
     assert stats["mode"] == "padded"
     assert stats["attention"] == {"full": "sdpa"}  # auto on the CPU; no window layers in Qwen3
     assert encoders["qwen2_5_vl"].runner.stats.as_dict()["attention"] == {"full": "sdpa", "window": "sdpa"}
@@ -201,7 +215,10 @@ def test_pooled_images_come_back_as_device_means(encoders):
     mixed = runner.collect(runner.launch_images(images, lut, [True, False, True, False]))
     pooled = runner.collect(runner.launch_images(images, lut, [True] * 4))
     for i, (t, deepstack) in enumerate(tokens):
-        assert t.shape[0] == images[i].shape[0] * images[i].shape[1] // (p * p * enc.config.merge_unit) and len(deepstack) == 2
+        assert (
+            t.shape[0] == images[i].shape[0] * images[i].shape[1] // (p * p * enc.config.merge_unit)
+            and len(deepstack) == 2
+        )
         for vec, ds in [pooled[i]] + ([mixed[i]] if i % 2 == 0 else []):
             assert vec.dtype == torch.float32 and vec.shape == (t.shape[1],) and ds == []
             assert rel_err(vec, t.mean(0, dtype=torch.float32)) <= 1e-6
@@ -216,8 +233,10 @@ def test_frame_capacity_follows_full_attention_layers():
     layers of 32) up to the row-block bound."""
     from vitserve.encoder.config import builtin_config
 
-    qwen2, qwen25, qwen3 = (builtin_config(m) for m in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct",
-                                                     "Qwen/Qwen3-VL-8B-Instruct"))
+    qwen2, qwen25, qwen3 = (
+        builtin_config(m)
+        for m in ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct")
+    )
     assert [frame_capacity(b, qwen2) for b in (256, 2048, 8192, 16384)] == [16, 16, 16, 16]
     assert [frame_capacity(b, qwen3) for b in (256, 2048, 8192, 16384)] == [16, 16, 16, 16]
     assert [frame_capacity(b, qwen25) for b in (256, 1024, 2048, 8192, 16384)] == [16, 64, 128, 32, 16]

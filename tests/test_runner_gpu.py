@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
 def test_graph_replay_equals_eager(name, backend):
     try:
-        enc = VisionEncoder.from_pretrained(name, device="cuda", dtype="bfloat16", load_format="dummy",
-                                            budgets=(256, 1024), attention_backend=backend)
+        enc = VisionEncoder.from_pretrained(
+            name, device="cuda", dtype="bfloat16", load_format="dummy", budgets=(256, 1024), attention_backend=backend
+        )
     except ValueError as e:  # not installed here
         pytest.skip(str(e))
     assert enc.attention_backend == backend and enc.runner.use_graphs and set(enc.runner.graphs) == {256, 1024}
@@ -34,8 +35,9 @@ def test_uint8_path_equals_float_path_on_gpu():
     import numpy as np
     from PIL import Image
 
-    enc = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", load_format="dummy",
-                                        budgets=(256, 1024, 4096))
+    enc = VisionEncoder.from_pretrained(
+        "tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", load_format="dummy", budgets=(256, 1024, 4096)
+    )
     rng = np.random.default_rng(1)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(224, 336), (448, 448)]]
     for a, b in zip(enc.encode_pixels(*enc.preprocess(images)), enc.encode(images)):
@@ -49,8 +51,9 @@ def test_pooled_means_on_gpu_equal_the_mean_of_the_tokens():
 
     from vitserve.encoder.preprocess import normalize_lut
 
-    enc = VisionEncoder.from_pretrained("tiny-qwen3-vl", device="cuda", dtype="bfloat16", load_format="dummy",
-                                        budgets=(256, 1024, 4096))
+    enc = VisionEncoder.from_pretrained(
+        "tiny-qwen3-vl", device="cuda", dtype="bfloat16", load_format="dummy", budgets=(256, 1024, 4096)
+    )
     rng = np.random.default_rng(2)
     p = enc.config.patch_size
     images = [rng.integers(0, 256, (h * p, w * p, 3), dtype=np.uint8) for h, w in [(4, 6), (16, 20), (2, 2), (8, 4)]]
@@ -80,8 +83,9 @@ def test_pooled_means_are_the_same_run_after_run():
     time (a scatter's atomic adds, in no fixed order, changed their last bits from one request to the next)."""
     import numpy as np
 
-    enc = VisionEncoder.from_pretrained("tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", load_format="dummy",
-                                        budgets=(1024, 4096))
+    enc = VisionEncoder.from_pretrained(
+        "tiny-qwen2.5-vl", device="cuda", dtype="bfloat16", load_format="dummy", budgets=(1024, 4096)
+    )
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(448, 448), (224, 336), (672, 448)]]
     first = None

@@ -113,8 +113,13 @@ def test_pipeline_keeps_depth_batches_in_flight_and_finishes_in_order():
     pipeline(take, launch, finish, depth=2)
     assert worst[0] == 2 and in_flight[0] == 0
     assert [e for e in events if e[0] == "finish"] == [("finish", x) for x in "abcd"]
-    assert events[:5] == [("take", "a", True), ("launch", "a"), ("take", "b", False), ("launch", "b"),
-                          ("finish", "a")]  # two in flight: the oldest is finished before taking more
+    assert events[:5] == [
+        ("take", "a", True),
+        ("launch", "a"),
+        ("take", "b", False),
+        ("launch", "b"),
+        ("finish", "a"),
+    ]  # two in flight: the oldest is finished before taking more
     assert ("take", None, False) in events and ("failed", "fail") in events
 
 

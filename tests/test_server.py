@@ -43,8 +43,12 @@ def direct():
     return VisionEncoder.from_pretrained(MODEL, load_format="dummy")
 
 
-IMAGES = [png(w, h, seed) for seed, (w, h) in enumerate([(64, 64), (300, 200), (90, 700), (512, 384), (33, 47),
-                                                           (640, 480), (128, 1024), (200, 200)])]
+IMAGES = [
+    png(w, h, seed)
+    for seed, (w, h) in enumerate(
+        [(64, 64), (300, 200), (90, 700), (512, 384), (33, 47), (640, 480), (128, 1024), (200, 200)]
+    )
+]
 
 
 LARGE = png(1344, 1344, 99)  # 9216 patches: seconds of a CPU device (the tiny tower), whatever the machine
@@ -136,7 +140,8 @@ def test_openai_sdk_and_second_sigterm(direct):
         assert np.allclose(floats.data[0].embedding, reply.data[0].embedding)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
-                model="qwen-vision", input=data_uri(IMAGES[1]))
+                model="qwen-vision", input=data_uri(IMAGES[1])
+            )
         with pytest.raises(openai.NotFoundError):
             client.embeddings.create(model="other", input=data_uri(IMAGES[1]))
         proc.send_signal(signal.SIGTERM)
@@ -148,8 +153,23 @@ def test_openai_sdk_and_second_sigterm(direct):
 
 def test_model_load_failure_exits_nonzero(tmp_path):
     port = launch.free_port()
-    proc = subprocess.run([sys.executable, "-m", "vitserve", "serve", "--model", str(tmp_path / "nothing"),
-                           "--port", str(port), "--host", "127.0.0.1"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vitserve",
+            "serve",
+            "--model",
+            str(tmp_path / "nothing"),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert "model load failed" in proc.stderr and "does not exist" in proc.stderr
 
@@ -171,8 +191,10 @@ def test_clients_that_disconnect_are_dropped_without_leaking():
 
         def raw(image: bytes) -> bytes:
             body = ('{"input": ["%s"]}' % data_uri(image)).encode()
-            return (b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            return (
+                b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
 
         busy = socket.create_connection(("127.0.0.1", port))
         gradient = np.broadcast_to(np.arange(1792, dtype=np.uint8)[:, None, None], (1792, 1792, 3))
@@ -214,6 +236,7 @@ def test_burst_far_above_capacity_gets_answers_or_429s(direct):
     expected = [r.embeddings.mean(0) for r in direct.encode(IMAGES)]
     proc, url = start_server("--max-concurrent-requests", "4", "--max-batch-wait-ms", "20")
     try:
+
         def post(i):
             with httpx.Client(base_url=url, timeout=60) as client:
                 return i, client.post("/v1/embeddings", json={"input": [data_uri(IMAGES[i % len(IMAGES)])]})
@@ -240,8 +263,9 @@ def test_second_sigterm_exits_promptly():
     (device,) = [pid for pid in children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     os.kill(device, signal.SIGSTOP)  # a drain waits for the device
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(lambda: httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]},
-                                                 timeout=30))
+        pending = pool.submit(
+            lambda: httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30)
+        )
         wait_until(lambda: httpx.get(url + "/stats").json()["requests_in_flight"] == 1, 10, "the request admitted")
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
@@ -256,15 +280,19 @@ def test_second_sigterm_exits_promptly():
             pending.result()
         except httpx.HTTPError:
             pass
-    wait_until(lambda: not Path(f"/proc/{device}").exists() or b") Z" in Path(f"/proc/{device}/stat").read_bytes(),
-               10, "the held device process killed")
+    wait_until(
+        lambda: not Path(f"/proc/{device}").exists() or b") Z" in Path(f"/proc/{device}/stat").read_bytes(),
+        10,
+        "the held device process killed",
+    )
 
 
 def test_device_process_death_exits_nonzero():
     """--device-processes: when a device process dies, its batch gets a 503 (device_lost) and the server exits
     non-zero, for its supervisor to restart it."""
-    proc, url = start_server("--devices", "cpu,cpu", "--device-processes", "--max-batch-wait-ms", "1",
-                             "--cache-bytes", "0")
+    proc, url = start_server(
+        "--devices", "cpu,cpu", "--device-processes", "--max-batch-wait-ms", "1", "--cache-bytes", "0"
+    )
     try:
         assert httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, timeout=30).status_code == 200
         devices = [pid for pid in children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -297,6 +325,7 @@ def test_idle_connections_are_closed_by_the_client_not_under_it():
     host, port = url.removeprefix("http://").split(":")
     try:
         with socket.create_connection((host, int(port)), timeout=10) as sock:
+
             def health() -> bytes:
                 sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
                 reply = b""
@@ -331,8 +360,10 @@ def test_json_logs_are_pure_json_and_a_half_sent_body_is_one_info_line():
         port = int(url.rsplit(":", 1)[1])
         for _ in range(3):  # half a body, then gone
             with socket.create_connection(("127.0.0.1", port)) as sock:
-                sock.sendall(b"POST /v1/encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                             b"content-length: 100000\r\n\r\n{\"images\": [\"AAAA")
+                sock.sendall(
+                    b"POST /v1/encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    b'content-length: 100000\r\n\r\n{"images": ["AAAA'
+                )
         ok = httpx.post(url + "/v1/embeddings", json={"input": [data_uri(IMAGES[0])]}, headers={"x-request-id": "r-1"})
         bad = httpx.post(url + "/v1/embeddings", json={"input": ["%%%"]})
         assert ok.status_code == 200 and bad.status_code == 400

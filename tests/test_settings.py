@@ -34,8 +34,11 @@ from vitserve.service.ground.settings_groups import DTYPE_NAMES, PREPROCESS_MODE
 
 def flat(settings: Settings) -> dict:
     """The settings by their flat names (the flags')."""
-    return {f.name: getattr(group, f.name) for group in (getattr(settings, g.name) for g in fields(settings))
-            for f in fields(group)}
+    return {
+        f.name: getattr(group, f.name)
+        for group in (getattr(settings, g.name) for g in fields(settings))
+        for f in fields(group)
+    }
 
 
 def parse(*argv: str) -> Settings:
@@ -50,8 +53,12 @@ def test_settings_from_env(monkeypatch):
     monkeypatch.setenv("VITSERVE_ALLOW_URL_FETCH", "true")
     monkeypatch.setenv("VITSERVE_ATTENTION_BACKEND", "cudnn")
     s = parse("--port", "9000")
-    assert (s.model.model, s.batching.max_batch_tokens, s.server.allow_url_fetch, s.server.port) == \
-        ("tiny-qwen2-vl", 1024, True, 9000)
+    assert (s.model.model, s.batching.max_batch_tokens, s.server.allow_url_fetch, s.server.port) == (
+        "tiny-qwen2-vl",
+        1024,
+        True,
+        9000,
+    )
     # the attention backend reaches from_pretrained wherever a device loads (in-process or a device process)
     assert s.devices.attention_backend == "cudnn" and s.encoder_kwargs()["attention_backend"] == "cudnn"
     with pytest.raises(ValueError, match="model"):
@@ -65,7 +72,10 @@ def test_renamed_flags_keep_their_old_names(monkeypatch):
     """--decode-workers / --decode-processes were --preprocess-workers / --preprocess-processes: both spellings,
     as flags and as variables, set the same setting; the new name wins over the old variable."""
     assert parse("--model", "m", "--preprocess-workers", "3").decoding.decode_workers == 3
-    assert parse("--model", "m", "--decode-workers", "5", "--preprocess-processes", "false").decoding.decode_processes is False
+    assert (
+        parse("--model", "m", "--decode-workers", "5", "--preprocess-processes", "false").decoding.decode_processes
+        is False
+    )
     monkeypatch.setenv("VITSERVE_PREPROCESS_WORKERS", "7")
     assert parse("--model", "m").decoding.decode_workers == 7
     monkeypatch.setenv("VITSERVE_DECODE_WORKERS", "2")
@@ -74,18 +84,24 @@ def test_renamed_flags_keep_their_old_names(monkeypatch):
 
 def test_device_resolution():
     assert Settings.of(model="m", device="cpu").devices.resolve() == (["cpu"], "float32")
-    assert Settings.of(model="m", devices="cuda:0, cuda:1", dtype="float16").devices.resolve() == (["cuda:0", "cuda:1"],
-                                                                                               "float16")
+    assert Settings.of(model="m", devices="cuda:0, cuda:1", dtype="float16").devices.resolve() == (
+        ["cuda:0", "cuda:1"],
+        "float16",
+    )
     assert Settings.of(model="m", devices="cuda:2").devices.resolve()[1] == "bfloat16"
     if not torch.cuda.is_available():
         assert Settings.of(model="m", devices="all").devices.resolve() == (["cpu"], "float32")
 
 
-@pytest.mark.parametrize("variable, value, message", [
-    ("VITSERVE_PORT", "abc", "VITSERVE_PORT: invalid int value: 'abc'"),
-    ("VITSERVE_MAX_BATCH_WAIT_MS", "soon", "VITSERVE_MAX_BATCH_WAIT_MS: invalid float value: 'soon'"),
-    ("VITSERVE_ALLOW_URL_FETCH", "maybe", "VITSERVE_ALLOW_URL_FETCH: not a boolean: 'maybe'"),
-    ("VITSERVE_PREPROCESS_PROCESSES", "2", "VITSERVE_PREPROCESS_PROCESSES: not a boolean: '2'")])
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        ("VITSERVE_PORT", "abc", "VITSERVE_PORT: invalid int value: 'abc'"),
+        ("VITSERVE_MAX_BATCH_WAIT_MS", "soon", "VITSERVE_MAX_BATCH_WAIT_MS: invalid float value: 'soon'"),
+        ("VITSERVE_ALLOW_URL_FETCH", "maybe", "VITSERVE_ALLOW_URL_FETCH: not a boolean: 'maybe'"),
+        ("VITSERVE_PREPROCESS_PROCESSES", "2", "VITSERVE_PREPROCESS_PROCESSES: not a boolean: '2'"),
+    ],
+)
 @pytest.mark.parametrize("argv", [["serve", "--help"], ["serve", "--model", "tiny-qwen2-vl"]])
 def test_a_bad_variable_is_one_line_and_exit_2(monkeypatch, capsys, variable, value, message, argv):
     """Checked before any flag is read, so `--help` reports it too (no help, no traceback)."""
@@ -99,30 +115,37 @@ def test_a_bad_variable_is_one_line_and_exit_2(monkeypatch, capsys, variable, va
 def test_a_bad_flag_is_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["serve", "--model", "m", "--port", "abc"])
-    assert exit.value.code == 2 and capsys.readouterr().err == "vitserve serve: argument --port: invalid int value: 'abc'\n"
+    assert (
+        exit.value.code == 2
+        and capsys.readouterr().err == "vitserve serve: argument --port: invalid int value: 'abc'\n"
+    )
     assert main(["serve", "--model", "tiny-qwen2-vl", "--dtype", "float8"]) == 2
     assert capsys.readouterr().err.startswith("vitserve serve: --dtype must be auto or one of float32, float16, ")
 
 
-@pytest.mark.parametrize("values, message", [
-    (dict(dtype="float8"), "--dtype must be auto or one of float32, float16, bfloat16, fp32, fp16, bf16, half"),
-    (dict(device="gpu"), "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
-    (dict(device="cuda:x"), "--device must be"),
-    (dict(devices="cuda:0,auto"), "--devices must be all or a comma-separated list"),
-    (dict(devices=" , "), "--devices must be"),
-    (dict(budgets="256,x"), "--budgets must be comma-separated positive multiples of 16, got '256,x'"),
-    (dict(budgets="100"), "--budgets must be"),
-    (dict(budgets="0"), "--budgets must be"),
-    (dict(load_format="pt"), "--load-format must be one of auto, safetensors, dummy"),
-    (dict(log_level="loud"), "--log-level must be one of debug, info, warning, error"),
-    (dict(log_format="xml"), "--log-format must be text or json"),
-    (dict(min_pixels=1000, max_pixels=10), "--min-pixels must not exceed --max-pixels"),
-    (dict(url_fetch_timeout=0), "--url-fetch-timeout must be positive"),
-    (dict(video_fps=0), "^--video-fps must be positive"),  # one flag named, not five
-    (dict(max_video_frames=0), "^--max-video-frames must be positive$"),
-    (dict(video_decode_work=0), "^--video-decode-work must be positive$"),
-    (dict(video_min_pixels=1000, video_max_pixels=10), "--video-min-pixels must not exceed --video-max-pixels"),
-    (dict(port=0), "--port must be 1-65535")])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(dtype="float8"), "--dtype must be auto or one of float32, float16, bfloat16, fp32, fp16, bf16, half"),
+        (dict(device="gpu"), "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        (dict(device="cuda:x"), "--device must be"),
+        (dict(devices="cuda:0,auto"), "--devices must be all or a comma-separated list"),
+        (dict(devices=" , "), "--devices must be"),
+        (dict(budgets="256,x"), "--budgets must be comma-separated positive multiples of 16, got '256,x'"),
+        (dict(budgets="100"), "--budgets must be"),
+        (dict(budgets="0"), "--budgets must be"),
+        (dict(load_format="pt"), "--load-format must be one of auto, safetensors, dummy"),
+        (dict(log_level="loud"), "--log-level must be one of debug, info, warning, error"),
+        (dict(log_format="xml"), "--log-format must be text or json"),
+        (dict(min_pixels=1000, max_pixels=10), "--min-pixels must not exceed --max-pixels"),
+        (dict(url_fetch_timeout=0), "--url-fetch-timeout must be positive"),
+        (dict(video_fps=0), "^--video-fps must be positive"),  # one flag named, not five
+        (dict(max_video_frames=0), "^--max-video-frames must be positive$"),
+        (dict(video_decode_work=0), "^--video-decode-work must be positive$"),
+        (dict(video_min_pixels=1000, video_max_pixels=10), "--video-min-pixels must not exceed --video-max-pixels"),
+        (dict(port=0), "--port must be 1-65535"),
+    ],
+)
 def test_bad_values_are_rejected(values, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         Settings.of(model="m", **values)
@@ -149,8 +172,11 @@ def test_a_cuda_index_beyond_the_devices_is_rejected(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     prepare(Settings.of(model="tiny-qwen2-vl", load_format="dummy", devices="cuda:0,cuda:1"))
-    with pytest.raises(ValueError, match=r"device cuda:2 asked for, but this machine has 2 CUDA device\(s\): "
-                                         "cuda:0 to cuda:1"):
+    with pytest.raises(
+        ValueError,
+        match=r"device cuda:2 asked for, but this machine has 2 CUDA device\(s\): "
+        "cuda:0 to cuda:1",
+    ):
         prepare(Settings.of(model="tiny-qwen2-vl", load_format="dummy", devices="cuda:0,cuda:2"))
 
 
@@ -158,8 +184,9 @@ def test_a_tiny_builtin_implies_dummy_weights():
     s = Settings.of(model="tiny-qwen2.5-vl", device="cpu")
     notes = prepare(s)
     assert s.model.load_format == "dummy" and s.encoder_kwargs()["load_format"] == "dummy"
-    assert notes == ["tiny-qwen2.5-vl is a built-in test tower with no checkpoint: using seeded random weights "
-                     "(--load-format dummy)"]
+    assert notes == [
+        "tiny-qwen2.5-vl is a built-in test tower with no checkpoint: using seeded random weights (--load-format dummy)"
+    ]
     assert prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy")) == []
     with pytest.raises(ValueError, match="no checkpoint: use --load-format dummy"):
         prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="safetensors"))
@@ -190,8 +217,9 @@ def test_any_hub_id_not_in_the_cache_fails_at_once(monkeypatch, tmp_path):
     """Downloads off: a hub id that is not built in fails before loading too (without the dummy hint); a directory
     is read when it loads."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ValueError, match="'someone/some-vl' is not a local directory and is not in the Hugging Face "
-                                         "cache") as error:
+    with pytest.raises(
+        ValueError, match="'someone/some-vl' is not a local directory and is not in the Hugging Face cache"
+    ) as error:
         prepare(Settings.of(model="someone/some-vl"))
     assert "--load-format dummy" not in str(error.value)
     assert prepare(Settings.of(model=str(tmp_path / "missing"))) == []
@@ -204,19 +232,32 @@ def test_encode_reads_the_model_settings_only(monkeypatch):
     monkeypatch.setenv("VITSERVE_DTYPE", "bf16")
     monkeypatch.setenv("VITSERVE_DEVICE", "cpu")
     monkeypatch.setenv("VITSERVE_DEVICES", "cuda:0,cuda:1")  # a server's setting: encode uses one device
-    args = build_parser().parse_args(["encode", "--model", "tiny-qwen3-vl", "--attention-backend", "sdpa", "a.png",
-                                      "-o", "out"])
+    args = build_parser().parse_args(
+        ["encode", "--model", "tiny-qwen3-vl", "--attention-backend", "sdpa", "a.png", "-o", "out"]
+    )
     s = from_args(args)
-    assert (s.devices.dtype, s.devices.device, s.devices.devices, s.devices.attention_backend) == \
-        ("bf16", "cpu", None, "sdpa")
+    assert (s.devices.dtype, s.devices.device, s.devices.devices, s.devices.attention_backend) == (
+        "bf16",
+        "cpu",
+        None,
+        "sdpa",
+    )
     assert s.devices.resolve() == (["cpu"], "bf16")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["encode", "--model", "m", "--port", "1", "a.png", "-o", "out"])
 
 
 # ---- sizes, help and flags (issue 25, item 19) -------------------------------------------------------------------
-SIZES = ["payload_limit", "decode_memory_per_request", "decode_memory", "body_memory", "cache_bytes",
-         "max_header_bytes", "url_fetch_memory", "ec_storage_bytes"]
+SIZES = [
+    "payload_limit",
+    "decode_memory_per_request",
+    "decode_memory",
+    "body_memory",
+    "cache_bytes",
+    "max_header_bytes",
+    "url_fetch_memory",
+    "ec_storage_bytes",
+]
 
 
 def test_every_byte_count_is_a_size():
@@ -224,9 +265,20 @@ def test_every_byte_count_is_a_size():
     assert sorted(f.name for f in settings_fields() if f.metadata["size"]) == sorted(SIZES)
 
 
-@pytest.mark.parametrize("text, value", [("32MiB", 32 * 2**20), ("4GiB", 4 * 2**30), ("512KiB", 512 * 2**10),
-                                         ("1GB", 10**9), ("1.5GB", 1_500_000_000), ("2 mib", 2 * 2**20),
-                                         ("3Gi", 3 * 2**30), ("0.5KiB", 512), ("12345", 12345)])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("32MiB", 32 * 2**20),
+        ("4GiB", 4 * 2**30),
+        ("512KiB", 512 * 2**10),
+        ("1GB", 10**9),
+        ("1.5GB", 1_500_000_000),
+        ("2 mib", 2 * 2**20),
+        ("3Gi", 3 * 2**30),
+        ("0.5KiB", 512),
+        ("12345", 12345),
+    ],
+)
 def test_sizes_take_units_as_flags_and_variables(monkeypatch, text, value):
     for name in SIZES:
         assert flat(parse("--model", "m", f"--{name.replace('_', '-')}", text))[name] == value, name
@@ -270,11 +322,18 @@ def help_of(capsys):
 def test_serve_help_groups_the_flags_and_shows_choices_defaults_and_examples(help_of):
     text = help_of("serve")
     headers = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert headers[:len(GROUPS) + 1] == ["options", *GROUPS], headers
-    for shown in ("--load-format {auto,safetensors,dummy}", "--dtype {auto,float32,float16,bfloat16,fp32,fp16,bf16,"
-                  "half}", "--device {auto,cpu,cuda,cuda:N}", "--attention-backend {auto,cudnn,fa4,flash,sdpa}",
-                  "--preprocess {exact,fast}", "--log-format {text,json}", "--log-level {debug,info,warning,error}",
-                  "--cache-scope {server,api-key}", "--payload-limit SIZE"):
+    assert headers[: len(GROUPS) + 1] == ["options", *GROUPS], headers
+    for shown in (
+        "--load-format {auto,safetensors,dummy}",
+        "--dtype {auto,float32,float16,bfloat16,fp32,fp16,bf16,half}",
+        "--device {auto,cpu,cuda,cuda:N}",
+        "--attention-backend {auto,cudnn,fa4,flash,sdpa}",
+        "--preprocess {exact,fast}",
+        "--log-format {text,json}",
+        "--log-level {debug,info,warning,error}",
+        "--cache-scope {server,api-key}",
+        "--payload-limit SIZE",
+    ):
         assert shown in text, shown
     flat = " ".join(text.split())
     assert "[env VITSERVE_MODEL; required]" in flat and "None" not in text
@@ -299,15 +358,29 @@ def test_encode_help_has_the_model_flags_only_and_its_examples(help_of):
         assert args.images and args.output
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["serve", "--prot", "8001"], "vitserve serve: unrecognized arguments: --prot 8001; did you mean --port?"),
-    (["serve", "--model", "m", "--mod", "x"], "vitserve serve: unrecognized arguments: --mod x; did you mean --model?"),
-    (["serve", "--payload=1"], "vitserve serve: unrecognized arguments: --payload=1; did you mean --payload-limit?"),
-    (["encode", "--modle", "m", "a.png", "-o", "out"],
-     "vitserve encode: unrecognized arguments: --modle; did you mean --model?"),
-    (["encode", "--model", "m", "--port", "1", "a.png", "-o", "out"],
-     "vitserve encode: unrecognized arguments: --port"),
-    (["serve", "--model", "m", "--zzzzzz"], "vitserve serve: unrecognized arguments: --zzzzzz")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--prot", "8001"], "vitserve serve: unrecognized arguments: --prot 8001; did you mean --port?"),
+        (
+            ["serve", "--model", "m", "--mod", "x"],
+            "vitserve serve: unrecognized arguments: --mod x; did you mean --model?",
+        ),
+        (
+            ["serve", "--payload=1"],
+            "vitserve serve: unrecognized arguments: --payload=1; did you mean --payload-limit?",
+        ),
+        (
+            ["encode", "--modle", "m", "a.png", "-o", "out"],
+            "vitserve encode: unrecognized arguments: --modle; did you mean --model?",
+        ),
+        (
+            ["encode", "--model", "m", "--port", "1", "a.png", "-o", "out"],
+            "vitserve encode: unrecognized arguments: --port",
+        ),
+        (["serve", "--model", "m", "--zzzzzz"], "vitserve serve: unrecognized arguments: --zzzzzz"),
+    ],
+)
 def test_flags_are_never_abbreviated_and_an_unknown_one_gets_a_suggestion(capsys, argv, message):
     """--mod was taken as --model (argparse abbreviates by default); now it is an error, as every unknown flag."""
     with pytest.raises(SystemExit) as exit:
@@ -336,17 +409,36 @@ def no_network(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
 
 
-@pytest.mark.parametrize("values, message", [
-    (dict(model="tiny-qwen2.5vl", load_format="dummy"), "--model 'tiny-qwen2.5vl' with --load-format dummy: not a "
-     "built-in name, and no local checkpoint directory of that name; did you mean tiny-qwen2.5-vl?"),
-    (dict(model="Qwen/Qwen2.5-VL-7B-Instruct-AWQ", load_format="dummy"), "with --load-format dummy: not a built-in "
-     "name, and no local checkpoint directory of that name; did you mean Qwen/Qwen2.5-VL-7B-Instruct?"),
-    (dict(model="someone/some-vl", load_format="dummy"), "dummy: not a built-in name, and no local checkpoint "
-     "directory of that name; --help lists the built-in names"),
-    (dict(model="tiny-qwen2.5vl"), "--model 'tiny-qwen2.5vl': not a local directory, a built-in name or a hub id "
-     "(org/name); did you mean tiny-qwen2.5-vl?"),
-    (dict(model="qwen2-vl-7b-instruct"), "--model 'qwen2-vl-7b-instruct': a built-in name, but not a hub id "
-     "(org/name); did you mean Qwen/Qwen2-VL-7B-Instruct?")])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            dict(model="tiny-qwen2.5vl", load_format="dummy"),
+            "--model 'tiny-qwen2.5vl' with --load-format dummy: not a "
+            "built-in name, and no local checkpoint directory of that name; did you mean tiny-qwen2.5-vl?",
+        ),
+        (
+            dict(model="Qwen/Qwen2.5-VL-7B-Instruct-AWQ", load_format="dummy"),
+            "with --load-format dummy: not a built-in "
+            "name, and no local checkpoint directory of that name; did you mean Qwen/Qwen2.5-VL-7B-Instruct?",
+        ),
+        (
+            dict(model="someone/some-vl", load_format="dummy"),
+            "dummy: not a built-in name, and no local checkpoint "
+            "directory of that name; --help lists the built-in names",
+        ),
+        (
+            dict(model="tiny-qwen2.5vl"),
+            "--model 'tiny-qwen2.5vl': not a local directory, a built-in name or a hub id "
+            "(org/name); did you mean tiny-qwen2.5-vl?",
+        ),
+        (
+            dict(model="qwen2-vl-7b-instruct"),
+            "--model 'qwen2-vl-7b-instruct': a built-in name, but not a hub id "
+            "(org/name); did you mean Qwen/Qwen2-VL-7B-Instruct?",
+        ),
+    ],
+)
 def test_a_model_name_that_cannot_load_is_refused_at_once(no_network, values, message):
     with pytest.raises(ValueError) as error:
         prepare(Settings.of(**values))
@@ -354,17 +446,25 @@ def test_a_model_name_that_cannot_load_is_refused_at_once(no_network, values, me
 
 
 def test_model_names_that_can_load_pass(no_network, tmp_path):
-    for values in (dict(model="tiny-qwen3-vl", load_format="dummy"), dict(model="qwen2.5-vl-3b", load_format="dummy"),
-                   dict(model="Qwen/Qwen3-VL-8B-Thinking", load_format="dummy"), dict(model=str(tmp_path),
-                   load_format="dummy"), dict(model="someone/some-vl"), dict(model="Qwen/Qwen2.5-VL-7B-Instruct")):
+    for values in (
+        dict(model="tiny-qwen3-vl", load_format="dummy"),
+        dict(model="qwen2.5-vl-3b", load_format="dummy"),
+        dict(model="Qwen/Qwen3-VL-8B-Thinking", load_format="dummy"),
+        dict(model=str(tmp_path), load_format="dummy"),
+        dict(model="someone/some-vl"),
+        dict(model="Qwen/Qwen2.5-VL-7B-Instruct"),
+    ):
         assert prepare(Settings.of(**values)) == [], values
 
 
 @pytest.mark.parametrize("backend", ["flash", "fa4", "cudnn"])
 def test_an_attention_backend_that_cannot_run_here_is_refused(backend):
     s = Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", device="cpu", attention_backend=backend)
-    with pytest.raises(ValueError, match=rf"attention backend '{backend}' needs a CUDA device and float16 or "
-                                         r"bfloat16 \(here cpu, float32\); use sdpa or auto"):
+    with pytest.raises(
+        ValueError,
+        match=rf"attention backend '{backend}' needs a CUDA device and float16 or "
+        r"bfloat16 \(here cpu, float32\); use sdpa or auto",
+    ):
         prepare(s)
     for ok in ("auto", "sdpa"):
         prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", device="cpu", attention_backend=ok))
@@ -378,13 +478,22 @@ def test_an_attention_backend_not_installed_is_refused_on_cuda(monkeypatch):
     monkeypatch.setitem(sys.modules, "cudnn", None)
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     for backend, extra in (("cudnn", "cudnn"), ("fa4", "fa4")):
-        with pytest.raises(ValueError, match=rf"attention backend '{backend}' is unavailable: .* is not installed; "
-                                             rf"pip install 'vitserve\[{extra}\]'"):
-            prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0,cuda:1",
-                     attention_backend=backend))
+        with pytest.raises(
+            ValueError,
+            match=rf"attention backend '{backend}' is unavailable: .* is not installed; "
+            rf"pip install 'vitserve\[{extra}\]'",
+        ):
+            prepare(
+                Settings.of(
+                    model="tiny-qwen2.5-vl", load_format="dummy", devices="cuda:0,cuda:1", attention_backend=backend
+                )
+            )
     with pytest.raises(ValueError, match="needs a CUDA device and float16 or bfloat16 \\(here cuda, float32\\)"):
-        prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", dtype="fp32",
-                 attention_backend="flash"))
+        prepare(
+            Settings.of(
+                model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", dtype="fp32", attention_backend="flash"
+            )
+        )
     prepare(Settings.of(model="tiny-qwen2.5-vl", load_format="dummy", device="cuda:1", attention_backend="flash"))
 
 
@@ -399,21 +508,44 @@ def cgroup_tree(root, cgroup: str, files: dict[str, str]):
     return root
 
 
-@pytest.mark.parametrize("cgroup, files, cpus", [
-    ("0::/\n", {"cpu.max": "max 100000\n"}, 16),  # v2, no limit
-    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2),  # v2, a container's own namespace: its limit at the root
-    ("0::/\n", {"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: rounded up
-    ("0::/\n", {"cpu.max": "10000 100000\n"}, 1),  # a tenth: at least one
-    ("0::/kubepods/pod1/c1\n", {"kubepods/pod1/cpu.max": "400000 100000\n", "kubepods/pod1/c1/cpu.max":
-                                "max 100000\n"}, 4),  # v2, the pod's limit on a parent of the process's cgroup
-    ("0::/kubepods/pod1/c1\n", {"kubepods/pod1/cpu.max": "800000 100000\n", "kubepods/pod1/c1/cpu.max":
-                                "300000 100000\n"}, 3),  # the smallest along the path
-    ("4:cpu,cpuacct:/docker/abc\n1:memory:/docker/abc\n", {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n",
-                                                            "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3),  # v1
-    ("4:cpu,cpuacct:/docker/abc\n", {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n",
-                                     "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 1),
-    ("4:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 16),
-    ("", {}, 16)])  # no cgroup at all
+@pytest.mark.parametrize(
+    "cgroup, files, cpus",
+    [
+        ("0::/\n", {"cpu.max": "max 100000\n"}, 16),  # v2, no limit
+        ("0::/\n", {"cpu.max": "200000 100000\n"}, 2),  # v2, a container's own namespace: its limit at the root
+        ("0::/\n", {"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: rounded up
+        ("0::/\n", {"cpu.max": "10000 100000\n"}, 1),  # a tenth: at least one
+        (
+            "0::/kubepods/pod1/c1\n",
+            {"kubepods/pod1/cpu.max": "400000 100000\n", "kubepods/pod1/c1/cpu.max": "max 100000\n"},
+            4,
+        ),  # v2, the pod's limit on a parent of the process's cgroup
+        (
+            "0::/kubepods/pod1/c1\n",
+            {"kubepods/pod1/cpu.max": "800000 100000\n", "kubepods/pod1/c1/cpu.max": "300000 100000\n"},
+            3,
+        ),  # the smallest along the path
+        (
+            "4:cpu,cpuacct:/docker/abc\n1:memory:/docker/abc\n",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+            3,
+        ),  # v1
+        (
+            "4:cpu,cpuacct:/docker/abc\n",
+            {
+                "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n",
+                "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+            },
+            1,
+        ),
+        (
+            "4:cpu,cpuacct:/\n",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+            16,
+        ),
+        ("", {}, 16),
+    ],
+)  # no cgroup at all
 def test_available_cpus_reads_the_cgroup_quota(monkeypatch, tmp_path, cgroup, files, cpus):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert available_cpus(cgroup_tree(tmp_path, cgroup, files)) == cpus

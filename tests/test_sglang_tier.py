@@ -45,17 +45,29 @@ class SGLangModality(enum.Enum):
     AUDIO = 3
 
 
-STAND_INS = {("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"): SGLangEmbeddingData,
-             ("sglang.srt.managers.schedule_batch", "Modality"): SGLangModality,
-             ("sglang.srt.multimodal.modality", "Modality"): SGLangModality}
+STAND_INS = {
+    ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"): SGLangEmbeddingData,
+    ("sglang.srt.managers.schedule_batch", "Modality"): SGLangModality,
+    ("sglang.srt.multimodal.modality", "Modality"): SGLangModality,
+}
 # the entries of SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (sglang.srt.utils.common) that tensors and plain
 # values need; its list is exact: any other global is refused
-ALLOWED = {("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "set", "str",
-                                     "tuple")} | {
-    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("torch", "Size"), ("torch", "dtype"),
-    ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"), ("torch", "LongStorage"), ("torch", "FloatStorage"),
-    *(("torch", n) for n in ("bfloat16", "float16", "float32", "float64", "int64", "int32", "float", "half", "long"))}
+ALLOWED = {
+    ("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "set", "str", "tuple")
+} | {
+    ("collections", "OrderedDict"),
+    ("copyreg", "__newobj__"),
+    ("torch", "Size"),
+    ("torch", "dtype"),
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "UntypedStorage"),
+    ("torch", "LongStorage"),
+    ("torch", "FloatStorage"),
+    *(("torch", n) for n in ("bfloat16", "float16", "float32", "float64", "int64", "int32", "float", "half", "long")),
+}
 
 
 class SGLangUnpickler(pickle.Unpickler):
@@ -98,8 +110,9 @@ def fake_result(grids, widths=(8,), videos=None, dtype=torch.float32, seed=0) ->
 
 
 def call(**fields) -> EncodeCall:
-    return EncodeCall.model_validate({"req_id": "r_local_part_0", "num_parts": 1, "part_idx": 0, "modality": "IMAGE",
-                                      "mm_items": ["x"], **fields})
+    return EncodeCall.model_validate(
+        {"req_id": "r_local_part_0", "num_parts": 1, "part_idx": 0, "modality": "IMAGE", "mm_items": ["x"], **fields}
+    )
 
 
 def test_the_message_is_sglangs_embedding_data_and_its_tensors_bytes():
@@ -146,11 +159,19 @@ def test_the_pickle_names_sglangs_classes_and_no_module_of_vitserve():
     import pickletools
     import sys
 
-    frames = message(call(modality="VIDEO"), fake_result([(2, 4, 4)], videos=[
-        {"timestamps": [0.5], "second_per_grid_t": 1.0}]), "qwen2_5_vl", torch.float32)
+    frames = message(
+        call(modality="VIDEO"),
+        fake_result([(2, 4, 4)], videos=[{"timestamps": [0.5], "second_per_grid_t": 1.0}]),
+        "qwen2_5_vl",
+        torch.float32,
+    )
     strings = [arg for _, arg, _ in pickletools.genops(frames[0]) if isinstance(arg, str)]
-    assert {"sglang.srt.disaggregation.encoder.receiver", "EmbeddingData", "sglang.srt.managers.schedule_batch",
-            "Modality"} <= set(strings)
+    assert {
+        "sglang.srt.disaggregation.encoder.receiver",
+        "EmbeddingData",
+        "sglang.srt.managers.schedule_batch",
+        "Modality",
+    } <= set(strings)
     assert not any("vitserve" in s for s in strings) and not any(m.split(".")[0] == "sglang" for m in sys.modules)
 
 
@@ -175,8 +196,15 @@ def test_a_long_string_is_bounded_by_its_schemas_max_length_once_restored():
 
     assert CALL_LIMITS == string_limits(EncodeCall) == {"req_id": MAX_REQ_ID, "prefill_host": MAX_HOST}
     assert REGISTRATION_LIMITS == {"req_id": MAX_REQ_ID, "receive_url": 300, "modality": 16}
-    part = {"req_id": "r_local_part_0", "num_parts": 1, "part_idx": 0, "modality": "IMAGE", "mm_items": ["x"],
-            "prefill_host": "10.0.0.5", "embedding_port": 9}
+    part = {
+        "req_id": "r_local_part_0",
+        "num_parts": 1,
+        "part_idx": 0,
+        "modality": "IMAGE",
+        "mm_items": ["x"],
+        "prefill_host": "10.0.0.5",
+        "embedding_port": 9,
+    }
     rank = {"req_id": "r_local_part_0", "receive_count": 1, "receive_url": "10.0.0.5:9", "modality": "IMAGE"}
     for model, body, limits in ((EncodeCall, part, CALL_LIMITS), (Registration, rank, REGISTRATION_LIMITS)):
         bounded(parse_body(model, json.dumps(body).encode(), 16))
@@ -202,12 +230,19 @@ def test_the_sglang_modules_raise_domain_errors_and_import_no_web_framework():
 
     tiers = pathlib.Path(__file__).resolve().parents[1] / "vitserve" / "service" / "tiers"
     modules = sorted(m for m in tiers.glob("sglang_*.py") if m.name != "sglang_routes.py")  # (routes: the edge)
-    assert {m.name for m in modules} >= {"sglang_tier.py", "sglang_schemas.py", "sglang_addresses.py",
-                                         "sglang_pairing.py", "sglang_frames.py", "sglang_push.py"}
+    assert {m.name for m in modules} >= {
+        "sglang_tier.py",
+        "sglang_schemas.py",
+        "sglang_addresses.py",
+        "sglang_pairing.py",
+        "sglang_frames.py",
+        "sglang_push.py",
+    }
     for module in modules:
         source = module.read_text()
-        assert not any(name in source for name in ("ServiceError", "HTTPException", "JSONResponse", "fastapi",
-                                                   "starlette")), module.name
+        assert not any(
+            name in source for name in ("ServiceError", "HTTPException", "JSONResponse", "fastapi", "starlette")
+        ), module.name
 
 
 def registration(req_id="r_local_part_0", count=1, url="127.0.0.1:5000") -> Registration:
@@ -242,11 +277,13 @@ def test_registrations_pair_with_their_part_in_either_order():
 def test_pairing_refuses_what_cannot_be_one_parts_receivers():
     pairing = Pairing(timeout=5)
     add(pairing, registration("a", 1, "10.0.0.1:1"))
-    for bad, code in ((registration("a", 2, "10.0.0.1:1"), "inconsistent_receive_count"),
-                      (registration("a", 1, "10.0.0.2:1"), "too_many_receivers"),
-                      (registration("b", 1, "10.0.0.1"), "invalid_receive_url"),
-                      (registration("b", 1, "::1:80"), "invalid_receive_url"),
-                      (registration("b", 1, "10.0.0.1:70000"), "invalid_receive_url")):
+    for bad, code in (
+        (registration("a", 2, "10.0.0.1:1"), "inconsistent_receive_count"),
+        (registration("a", 1, "10.0.0.2:1"), "too_many_receivers"),
+        (registration("b", 1, "10.0.0.1"), "invalid_receive_url"),
+        (registration("b", 1, "::1:80"), "invalid_receive_url"),
+        (registration("b", 1, "10.0.0.1:70000"), "invalid_receive_url"),
+    ):
         with pytest.raises(EngineError) as e:
             add(pairing, bad)
         assert status(e.value) == 400 and e.value.code == code
@@ -337,8 +374,19 @@ def test_features_go_only_to_the_allowed_networks():
     async def main():
         default, listed = ReceiverNetworks(), ReceiverNetworks("127.0.0.0/8, fd00::/8,192.0.2.7")
         refused = (403, "receiver_not_allowed")
-        for host in ("127.0.0.1", "127.9.9.9", "localhost", "0.0.0.0", "169.254.169.254", "::1", "::ffff:127.0.0.1",
-                     "fe80::1", "fd00:ec2::254", "100.100.100.200", "224.0.0.1"):
+        for host in (
+            "127.0.0.1",
+            "127.9.9.9",
+            "localhost",
+            "0.0.0.0",
+            "169.254.169.254",
+            "::1",
+            "::ffff:127.0.0.1",
+            "fe80::1",
+            "fd00:ec2::254",
+            "100.100.100.200",
+            "224.0.0.1",
+        ):
             assert await check(default, host) == refused, host
         assert await check(default, "10.0.0.5") == "10.0.0.5"
         assert await check(default, "fd00::5") == "fd00::5"
@@ -364,8 +412,10 @@ def test_deliveries_are_bounded_and_a_bad_address_leaves_no_socket(monkeypatch):
             with pytest.raises(EngineError) as e:
                 await tier.sockets.push("tcp://bad host:1", [b"meta"], keep=False)
             assert status(e.value) == 400 and e.value.code == "invalid_receiver" and not tier.sockets.busy
-            waiting = [asyncio.ensure_future(tier.sockets.push(f"tcp://192.0.2.1:{port}", [b"meta"], keep=False))
-                       for port in (1, 2)]
+            waiting = [
+                asyncio.ensure_future(tier.sockets.push(f"tcp://192.0.2.1:{port}", [b"meta"], keep=False))
+                for port in (1, 2)
+            ]
             await asyncio.sleep(0.05)
             assert len(tier.sockets.busy) == 2
             with pytest.raises(EngineError) as e:
@@ -392,13 +442,21 @@ def test_by_default_nothing_goes_to_this_host_or_metadata_addresses(encoders):
     """Without --sglang-receivers, a receiver on loopback or a metadata address is refused (403) before anything
     is encoded or connected, also as an IPv6 address that carries it (6to4, NAT64)."""
     with client_for(encoders["tiny-qwen3-vl"], sglang_encoder=True) as c:
-        for address in ("127.0.0.1:5000", "localhost:5000", "169.254.169.254:80", "[::1]:5000",
-                        "[2002:7f00:1::1]:5000", "[64:ff9b::a9fe:a9fe]:80"):
+        for address in (
+            "127.0.0.1:5000",
+            "localhost:5000",
+            "169.254.169.254:80",
+            "[::1]:5000",
+            "[2002:7f00:1::1]:5000",
+            "[64:ff9b::a9fe:a9fe]:80",
+        ):
             r = c.post("/scheduler_receive_url", json={"req_id": "r", "receive_count": 1, "receive_url": address})
             assert r.status_code == 403 and "--sglang-receivers" in r.json()["message"], r.text
         for host in ("127.0.0.1", "169.254.169.254", "::1"):
-            r = c.post("/encode", json=encode_body("p_local_part_0", [data_uri(IMAGES[0])], embedding_port=5000)
-                       | {"prefill_host": host})
+            r = c.post(
+                "/encode",
+                json=encode_body("p_local_part_0", [data_uri(IMAGES[0])], embedding_port=5000) | {"prefill_host": host},
+            )
             assert r.status_code == 403 and r.json()["status"] == "error", r.text
 
 
@@ -407,15 +465,25 @@ def test_by_default_nothing_goes_to_this_host_or_metadata_addresses(encoders):
 
 @pytest.fixture(scope="module")
 def qwen3():
-    for _, url in serving("--model", "tiny-qwen3-vl", "--load-format", "dummy", "--sglang-encoder",
-                          "--sglang-timeout", "3", "--sglang-receivers", "127.0.0.0/8"):
+    for _, url in serving(
+        "--model",
+        "tiny-qwen3-vl",
+        "--load-format",
+        "dummy",
+        "--sglang-encoder",
+        "--sglang-timeout",
+        "3",
+        "--sglang-receivers",
+        "127.0.0.0/8",
+    ):
         yield url
 
 
 @pytest.fixture(scope="module")
 def qwen25():
-    for _, url in serving("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--sglang-encoder",
-                          "--sglang-receivers", "127.0.0.1"):
+    for _, url in serving(
+        "--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--sglang-encoder", "--sglang-receivers", "127.0.0.1"
+    ):
         yield url
 
 
@@ -445,17 +513,30 @@ def receive(sock, timeout: float = 10.0) -> list | None:
     return sock.recv_multipart()
 
 
-def encode_body(req_id: str, items: list, modality: str = "IMAGE", num_parts: int = 1, part_idx: int = 0,
-                embedding_port=None) -> dict:
+def encode_body(
+    req_id: str, items: list, modality: str = "IMAGE", num_parts: int = 1, part_idx: int = 0, embedding_port=None
+) -> dict:
     """What SGLang 0.5.23's MMReceiverHTTP.encode posts (zmq_to_scheduler: no embedding_port)."""
-    return {"encoder_idx": 0, "encoder_url": "http://vitserve", "mm_items": items, "num_parts": num_parts,
-            "part_idx": part_idx, "req_id": req_id, "modality": modality, "prefill_host": "127.0.0.1",
-            "embedding_port": embedding_port, "time_stats_json": None}
+    return {
+        "encoder_idx": 0,
+        "encoder_url": "http://vitserve",
+        "mm_items": items,
+        "num_parts": num_parts,
+        "part_idx": part_idx,
+        "req_id": req_id,
+        "modality": modality,
+        "prefill_host": "127.0.0.1",
+        "embedding_port": embedding_port,
+        "time_stats_json": None,
+    }
 
 
 def register(url: str, req_id: str, address: str, count: int = 1, modality: str = "IMAGE") -> httpx.Response:
-    return httpx.post(url + "/scheduler_receive_url", json={"req_id": req_id, "receive_count": count,
-                                                            "receive_url": address, "modality": modality}, timeout=30)
+    return httpx.post(
+        url + "/scheduler_receive_url",
+        json={"req_id": req_id, "receive_count": count, "receive_url": address, "modality": modality},
+        timeout=30,
+    )
 
 
 def post_encode(url: str, body: dict) -> httpx.Response:
@@ -464,13 +545,17 @@ def post_encode(url: str, body: dict) -> httpx.Response:
 
 def reference(url: str, images=(), videos=()) -> list[dict]:
     """/v1/encode's answer for the same media, in the layout SGLang takes (`vllm`) and the server's dtype."""
-    r = httpx.post(url + "/v1/encode", json={"images": list(images), "videos": list(videos), "layout": "vllm",
-                                             "dtype": "float32"}, timeout=60)
+    r = httpx.post(
+        url + "/v1/encode",
+        json={"images": list(images), "videos": list(videos), "layout": "vllm", "dtype": "float32"},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     data = r.json()["data"]
     for x in data:
         x["tensor"] = torch.from_numpy(np.frombuffer(base64.b64decode(x["embeddings"]), "<f4").copy()).reshape(
-            x["shape"])
+            x["shape"]
+        )
     return data
 
 
@@ -486,8 +571,9 @@ def test_a_part_reaches_its_receiver_whichever_comes_first(qwen3, receivers):
     r = post_encode(qwen3, encode_body("first_local_part_0", items))
     assert r.status_code == 200 and r.json() is None
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(post_encode, qwen3, encode_body("second_local_part_0", [{"url": items[0],
-                                                                                       "detail": "high"}, items[1]]))
+        pending = pool.submit(
+            post_encode, qwen3, encode_body("second_local_part_0", [{"url": items[0], "detail": "high"}, items[1]])
+        )
         time.sleep(0.5)
         assert not pending.done()  # it waits for its receiver
         assert register(qwen3, "second_local_part_0", address).status_code == 200
@@ -578,9 +664,11 @@ def test_errors_are_sglangs_json_and_push_nothing(qwen3, receivers):
     assert r.status_code == 400, r.text
     body = r.json()
     assert body["status"] == "error" and body["req_id"] == "bad_local_part_0" and body["message"]
-    for bad in (encode_body("x_local_part_0", [data_uri(IMAGES[0])], num_parts=1, part_idx=1),
-                encode_body("x_local_part_0", [data_uri(IMAGES[0])], "AUDIO"),
-                encode_body("x_local_part_0", [])):
+    for bad in (
+        encode_body("x_local_part_0", [data_uri(IMAGES[0])], num_parts=1, part_idx=1),
+        encode_body("x_local_part_0", [data_uri(IMAGES[0])], "AUDIO"),
+        encode_body("x_local_part_0", []),
+    ):
         r = post_encode(qwen3, bad)
         assert r.status_code == 400 and r.json()["status"] == "error" and r.json()["message"], r.text
     assert register(qwen3, "tp_local_part_9", address, count=1).status_code == 200
@@ -690,8 +778,9 @@ NOT_ZMQ = {  # a port where no ZMQ receiver listens, as each can behave
 }
 
 
-@pytest.mark.parametrize("peer", [pytest.param(p, marks=pytest.mark.slow) if p == "http_server" else p
-                                  for p in NOT_ZMQ])
+@pytest.mark.parametrize(
+    "peer", [pytest.param(p, marks=pytest.mark.slow) if p == "http_server" else p for p in NOT_ZMQ]
+)
 def test_a_port_that_speaks_no_zmq_takes_nothing_and_is_a_502_at_once(peer, monkeypatch):
     """A port where no ZMQ receiver listens never takes a message. libzmq takes a peer whose first bytes are not
     ZMTP 3's greeting (an HTTP server's answer) for a ZMTP 1.0 one and would send to it; the tier refuses it: every

@@ -32,7 +32,7 @@ def imports(name: str, path: Path, known: dict) -> list[tuple[str, list[str]]]:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
             for alias in node.names:  # `from . import spool` imports a module
                 sub = f"{base}.{alias.name}"
@@ -90,16 +90,25 @@ def test_imports_run_down_the_layers():
             continue
         for target, names in imports(name, path, known):
             depth = layer(target)
-            if depth is None and not (target == "vitserve" and names == ["__version__"]) or \
-                    depth is not None and depth < own:
+            if (
+                depth is None
+                and not (target == "vitserve" and names == ["__version__"])
+                or depth is not None
+                and depth < own
+            ):
                 upward.append(f"{name} -> {target}")
     assert upward == []
 
 
 def test_no_private_name_is_imported_across_modules():
     known = modules()
-    private = [(name, m, n) for name, path in known.items() for m, names in imports(name, path, known) for n in names
-               if n.startswith("_") and not n.startswith("__")]
+    private = [
+        (name, m, n)
+        for name, path in known.items()
+        for m, names in imports(name, path, known)
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
     assert private == []
 
 

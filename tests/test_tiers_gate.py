@@ -16,17 +16,32 @@ MODEL = "tiny-qwen3-vl"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ec")
-    for proc, url in serving("--model", MODEL, "--load-format", "dummy", "--ec-shared-storage", str(directory),
-                             "--sglang-encoder", "--sglang-receivers", "127.0.0.1", "--sglang-timeout", "5",
-                             "--max-concurrent-requests", "1"):
+    for proc, url in serving(
+        "--model",
+        MODEL,
+        "--load-format",
+        "dummy",
+        "--ec-shared-storage",
+        str(directory),
+        "--sglang-encoder",
+        "--sglang-receivers",
+        "127.0.0.1",
+        "--sglang-timeout",
+        "5",
+        "--max-concurrent-requests",
+        "1",
+    ):
         yield proc, url, int(url.rsplit(":", 1)[1])
 
 
 def stalled(port: int, path: str, start: bytes) -> socket.socket:
     """A connection that has sent a POST's headers (a body of 100,000 bytes) and only the `start` of its body."""
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n"
-                 % path.encode() + start)
+    sock.sendall(
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n"
+        % path.encode()
+        + start
+    )
     return sock
 
 
@@ -35,13 +50,27 @@ def in_flight(url: str) -> int:
 
 
 def chat(uuid: str = "a") -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_uri(IMAGES[0])}, "uuid": uuid}]}]}
+    return {
+        "model": MODEL,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": data_uri(IMAGES[0])}, "uuid": uuid}],
+            }
+        ],
+    }
 
 
 def sglang_part(req_id: str, port: int) -> dict:
-    return {"req_id": req_id, "num_parts": 1, "part_idx": 0, "modality": "IMAGE", "mm_items": [data_uri(IMAGES[0])],
-            "prefill_host": "127.0.0.1", "embedding_port": port}
+    return {
+        "req_id": req_id,
+        "num_parts": 1,
+        "part_idx": 0,
+        "modality": "IMAGE",
+        "mm_items": [data_uri(IMAGES[0])],
+        "prefill_host": "127.0.0.1",
+        "embedding_port": port,
+    }
 
 
 @pytest.mark.slow
@@ -54,12 +83,18 @@ def test_the_tier_endpoints_are_admitted_and_counted(server):
         sock = stalled(port, path, start)
         try:
             wait_until(lambda: in_flight(url) == 1, 10, f"the stalled {path} admitted")
-            for other, body in (("/v1/chat/completions", chat()), ("/encode", sglang_part("p_local_part_0", 9)),
-                                ("/v1/encode", {"images": [data_uri(IMAGES[0])]})):
+            for other, body in (
+                ("/v1/chat/completions", chat()),
+                ("/encode", sglang_part("p_local_part_0", 9)),
+                ("/v1/encode", {"images": [data_uri(IMAGES[0])]}),
+            ):
                 r = httpx.post(url + other, json=body, timeout=30)
                 assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", (path, other, r.text)
-            r = httpx.post(url + "/scheduler_receive_url", json={"req_id": "q", "receive_count": 1,
-                                                                 "receive_url": "127.0.0.1:9"}, timeout=30)
+            r = httpx.post(
+                url + "/scheduler_receive_url",
+                json={"req_id": "q", "receive_count": 1, "receive_url": "127.0.0.1:9"},
+                timeout=30,
+            )
             assert r.status_code == 200, r.text
         finally:
             sock.close()
@@ -103,6 +138,9 @@ def test_the_tiers_figures_are_in_stats_metrics_and_the_log(server):
     assert ec["bytes"] > before["ec_storage"]["bytes"] and ec["write_failures"] == 0
     assert sglang["deliveries"] == before["sglang"]["deliveries"] + 1 and sglang["delivery_timeouts"] == 0
     metrics = httpx.get(url + "/metrics", timeout=10).text
-    for line in (f"vitserve_ec_files {float(ec['files'])}", f"vitserve_ec_bytes {float(ec['bytes'])}",
-                 f"vitserve_sglang_deliveries_total {float(sglang['deliveries'])}"):
+    for line in (
+        f"vitserve_ec_files {float(ec['files'])}",
+        f"vitserve_ec_bytes {float(ec['bytes'])}",
+        f"vitserve_sglang_deliveries_total {float(sglang['deliveries'])}",
+    ):
         assert line in metrics, line

@@ -82,7 +82,7 @@ def test_packed_batch_equals_one_by_one(checkpoints, family):
     start = 0
     for grid, result in zip(grids, packed):
         n = grid[0] * grid[1] * grid[2]
-        (alone,) = enc.encode_pixels(px[start:start + n], [grid])
+        (alone,) = enc.encode_pixels(px[start : start + n], [grid])
         start += n
         assert result.embeddings.shape == (n // enc.config.merge_unit, enc.config.out_hidden_size)
         assert rel_err(result.embeddings, alone.embeddings) <= TOL
@@ -96,7 +96,9 @@ def test_packed_batch_equals_one_by_one(checkpoints, family):
 def test_mlp_widths_padded_and_fused(checkpoints, family):
     enc = VisionEncoder.from_pretrained(checkpoints[family][0])
     mlp = enc.tower.blocks[0].mlp
-    widths = [p.shape[0] for n, p in mlp.named_parameters() if n.endswith("weight") and p.shape[1] == enc.config.hidden_size]
+    widths = [
+        p.shape[0] for n, p in mlp.named_parameters() if n.endswith("weight") and p.shape[1] == enc.config.hidden_size
+    ]
     assert all(w % MLP_ALIGN == 0 for w in widths)
     if family == "qwen2_5_vl":  # gate and up are one GEMM of twice the padded width
         assert [n for n, _ in mlp.named_children()] == ["gate_up", "down"]
@@ -136,8 +138,12 @@ def test_parameter_counts_match_published_towers():
     """Meta-device builds of the real-size towers have the published parameter counts (before MLP padding)."""
     from vitserve.encoder.models import FAMILY_MODULES
 
-    for name, millions in [("Qwen/Qwen2-VL-7B-Instruct", 676), ("Qwen/Qwen2.5-VL-7B-Instruct", 677),
-                           ("Qwen/Qwen3-VL-8B-Instruct", 576), ("Qwen/Qwen3-VL-2B-Instruct", 407)]:
+    for name, millions in [
+        ("Qwen/Qwen2-VL-7B-Instruct", 676),
+        ("Qwen/Qwen2.5-VL-7B-Instruct", 677),
+        ("Qwen/Qwen3-VL-8B-Instruct", 576),
+        ("Qwen/Qwen3-VL-2B-Instruct", 407),
+    ]:
         cfg = builtin_config(name)
         shapes = FAMILY_MODULES[cfg.family].hf_layout(cfg).values()
         total = sum(torch.Size(s).numel() for s in shapes)

@@ -36,8 +36,10 @@ def test_videos_match_transformers_tower(checkpoints, family):
     slices split over several replays of small budgets (a video is never one indivisible item)."""
     path, hf_tower = checkpoints[family]
     enc = VisionEncoder.from_pretrained(path, budgets=(256,))
-    clips = [make_video(30, 10, 160, 120), make_video(13, 6, 96, 128, codec="mpeg4", container="avi",
-                                                      photo="portrait.png")]
+    clips = [
+        make_video(30, 10, 160, 120),
+        make_video(13, 6, 96, 128, codec="mpeg4", container="avi", photo="portrait.png"),
+    ]
     pixels, grids = enc.preprocess_videos(clips, num_frames=8 if family != "qwen3_vl" else 7)
     ref, ref_deepstack = reference(hf_tower, pixels, grids.tolist())
     results = enc.encode_videos(clips, num_frames=8 if family != "qwen3_vl" else 7)
@@ -121,8 +123,9 @@ def test_qwen3_sampling_and_sizes_follow_transformers():
                 max_pixels = c.max_pixels
                 if cap:
                     f = c.factor
-                    max_pixels = max(min(c.max_video_tokens * f * f, c.max_pixels // frames),
-                                     int(c.min_pixels * 1.05)) * frames
+                    max_pixels = (
+                        max(min(c.max_video_tokens * f * f, c.max_pixels // frames), int(c.min_pixels * 1.05)) * frames
+                    )
                 expected = smart_resize(frames, h, w, 2, 32, c.min_pixels, max_pixels)
                 assert V.frame_size(frames, h, w, c) == expected, (frames, h, w, cap)
 
@@ -137,13 +140,18 @@ def test_qwen2_sampling_follows_its_rules():
     assert V.sample_indices(info, cfg.with_request(fps=2)).tolist() == [0, 5, 10, 15, 20, 25]  # 3 s x 2 = 6
     assert V.sample_indices(info, cfg.with_request(fps=1)).tolist() == [0, 7, 15, 22]  # 3 -> min_frames 4
     assert V.sample_indices(info, cfg.with_request(num_frames=5)).tolist() == [0, 7, 15, 22]  # round(5/2)*2 = 4
-    assert V.sample_indices(V.VideoInfo(7, 10.0, 64, 64, "h264"), cfg.with_request(fps=30)).tolist() == \
-        [0, 1, 2, 3, 4, 5]  # at most the video, floored to a temporal patch
+    assert V.sample_indices(V.VideoInfo(7, 10.0, 64, 64, "h264"), cfg.with_request(fps=30)).tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]  # at most the video, floored to a temporal patch
     with pytest.raises(V.VideoTooShort):
         V.sample_indices(V.VideoInfo(1, 10.0, 64, 64, "h264"), cfg.with_request(fps=2))
     assert V.frame_size(6, 480, 640, cfg) == (476, 644)  # the image smart_resize per frame (factor 28)
     assert V.frame_size(6, 240, 320, cfg) == (280, 392)  # under min_pixels (128 x 28²): scaled up
-
 
 
 def qwen2_sample_frames():
@@ -164,7 +172,8 @@ def qwen2_sample_frames():
     exec(compile(ast.Module([fn], []), str(path), "exec"), names)
     self = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4, max_frames=768)
     return lambda total, rate, **kw: names["sample_frames"](
-        self, types.SimpleNamespace(total_num_frames=total, fps=rate), **kw).tolist()
+        self, types.SimpleNamespace(total_num_frames=total, fps=rate), **kw
+    ).tolist()
 
 
 @pytest.mark.parametrize("family", ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"])
@@ -180,8 +189,9 @@ def test_max_frames_caps_what_is_sampled(family):
         assert V.sample_indices(minute, cfg).tolist() == sample_frames(1800, 30.0, num_frames=768)  # the default cap
         assert V.sample_indices(V.VideoInfo(30, 10.0, 64, 64, "h264"), cfg).tolist() == list(range(30))  # uncapped
         for request in ({"fps": 2}, {"num_frames": 100}):  # under the cap: transformers' own rule
-            assert V.sample_indices(minute, cfg.with_request(**request)).tolist() == sample_frames(1800, 30.0,
-                                                                                                   **request)
+            assert V.sample_indices(minute, cfg.with_request(**request)).tolist() == sample_frames(
+                1800, 30.0, **request
+            )
     for request in ({}, {"fps": 2}, {"fps": 30}, {"num_frames": 100}):
         for cap in (16, 100, 7):
             got = V.sample_indices(minute, cfg.with_request(max_frames=cap, **request)).tolist()
@@ -190,6 +200,7 @@ def test_max_frames_caps_what_is_sampled(family):
                 assert got == sample_frames(1800, 30.0, num_frames=cap // 2 * 2), (request, cap)
     with pytest.raises(V.VideoTooShort, match="max_frames 1 is less than one temporal patch"):
         V.sample_indices(minute, dataclasses.replace(cfg, max_frames=1, do_sample_frames=False))
+
 
 def test_layout_is_transformers_patchify():
     """Our rows of one video are transformers' Qwen3VLVideoProcessor.patchify of the same normalized frames, an odd
@@ -202,8 +213,9 @@ def test_layout_is_transformers_patchify():
     ours, grid = V.patchify(video, cfg)
     lut = V.fast_lut(cfg.image_mean, cfg.image_std)
     normalized = torch.from_numpy(lut[np.arange(3), video.frames]).permute(0, 3, 1, 2)[None]  # [1, F, C, H, W]
-    theirs, t, h, w = Qwen3VLVideoProcessor().patchify(normalized, cfg.patch_size, cfg.merge_size,
-                                                       cfg.temporal_patch_size)
+    theirs, t, h, w = Qwen3VLVideoProcessor().patchify(
+        normalized, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    )
     assert (t, h, w) == grid and t == 3
     assert torch.equal(theirs[0], torch.from_numpy(ours))
 
@@ -227,10 +239,7 @@ def test_containers_without_a_frame_count_are_counted():
     assert video.info.total_frames == 12 and video.indices.tolist() == [0, 3, 6, 9]
 
 
-@pytest.mark.parametrize("data, error", [
-    (b"not a video at all", V.VideoError),
-    (b"", V.VideoError),
-])
+@pytest.mark.parametrize("data, error", [(b"not a video at all", V.VideoError), (b"", V.VideoError)])
 def test_bad_videos_raise_video_errors(data, error):
     cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl"))
     with pytest.raises(error):
@@ -353,9 +362,18 @@ def test_a_hub_download_fetches_and_uses_the_video_processor_settings(checkpoint
 
     repo = tmp_path / "repo"
     shutil.copytree(checkpoints["qwen3_vl"][0], repo)
-    (repo / "preprocessor_config.json").write_text(json.dumps(
-        {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
-         "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (repo / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+                "patch_size": 16,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "image_mean": [0.5] * 3,
+                "image_std": [0.5] * 3,
+            }
+        )
+    )
     (repo / "video_preprocessor_config.json").write_text(json.dumps(V.PUBLISHED["qwen3_vl"]))
     asked = []
 
@@ -394,10 +412,15 @@ def test_dummy_weights_of_a_published_model_take_its_video_settings():
 
     assert grid("Qwen/Qwen3-VL-8B-Instruct") == (60, 20, 38)
     assert grid("qwen3-vl-8b-instruct") == (60, 20, 38)
-    assert video_config_of(builtin_config("Qwen/Qwen2.5-VL-7B-Instruct"), None,
-                           model="Qwen/Qwen2.5-VL-7B-Instruct").max_pixels == 12845056
-    assert video_config_of(builtin_config("tiny-qwen3-vl"), None, model="tiny-qwen3-vl") == \
-        V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl"))
+    assert (
+        video_config_of(
+            builtin_config("Qwen/Qwen2.5-VL-7B-Instruct"), None, model="Qwen/Qwen2.5-VL-7B-Instruct"
+        ).max_pixels
+        == 12845056
+    )
+    assert video_config_of(builtin_config("tiny-qwen3-vl"), None, model="tiny-qwen3-vl") == V.VideoConfig.for_model(
+        builtin_config("tiny-qwen3-vl")
+    )
 
 
 def test_a_max_pixels_under_the_videos_minimum_is_refused_not_clamped():
@@ -426,8 +449,13 @@ def test_sampling_errors_name_what_is_at_fault():
     with pytest.raises(V.VideoTooShort, match=r"^num_frames 60 is more than the video's 48 frames \(truncate_frames"):
         V.sample_indices(clip, qwen2.with_request(num_frames=60))
     short = V.VideoInfo(7, 24.0, 64, 64, "h264")
-    assert V.sample_indices(short, qwen2.with_request(num_frames=60, truncate_frames=True)).tolist() == \
-        [0, 1, 2, 3, 4, 5]
-    assert V.sample_indices(short, qwen3.with_request(num_frames=60, truncate_frames=True)).tolist() == \
-        list(range(7))
+    assert V.sample_indices(short, qwen2.with_request(num_frames=60, truncate_frames=True)).tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+    assert V.sample_indices(short, qwen3.with_request(num_frames=60, truncate_frames=True)).tolist() == list(range(7))
     assert len(V.sample_indices(short, qwen3.with_request(num_frames=60))) == 60  # transformers' rule, repeating

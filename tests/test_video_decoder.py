@@ -79,10 +79,11 @@ def test_videos_leave_the_other_workers_to_images(monkeypatch):
         answers = await asyncio.gather(*videos)
         return done, running, held.most, answers
 
-    done, running, most, answers = scenario(monkeypatch, Settings.of(model="m", decode_processes=False,
-                                                                  decode_workers=2), run)
+    done, running, most, answers = scenario(
+        monkeypatch, Settings.of(model="m", decode_processes=False, decode_workers=2), run
+    )
     assert len(done) == 1 and running == 1 and most == 1
-    assert [len(slices) for (slices, _, _), in answers] == [2, 2]  # 4 frames: 2 slices each
+    assert [len(slices) for ((slices, _, _),) in answers] == [2, 2]  # 4 frames: 2 slices each
 
 
 def test_the_work_in_flight_on_the_server_is_bounded(monkeypatch):
@@ -98,8 +99,9 @@ def test_the_work_in_flight_on_the_server_is_bounded(monkeypatch):
         await asyncio.gather(*videos)
         return running, held.most
 
-    settings = Settings.of(model="m", decode_processes=False, decode_workers=4, video_decode_workers=2,
-                        video_decode_work=WORK)
+    settings = Settings.of(
+        model="m", decode_processes=False, decode_workers=4, video_decode_workers=2, video_decode_work=WORK
+    )
     assert scenario(monkeypatch, settings, run) == (1, 1)
 
 

@@ -56,12 +56,16 @@ def timed(fn, *args):
 # 1. a tiny file declaring 8K frames and 100000 of them
 
 
-@pytest.mark.parametrize("declare, limits, error", [
-    (dict(frames=100_000), V.VideoLimits(), V.VideoTooLong),
-    (dict(frames=100_000, width=7680, height=4320), V.VideoLimits(), V.VideoTooLong),
-    (dict(width=7680, height=4320), V.VideoLimits(max_frame_pixels=1920 * 1080), V.VideoTooLarge),
-    (dict(frames=100_000, width=16000, height=16000), V.VideoLimits(max_seconds=1e6), V.VideoTooLarge),
-], ids=["100000 frames", "8K x 100000 frames", "8K over a 1080p limit", "16000x16000 (256 MP) frames"])
+@pytest.mark.parametrize(
+    "declare, limits, error",
+    [
+        (dict(frames=100_000), V.VideoLimits(), V.VideoTooLong),
+        (dict(frames=100_000, width=7680, height=4320), V.VideoLimits(), V.VideoTooLong),
+        (dict(width=7680, height=4320), V.VideoLimits(max_frame_pixels=1920 * 1080), V.VideoTooLarge),
+        (dict(frames=100_000, width=16000, height=16000), V.VideoLimits(max_seconds=1e6), V.VideoTooLarge),
+    ],
+    ids=["100000 frames", "8K x 100000 frames", "8K over a 1080p limit", "16000x16000 (256 MP) frames"],
+)
 def test_a_tiny_file_declaring_more_than_the_limits_is_refused_from_its_header(monkeypatch, declare, limits, error):
     """A 3 KB MP4 of 8 frames of 64x48 whose boxes (stts, mdhd, tkhd, the SPS in avcC) declare 100000 frames and
     8K or 16000x16000 ones: refused by the limits from its header, within a second, without a frame decoded by
@@ -70,8 +74,11 @@ def test_a_tiny_file_declaring_more_than_the_limits_is_refused_from_its_header(m
     data = declare_mp4(make_video(8, 8, 64, 48), **declare)
     assert len(data) < 4096
     info = declared(data)
-    assert (info.total_frames, info.width, info.height) == (declare.get("frames", 8), declare.get("width", 64),
-                                                            declare.get("height", 48))
+    assert (info.total_frames, info.width, info.height) == (
+        declare.get("frames", 8),
+        declare.get("width", 64),
+        declare.get("height", 48),
+    )
     monkeypatch.setattr(V, "decode_frames", pytest.fail)
     with pytest.raises(error) as caught:
         timed(V.load_video, data, qwen2(num_frames=4), limits)
@@ -247,8 +254,17 @@ def test_a_corrupt_packet_mid_stream_decodes_or_fails_cleanly(how):
     assert video.frames.shape == clean.frames.shape and video.indices.tolist() == clean.indices.tolist()
 
 
-@pytest.mark.parametrize("codec, container", [("h264", "mp4"), ("libvpx-vp9", "webm"), ("mpeg4", "avi"),
-                                              ("h264", "mpegts"), ("h264", "matroska"), ("mjpeg", "mp4")])
+@pytest.mark.parametrize(
+    "codec, container",
+    [
+        ("h264", "mp4"),
+        ("libvpx-vp9", "webm"),
+        ("mpeg4", "avi"),
+        ("h264", "mpegts"),
+        ("h264", "matroska"),
+        ("mjpeg", "mp4"),
+    ],
+)
 def test_damage_anywhere_fails_only_with_video_errors(codec, container):
     """24 deterministic damages spread over the whole file (headers, indexes, packets; three kinds of damage, four
     lengths), sampled the Qwen2 and the Qwen3 way: each decodes the frames it samples or raises a video error; never
@@ -271,12 +287,14 @@ def test_damage_anywhere_fails_only_with_video_errors(codec, container):
 def image_files() -> dict[str, bytes]:
     rgb = photo(96, 64, 3)
     files = {
-        "png": encode(rgb, "PNG"), "jpeg": encode(rgb, "JPEG"), "mpo": encode(rgb, "MPO", save_all=True,
-                                                                              append_images=[photo(96, 64, 4)]),
+        "png": encode(rgb, "PNG"),
+        "jpeg": encode(rgb, "JPEG"),
+        "mpo": encode(rgb, "MPO", save_all=True, append_images=[photo(96, 64, 4)]),
         "apng": encode(rgb, "PNG", save_all=True, append_images=[photo(96, 64, 5)]),
         "gif": encode(rgb.convert("P"), "GIF", save_all=True, append_images=[photo(96, 64, 6).convert("P")]),
         "webp": encode(rgb, "WEBP", save_all=True, append_images=[photo(96, 64, 7)]),
-        "tiff": encode(rgb, "TIFF"), "bmp": encode(rgb, "BMP"),
+        "tiff": encode(rgb, "TIFF"),
+        "bmp": encode(rgb, "BMP"),
     }
     from PIL import features
 
@@ -305,8 +323,14 @@ def test_a_video_is_not_an_image():
 def test_sniff_tells_video_containers_from_images():
     """By content: MP4 (and MOV, 3GP), WebM and Matroska, AVI, MPEG-TS are videos; ISO files branded as images
     (AVIF, HEIF: the same 'ftyp' box as MP4) are not, nor PNG or JPEG."""
-    for codec, container, name in (("h264", "mp4", "mp4"), ("h264", "mov", "mp4"), ("libvpx-vp9", "webm", "webm"),
-                                   ("h264", "matroska", "webm"), ("mpeg4", "avi", "avi"), ("h264", "mpegts", "mpegts")):
+    for codec, container, name in (
+        ("h264", "mp4", "mp4"),
+        ("h264", "mov", "mp4"),
+        ("libvpx-vp9", "webm", "webm"),
+        ("h264", "matroska", "webm"),
+        ("mpeg4", "avi", "avi"),
+        ("h264", "mpegts", "mpegts"),
+    ):
         assert V.sniff(make_video(4, 4, 64, 48, codec=codec, container=container)[:512]) == name, container
     for major in (b"isom", b"mp42", b"qt  ", b"3gp4", b"M4V "):
         assert V.sniff(ftyp(major, b"isom", b"mp41") + bytes(64)) == "mp4", major
@@ -319,13 +343,17 @@ def test_sniff_tells_video_containers_from_images():
 # 5. no frames
 
 
-@pytest.mark.parametrize("make, error", [
-    (lambda: emptied_mp4(make_video(8, 8, 64, 48)), V.VideoTooShort),
-    (lambda: empty_video("mpeg4", "avi"), V.VideoTooShort),
-    (lambda: empty_video("h264", "matroska"), V.VideoError),
-    (lambda: empty_video("libvpx-vp9", "webm"), V.VideoError),
-    (lambda: empty_video("h264", "mp4"), V.VideoError),
-], ids=["mp4 track with empty sample tables", "avi", "matroska", "webm", "mp4 as PyAV writes it"])
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda: emptied_mp4(make_video(8, 8, 64, 48)), V.VideoTooShort),
+        (lambda: empty_video("mpeg4", "avi"), V.VideoTooShort),
+        (lambda: empty_video("h264", "matroska"), V.VideoError),
+        (lambda: empty_video("libvpx-vp9", "webm"), V.VideoError),
+        (lambda: empty_video("h264", "mp4"), V.VideoError),
+    ],
+    ids=["mp4 track with empty sample tables", "avi", "matroska", "webm", "mp4 as PyAV writes it"],
+)
 def test_a_video_stream_with_no_frames_fails_cleanly(make, error):
     """A container with a video stream and no packets: VideoTooShort where FFmpeg shows the stream (nothing to
     rewind after counting none), a VideoError where it refuses the file."""
@@ -366,8 +394,12 @@ def test_a_variable_frame_rate_follows_the_declared_average_rate():
         assert np.array_equal(frame, expected)
     video = V.load_video(data, qwen3())
     t = video.temporal_patch_size
-    assert video.timestamps == pytest.approx([(video.indices[i] + video.indices[min(i + t, len(video.indices)) - 1])
-                                              / 2 / rate for i in range(0, len(video.indices), t)])
+    assert video.timestamps == pytest.approx(
+        [
+            (video.indices[i] + video.indices[min(i + t, len(video.indices)) - 1]) / 2 / rate
+            for i in range(0, len(video.indices), t)
+        ]
+    )
 
 
 # 7. rotation
@@ -391,8 +423,9 @@ def test_rotation_metadata_is_ignored_frames_come_coded():
 # 8. codecs
 
 
-@pytest.mark.parametrize("codec, container", [("ffv1", "matroska"), ("rawvideo", "avi"), ("rawvideo", "matroska"),
-                                              ("ffv1", "avi")])
+@pytest.mark.parametrize(
+    "codec, container", [("ffv1", "matroska"), ("rawvideo", "avi"), ("rawvideo", "matroska"), ("ffv1", "avi")]
+)
 def test_an_unsupported_codec_is_refused_before_decoding(monkeypatch, codec, container):
     data = make_video(6, 6, 64, 48, codec=codec, container=container)
     monkeypatch.setattr(V, "decode_frames", pytest.fail)

@@ -38,18 +38,20 @@ def test_matches_transformers_video_processor(tmp_path, model, clip):
     path.write_bytes(data)
     cfg = V.VideoConfig.for_model(builtin_config(model))
     processor_class = Qwen3VLVideoProcessor if cfg.family == "qwen3" else Qwen2VLVideoProcessor
-    small = max(64 * cfg.factor ** 2 * (1 if cfg.family == "qwen2" else 4), cfg.min_pixels)  # (under it: refused)
+    small = max(64 * cfg.factor**2 * (1 if cfg.family == "qwen2" else 4), cfg.min_pixels)  # (under it: refused)
     for request in ({"fps": 2.0}, {"num_frames": 6}, {"fps": 2.0, "max_pixels": small}):
         for cap in (False, True):
             ours_cfg = dataclasses.replace(cfg, cap_pixels_per_frame=cap).with_request(**request)
-            processor = processor_class(size={"shortest_edge": ours_cfg.min_pixels,
-                                              "longest_edge": ours_cfg.max_pixels},
-                                        patch_size=cfg.patch_size, cap_pixels_per_frame=cap)
+            processor = processor_class(
+                size={"shortest_edge": ours_cfg.min_pixels, "longest_edge": ours_cfg.max_pixels},
+                patch_size=cfg.patch_size,
+                cap_pixels_per_frame=cap,
+            )
             sampling = {k: v for k, v in request.items() if k != "max_pixels"}
-            decoded, metadata = load_video(str(path), backend="pyav",
-                                           sample_indices_fn=functools.partial(processor.sample_frames, **sampling))
-            ref = processor(videos=[decoded], video_metadata=[metadata], do_sample_frames=False,
-                            return_tensors="pt")
+            decoded, metadata = load_video(
+                str(path), backend="pyav", sample_indices_fn=functools.partial(processor.sample_frames, **sampling)
+            )
+            ref = processor(videos=[decoded], video_metadata=[metadata], do_sample_frames=False, return_tensors="pt")
             pixels, grids, videos = V.preprocess_videos([data], ours_cfg)
             what = (request, cap)
             assert videos[0].indices.tolist() == list(metadata.frames_indices), what

@@ -57,8 +57,11 @@ def test_json_images_and_videos_match_the_library(server, library):
     timing in its metadata."""
     _, url = server
     image = encode(photo(96, 64, 5), "PNG")
-    body = {"images": [f"data:image/png;base64,{base64.b64encode(image).decode()}"],
-            "videos": [video_uri(CLIP), video_uri(OTHER, "video/webm")], "num_frames": 6}
+    body = {
+        "images": [f"data:image/png;base64,{base64.b64encode(image).decode()}"],
+        "videos": [video_uri(CLIP), video_uri(OTHER, "video/webm")],
+        "num_frames": 6,
+    }
     r = httpx.post(url + "/v1/encode", json=body, timeout=120)
     assert r.status_code == 200, r.text
     data = r.json()["data"]
@@ -75,7 +78,7 @@ def test_json_images_and_videos_match_the_library(server, library):
     r = httpx.post(url + "/v1/encode", json=body, headers={"accept": "application/octet-stream"}, timeout=120)
     assert r.status_code == 200
     tensors = load_safetensors(r.content)
-    metadata = json.loads(r.content[8:8 + int.from_bytes(r.content[:8], "little")])["__metadata__"]
+    metadata = json.loads(r.content[8 : 8 + int.from_bytes(r.content[:8], "little")])["__metadata__"]
     timing = json.loads(metadata["videos"])
     assert timing[0] is None and timing[1]["frame_indices"] == data[1]["frame_indices"]
     assert torch.equal(tensors["images.2.embeddings"], tensor(data[2]))
@@ -86,8 +89,11 @@ def test_multipart_tells_videos_from_images_by_content(server, library):
     answer keeps the files' order (a video, an image, a video), in JSON, in safetensors and through the client."""
     _, url = server
     jpeg = encode(photo(64, 64, 9), "JPEG")
-    files = [("images", ("clip.jpg", CLIP, "image/jpeg")), ("images", ("x.bin", jpeg, "application/octet-stream")),
-             ("images", ("other", OTHER, "video/webm"))]
+    files = [
+        ("images", ("clip.jpg", CLIP, "image/jpeg")),
+        ("images", ("x.bin", jpeg, "application/octet-stream")),
+        ("images", ("other", OTHER, "video/webm")),
+    ]
     r = httpx.post(url + "/v1/encode", files=files, data={"fps": "2"}, timeout=120)
     assert r.status_code == 200, r.text
     data = r.json()["data"]
@@ -96,10 +102,11 @@ def test_multipart_tells_videos_from_images_by_content(server, library):
     assert_served(tensor(data[0]), clips[0].embeddings)
     assert_served(tensor(data[2]), clips[1].embeddings)
     assert_served(tensor(data[1]), library.encode(jpeg).embeddings)
-    r = httpx.post(url + "/v1/encode", files=files, data={"fps": "2"}, timeout=120,
-                   headers={"accept": "application/octet-stream"})
+    r = httpx.post(
+        url + "/v1/encode", files=files, data={"fps": "2"}, timeout=120, headers={"accept": "application/octet-stream"}
+    )
     tensors = load_safetensors(r.content)
-    metadata = json.loads(r.content[8:8 + int.from_bytes(r.content[:8], "little")])["__metadata__"]
+    metadata = json.loads(r.content[8 : 8 + int.from_bytes(r.content[:8], "little")])["__metadata__"]
     assert [t is None for t in json.loads(metadata["videos"])] == [False, True, False]
     assert torch.equal(tensors["images.0.embeddings"], tensor(data[0]))
     assert torch.equal(tensors["images.1.embeddings"], tensor(data[1]))
@@ -132,28 +139,38 @@ def test_the_client_splits_videos_embeds_them_and_sends_urls(server, library):
 def test_embeddings_pool_a_video(server, library):
     """/v1/embeddings with modality video: one vector per video, the mean of its tokens."""
     _, url = server
-    r = httpx.post(url + "/v1/embeddings", json={"input": [video_uri(CLIP)], "modality": "video", "fps": 2},
-                   timeout=120)
+    r = httpx.post(
+        url + "/v1/embeddings", json={"input": [video_uri(CLIP)], "modality": "video", "fps": 2}, timeout=120
+    )
     assert r.status_code == 200, r.text
     vector = torch.tensor(r.json()["data"][0]["embedding"])
     assert_served(vector, library.encode_videos(CLIP, fps=2).embeddings.mean(0), exact=False)
 
 
-@pytest.mark.parametrize("body, status, code", [
-    ({"videos": [base64.b64encode(encode(photo(32, 32, 1), "PNG")).decode()]}, 400, "not_a_video"),
-    ({"videos": [video_uri(CLIP[:2000])]}, 400, "undecodable_video"),
-    ({"videos": [video_uri(make_video(6, 6, 64, 64, codec="ffv1", container="matroska"))]}, 400,
-     "unsupported_codec"),
-    ({"videos": [video_uri(CLIP)], "num_frames": 5000}, 413, "too_many_frames"),
-    ({"videos": [video_uri(CLIP)] * 4}, 413, "too_many_videos"),
-    ({"videos": [video_uri(CLIP)], "fps": 2, "num_frames": 4}, 422, "invalid_request"),
-    ({}, 422, "invalid_request"),
-    ({"images": [base64.b64encode(CLIP).decode()]}, 400, "video_input"),
-    ({"videos": ["file:///tmp/clip.mp4"]}, 400, "invalid_url"),
-    ({"videos": [f"data:image/png;base64,{base64.b64encode(encode(photo(32, 32, 1), 'PNG')).decode()}"]}, 400,
-     "not_a_video"),
-    ({"videos": ["%%%"]}, 400, "invalid_base64"),
-])
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        ({"videos": [base64.b64encode(encode(photo(32, 32, 1), "PNG")).decode()]}, 400, "not_a_video"),
+        ({"videos": [video_uri(CLIP[:2000])]}, 400, "undecodable_video"),
+        (
+            {"videos": [video_uri(make_video(6, 6, 64, 64, codec="ffv1", container="matroska"))]},
+            400,
+            "unsupported_codec",
+        ),
+        ({"videos": [video_uri(CLIP)], "num_frames": 5000}, 413, "too_many_frames"),
+        ({"videos": [video_uri(CLIP)] * 4}, 413, "too_many_videos"),
+        ({"videos": [video_uri(CLIP)], "fps": 2, "num_frames": 4}, 422, "invalid_request"),
+        ({}, 422, "invalid_request"),
+        ({"images": [base64.b64encode(CLIP).decode()]}, 400, "video_input"),
+        ({"videos": ["file:///tmp/clip.mp4"]}, 400, "invalid_url"),
+        (
+            {"videos": [f"data:image/png;base64,{base64.b64encode(encode(photo(32, 32, 1), 'PNG')).decode()}"]},
+            400,
+            "not_a_video",
+        ),
+        ({"videos": ["%%%"]}, 400, "invalid_base64"),
+    ],
+)
 def test_bad_videos_get_a_4xx_and_their_neighbours_an_answer(server, body, status, code):
     """Each bad request fails alone, with its code, while a good video request sent at the same time is served."""
     _, url = server
@@ -166,8 +183,9 @@ def test_bad_videos_get_a_4xx_and_their_neighbours_an_answer(server, body, statu
 
 def test_several_front_ends_serve_videos(library):
     """With two front ends the slices cross the core like images: the same answer."""
-    for proc, url in serving("--model", MODEL, "--load-format", "dummy", "--api-servers", "2",
-                             "--device-processes", "true"):
+    for proc, url in serving(
+        "--model", MODEL, "--load-format", "dummy", "--api-servers", "2", "--device-processes", "true"
+    ):
         r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(CLIP)], "num_frames": 6}, timeout=120)
         assert r.status_code == 200, r.text
         assert_served(tensor(r.json()["data"][0]), library.encode_videos(CLIP, num_frames=6).embeddings)
@@ -192,16 +210,21 @@ def test_fast_preprocessing_serves_the_same_videos(library):
     --video-decoder nvdec where NVDEC cannot open (no GPU here) the videos decode in software, and /metrics counts
     each video by the decoder that decoded it."""
     image = encode(photo(96, 64, 5), "JPEG")
-    for _, url in serving("--model", MODEL, "--load-format", "dummy", "--preprocess", "fast", "--video-decoder",
-                          "nvdec"):
-        body = {"images": [f"data:image/jpeg;base64,{base64.b64encode(image).decode()}"],
-                "videos": [video_uri(CLIP)], "num_frames": 6}
+    for _, url in serving(
+        "--model", MODEL, "--load-format", "dummy", "--preprocess", "fast", "--video-decoder", "nvdec"
+    ):
+        body = {
+            "images": [f"data:image/jpeg;base64,{base64.b64encode(image).decode()}"],
+            "videos": [video_uri(CLIP)],
+            "num_frames": 6,
+        }
         r = httpx.post(url + "/v1/encode", json=body, timeout=120)
         assert r.status_code == 200, r.text
         decoder = "nvdec" if torch.cuda.is_available() else "cpu"
         if decoder == "nvdec":  # NVDEC's frames are within about a level of software's: the reference decodes there
-            same = VisionEncoder.from_pretrained(MODEL, load_format="dummy", device="cuda", dtype="bfloat16",
-                                                 video_decoder="nvdec")
+            same = VisionEncoder.from_pretrained(
+                MODEL, load_format="dummy", device="cuda", dtype="bfloat16", video_decoder="nvdec"
+            )
             ref = same.encode_videos(CLIP, num_frames=6).embeddings
             assert rel_err(tensor(r.json()["data"][1]), ref) <= BF16_REL_ERR
         else:
@@ -209,14 +232,24 @@ def test_fast_preprocessing_serves_the_same_videos(library):
         assert f'vitserve_videos_decoded_total{{decoder="{decoder}"}} 1.0' in httpx.get(url + "/metrics").text
 
 
-
 @pytest.fixture(scope="module")
 def qwen2_server():
     """Qwen2.5-VL with the videos' limits and sizes set by flags: 6 frames at most, 4 MiB of frames a request,
     frames of 3136 to 12544 pixels (16·28²; the images keep theirs)."""
-    yield from serving("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--max-video-frames", "6",
-                       "--decode-memory-per-request", str(4 * 2**20), "--video-min-pixels", "3136",
-                       "--video-max-pixels", "12544")
+    yield from serving(
+        "--model",
+        "tiny-qwen2.5-vl",
+        "--load-format",
+        "dummy",
+        "--max-video-frames",
+        "6",
+        "--decode-memory-per-request",
+        str(4 * 2**20),
+        "--video-min-pixels",
+        "3136",
+        "--video-max-pixels",
+        "12544",
+    )
 
 
 def test_the_frame_caps_bound_what_a_qwen2_video_samples(qwen2_server):
@@ -260,6 +293,7 @@ def test_num_frames_errors_name_the_parameter_and_truncate_frames_caps_it(qwen2_
     error = r.json()["error"]
     assert r.status_code == 400 and error["code"] == "video_too_short" and error["param"] == "videos[0]", r.text
     assert "num_frames 6 is more than the video's 4 frames" in error["message"]
-    r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(short)], "num_frames": 6, "truncate_frames": True},
-                   timeout=120)
+    r = httpx.post(
+        url + "/v1/encode", json={"videos": [video_uri(short)], "num_frames": 6, "truncate_frames": True}, timeout=120
+    )
     assert r.status_code == 200 and r.json()["data"][0]["frame_indices"] == [0, 1, 2, 3], r.text

@@ -25,12 +25,12 @@ from vitserve.service.tiers.vllm_hash import ALGORITHMS, mm_hash
 MODEL = "tiny-qwen3-vl"
 
 
-
 def status(error) -> int:
     """The HTTP status a client is answered for a tier's domain error (the edge's one table)."""
     from vitserve.service.api.http_errors import ServiceError
 
     return ServiceError.of(error).status
+
 
 def folder(path):
     """An encoder-cache folder (ECStorage takes an existing one)."""
@@ -249,13 +249,21 @@ def test_a_uuid_never_names_another_items_file(tmp_path):
     from vitserve.service.ground.settings import Settings
     from vitserve.service.tiers.vllm_tier import VLLMTier
 
-    tier = VLLMTier(Settings.of(model=MODEL, ec_shared_storage=str(tmp_path), ec_dtype="float32").tiers, MODEL, "float32")
+    tier = VLLMTier(
+        Settings.of(model=MODEL, ec_shared_storage=str(tmp_path), ec_dtype="float32").tiers, MODEL, "float32"
+    )
     image = encode(photo(40, 30, 3), "PNG")
     victim = mm_hash("image", MODEL, data=image)
     try:
         with pytest.raises(EngineError) as e:
-            asyncio.run(tier.identifiers([MediaItem("image", image, None, "images[0]"),
-                                          MediaItem("image", encode(photo(40, 30, 4), "PNG"), victim, "images[1]")]))
+            asyncio.run(
+                tier.identifiers(
+                    [
+                        MediaItem("image", image, None, "images[0]"),
+                        MediaItem("image", encode(photo(40, 30, 4), "PNG"), victim, "images[1]"),
+                    ]
+                )
+            )
         assert (status(e.value), e.value.code, e.value.param) == (400, "invalid_uuid", "images[1]")
         first = item(rows=6, levels=0)
         asyncio.run(tier.write(["taken"], [Features(*first)]))
@@ -276,7 +284,9 @@ def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
     from vitserve.service.ground.settings import Settings
     from vitserve.service.tiers.vllm_tier import VLLMTier
 
-    tier = VLLMTier(Settings.of(model=MODEL, ec_shared_storage=str(tmp_path), ec_storage_bytes=2000).tiers, MODEL, "float32")
+    tier = VLLMTier(
+        Settings.of(model=MODEL, ec_shared_storage=str(tmp_path), ec_storage_bytes=2000).tiers, MODEL, "float32"
+    )
     try:
         tokens, deepstack = item(rows=6)  # a file of some 850 bytes: two fit
         for name in ("a", "b", "c"):
@@ -284,8 +294,14 @@ def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
         stats = tier.stats()
         size = (tmp_path / "c" / ec_storage.FILE_NAME).stat().st_size
         assert 2000 // size == 2
-        assert stats == {"limit_bytes": 2000, "bytes": 2 * size, "files": 2, "writes": 3, "evictions": 1,
-                         "write_failures": 0}
+        assert stats == {
+            "limit_bytes": 2000,
+            "bytes": 2 * size,
+            "files": 2,
+            "writes": 3,
+            "evictions": 1,
+            "write_failures": 0,
+        }
         with pytest.raises(EngineError) as e:
             asyncio.run(tier.write(["big"], [Features(*item(rows=100))]))
         assert status(e.value) == 507 and tier.stats()["write_failures"] == 1
@@ -296,8 +312,9 @@ def test_the_tier_counts_its_files_and_failed_writes(tmp_path):
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ec")
-    for _, url in serving("--model", MODEL, "--load-format", "dummy", "--ec-shared-storage", str(directory),
-                          "--ec-dtype", "bfloat16"):
+    for _, url in serving(
+        "--model", MODEL, "--load-format", "dummy", "--ec-shared-storage", str(directory), "--ec-dtype", "bfloat16"
+    ):
         yield url, directory
 
 
@@ -321,8 +338,13 @@ def test_encode_writes_each_item_under_its_identifier(tier):
     url, directory = tier
     image = encode(photo(96, 64, 5), "JPEG")
     video = make_video(30, 10, 160, 120)
-    body = {"images": [data_uri(image, "image/jpeg")], "videos": [data_uri(video, "video/mp4")], "layout": "vllm",
-            "dtype": "bfloat16", "multi_modal_uuids": {"video": ["clip-1"]}}
+    body = {
+        "images": [data_uri(image, "image/jpeg")],
+        "videos": [data_uri(video, "video/mp4")],
+        "layout": "vllm",
+        "dtype": "bfloat16",
+        "multi_modal_uuids": {"video": ["clip-1"]},
+    }
     r = httpx.post(url + "/v1/encode", json=body, timeout=60)
     assert r.status_code == 200, r.text
     data = r.json()["data"]
@@ -332,8 +354,11 @@ def test_encode_writes_each_item_under_its_identifier(tier):
     r = httpx.post(url + "/v1/encode", json={"videos": [data_uri(video, "video/mp4")]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "uuid_required"
     for bad in ("../x", ".ec-planted.tmp", mm_hash("image", MODEL, data=encode(photo(96, 64, 6), "JPEG"))):
-        r = httpx.post(url + "/v1/encode", json={"images": [data_uri(image, "image/jpeg")],
-                                                 "multi_modal_uuids": {"image": [bad]}}, timeout=60)
+        r = httpx.post(
+            url + "/v1/encode",
+            json={"images": [data_uri(image, "image/jpeg")], "multi_modal_uuids": {"image": [bad]}},
+            timeout=60,
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_uuid", bad
 
 
@@ -358,8 +383,12 @@ def test_multipart_and_the_client_name_items_by_uuid(tier):
     assert torch.equal(written(directory / "mp-clip" / "encoder_cache.safetensors")["ec_cache"], clip.embeddings)
     for name, answer in (("mp-img", images[0]), (mm_hash("image", MODEL, data=image), images[1])):
         assert torch.equal(written(directory / name / "encoder_cache.safetensors")["ec_cache"], answer.embeddings)
-    r = httpx.post(url + "/v1/encode", files=[("f", ("v", video)), ("f", ("i", image))],
-                   data={"multi_modal_uuids": '{"video": ["a", "b"]}'}, timeout=60)
+    r = httpx.post(
+        url + "/v1/encode",
+        files=[("f", ("v", video)), ("f", ("i", image))],
+        data={"multi_modal_uuids": '{"video": ["a", "b"]}'},
+        timeout=60,
+    )
     assert r.status_code == 422 and r.json()["error"]["param"] == "multi_modal_uuids", r.text
 
 
@@ -369,8 +398,11 @@ def test_a_uuid_too_long_for_a_folder_is_named_as_sent(tier):
     first characters, not the reader's placeholder."""
     url, _ = tier
     uuid = "very-long-uuid-" + "x" * 5000
-    r = httpx.post(url + "/v1/encode", json={"images": [data_uri(encode(photo(32, 32, 1), "PNG"))],
-                                             "multi_modal_uuids": {"image": [uuid]}}, timeout=60)
+    r = httpx.post(
+        url + "/v1/encode",
+        json={"images": [data_uri(encode(photo(32, 32, 1), "PNG"))], "multi_modal_uuids": {"image": [uuid]}},
+        timeout=60,
+    )
     error = r.json()["error"]
     assert r.status_code == 400 and error["code"] == "invalid_uuid" and error["param"] == "images[0]"
     assert "very-long-uuid-xxx" in error["message"] and "vitserve-" not in error["message"]
@@ -387,24 +419,37 @@ def test_the_proxys_chat_request_is_answered_with_ec_transfer_params(tier):
 
     url, directory = tier
     image, video = encode(photo(80, 72, 9), "PNG"), make_video(20, 10, 128, 96)
-    parts = [{"type": "image_url", "image_url": {"url": data_uri(image, "image/png")}, "uuid": "img"},
-             {"type": "text", "text": "what happens?"},
-             {"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4")}, "uuid": "vid"},
-             {"type": "image_url", "image_url": {"url": data_uri(image, "image/png")}, "uuid": "img"}]
+    parts = [
+        {"type": "image_url", "image_url": {"url": data_uri(image, "image/png")}, "uuid": "img"},
+        {"type": "text", "text": "what happens?"},
+        {"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4")}, "uuid": "vid"},
+        {"type": "image_url", "image_url": {"url": data_uri(image, "image/png")}, "uuid": "img"},
+    ]
     body = {"model": MODEL, "messages": [{"role": "user", "content": parts}], "stream": False}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     params = r.json()["ec_transfer_params"]
-    reference = httpx.post(url + "/v1/encode", json={"images": [data_uri(image, "image/png")],
-                                                     "videos": [data_uri(video, "video/mp4")], "layout": "vllm",
-                                                     "dtype": "bfloat16",
-                                                     "multi_modal_uuids": {"image": ["i2"], "video": ["v2"]}},
-                           timeout=60).json()["data"]
-    assert params["img"] == {"modality": "image", "item_indices": [0, 2],
-                             "metadata": {"image_grid_thw": reference[0]["grid_thw"]}}
-    assert params["vid"] == {"modality": "video", "item_indices": [1],
-                             "metadata": {"video_grid_thw": reference[1]["grid_thw"],
-                                          "timestamps": reference[1]["timestamps"]}}
+    reference = httpx.post(
+        url + "/v1/encode",
+        json={
+            "images": [data_uri(image, "image/png")],
+            "videos": [data_uri(video, "video/mp4")],
+            "layout": "vllm",
+            "dtype": "bfloat16",
+            "multi_modal_uuids": {"image": ["i2"], "video": ["v2"]},
+        },
+        timeout=60,
+    ).json()["data"]
+    assert params["img"] == {
+        "modality": "image",
+        "item_indices": [0, 2],
+        "metadata": {"image_grid_thw": reference[0]["grid_thw"]},
+    }
+    assert params["vid"] == {
+        "modality": "video",
+        "item_indices": [1],
+        "metadata": {"video_grid_thw": reference[1]["grid_thw"], "timestamps": reference[1]["timestamps"]},
+    }
     for name, answer in (("img", reference[0]), ("vid", reference[1])):
         assert torch.equal(load_file(directory / name / "encoder_cache.safetensors")["ec_cache"], bf16(answer))
     bad = {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}
@@ -425,7 +470,8 @@ def test_the_chat_endpoint_needs_the_encoder_tier():
 def chat_body(kwargs=None, part_type="image_url", model=MODEL) -> dict:
     part = {"type": part_type, "image_url": {"url": data_uri(IMAGES[0])}, "uuid": "x"}
     return {"model": model, "messages": [{"role": "user", "content": [part]}]} | (
-        {"mm_processor_kwargs": kwargs} if kwargs is not None else {})
+        {"mm_processor_kwargs": kwargs} if kwargs is not None else {}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -434,20 +480,24 @@ def chat_client(encoders, tmp_path_factory):
         yield c
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"max_pixels": "many"}, "mm_processor_kwargs.max_pixels"),
-    ({"max_pixels": [1]}, "mm_processor_kwargs.max_pixels"),
-    ({"max_pixels": {"a": 1}}, "mm_processor_kwargs.max_pixels"),
-    ({"images_kwargs": [1]}, "mm_processor_kwargs.images_kwargs"),
-    ({"images_kwargs": "max_pixels"}, "mm_processor_kwargs.images_kwargs"),
-    ({"videos_kwargs": {"fps": 0}}, "mm_processor_kwargs.videos_kwargs.fps"),
-    ({"fps": -1}, "mm_processor_kwargs.fps"),
-    ({"fps": "x"}, "mm_processor_kwargs.fps"),
-    ({"num_frames": -2}, "mm_processor_kwargs.num_frames"),
-    ({"num_frames": "four"}, "mm_processor_kwargs.num_frames"),
-    ({"max_frames": -1}, "mm_processor_kwargs.max_frames"),
-    ({"max_frames": 0.5}, "mm_processor_kwargs.max_frames"),
-    ({"fps": 2, "videos_kwargs": {"num_frames": 4}}, "mm_processor_kwargs")])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"max_pixels": "many"}, "mm_processor_kwargs.max_pixels"),
+        ({"max_pixels": [1]}, "mm_processor_kwargs.max_pixels"),
+        ({"max_pixels": {"a": 1}}, "mm_processor_kwargs.max_pixels"),
+        ({"images_kwargs": [1]}, "mm_processor_kwargs.images_kwargs"),
+        ({"images_kwargs": "max_pixels"}, "mm_processor_kwargs.images_kwargs"),
+        ({"videos_kwargs": {"fps": 0}}, "mm_processor_kwargs.videos_kwargs.fps"),
+        ({"fps": -1}, "mm_processor_kwargs.fps"),
+        ({"fps": "x"}, "mm_processor_kwargs.fps"),
+        ({"num_frames": -2}, "mm_processor_kwargs.num_frames"),
+        ({"num_frames": "four"}, "mm_processor_kwargs.num_frames"),
+        ({"max_frames": -1}, "mm_processor_kwargs.max_frames"),
+        ({"max_frames": 0.5}, "mm_processor_kwargs.max_frames"),
+        ({"fps": 2, "videos_kwargs": {"num_frames": 4}}, "mm_processor_kwargs"),
+    ],
+)
 def test_mm_processor_kwargs_are_validated_as_the_native_fields(chat_client, kwargs, param):
     """What /v1/encode refuses of these options is a 400 naming the option here too, never a 500."""
     r = chat_client.post("/v1/chat/completions", json=chat_body(kwargs))
@@ -459,8 +509,11 @@ def test_mm_processor_kwargs_become_the_native_options():
     from vitserve.service.api.schemas import ChatRequest
     from vitserve.service.tiers.vllm_tier import chat_options
 
-    options = chat_options(ChatRequest.model_validate(chat_body({"max_pixels": 50176, "videos_kwargs": {
-        "num_frames": "4", "max_frames": 8}})))
+    options = chat_options(
+        ChatRequest.model_validate(
+            chat_body({"max_pixels": 50176, "videos_kwargs": {"num_frames": "4", "max_frames": 8}})
+        )
+    )
     assert (options.max_pixels, options.num_frames, options.max_frames, options.fps) == (50176, 4, 8, None)
 
 
@@ -468,11 +521,13 @@ def test_a_chat_request_echoes_no_long_value(chat_client):
     """A long part type, mm_processor_kwargs key or model comes back clipped (well past the JSON reader's 4 KB);
     a model that is not the served one is a 404."""
     long = "z" * 100_000
-    for body, status, code in ((chat_body(part_type=long), 400, "unsupported_content"),
-                               (chat_body({long: 1}), 400, "unsupported_mm_processor_kwargs"),
-                               (chat_body({"images_kwargs": {long: 1}}), 400, "unsupported_mm_processor_kwargs"),
-                               (chat_body(model=long), 404, "model_not_found"),
-                               (chat_body(model="another-model"), 404, "model_not_found")):
+    for body, status, code in (
+        (chat_body(part_type=long), 400, "unsupported_content"),
+        (chat_body({long: 1}), 400, "unsupported_mm_processor_kwargs"),
+        (chat_body({"images_kwargs": {long: 1}}), 400, "unsupported_mm_processor_kwargs"),
+        (chat_body(model=long), 404, "model_not_found"),
+        (chat_body(model="another-model"), 404, "model_not_found"),
+    ):
         r = chat_client.post("/v1/chat/completions", json=body)
         assert r.status_code == status and r.json()["error"]["code"] == code, r.text[:500]
         assert len(r.content) < 1000, r.text[:500]

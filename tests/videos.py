@@ -29,8 +29,16 @@ def frames_of(photo: str, count: int, width: int, height: int) -> list[np.ndarra
     return out
 
 
-def make_video(count: int = 24, fps: float = 12, width: int = 160, height: int = 120, codec: str = "h264",
-               container: str = "mp4", photo: str = "sample.jpg", rates: list[int] | None = None) -> bytes:
+def make_video(
+    count: int = 24,
+    fps: float = 12,
+    width: int = 160,
+    height: int = 120,
+    codec: str = "h264",
+    container: str = "mp4",
+    photo: str = "sample.jpg",
+    rates: list[int] | None = None,
+) -> bytes:
     """An encoded video of `count` frames. `rates`: per-frame durations in 1/1000 s (a variable frame rate)."""
     import av
 
@@ -57,23 +65,32 @@ def make_video(count: int = 24, fps: float = 12, width: int = 160, height: int =
 
 # ISO BMFF (MP4) boxes: a box whose children are parsed keeps the bytes before them (a full box's version and flags,
 # a sample entry's fields); every other box is its payload.
-_PARENTS = {b"moov": 0, b"trak": 0, b"mdia": 0, b"minf": 0, b"stbl": 0, b"edts": 0, b"stsd": 8, b"avc1": 78,
-            b"mp4v": 78}
+_PARENTS = {
+    b"moov": 0,
+    b"trak": 0,
+    b"mdia": 0,
+    b"minf": 0,
+    b"stbl": 0,
+    b"edts": 0,
+    b"stsd": 8,
+    b"avc1": 78,
+    b"mp4v": 78,
+}
 
 
 def mp4_boxes(data: bytes) -> list[list]:
     """The boxes of an MP4 as [kind, head, children] (a parent) or [kind, payload, None] (a leaf), in order."""
     out, i = [], 0
     while i + 8 <= len(data):
-        size, kind = struct.unpack(">I4s", data[i:i + 8])
+        size, kind = struct.unpack(">I4s", data[i : i + 8])
         header = 8
         if size == 1:
-            size, header = struct.unpack(">Q", data[i + 8:i + 16])[0], 16
+            size, header = struct.unpack(">Q", data[i + 8 : i + 16])[0], 16
         elif size == 0:
             size = len(data) - i
-        body = data[i + header:i + size]
+        body = data[i + header : i + size]
         if kind in _PARENTS:
-            out.append([kind, body[:_PARENTS[kind]], mp4_boxes(body[_PARENTS[kind]:])])
+            out.append([kind, body[: _PARENTS[kind]], mp4_boxes(body[_PARENTS[kind] :])])
         else:
             out.append([kind, body, None])
         i += size
@@ -120,14 +137,14 @@ def _sps_with_size(sps: bytes, width: int, height: int) -> bytes:
     def ue() -> int:
         nonlocal pos
         zeros = bits.index("1", pos) - pos
-        value = int(bits[pos + zeros:pos + 2 * zeros + 1], 2) - 1
+        value = int(bits[pos + zeros : pos + 2 * zeros + 1], 2) - 1
         pos += 2 * zeros + 1
         return value
 
     profile = rbsp[0]
     ue()  # seq_parameter_set_id
     if profile in (100, 110, 122, 244, 44, 83, 86, 118, 128, 138, 139, 134, 135):
-        pos += (ue() == 3)  # chroma_format_idc (separate_colour_plane_flag)
+        pos += ue() == 3  # chroma_format_idc (separate_colour_plane_flag)
         ue(), ue()  # bit depths
         assert bits[pos + 1] == "0", "scaling matrices are not rewritten"
         pos += 2
@@ -147,14 +164,20 @@ def _sps_with_size(sps: bytes, width: int, height: int) -> bytes:
     bits += "0" * (-len(bits) % 8)
     out = bytearray(sps[:1])
     for i in range(0, len(bits), 8):
-        if out[-2:] == b"\0\0" and len(out) > 2 and int(bits[i:i + 8], 2) <= 3:
+        if out[-2:] == b"\0\0" and len(out) > 2 and int(bits[i : i + 8], 2) <= 3:
             out.append(3)
-        out.append(int(bits[i:i + 8], 2))
+        out.append(int(bits[i : i + 8], 2))
     return bytes(out)
 
 
-def declare_mp4(data: bytes, frames: int | None = None, width: int | None = None, height: int | None = None,
-                fps: float | None = None, rotation: int | None = None) -> bytes:
+def declare_mp4(
+    data: bytes,
+    frames: int | None = None,
+    width: int | None = None,
+    height: int | None = None,
+    fps: float | None = None,
+    rotation: int | None = None,
+) -> bytes:
     """`make_video`'s MP4 (moov after mdat, one video track, v0 boxes) whose headers declare what is asked while its
     samples stay as they are: `frames` (the stts count, the durations of mdhd, tkhd, mvhd and the edit list), `fps`
     (the stts delta: the media timescale / fps, the composition offsets and the edit's start scaled with it), width
@@ -168,7 +191,7 @@ def declare_mp4(data: bytes, frames: int | None = None, width: int | None = None
     timescale, media_duration = struct.unpack(">II", mdhd[1][12:20])
     movie_scale = struct.unpack(">I", mvhd[1][12:16])[0]
     count = struct.unpack(">I", stts[1][4:8])[0]
-    entries = [list(struct.unpack(">II", stts[1][8 + 8 * i:16 + 8 * i])) for i in range(count)]
+    entries = [list(struct.unpack(">II", stts[1][8 + 8 * i : 16 + 8 * i])) for i in range(count)]
     if fps is not None:
         delta = int(timescale // fps)
         scale = entries[0][1] // delta  # composition offsets and the edit's start shrink as the deltas do
@@ -177,7 +200,7 @@ def declare_mp4(data: bytes, frames: int | None = None, width: int | None = None
             entry[1] = delta
         for ctts in _find(boxes, b"ctts"):
             n = struct.unpack(">I", ctts[1][4:8])[0]
-            pairs = struct.unpack(f">{2 * n}I", ctts[1][8:8 + 8 * n])
+            pairs = struct.unpack(f">{2 * n}I", ctts[1][8 : 8 + 8 * n])
             assert all(v % scale == 0 for v in pairs[1::2])
             pairs = [v // scale if i % 2 else v for i, v in enumerate(pairs)]
             ctts[1] = ctts[1][:8] + struct.pack(f">{2 * n}I", *pairs)
@@ -203,8 +226,8 @@ def declare_mp4(data: bytes, frames: int | None = None, width: int | None = None
             body = avcc[1]
             assert body[5] & 31 == 1, "one SPS"
             size = struct.unpack(">H", body[6:8])[0]
-            sps = _sps_with_size(body[8:8 + size], width, height)
-            avcc[1] = body[:6] + struct.pack(">H", len(sps)) + sps + body[8 + size:]
+            sps = _sps_with_size(body[8 : 8 + size], width, height)
+            avcc[1] = body[:6] + struct.pack(">H", len(sps)) + sps + body[8 + size :]
     if rotation is not None:
         cos, sin = {0: (1, 0), 90: (0, 1), 180: (-1, 0), 270: (0, -1)}[rotation % 360]
         matrix = (cos << 16, -sin << 16, 0, sin << 16, cos << 16, 0, 0, 0, 1 << 30)
@@ -240,7 +263,7 @@ def mdat_span(data: bytes) -> tuple[int, int]:
     """Where an MP4's media data (the payload of its mdat box) starts and ends."""
     i = 0
     while i + 8 <= len(data):
-        size, kind = struct.unpack(">I4s", data[i:i + 8])
+        size, kind = struct.unpack(">I4s", data[i : i + 8])
         if kind == b"mdat":
             return i + 8, i + size
         i += size
@@ -274,7 +297,7 @@ class Endless(io.RawIOBase):
         if self.most is not None and self.served >= self.most:
             return 0
         start = self.served % len(self.data)
-        chunk = self.data[start:start + len(buffer)]
-        buffer[:len(chunk)] = chunk
+        chunk = self.data[start : start + len(buffer)]
+        buffer[: len(chunk)] = chunk
         self.served += len(chunk)
         return len(chunk)

@@ -8,6 +8,7 @@ from __future__ import annotations
 __version__ = "0.2.0"
 __all__ = ["VisionEncoder", "EncodedImage", "VisionConfig", "BUILTIN_CONFIGS", "builtin_config", "__version__"]
 
+
 def __getattr__(name: str):
     if name in __all__ and name != "__version__":
         from . import encoder

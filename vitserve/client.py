@@ -104,8 +104,10 @@ def _kinds(sent: list[bytes | str], videos_only: bool) -> list[bool]:
     """Whether each item is a video; `videos_only`: every one must be (a URL is taken as one), else ValueError."""
     kinds = [videos_only and isinstance(x, str) or is_video(x) for x in sent]
     if videos_only and not all(kinds):
-        raise ValueError(f"videos[{kinds.index(False)}] is not a video (MP4, WebM, MKV, AVI, MPEG-TS, FLV or Ogg): "
-                         "encode takes images")
+        raise ValueError(
+            f"videos[{kinds.index(False)}] is not a video (MP4, WebM, MKV, AVI, MPEG-TS, FLV or Ogg): "
+            "encode takes images"
+        )
     return kinds
 
 
@@ -167,8 +169,16 @@ def _multi_modal_uuids(uuids: list[str | None], kinds: list[bool]) -> dict:
     return {"multi_modal_uuids": {kind: names for kind, names in by_kind.items() if names}}
 
 
-def _encode_request(items: list[bytes | str], kinds: list[bool], dtype: str, deepstack: bool, layout: str,
-                    max_pixels: int | None, uuids: list[str | None], **video) -> dict:
+def _encode_request(
+    items: list[bytes | str],
+    kinds: list[bool],
+    dtype: str,
+    deepstack: bool,
+    layout: str,
+    max_pixels: int | None,
+    uuids: list[str | None],
+    **video,
+) -> dict:
     """A /v1/encode request: multipart (the server tells videos from images by their bytes), or JSON where an item
     is a URL (`kinds`: whether each is a video); `uuids`: the items' (None where an item has none); `video`: fps,
     num_frames, max_frames where given."""
@@ -177,14 +187,26 @@ def _encode_request(items: list[bytes | str], kinds: list[bool], dtype: str, dee
     accept = {"accept": "application/octet-stream"}
     if any(isinstance(x, str) for x in items):
         sent = [x if isinstance(x, str) else base64.b64encode(x).decode() for x in items]
-        return dict(json={"images": [x for x, v in zip(sent, kinds) if not v],
-                          "videos": [x for x, v in zip(sent, kinds) if v], "dtype": dtype, "deepstack": deepstack,
-                          "layout": layout, **options, **named}, headers=accept)
+        return dict(
+            json={
+                "images": [x for x, v in zip(sent, kinds) if not v],
+                "videos": [x for x, v in zip(sent, kinds) if v],
+                "dtype": dtype,
+                "deepstack": deepstack,
+                "layout": layout,
+                **options,
+                **named,
+            },
+            headers=accept,
+        )
     fields = {"dtype": dtype, "deepstack": str(deepstack).lower(), "layout": layout}
     fields |= {name: str(value) for name, value in options.items()}
     fields |= {name: json.dumps(value) for name, value in named.items()}
-    return dict(files=[("images", (f"{i}", data, "application/octet-stream")) for i, data in enumerate(items)],
-                data=fields, headers=accept)
+    return dict(
+        files=[("images", (f"{i}", data, "application/octet-stream")) for i, data in enumerate(items)],
+        data=fields,
+        headers=accept,
+    )
 
 
 def _in_order(results: list[EncodedImage], kinds: list[bool]) -> list[EncodedImage]:
@@ -217,13 +239,18 @@ def _encoded(response: httpx.Response) -> list[EncodedImage]:
 
 def _metadata(body: bytes) -> dict:
     size = int.from_bytes(body[:8], "little")
-    return json.loads(body[8:8 + size]).get("__metadata__", {})
+    return json.loads(body[8 : 8 + size]).get("__metadata__", {})
 
 
-def _embed_request(items: list[bytes | str], pooling: str, normalize: bool, max_pixels: int | None,
-                   modality: str, **video) -> dict:
-    body = {"input": [x if isinstance(x, str) else base64.b64encode(x).decode() for x in items], "pooling": pooling,
-            "normalize": normalize, "encoding_format": "base64"}
+def _embed_request(
+    items: list[bytes | str], pooling: str, normalize: bool, max_pixels: int | None, modality: str, **video
+) -> dict:
+    body = {
+        "input": [x if isinstance(x, str) else base64.b64encode(x).decode() for x in items],
+        "pooling": pooling,
+        "normalize": normalize,
+        "encoding_format": "base64",
+    }
     if modality == "video":
         body["modality"] = modality
     options = dict(video, max_pixels=max_pixels)
@@ -246,8 +273,9 @@ def _modality(modality: str) -> bool:
 
 
 class _Base:
-    def __init__(self, base_url: str, api_key: str | None, timeout: float, retries: int,
-                 max_images_per_request: int | None):
+    def __init__(
+        self, base_url: str, api_key: str | None, timeout: float, retries: int, max_images_per_request: int | None
+    ):
         self.base_url, self.retries, self.batch = base_url.rstrip("/"), retries, max_images_per_request
         self.video_batch: int | None = None  # the server's max_videos_per_request, asked once
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -277,28 +305,43 @@ class _Base:
         if self.video_batch is None:
             self.video_batch = model.get("max_videos_per_request") or 1
 
-    def _encode_requests(self, sent: list[bytes | str], kinds: list[bool], uuids: list[str | None],
-                         **options) -> list[tuple[list[bool], dict]]:
+    def _encode_requests(
+        self, sent: list[bytes | str], kinds: list[bool], uuids: list[str | None], **options
+    ) -> list[tuple[list[bool], dict]]:
         """The /v1/encode requests of what is sent (`kinds`: whether each is a video; `uuids`: each one's), one per
         run within the server's limits, each with its items' kinds."""
-        return [([kinds[i] for i in run], _encode_request([sent[i] for i in run], [kinds[i] for i in run],
-                                                          uuids=[uuids[i] for i in run], **options))
-                for run in _batches(kinds, self.batch, self.video_batch or 1)]
+        return [
+            (
+                [kinds[i] for i in run],
+                _encode_request(
+                    [sent[i] for i in run], [kinds[i] for i in run], uuids=[uuids[i] for i in run], **options
+                ),
+            )
+            for run in _batches(kinds, self.batch, self.video_batch or 1)
+        ]
 
-    def _embed_requests(self, sent: list[bytes | str], modality: str, pooling: str, normalize: bool,
-                        max_pixels: int | None, **video) -> list[dict]:
+    def _embed_requests(
+        self, sent: list[bytes | str], modality: str, pooling: str, normalize: bool, max_pixels: int | None, **video
+    ) -> list[dict]:
         runs = _batches([modality == "video"] * len(sent), self.batch, self.video_batch or 1)
-        return [_embed_request([sent[i] for i in run], pooling, normalize, max_pixels, modality, **video)
-                for run in runs]
+        return [
+            _embed_request([sent[i] for i in run], pooling, normalize, max_pixels, modality, **video) for run in runs
+        ]
 
 
 class Client(_Base):
     """`base_url` of the server; `api_key` if it has one; `timeout` seconds per request; `retries` of a failed
     connection, a 429 or a 503; `max_images_per_request`: the split (default: what the server reports)."""
 
-    def __init__(self, base_url: str = "http://localhost:8000", api_key: str | None = None, timeout: float = 120.0,
-                 retries: int = 3, max_images_per_request: int | None = None,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str = "http://localhost:8000",
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retries: int = 3,
+        max_images_per_request: int | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ):
         super().__init__(base_url, api_key, timeout, retries, max_images_per_request)
         self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport)
 
@@ -332,26 +375,52 @@ class Client(_Base):
         if not self._limits_known(videos):
             self._take_limits(self.model())
 
-    def encode(self, images, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
-               max_pixels: int | None = None, uuids=None) -> EncodedImage | list[EncodedImage]:
+    def encode(
+        self,
+        images,
+        dtype: str = "float32",
+        deepstack: bool = True,
+        layout: str = "tokens",
+        max_pixels: int | None = None,
+        uuids=None,
+    ) -> EncodedImage | list[EncodedImage]:
         """Token embeddings (+ Qwen3 deepstack) of one image (a path, URL, data URI, bytes or a PIL image) as an
         EncodedImage, or of a list of them as a list, in order; a video among them gives an EncodedVideo, sampled
         as the server's default does (`encode_videos` takes the sampling). `uuids`: vLLM's uuid of each item (a
         list, or a str for one item; None entries for none), the names of their files on a server with
         --ec-shared-storage."""
-        return self._encode(images, False, uuids, dtype=dtype, deepstack=deepstack, layout=layout,
-                            max_pixels=max_pixels)
+        return self._encode(
+            images, False, uuids, dtype=dtype, deepstack=deepstack, layout=layout, max_pixels=max_pixels
+        )
 
-    def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
-                      max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
-                      layout: str = "tokens", max_pixels: int | None = None,
-                      uuids=None) -> EncodedVideo | list[EncodedVideo]:
+    def encode_videos(
+        self,
+        videos,
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+        dtype: str = "float32",
+        deepstack: bool = True,
+        layout: str = "tokens",
+        max_pixels: int | None = None,
+        uuids=None,
+    ) -> EncodedVideo | list[EncodedVideo]:
         """Token embeddings (+ Qwen3 deepstack) and timing of one video (a path, URL, data URI or its bytes) as an
         EncodedVideo, or of a list of them as a list, in order; sampled at `fps` or as `num_frames` (else the
         server's default), at most `max_frames`. `uuids`: as `encode`'s (a server with --ec-shared-storage names a
         video only by its uuid)."""
-        return self._encode(videos, True, uuids, fps=fps, num_frames=num_frames, max_frames=max_frames, dtype=dtype,
-                            deepstack=deepstack, layout=layout, max_pixels=max_pixels)
+        return self._encode(
+            videos,
+            True,
+            uuids,
+            fps=fps,
+            num_frames=num_frames,
+            max_frames=max_frames,
+            dtype=dtype,
+            deepstack=deepstack,
+            layout=layout,
+            max_pixels=max_pixels,
+        )
 
     def _encode(self, items, videos_only: bool, uuids, **options):
         sent, single = _items(items)
@@ -362,17 +431,26 @@ class Client(_Base):
             out += _in_order(_encoded(self._send("POST", "/v1/encode", **request)), chunk)
         return out[0] if single else out
 
-    def embed(self, images, pooling: str = "mean", normalize: bool = False, max_pixels: int | None = None,
-              modality: str = "image", fps: float | None = None, num_frames: int | None = None,
-              max_frames: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+    def embed(
+        self,
+        images,
+        pooling: str = "mean",
+        normalize: bool = False,
+        max_pixels: int | None = None,
+        modality: str = "image",
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """The vector (`pooling="none"`: the token matrix), float32, of one image, or a list of them for a list;
         `modality="video"`: of videos (the mean of all a video's tokens), sampled by `fps`, `num_frames`,
         `max_frames` as `encode_videos`."""
         sent, single = _items(images)
         self._limits(_modality(modality))
         out = []
-        for request in self._embed_requests(sent, modality, pooling, normalize, max_pixels, fps=fps,
-                                            num_frames=num_frames, max_frames=max_frames):
+        for request in self._embed_requests(
+            sent, modality, pooling, normalize, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames
+        ):
             out += _embedded(self._send("POST", "/v1/embeddings", **request))
         return out[0] if single else out
 
@@ -380,12 +458,19 @@ class Client(_Base):
 class AsyncClient(_Base):
     """`Client`, awaited."""
 
-    def __init__(self, base_url: str = "http://localhost:8000", api_key: str | None = None, timeout: float = 120.0,
-                 retries: int = 3, max_images_per_request: int | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str = "http://localhost:8000",
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retries: int = 3,
+        max_images_per_request: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         super().__init__(base_url, api_key, timeout, retries, max_images_per_request)
-        self.http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout,
-                                      transport=transport)
+        self.http = httpx.AsyncClient(
+            base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport
+        )
 
     async def __aenter__(self):
         return self
@@ -416,17 +501,43 @@ class AsyncClient(_Base):
         if not self._limits_known(videos):
             self._take_limits(await self.model())
 
-    async def encode(self, images, dtype: str = "float32", deepstack: bool = True, layout: str = "tokens",
-                     max_pixels: int | None = None, uuids=None) -> EncodedImage | list[EncodedImage]:
-        return await self._encode(images, False, uuids, dtype=dtype, deepstack=deepstack, layout=layout,
-                                  max_pixels=max_pixels)
+    async def encode(
+        self,
+        images,
+        dtype: str = "float32",
+        deepstack: bool = True,
+        layout: str = "tokens",
+        max_pixels: int | None = None,
+        uuids=None,
+    ) -> EncodedImage | list[EncodedImage]:
+        return await self._encode(
+            images, False, uuids, dtype=dtype, deepstack=deepstack, layout=layout, max_pixels=max_pixels
+        )
 
-    async def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
-                            max_frames: int | None = None, dtype: str = "float32", deepstack: bool = True,
-                            layout: str = "tokens", max_pixels: int | None = None,
-                            uuids=None) -> EncodedVideo | list[EncodedVideo]:
-        return await self._encode(videos, True, uuids, fps=fps, num_frames=num_frames, max_frames=max_frames,
-                                  dtype=dtype, deepstack=deepstack, layout=layout, max_pixels=max_pixels)
+    async def encode_videos(
+        self,
+        videos,
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+        dtype: str = "float32",
+        deepstack: bool = True,
+        layout: str = "tokens",
+        max_pixels: int | None = None,
+        uuids=None,
+    ) -> EncodedVideo | list[EncodedVideo]:
+        return await self._encode(
+            videos,
+            True,
+            uuids,
+            fps=fps,
+            num_frames=num_frames,
+            max_frames=max_frames,
+            dtype=dtype,
+            deepstack=deepstack,
+            layout=layout,
+            max_pixels=max_pixels,
+        )
 
     async def _encode(self, items, videos_only: bool, uuids, **options):
         sent, single = _items(items)
@@ -437,13 +548,22 @@ class AsyncClient(_Base):
         out = [item for (chunk, _), reply in zip(requests, replies) for item in _in_order(_encoded(reply), chunk)]
         return out[0] if single else out
 
-    async def embed(self, images, pooling: str = "mean", normalize: bool = False, max_pixels: int | None = None,
-                    modality: str = "image", fps: float | None = None, num_frames: int | None = None,
-                    max_frames: int | None = None) -> torch.Tensor | list[torch.Tensor]:
+    async def embed(
+        self,
+        images,
+        pooling: str = "mean",
+        normalize: bool = False,
+        max_pixels: int | None = None,
+        modality: str = "image",
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
         sent, single = _items(images)
         await self._limits(_modality(modality))
-        requests = self._embed_requests(sent, modality, pooling, normalize, max_pixels, fps=fps,
-                                        num_frames=num_frames, max_frames=max_frames)
+        requests = self._embed_requests(
+            sent, modality, pooling, normalize, max_pixels, fps=fps, num_frames=num_frames, max_frames=max_frames
+        )
         replies = await asyncio.gather(*(self._send("POST", "/v1/embeddings", **request) for request in requests))
         out = [item for reply in replies for item in _embedded(reply)]
         return out[0] if single else out

@@ -34,21 +34,25 @@ from .client import EncodedImage, EncodedVideo
 from .encoder.features import Features
 
 
-def _listed(items: EncodedImage | list[EncodedImage], kind: str | None = None, helper: str = "this helper",
-            other: str = "") -> list[EncodedImage]:
+def _listed(
+    items: EncodedImage | list[EncodedImage], kind: str | None = None, helper: str = "this helper", other: str = ""
+) -> list[EncodedImage]:
     """`items` (one result, or an iterable of them) as a list, each an EncodedImage or an EncodedVideo, and where
     `kind` is given (`image`, `video`) of that kind only: else a TypeError that names the item, and `other`, the
     helper that takes it."""
     if isinstance(items, EncodedImage):
         items = [items]
     elif isinstance(items, (str, bytes, torch.Tensor, dict)) or not hasattr(items, "__iter__"):
-        raise TypeError(f"{helper} takes vitserve's results (EncodedImage, EncodedVideo) or a list of them, not "
-                        f"{type(items).__name__}")
+        raise TypeError(
+            f"{helper} takes vitserve's results (EncodedImage, EncodedVideo) or a list of them, not "
+            f"{type(items).__name__}"
+        )
     items = list(items)
     for i, item in enumerate(items):
         if not isinstance(item, EncodedImage):
-            raise TypeError(f"{helper}: items[{i}] is a {type(item).__name__}, not vitserve's result (EncodedImage, "
-                            "EncodedVideo)")
+            raise TypeError(
+                f"{helper}: items[{i}] is a {type(item).__name__}, not vitserve's result (EncodedImage, EncodedVideo)"
+            )
         is_video = isinstance(item, EncodedVideo)
         if kind is not None and is_video != (kind == "video"):
             given = "a video (EncodedVideo)" if is_video else "an image (EncodedImage)"
@@ -78,11 +82,16 @@ def vllm_multi_modal_data(items: EncodedImage | list[EncodedImage]) -> dict:
     images, videos = _split(items, "vllm_multi_modal_data")
     out = {}
     if images:
-        out["image"] = {"image_embeds": torch.cat([vllm_features(i) for i in images]),
-                        "image_grid_thw": grid_tensor(images)}
+        out["image"] = {
+            "image_embeds": torch.cat([vllm_features(i) for i in images]),
+            "image_grid_thw": grid_tensor(images),
+        }
     if videos:
-        out["video"] = {"video_embeds": torch.cat([vllm_features(v) for v in videos]),
-                        "video_grid_thw": grid_tensor(videos), "second_per_grid_ts": second_per_grid_ts(videos)}
+        out["video"] = {
+            "video_embeds": torch.cat([vllm_features(v) for v in videos]),
+            "video_grid_thw": grid_tensor(videos),
+            "second_per_grid_ts": second_per_grid_ts(videos),
+        }
     return out
 
 
@@ -102,27 +111,44 @@ def vllm_image_embeds_part(item: EncodedImage) -> dict:
     """One chat content part for vLLM's OpenAI server (`torch.save` + base64 of the features and the grid) for one
     image."""
     if not isinstance(item, EncodedImage) or isinstance(item, EncodedVideo):
-        given = "a video (EncodedVideo): vllm_multi_modal_data takes videos" if isinstance(item, EncodedVideo) else \
-            f"a {type(item).__name__}: one part per image, [vllm_image_embeds_part(i) for i in items]"
+        given = (
+            "a video (EncodedVideo): vllm_multi_modal_data takes videos"
+            if isinstance(item, EncodedVideo)
+            else f"a {type(item).__name__}: one part per image, [vllm_image_embeds_part(i) for i in items]"
+        )
         raise TypeError(f"vllm_image_embeds_part takes one image (EncodedImage), not {given}")
-    return {"type": "image_embeds", "image_embeds": {"image_embeds": _saved(vllm_features(item)),
-                                                     "image_grid_thw": _saved(grid_tensor([item])[0])}}
+    return {
+        "type": "image_embeds",
+        "image_embeds": {"image_embeds": _saved(vllm_features(item)), "image_grid_thw": _saved(grid_tensor([item])[0])},
+    }
 
 
 def sglang_image_data(items: EncodedImage | list[EncodedImage]) -> list[dict]:
     """SGLang's `image_data` for the images of one prompt: their features concatenated, with their grids."""
     items = _listed(items, "image", "sglang_image_data", "send the videos as video_data (sglang_video_data)")
-    return [{"format": "precomputed_embedding", "feature": torch.cat([vllm_features(i) for i in items]),
-             "image_grid_thw": grid_tensor(items), "modality": "IMAGE"}]
+    return [
+        {
+            "format": "precomputed_embedding",
+            "feature": torch.cat([vllm_features(i) for i in items]),
+            "image_grid_thw": grid_tensor(items),
+            "modality": "IMAGE",
+        }
+    ]
 
 
 def sglang_video_data(videos: EncodedVideo | list[EncodedVideo]) -> list[dict]:
     """SGLang's `video_data` for the videos of one prompt: features concatenated, grids, seconds per temporal
     patch."""
     videos = _listed(videos, "video", "sglang_video_data", "send the images as image_data (sglang_image_data)")
-    return [{"format": "precomputed_embedding", "feature": torch.cat([vllm_features(v) for v in videos]),
-             "video_grid_thw": grid_tensor(videos), "second_per_grid_ts": second_per_grid_ts(videos),
-             "modality": "VIDEO"}]
+    return [
+        {
+            "format": "precomputed_embedding",
+            "feature": torch.cat([vllm_features(v) for v in videos]),
+            "video_grid_thw": grid_tensor(videos),
+            "second_per_grid_ts": second_per_grid_ts(videos),
+            "modality": "VIDEO",
+        }
+    ]
 
 
 def transformers_inputs(text_ids: list[int], items: EncodedImage | list[EncodedImage], config) -> dict:
@@ -133,13 +159,20 @@ def transformers_inputs(text_ids: list[int], items: EncodedImage | list[EncodedI
     images, videos = _split(items, "transformers_inputs")
     text_ids = [int(token) for token in text_ids]
     qwen3 = config.model_type.startswith("qwen3")
-    parts = [v.num_tokens // v.grid_thw[0] for v in videos for _ in range(v.grid_thw[0])] if qwen3 else \
-        [v.num_tokens for v in videos]
-    for token, kind, count in ((config.image_token_id, "image", len(images)),
-                               (config.video_token_id, "video" + " slice" * qwen3, len(parts))):
+    parts = (
+        [v.num_tokens // v.grid_thw[0] for v in videos for _ in range(v.grid_thw[0])]
+        if qwen3
+        else [v.num_tokens for v in videos]
+    )
+    for token, kind, count in (
+        (config.image_token_id, "image", len(images)),
+        (config.video_token_id, "video" + " slice" * qwen3, len(parts)),
+    ):
         if text_ids.count(token) != count:
-            raise ValueError(f"transformers_inputs: text_ids hold {text_ids.count(token)} {kind} token(s) "
-                             f"({token}) for {count} {kind}(s) given")
+            raise ValueError(
+                f"transformers_inputs: text_ids hold {text_ids.count(token)} {kind} token(s) "
+                f"({token}) for {count} {kind}(s) given"
+            )
     ids, kinds, image_iter, video_iter = [], [], iter(images), iter(parts)
     for token in text_ids:
         if token in (config.image_token_id, config.video_token_id):
@@ -150,8 +183,11 @@ def transformers_inputs(text_ids: list[int], items: EncodedImage | list[EncodedI
             ids.append(token)
             kinds.append(0)
     input_ids = torch.tensor([ids])
-    out = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-           "mm_token_type_ids": torch.tensor([kinds], dtype=torch.int32)}
+    out = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "mm_token_type_ids": torch.tensor([kinds], dtype=torch.int32),
+    }
     if images:
         out |= {"image_grid_thw": grid_tensor(images), "pixel_values": torch.zeros(1, 1)}
     if videos:

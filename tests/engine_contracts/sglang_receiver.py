@@ -76,9 +76,13 @@ def received(processor: Processor) -> dict | None:
     if processor.received is None:
         return None
     embeddings, meta = processor.received
-    return {"embeddings": {modality.name: {"shape": list(t.shape), "dtype": plain(t.dtype), "sha256": digest(t)}
-                           for modality, t in embeddings.items()},
-            "meta": {key: plain(value) for key, value in meta.items()}}
+    return {
+        "embeddings": {
+            modality.name: {"shape": list(t.shape), "dtype": plain(t.dtype), "sha256": digest(t)}
+            for modality, t in embeddings.items()
+        },
+        "meta": {key: plain(value) for key, value in meta.items()},
+    }
 
 
 def frames_of(argument: str) -> list[bytes]:
@@ -100,18 +104,29 @@ def scheduler_path(model_type: str, rid: str, messages: list[list[bytes]]) -> di
     context = zmq.Context()
     port, sock = get_zmq_socket_on_host(context, zmq.PULL, host="127.0.0.1")
     processor = Processor()
-    request = types.SimpleNamespace(rid=rid, num_items_assigned={}, input_ids=None, input_text="prompt",
-                                    mm_inputs=None)
-    waiting = receiver.WaitingZmqRequest(rid=rid, recv_req=request, mm_processor=processor, encoder_urls=[],
-                                         model_type=model_type, host_name="127.0.0.1", receive_count=1,
-                                         zmq_context=context, embedding_port=port)
+    request = types.SimpleNamespace(rid=rid, num_items_assigned={}, input_ids=None, input_text="prompt", mm_inputs=None)
+    waiting = receiver.WaitingZmqRequest(
+        rid=rid,
+        recv_req=request,
+        mm_processor=processor,
+        encoder_urls=[],
+        model_type=model_type,
+        host_name="127.0.0.1",
+        receive_count=1,
+        zmq_context=context,
+        embedding_port=port,
+    )
     waiting.recv_socket = sock
     pushed(messages, port)
     for _ in messages:
         waiting.consume_parts(sock.recv_multipart(copy=False))
     sock.close(linger=0)
-    return {"status": getattr(waiting.status, "name", str(waiting.status)), "error_msg": waiting.error_msg,
-            "error_code": plain(waiting.error_code), "received": received(processor)}
+    return {
+        "status": getattr(waiting.status, "name", str(waiting.status)),
+        "error_msg": waiting.error_msg,
+        "error_code": plain(waiting.error_code),
+        "received": received(processor),
+    }
 
 
 async def tokenizer_path(model_type: str, rid: str, messages: list[list[bytes]]) -> dict:
@@ -133,13 +148,24 @@ def main():
     parts = []
     for frames in messages:
         data = safe_pickle_loads(frames[0])
-        parts.append({"class": f"{type(data).__module__}.{type(data).__qualname__}",
-                      "is_embedding_data": isinstance(data, receiver.EmbeddingData),
-                      "modality_class": f"{type(data.modality).__module__}.{type(data.modality).__qualname__}",
-                      **{key: plain(value) for key, value in vars(data).items()}})
-    print(json.dumps({"sglang": __version__, "parts": parts,
-                      "zmq_to_scheduler": scheduler_path(model_type, rid, messages),
-                      "zmq_to_tokenizer": asyncio.run(tokenizer_path(model_type, rid, messages))}))
+        parts.append(
+            {
+                "class": f"{type(data).__module__}.{type(data).__qualname__}",
+                "is_embedding_data": isinstance(data, receiver.EmbeddingData),
+                "modality_class": f"{type(data.modality).__module__}.{type(data.modality).__qualname__}",
+                **{key: plain(value) for key, value in vars(data).items()},
+            }
+        )
+    print(
+        json.dumps(
+            {
+                "sglang": __version__,
+                "parts": parts,
+                "zmq_to_scheduler": scheduler_path(model_type, rid, messages),
+                "zmq_to_tokenizer": asyncio.run(tokenizer_path(model_type, rid, messages)),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

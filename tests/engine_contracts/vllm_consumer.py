@@ -35,9 +35,14 @@ from vllm.multimodal.processing.inputs import ProcessorInputs  # noqa: E402
 def connector(storage: str, role) -> ECExampleConnector:
     """vLLM's connector as a consumer builds it: a consumer reads only the config's ec_transfer_config (a full
     VllmConfig on a CPU asks for triton-cpu; the model config serves only a producer's metadata)."""
-    config = SimpleNamespace(model_config=None, ec_transfer_config=ECTransferConfig(
-        ec_connector="ECExampleConnector", ec_role="ec_consumer",
-        ec_connector_extra_config={"shared_storage_path": storage}))
+    config = SimpleNamespace(
+        model_config=None,
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="ECExampleConnector",
+            ec_role="ec_consumer",
+            ec_connector_extra_config={"shared_storage_path": storage},
+        ),
+    )
     return ECExampleConnector(config, role)
 
 
@@ -46,8 +51,12 @@ def vllm_identifier(model_id: str, data: bytes, uuid, algorithm: str, kwargs) ->
     makes of the bytes, with the request's uuid and mm_processor_kwargs."""
     media = ImageMediaIO().load_bytes(data)
     inputs = ProcessorInputs.__new__(ProcessorInputs)
-    fields = {"mm_data_items": None, "hf_processor_mm_kwargs": kwargs or {}, "media_io_kwargs": {},
-              "mm_uuid_items": {"image": [uuid]} if uuid is not None else {}}
+    fields = {
+        "mm_data_items": None,
+        "hf_processor_mm_kwargs": kwargs or {},
+        "media_io_kwargs": {},
+        "mm_uuid_items": {"image": [uuid]} if uuid is not None else {},
+    }
     from vllm.multimodal.parse import MultiModalDataParser
 
     items = MultiModalDataParser().parse_mm_data({"image": [media]})
@@ -65,16 +74,22 @@ def main():
     from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalDataParser
 
     parsers = {"qwen2_vl": Qwen2VLMultiModalDataParser, "qwen3_vl": Qwen3VLMultiModalDataParser}
-    out = {"vllm": vllm.__version__, "items": [],
-           "metadata_fields": {family: {m: sorted(parser.placeholder_metadata_fields(m)) for m in ("image", "video")}
-                               for family, parser in parsers.items()}}
+    out = {
+        "vllm": vllm.__version__,
+        "items": [],
+        "metadata_fields": {
+            family: {m: sorted(parser.placeholder_metadata_fields(m)) for m in ("image", "video")}
+            for family, parser in parsers.items()
+        },
+    }
     for n, case in enumerate(cases["items"]):
         identifier = case["identifier"]
         found = scheduler.has_cache_item(identifier)
         loaded = None
         if found:
-            request = SimpleNamespace(mm_features=[SimpleNamespace(identifier=identifier)],
-                                      get_num_encoder_embeds=lambda index: 0)
+            request = SimpleNamespace(
+                mm_features=[SimpleNamespace(identifier=identifier)], get_num_encoder_embeds=lambda index: 0
+            )
             scheduler.update_state_after_alloc(request, 0)
             worker.bind_connector_metadata(scheduler.build_connector_meta(None))
             cache: dict = {}
@@ -85,8 +100,13 @@ def main():
         computed = None
         if case.get("file"):
             data = open(case["file"], "rb").read()
-            computed = vllm_identifier(cases["model_id"], data, case.get("uuid"), case.get("algorithm", "blake3"),
-                                       case.get("mm_processor_kwargs"))
+            computed = vllm_identifier(
+                cases["model_id"],
+                data,
+                case.get("uuid"),
+                case.get("algorithm", "blake3"),
+                case.get("mm_processor_kwargs"),
+            )
         out["items"].append({"found": found, "loaded": loaded, "vllm_identifier": computed})
     json.dump(out, open(sys.argv[2], "w"))
 

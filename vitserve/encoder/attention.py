@@ -65,7 +65,7 @@ def _per_segment(q, k, v, lengths: list[int]) -> torch.Tensor:
     out, start = [], 0
     for n in lengths:
         if n:
-            seg = [t[start:start + n].transpose(0, 1)[None] for t in (q, k, v)]
+            seg = [t[start : start + n].transpose(0, 1)[None] for t in (q, k, v)]
             out.append(F.scaled_dot_product_attention(*seg)[0].transpose(0, 1))
         start += n
     if start < q.shape[0]:
@@ -101,8 +101,9 @@ class FA4:
         try:
             from flash_attn.cute import flash_attn_varlen_func
         except Exception as e:  # ImportError, or the CuTe DSL failing to load its libraries
-            raise BackendUnavailable(f"flash-attn-4 is not importable ({type(e).__name__}: {e}); "
-                                     "pip install 'vitserve[fa4]'") from None
+            raise BackendUnavailable(
+                f"flash-attn-4 is not importable ({type(e).__name__}: {e}); pip install 'vitserve[fa4]'"
+            ) from None
         major = torch.cuda.get_device_capability(device)[0]
         if major not in (8, 9, 10, 11, 12):
             raise BackendUnavailable(f"flash-attn-4 has no kernels for compute capability {major}.x")
@@ -118,15 +119,24 @@ class FA4:
             out = self.bind(cu, 40, None)(q, q, q)
             torch.cuda.synchronize(self.device)
         except Exception as e:
-            raise BackendUnavailable(f"flash-attn-4 cannot run {self.heads} heads x {self.head_dim} here "
-                                     f"({type(e).__name__}: {str(e)[:200]})") from None
+            raise BackendUnavailable(
+                f"flash-attn-4 cannot run {self.heads} heads x {self.head_dim} here "
+                f"({type(e).__name__}: {str(e)[:200]})"
+            ) from None
         if not torch.isfinite(out).all():
             raise BackendUnavailable("flash-attn-4 gave non-finite values on a check batch")
 
     def bind(self, cu_seqlens: torch.Tensor, max_seqlen: int, lengths: list[int] | None):
         def attend(q, k, v):
-            out = self._varlen(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                               max_seqlen_k=max_seqlen)
+            out = self._varlen(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=cu_seqlens,
+                max_seqlen_q=max_seqlen,
+                max_seqlen_k=max_seqlen,
+            )
             return out[0] if isinstance(out, tuple) else out
 
         return attend
@@ -149,8 +159,9 @@ class CuDNN:
         try:
             import cudnn
         except Exception as e:  # ImportError, or a broken install failing to load its library
-            raise BackendUnavailable(f"nvidia-cudnn-frontend is not importable ({type(e).__name__}: {e}); "
-                                     "pip install 'vitserve[cudnn]'") from None
+            raise BackendUnavailable(
+                f"nvidia-cudnn-frontend is not importable ({type(e).__name__}: {e}); pip install 'vitserve[cudnn]'"
+            ) from None
         self.cudnn, self.device, self.dtype, self.heads, self.head_dim = cudnn, device, dtype, heads, head_dim
         self.io_type = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[dtype]
         with torch.cuda.device(device):
@@ -164,8 +175,10 @@ class CuDNN:
         if stream == self.stream:
             return
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cuDNN attention first runs on this stream inside a CUDA graph capture: a warm-up "
-                               "forward must run on the capture stream before capturing")
+            raise RuntimeError(
+                "cuDNN attention first runs on this stream inside a CUDA graph capture: a warm-up "
+                "forward must run on the capture stream before capturing"
+            )
         self.cudnn.set_stream(handle=self.handle, stream=stream)
         self.stream = stream
 
@@ -175,29 +188,46 @@ class CuDNN:
         try:
             self._graph(4, 128, heads, head_dim, heads * head_dim, 3 * heads * head_dim, torch.int32)
         except Exception as e:
-            raise BackendUnavailable(f"cuDNN {self.cudnn.backend_version_string()} has no ragged SDPA for "
-                                     f"{heads} heads x {head_dim} ({type(e).__name__}: {e})") from None
+            raise BackendUnavailable(
+                f"cuDNN {self.cudnn.backend_version_string()} has no ragged SDPA for "
+                f"{heads} heads x {head_dim} ({type(e).__name__}: {e})"
+            ) from None
 
     def bind(self, cu_seqlens: torch.Tensor, max_seqlen: int, lengths: list[int] | None):
         return _CuDNNLayout(self, cu_seqlens, max_seqlen)
 
-    def _graph(self, segments: int, max_seqlen: int, heads: int, head_dim: int, row_stride: int, v_row_stride: int,
-               offset_type: torch.dtype):
+    def _graph(
+        self,
+        segments: int,
+        max_seqlen: int,
+        heads: int,
+        head_dim: int,
+        row_stride: int,
+        v_row_stride: int,
+        offset_type: torch.dtype,
+    ):
         key = (segments, max_seqlen, heads, head_dim, row_stride, v_row_stride, offset_type)
         if key in self.graphs:
             return self.graphs[key]
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"cuDNN attention graph {key} first needed inside a CUDA graph capture: a warm-up "
-                               "forward must run the same shapes before capturing")
+            raise RuntimeError(
+                f"cuDNN attention graph {key} first needed inside a CUDA graph capture: a warm-up "
+                "forward must run the same shapes before capturing"
+            )
         cudnn = self.cudnn
         ints = {torch.int32: cudnn.data_type.INT32, torch.int64: cudnn.data_type.INT64}[offset_type]
-        g = cudnn.pygraph(io_data_type=self.io_type, intermediate_data_type=cudnn.data_type.FLOAT,
-                          compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
+        g = cudnn.pygraph(
+            io_data_type=self.io_type,
+            intermediate_data_type=cudnn.data_type.FLOAT,
+            compute_data_type=cudnn.data_type.FLOAT,
+            handle=self.handle,
+        )
         dims = (segments, heads, max_seqlen, head_dim)
 
         def packed(uid: int, name: str, stride: int):
-            return g.tensor(name=name, uid=uid, dim=dims, stride=(max_seqlen * stride, head_dim, stride, 1),
-                            data_type=self.io_type)
+            return g.tensor(
+                name=name, uid=uid, dim=dims, stride=(max_seqlen * stride, head_dim, stride, 1), data_type=self.io_type
+            )
 
         def index(uid: int, name: str, n: int, data_type=ints):
             return g.tensor(name=name, uid=uid, dim=(n, 1, 1, 1), stride=(1, 1, 1, 1), data_type=data_type)
@@ -207,8 +237,17 @@ class CuDNN:
             t.set_ragged_offset(index(uid, f"offsets{uid}", segments + 1))
         v.set_ragged_offset(index(_V_OFFSETS, "v_offsets", segments + 1))
         lengths = index(_LENGTHS, "lengths", segments, cudnn.data_type.INT32)
-        o, _ = g.sdpa(name="attention", q=q, k=k, v=v, is_inference=True, attn_scale=1.0 / math.sqrt(head_dim),
-                      use_padding_mask=True, seq_len_q=lengths, seq_len_kv=lengths)
+        o, _ = g.sdpa(
+            name="attention",
+            q=q,
+            k=k,
+            v=v,
+            is_inference=True,
+            attn_scale=1.0 / math.sqrt(head_dim),
+            use_padding_mask=True,
+            seq_len_q=lengths,
+            seq_len_kv=lengths,
+        )
         o.set_output(True).set_uid(_O).set_dim(dims).set_stride((max_seqlen * row_stride, head_dim, row_stride, 1))
         o.set_ragged_offset(index(_O_OFFSETS, "o_offsets", segments + 1))
         g.validate()
@@ -250,17 +289,32 @@ class _CuDNNLayout:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         rows, heads, head_dim = q.shape
-        if q.stride() != k.stride() or q.stride(1) != head_dim or v.stride(1) != head_dim or q.stride(2) != 1 \
-                or v.stride(2) != 1:
+        if (
+            q.stride() != k.stride()
+            or q.stride(1) != head_dim
+            or v.stride(1) != head_dim
+            or q.stride(2) != 1
+            or v.stride(2) != 1
+        ):
             raise ValueError("cuDNN attention needs q and k alike and rows of [heads, head_dim] for q, k and v")
         # element offsets: int32 while the last row's offset fits, else int64
         offset_type = torch.int32 if rows * max(q.stride(0), v.stride(0)) < 2**31 else torch.int64
-        graph, workspace_bytes = self.backend._graph(self.segments, self.max_seqlen, heads, head_dim, q.stride(0),
-                                                     v.stride(0), offset_type)
+        graph, workspace_bytes = self.backend._graph(
+            self.segments, self.max_seqlen, heads, head_dim, q.stride(0), v.stride(0), offset_type
+        )
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         qk = self._offsets(q.stride(0), offset_type)
-        pack = {_Q: q, _K: k, _V: v, _O: out, _LENGTHS: self.lengths, _Q_OFFSETS: qk, _K_OFFSETS: qk,
-                _V_OFFSETS: self._offsets(v.stride(0), offset_type), _O_OFFSETS: self._offsets(out.stride(0), offset_type)}
+        pack = {
+            _Q: q,
+            _K: k,
+            _V: v,
+            _O: out,
+            _LENGTHS: self.lengths,
+            _Q_OFFSETS: qk,
+            _K_OFFSETS: qk,
+            _V_OFFSETS: self._offsets(v.stride(0), offset_type),
+            _O_OFFSETS: self._offsets(out.stride(0), offset_type),
+        }
         workspace = torch.empty(max(1, workspace_bytes), dtype=torch.uint8, device=q.device)
         self.backend.bind_stream(torch.cuda.current_stream(q.device).cuda_stream)
         graph.execute(pack, workspace, handle=self.backend.handle)
@@ -280,8 +334,10 @@ def select(name: str, device: torch.device, dtype: torch.dtype, heads: int, head
     if name == "sdpa" or (name == "auto" and not half_on_cuda):
         return SDPA()
     if not half_on_cuda:
-        raise ValueError(f"attention backend {name!r} needs a CUDA device and float16 or bfloat16 "
-                         f"(here {device.type}, {str(dtype).removeprefix('torch.')}); use sdpa or auto")
+        raise ValueError(
+            f"attention backend {name!r} needs a CUDA device and float16 or bfloat16 "
+            f"(here {device.type}, {str(dtype).removeprefix('torch.')}); use sdpa or auto"
+        )
     for candidate in (AUTO_WINDOW_ORDER if windows else AUTO_ORDER) if name == "auto" else (name,):
         try:
             backend = _make(candidate, device, dtype, heads, head_dim)
@@ -291,8 +347,12 @@ def select(name: str, device: torch.device, dtype: torch.dtype, heads: int, head
             log.info("attention: %s unavailable, trying the next: %s", candidate, e)
             continue
         if name == "auto":
-            log.info("attention: %s%s (auto: the fastest available on %s)", candidate, " for windows" if windows else "",
-                     torch.cuda.get_device_name(device))
+            log.info(
+                "attention: %s%s (auto: the fastest available on %s)",
+                candidate,
+                " for windows" if windows else "",
+                torch.cuda.get_device_name(device),
+            )
         return backend
     raise AssertionError("flash is always available on CUDA")  # torch's own kernel ends AUTO_ORDER
 

@@ -37,19 +37,28 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, allow_download:
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
-                                    local_files_only=not allow_download))
+        return Path(
+            hf_hub_download(
+                repo_id, filename, revision=revision, cache_dir=cache_dir, local_files_only=not allow_download
+            )
+        )
     except Exception as e:  # network, auth, missing repo or file: all explained in one CheckpointError
         if filename != "config.json" and isinstance(e, (LocalEntryNotFoundError, EntryNotFoundError)):
             return None  # optional files; a missing shard is reported when it is read
-        how = "downloads are disabled (HF_HUB_OFFLINE=1 or allow_download=False)" if not allow_download else \
-            f"fetching {filename} failed: {type(e).__name__}: {e}"
-        raise CheckpointError(f"{repo_id!r} is not a local directory and is not in the Hugging Face cache "
-                              f"({cache_dir or os.environ.get('HF_HOME', '~/.cache/huggingface')}); {how}") from None
+        how = (
+            "downloads are disabled (HF_HUB_OFFLINE=1 or allow_download=False)"
+            if not allow_download
+            else f"fetching {filename} failed: {type(e).__name__}: {e}"
+        )
+        raise CheckpointError(
+            f"{repo_id!r} is not a local directory and is not in the Hugging Face cache "
+            f"({cache_dir or os.environ.get('HF_HOME', '~/.cache/huggingface')}); {how}"
+        ) from None
 
 
-def resolve_checkpoint(model: str, revision: str | None = None, allow_download: bool | None = None,
-                       cache_dir: str | None = None) -> Path:
+def resolve_checkpoint(
+    model: str, revision: str | None = None, allow_download: bool | None = None, cache_dir: str | None = None
+) -> Path:
     """A local checkpoint directory, or the snapshot directory of a hub id in the local HF cache. When downloads are
     allowed (default: unless HF_HUB_OFFLINE is set), fetch config, the processors' settings (images' and videos'),
     index and only the shards holding vision tensors."""
@@ -65,8 +74,11 @@ def resolve_checkpoint(model: str, revision: str | None = None, allow_download: 
     for name in ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"):
         fetch(name)  # the image's and the video's processor settings, where transformers looks for them
     index = fetch(INDEX_FILE)
-    shards = [SINGLE_FILE] if index is None else \
-        sorted(set(_vision_weight_map(json.loads(index.read_text())["weight_map"]).values()))
+    shards = (
+        [SINGLE_FILE]
+        if index is None
+        else sorted(set(_vision_weight_map(json.loads(index.read_text())["weight_map"]).values()))
+    )
     progress = Progress(log, f"checkpoint shards of {model} in the cache", len(shards), "shards")
     for shard in shards:
         fetch(shard)
@@ -150,8 +162,11 @@ def check_layout(tensors: dict[str, torch.Tensor], cfg: VisionConfig) -> None:
     layout = FAMILY_MODULES[cfg.family].hf_layout(cfg)
     problems = [f"missing vision tensor visual.{k} {tuple(s)}" for k, s in layout.items() if k not in tensors]
     problems += [f"unexpected vision tensor visual.{k}" for k in tensors if k not in layout]
-    problems += [f"shape mismatch for visual.{k}: checkpoint {tuple(t.shape)}, {cfg.family} config expects "
-                 f"{tuple(layout[k])}" for k, t in tensors.items() if k in layout and tuple(t.shape) != tuple(layout[k])]
+    problems += [
+        f"shape mismatch for visual.{k}: checkpoint {tuple(t.shape)}, {cfg.family} config expects {tuple(layout[k])}"
+        for k, t in tensors.items()
+        if k in layout and tuple(t.shape) != tuple(layout[k])
+    ]
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise CheckpointError(f"{cfg.family} checkpoint does not match its config: " + "; ".join(problems[:10]) + more)
@@ -172,8 +187,13 @@ def dummy_tensors(cfg: VisionConfig, seed: int = 0, dtype: torch.dtype = torch.f
     return out
 
 
-def build_tower(cfg: VisionConfig, tensors: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype,
-                attention: str = "auto"):
+def build_tower(
+    cfg: VisionConfig,
+    tensors: dict[str, torch.Tensor],
+    device: str | torch.device,
+    dtype: torch.dtype,
+    attention: str = "auto",
+):
     """Check, convert (fuse qkv/gate-up, pad MLP widths) and load published-layout tensors into our tower, with the
     attention backend called `attention` (encoder.attention.BACKENDS)."""
     check_layout(tensors, cfg)
@@ -182,8 +202,12 @@ def build_tower(cfg: VisionConfig, tensors: dict[str, torch.Tensor], device: str
     converted = family.convert(tensors, cfg)
     with torch.device("meta"):
         tower = family.build(cfg)
-    progress = Progress(log, f"weights to {device} as {str(dtype).removeprefix('torch.')}",
-                        sum(t.numel() for t in converted.values()) * dtype.itemsize, "MiB")
+    progress = Progress(
+        log,
+        f"weights to {device} as {str(dtype).removeprefix('torch.')}",
+        sum(t.numel() for t in converted.values()) * dtype.itemsize,
+        "MiB",
+    )
     state = {}
     for name, t in converted.items():
         state[name] = t.to(device=device, dtype=dtype)

@@ -20,19 +20,19 @@ QWEN3_IMAGE_STD: tuple[float, float, float] = QWEN3_IMAGE_MEAN
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str                       # one of FAMILIES
+    family: str  # one of FAMILIES
     depth: int
-    hidden_size: int                  # ViT width D
+    hidden_size: int  # ViT width D
     num_heads: int
-    intermediate_size: int            # MLP width as published (padded at load time when misaligned)
-    out_hidden_size: int              # merger output = the LLM's hidden size
+    intermediate_size: int  # MLP width as published (padded at load time when misaligned)
+    out_hidden_size: int  # merger output = the LLM's hidden size
     hidden_act: str
     patch_size: int = 14
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     in_channels: int = 3
     rope_theta: float = 10000.0
-    window_size: int = 0              # Qwen2.5: window side in pixels (112); 0 = no window attention
+    window_size: int = 0  # Qwen2.5: window side in pixels (112); 0 = no window attention
     fullatt_block_indexes: tuple[int, ...] = ()
     deepstack_visual_indexes: tuple[int, ...] = ()
     num_position_embeddings: int = 0  # Qwen3: learned position table (48 x 48)
@@ -50,16 +50,24 @@ class VisionConfig:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown vision family {self.family!r}; supported: {', '.join(FAMILIES)}")
         if self.hidden_size % self.num_heads or self.head_dim % 4:
-            raise ValueError(f"hidden_size {self.hidden_size} / num_heads {self.num_heads} must give a head dim divisible by 4")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} / num_heads {self.num_heads} must give a head dim divisible by 4"
+            )
 
 
 _FAMILY_OF_MODEL_TYPE = {
-    "qwen2_vl": "qwen2_vl", "qwen2_vl_vision": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl", "qwen2_5_vl_vision": "qwen2_5_vl",
-    "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "qwen3_vl_vision": "qwen3_vl", "qwen3_vl_moe_vision": "qwen3_vl",
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_vl_vision": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen2_5_vl_vision": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl",
+    "qwen3_vl_vision": "qwen3_vl",
+    "qwen3_vl_moe_vision": "qwen3_vl",
 }
-_QWEN3_PIXELS = dict(patch_size=16, image_mean=QWEN3_IMAGE_MEAN, image_std=QWEN3_IMAGE_STD,
-                     min_pixels=65536, max_pixels=16777216)
+_QWEN3_PIXELS = dict(
+    patch_size=16, image_mean=QWEN3_IMAGE_MEAN, image_std=QWEN3_IMAGE_STD, min_pixels=65536, max_pixels=16777216
+)
 _QWEN2_PIXELS = dict(min_pixels=3136, max_pixels=12845056)
 
 
@@ -74,11 +82,15 @@ def from_hf_config(cfg: dict) -> VisionConfig:
     family = _FAMILY_OF_MODEL_TYPE.get(model_type) or _FAMILY_OF_MODEL_TYPE.get(vision.get("model_type", ""))
     if family is None:
         archs = cfg.get("architectures") or []
-        raise ValueError(f"not a Qwen-VL checkpoint: model_type {model_type!r} (architectures {archs}); "
-                         f"supported families: {', '.join(FAMILIES)}")
+        raise ValueError(
+            f"not a Qwen-VL checkpoint: model_type {model_type!r} (architectures {archs}); "
+            f"supported families: {', '.join(FAMILIES)}"
+        )
     rope = vision.get("rope_parameters") or {}
     common = dict(
-        family=family, depth=vision["depth"], num_heads=vision["num_heads"],
+        family=family,
+        depth=vision["depth"],
+        num_heads=vision["num_heads"],
         patch_size=vision.get("patch_size", vision.get("spatial_patch_size", 16 if family == "qwen3_vl" else 14)),
         temporal_patch_size=vision.get("temporal_patch_size", 2),
         spatial_merge_size=vision.get("spatial_merge_size", 2),
@@ -87,18 +99,36 @@ def from_hf_config(cfg: dict) -> VisionConfig:
     )
     if family == "qwen2_vl":
         d = vision.get("embed_dim", 1280)
-        return VisionConfig(**common, **_QWEN2_PIXELS, hidden_size=d, intermediate_size=int(d * vision.get("mlp_ratio", 4)),
-                            out_hidden_size=vision["hidden_size"], hidden_act=vision.get("hidden_act", "quick_gelu"))
+        return VisionConfig(
+            **common,
+            **_QWEN2_PIXELS,
+            hidden_size=d,
+            intermediate_size=int(d * vision.get("mlp_ratio", 4)),
+            out_hidden_size=vision["hidden_size"],
+            hidden_act=vision.get("hidden_act", "quick_gelu"),
+        )
     if family == "qwen2_5_vl":
-        return VisionConfig(**common, **_QWEN2_PIXELS, hidden_size=vision["hidden_size"],
-                            intermediate_size=vision["intermediate_size"], out_hidden_size=vision["out_hidden_size"],
-                            hidden_act=vision.get("hidden_act", "silu"), window_size=vision.get("window_size", 112),
-                            fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))))
+        return VisionConfig(
+            **common,
+            **_QWEN2_PIXELS,
+            hidden_size=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
+            out_hidden_size=vision["out_hidden_size"],
+            hidden_act=vision.get("hidden_act", "silu"),
+            window_size=vision.get("window_size", 112),
+            fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        )
     pixels = {k: v for k, v in _QWEN3_PIXELS.items() if k != "patch_size"}
-    return VisionConfig(**common, **pixels, hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
-                        out_hidden_size=vision["out_hidden_size"], hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-                        deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", ())),
-                        num_position_embeddings=vision.get("num_position_embeddings", 2304))
+    return VisionConfig(
+        **common,
+        **pixels,
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        out_hidden_size=vision["out_hidden_size"],
+        hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+        deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", ())),
+        num_position_embeddings=vision.get("num_position_embeddings", 2304),
+    )
 
 
 def _qwen2(out: int) -> VisionConfig:
@@ -106,13 +136,33 @@ def _qwen2(out: int) -> VisionConfig:
 
 
 def _qwen2_5(out: int) -> VisionConfig:
-    return VisionConfig("qwen2_5_vl", 32, 1280, 16, 3420, out, "silu", window_size=112,
-                        fullatt_block_indexes=(7, 15, 23, 31), **_QWEN2_PIXELS)
+    return VisionConfig(
+        "qwen2_5_vl",
+        32,
+        1280,
+        16,
+        3420,
+        out,
+        "silu",
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+        **_QWEN2_PIXELS,
+    )
 
 
 def _qwen3(depth: int, d: int, mlp: int, out: int, deepstack: tuple[int, ...]) -> VisionConfig:
-    return VisionConfig("qwen3_vl", depth, d, 16, mlp, out, "gelu_pytorch_tanh", deepstack_visual_indexes=deepstack,
-                        num_position_embeddings=2304, **_QWEN3_PIXELS)
+    return VisionConfig(
+        "qwen3_vl",
+        depth,
+        d,
+        16,
+        mlp,
+        out,
+        "gelu_pytorch_tanh",
+        deepstack_visual_indexes=deepstack,
+        num_position_embeddings=2304,
+        **_QWEN3_PIXELS,
+    )
 
 
 # Published checkpoints by hub id (values from their config.json files), plus tiny ones for tests and CPU demos.
@@ -132,10 +182,21 @@ BUILTIN_CONFIGS: dict[str, VisionConfig] = {
     # Tiny towers: every code path of the real ones (windows not divisible by the grid, misaligned MLP widths,
     # deepstack, learned positions), small enough for CI on two CPU cores.
     "tiny-qwen2-vl": VisionConfig("qwen2_vl", 2, 64, 4, 128, 32, "quick_gelu", **_QWEN2_PIXELS),
-    "tiny-qwen2.5-vl": VisionConfig("qwen2_5_vl", 4, 64, 4, 90, 32, "silu", window_size=112,
-                                    fullatt_block_indexes=(1, 3), **_QWEN2_PIXELS),
-    "tiny-qwen3-vl": VisionConfig("qwen3_vl", 4, 64, 4, 96, 32, "gelu_pytorch_tanh", deepstack_visual_indexes=(0, 2),
-                                  num_position_embeddings=64, **_QWEN3_PIXELS),
+    "tiny-qwen2.5-vl": VisionConfig(
+        "qwen2_5_vl", 4, 64, 4, 90, 32, "silu", window_size=112, fullatt_block_indexes=(1, 3), **_QWEN2_PIXELS
+    ),
+    "tiny-qwen3-vl": VisionConfig(
+        "qwen3_vl",
+        4,
+        64,
+        4,
+        96,
+        32,
+        "gelu_pytorch_tanh",
+        deepstack_visual_indexes=(0, 2),
+        num_position_embeddings=64,
+        **_QWEN3_PIXELS,
+    ),
 }
 for _name in list(BUILTIN_CONFIGS):  # "-Thinking" variants share the tower of their "-Instruct" sibling
     if _name.startswith("Qwen/Qwen3-VL"):
@@ -152,5 +213,16 @@ def builtin_config(name: str) -> VisionConfig:
     raise KeyError(f"no built-in config named {name!r}; known: {', '.join(sorted(BUILTIN_CONFIGS))}")
 
 
-__all__ = ["VisionConfig", "FAMILIES", "ATTENTION_BACKENDS", "LOAD_FORMATS", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD",
-           "QWEN3_IMAGE_MEAN", "QWEN3_IMAGE_STD", "BUILTIN_CONFIGS", "builtin_config", "from_hf_config"]
+__all__ = [
+    "VisionConfig",
+    "FAMILIES",
+    "ATTENTION_BACKENDS",
+    "LOAD_FORMATS",
+    "OPENAI_CLIP_MEAN",
+    "OPENAI_CLIP_STD",
+    "QWEN3_IMAGE_MEAN",
+    "QWEN3_IMAGE_STD",
+    "BUILTIN_CONFIGS",
+    "builtin_config",
+    "from_hf_config",
+]

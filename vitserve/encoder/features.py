@@ -45,7 +45,7 @@ def converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=dtype)
     src, dst = t.reshape(-1), out.view(-1)
     for start in range(0, src.numel(), SERIAL_ELEMENTS):
-        dst[start:start + SERIAL_ELEMENTS].copy_(src[start:start + SERIAL_ELEMENTS])
+        dst[start : start + SERIAL_ELEMENTS].copy_(src[start : start + SERIAL_ELEMENTS])
     return out
 
 
@@ -77,7 +77,7 @@ class Rows:
         """Copy the rows into `out`, a `[count, row_bytes]` uint8 array (one copy of each part, by this thread)."""
         column = 0
         for view in self.views:
-            out[:, column:column + view.shape[1]] = view
+            out[:, column : column + view.shape[1]] = view
             column += view.shape[1]
 
 
@@ -101,14 +101,19 @@ class Features:
         if isinstance(output, Features):
             if grid is None and timing is None:
                 return output
-            return cls(output.tokens, output.deepstack, output.grid if grid is None else grid,
-                       output.timing if timing is None else timing)
+            return cls(
+                output.tokens,
+                output.deepstack,
+                output.grid if grid is None else grid,
+                output.timing if timing is None else timing,
+            )
         tokens, deepstack = output
         return cls(tokens, list(deepstack), grid, timing)
 
     @classmethod
-    def join(cls, slices: Iterable, grid: Sequence[int] | None = None, timing: dict | None = None,
-             mean: bool = False) -> Features:
+    def join(
+        cls, slices: Iterable, grid: Sequence[int] | None = None, timing: dict | None = None, mean: bool = False
+    ) -> Features:
         """A video's slices (each a Features or the engine's `(tokens, deepstack list)`), in order, as one item: the
         tokens slice after slice and each deepstack layer likewise, or with `mean` the tokens' mean (float32; the
         deepstack features are not joined)."""

@@ -119,7 +119,7 @@ def _jpeg(walk: _Walk) -> None:
         if pos < stop and data[pos] != 0xFF:
             pos = data.find(b"\xff", pos, stop)
             pos = stop if pos < 0 else pos
-        found = pos + 1 + len(data[pos + 1:stop]) - len(data[pos + 1:stop].lstrip(b"\xff")) if pos < stop else stop
+        found = pos + 1 + len(data[pos + 1 : stop]) - len(data[pos + 1 : stop].lstrip(b"\xff")) if pos < stop else stop
         walk.junk(found - start - 1, "between JPEG markers")
         if found >= walk.n:
             raise _Stop("truncated")
@@ -139,11 +139,12 @@ def _jpeg(walk: _Walk) -> None:
             if walk.header is not None:
                 raise _refuse("JPEG", "two frame headers")
             walk.need(pos + length)
-            frame = data[pos + 2:pos + length]
+            frame = data[pos + 2 : pos + length]
             if len(frame) < 6 or frame[0] != 8 or frame[5] not in _JPEG_MODES:  # as PIL's SOF handler
                 raise _refuse("JPEG", "a frame PIL cannot read")
-            walk.header = ImageHeader("JPEG", frame[3] << 8 | frame[4], frame[1] << 8 | frame[2],
-                                      _JPEG_MODES[frame[5]], False)
+            walk.header = ImageHeader(
+                "JPEG", frame[3] << 8 | frame[4], frame[1] << 8 | frame[2], _JPEG_MODES[frame[5]], False
+            )
         elif code == 0xDA:
             if walk.header is None:
                 raise _refuse("JPEG", "a scan before the frame header")
@@ -159,9 +160,23 @@ def _jpeg(walk: _Walk) -> None:
         pos += length
 
 
-_PNG_MODES = {(1, 0): "1", (2, 0): "L", (4, 0): "L", (8, 0): "L", (16, 0): "I;16", (8, 2): "RGB", (16, 2): "RGB",
-              (1, 3): "P", (2, 3): "P", (4, 3): "P", (8, 3): "P", (8, 4): "LA", (16, 4): "RGBA", (8, 6): "RGBA",
-              (16, 6): "RGBA"}  # (bit depth, colour type) -> PIL's mode
+_PNG_MODES = {
+    (1, 0): "1",
+    (2, 0): "L",
+    (4, 0): "L",
+    (8, 0): "L",
+    (16, 0): "I;16",
+    (8, 2): "RGB",
+    (16, 2): "RGB",
+    (1, 3): "P",
+    (2, 3): "P",
+    (4, 3): "P",
+    (8, 3): "P",
+    (8, 4): "LA",
+    (16, 4): "RGBA",
+    (8, 6): "RGBA",
+    (16, 6): "RGBA",
+}  # (bit depth, colour type) -> PIL's mode
 
 
 def _png(walk: _Walk) -> None:
@@ -181,7 +196,7 @@ def _png(walk: _Walk) -> None:
         if chunks > (MAX_PNG_CHUNKS if walk.header else MAX_PNG_CHUNKS_BEFORE_DATA):
             raise _refuse("PNG", f"more than {chunks - 1} chunks" + ("" if walk.header else " before the image data"))
         walk.need(pos + 8)
-        kind = data[pos + 4:pos + 8]
+        kind = data[pos + 4 : pos + 8]
         if kind == b"IDAT" and walk.header is None:
             walk.header = ImageHeader("PNG", width, height, mode, transparency)
         elif kind == b"tRNS" and walk.header is None:
@@ -189,7 +204,7 @@ def _png(walk: _Walk) -> None:
         elif kind == b"IEND":
             walk.end = pos + 12
             return
-        pos += 12 + int.from_bytes(data[pos:pos + 4], "big")
+        pos += 12 + int.from_bytes(data[pos : pos + 4], "big")
 
 
 _GRAY_RAMP = bytes(range(256)) * 256  # palette entry i is gray i (BMP: modulo 256, as PIL compares them)
@@ -220,7 +235,7 @@ def _gif(walk: _Walk) -> None:
     if flags & 0x80:
         size = 3 << ((flags & 7) + 1)
         walk.need(pos + size)
-        shaded, pos = data[pos:pos + size] != _GIF_GRAY[:size], pos + size
+        shaded, pos = data[pos : pos + size] != _GIF_GRAY[:size], pos + size
     transparency = False
     while True:
         walk.step()
@@ -247,19 +262,27 @@ def _gif(walk: _Walk) -> None:
         if local & 0x80:
             size = 3 << ((local & 7) + 1)
             walk.need(pos + size)
-            shaded, pos = data[pos:pos + size] != _GIF_GRAY[:size], pos + size
+            shaded, pos = data[pos : pos + size] != _GIF_GRAY[:size], pos + size
         if walk.header is None:
-            walk.header = ImageHeader("GIF", max(width, x0 + w), max(height, y0 + h), "P" if shaded else "L",
-                                      transparency)
+            walk.header = ImageHeader(
+                "GIF", max(width, x0 + w), max(height, y0 + h), "P" if shaded else "L", transparency
+            )
         pos = _gif_blocks(walk, pos + 1)  # after the LZW code size
 
 
 _BMP_BITFIELDS = {  # (bits, masks) -> PIL's mode
-    (32, (0xFF0000, 0xFF00, 0xFF, 0x0)): "RGB", (32, (0xFF000000, 0xFF0000, 0xFF00, 0x0)): "RGB",
-    (32, (0xFF000000, 0xFF00, 0xFF, 0x0)): "RGB", (32, (0xFF000000, 0xFF0000, 0xFF00, 0xFF)): "RGBA",
-    (32, (0xFF, 0xFF00, 0xFF0000, 0xFF000000)): "RGBA", (32, (0xFF0000, 0xFF00, 0xFF, 0xFF000000)): "RGBA",
-    (32, (0xFF000000, 0xFF00, 0xFF, 0xFF0000)): "RGBA", (32, (0x0, 0x0, 0x0, 0x0)): "RGBA",
-    (24, (0xFF0000, 0xFF00, 0xFF)): "RGB", (16, (0xF800, 0x7E0, 0x1F)): "RGB", (16, (0x7C00, 0x3E0, 0x1F)): "RGB"}
+    (32, (0xFF0000, 0xFF00, 0xFF, 0x0)): "RGB",
+    (32, (0xFF000000, 0xFF0000, 0xFF00, 0x0)): "RGB",
+    (32, (0xFF000000, 0xFF00, 0xFF, 0x0)): "RGB",
+    (32, (0xFF000000, 0xFF0000, 0xFF00, 0xFF)): "RGBA",
+    (32, (0xFF, 0xFF00, 0xFF0000, 0xFF000000)): "RGBA",
+    (32, (0xFF0000, 0xFF00, 0xFF, 0xFF000000)): "RGBA",
+    (32, (0xFF000000, 0xFF00, 0xFF, 0xFF0000)): "RGBA",
+    (32, (0x0, 0x0, 0x0, 0x0)): "RGBA",
+    (24, (0xFF0000, 0xFF00, 0xFF)): "RGB",
+    (16, (0xF800, 0x7E0, 0x1F)): "RGB",
+    (16, (0x7C00, 0x3E0, 0x1F)): "RGB",
+}
 _BMP_MODES = {1: "P", 4: "P", 8: "P", 16: "RGB", 24: "RGB", 32: "RGB"}
 
 
@@ -270,7 +293,7 @@ def _bmp(walk: _Walk) -> None:
     walk.need(18)
     size = int.from_bytes(data[14:18], "little")
     walk.need(14 + size)
-    info, pos, masks = data[18:14 + size], 14 + size, ()
+    info, pos, masks = data[18 : 14 + size], 14 + size, ()
     if size == 12:
         width, height, _, bits = struct.unpack_from("<4H", info)
         compression, colors, padding, data_size = 0, 0, 3, 0
@@ -301,7 +324,7 @@ def _bmp(walk: _Walk) -> None:
         colors = colors or 1 << bits
         if not 0 < colors <= 65536:
             raise _refuse("BMP", f"{colors} palette colours")
-        palette = data[pos:pos + padding * colors]
+        palette = data[pos : pos + padding * colors]
         if len(palette) < padding * colors and pos + padding * colors > walk.n:
             walk.need(pos + padding * colors)
         gray = b"\x00\xff" if colors == 2 else _GRAY_RAMP[:colors]
@@ -327,8 +350,11 @@ def _webp(walk: _Walk) -> None:
         bits = int.from_bytes(data[21:25], "little")
         width, height, alpha = 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF), bool(bits >> 28 & 1)
     elif chunk == b"VP8 ":
-        width, height, alpha = (int.from_bytes(data[26:28], "little") & 0x3FFF,
-                                int.from_bytes(data[28:30], "little") & 0x3FFF, False)
+        width, height, alpha = (
+            int.from_bytes(data[26:28], "little") & 0x3FFF,
+            int.from_bytes(data[28:30], "little") & 0x3FFF,
+            False,
+        )
     else:
         raise _refuse("WebP", f"first chunk {bytes(chunk)!r}")
     walk.header = ImageHeader("WEBP", width, height, "RGBA" if alpha else "RGB", alpha)
@@ -355,9 +381,19 @@ def _tiff(walk: _Walk) -> None:
         raise _refuse("TIFF", f"{count} tags")
     start, size = ifd + (8 if big else 2), 20 if big else 12
     walk.need(start + count * size)
-    entries = np.frombuffer(data, np.dtype([("tag", order + "u2"), ("type", order + "u2"),
-                                            ("count", order + ("u8" if big else "u4")),
-                                            ("value", f"V{8 if big else 4}")]), count, start)
+    entries = np.frombuffer(
+        data,
+        np.dtype(
+            [
+                ("tag", order + "u2"),
+                ("type", order + "u2"),
+                ("count", order + ("u8" if big else "u4")),
+                ("value", f"V{8 if big else 4}"),
+            ]
+        ),
+        count,
+        start,
+    )
     read = entries[np.isin(entries["tag"], _TIFF_READ)]
     fields = {int(e["tag"]): (int(e["type"]), int(e["count"]), e["value"].tobytes()) for e in read}
 
@@ -371,7 +407,7 @@ def _tiff(walk: _Walk) -> None:
         if length > len(value):
             at = struct.unpack(order + ("Q" if big else "L"), value)[0]
             walk.need(at + length)
-            value = data[at:at + length]
+            value = data[at : at + length]
         numbers = struct.unpack_from(f"{order}{n}{_TIFF_INTS[kind]}", value)
         return numbers[0] if scalar else numbers
 
@@ -398,7 +434,7 @@ def _tiff(walk: _Walk) -> None:
         sample_format = sample_format[:1]
     bits, extra = get(258, (1,), scalar=False), get(338, (), scalar=False)
     if planar == 2 and extra and max(extra) == 0:
-        bits, planes, extra = bits[:-len(extra)], planes - len(extra), ()
+        bits, planes, extra = bits[: -len(extra)], planes - len(extra), ()
     if planes < len(bits):
         bits = bits[:planes]
     elif planes > len(bits) == 1:
@@ -414,9 +450,14 @@ def _tiff(walk: _Walk) -> None:
     walk.header = ImageHeader("TIFF", width, height, mode, "A" in mode)
 
 
-_READERS = ((b"\xff\xd8\xff", "JPEG", _jpeg), (b"\x89PNG\r\n\x1a\n", "PNG", _png), (b"GIF87a", "GIF", _gif),
-            (b"GIF89a", "GIF", _gif), (b"BM", "BMP", _bmp),
-            *((prefix, "TIFF", _tiff) for prefix in TiffImagePlugin.PREFIXES))
+_READERS = (
+    (b"\xff\xd8\xff", "JPEG", _jpeg),
+    (b"\x89PNG\r\n\x1a\n", "PNG", _png),
+    (b"GIF87a", "GIF", _gif),
+    (b"GIF89a", "GIF", _gif),
+    (b"BM", "BMP", _bmp),
+    *((prefix, "TIFF", _tiff) for prefix in TiffImagePlugin.PREFIXES),
+)
 
 
 def _reader(data: bytes):

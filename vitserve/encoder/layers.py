@@ -113,8 +113,7 @@ class Block(nn.Module):
             h = kernels.norm(residual, n1.weight, n1.bias, n1.eps)
         else:
             residual, h = kernels.add_norm(residual, delta, n1.weight, n1.bias, n1.eps)
-        residual, h = kernels.add_norm(residual, self.attn(h, cos, sin, attend),
-                                       n2.weight, n2.bias, n2.eps)
+        residual, h = kernels.add_norm(residual, self.attn(h, cos, sin, attend), n2.weight, n2.bias, n2.eps)
         return residual, self.mlp(h)
 
 
@@ -150,12 +149,15 @@ class VisionTower(nn.Module):
         self.cfg = cfg
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=patch_bias)  # Conv3d as one GEMM
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size) if cfg.num_position_embeddings else None
+        self.pos_embed = (
+            nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size) if cfg.num_position_embeddings else None
+        )
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.blocks = nn.ModuleList(Block(cfg, norm, make_mlp()) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, norm)
-        self.deepstack_mergers = nn.ModuleList(PatchMerger(cfg, layer_norm, postshuffle=True)
-                                               for _ in cfg.deepstack_visual_indexes)
+        self.deepstack_mergers = nn.ModuleList(
+            PatchMerger(cfg, layer_norm, postshuffle=True) for _ in cfg.deepstack_visual_indexes
+        )
         self.windowed = cfg.window_size > 0
         self.full_attention_layers = set(cfg.fullatt_block_indexes) if self.windowed else set(range(cfg.depth))
         self.deepstack_layers = {layer: j for j, layer in enumerate(cfg.deepstack_visual_indexes)}
@@ -166,8 +168,11 @@ class VisionTower(nn.Module):
         apart for full attention and for Qwen2.5's windows)."""
         device, heads, head_dim = torch.device(device), self.cfg.num_heads, self.cfg.head_dim
         self.attention = attention.select(name, device, dtype, heads, head_dim)
-        self.window_attention = attention.select(name, device, dtype, heads, head_dim, windows=True) \
-            if self.windowed and name == "auto" else self.attention
+        self.window_attention = (
+            attention.select(name, device, dtype, heads, head_dim, windows=True)
+            if self.windowed and name == "auto"
+            else self.attention
+        )
 
     def _inv_freq(self, device=None) -> torch.Tensor:
         quarter = self.cfg.head_dim // 2  # half the head dim rotates by row, half by column
@@ -185,8 +190,11 @@ class VisionTower(nn.Module):
             x = x + learned.to(x.dtype)
         cos, sin = rotary_cos_sin(inp.positions, self.inv_freq)
         full = self.attention.bind(inp.cu_seqlens, inp.max_seqlen, inp.seqlens)
-        window = self.window_attention.bind(inp.cu_window_seqlens, inp.max_window_seqlen, inp.window_seqlens) \
-            if self.windowed else None
+        window = (
+            self.window_attention.bind(inp.cu_window_seqlens, inp.max_window_seqlen, inp.window_seqlens)
+            if self.windowed
+            else None
+        )
         deepstack, delta = [], None
         for i, block in enumerate(self.blocks):
             x, delta = block(x, delta, cos, sin, full if i in self.full_attention_layers else window)

@@ -49,8 +49,13 @@ class MediaBytes:
 
     __slots__ = ("data", "start", "base64", "shared")
 
-    def __init__(self, data: str | bytes | bytearray | memoryview, start: int = 0, base64: bool = True,
-                 shared: tuple[str, int] | None = None):
+    def __init__(
+        self,
+        data: str | bytes | bytearray | memoryview,
+        start: int = 0,
+        base64: bool = True,
+        shared: tuple[str, int] | None = None,
+    ):
         self.data, self.start, self.base64, self.shared = data, start, base64, shared
 
     @classmethod
@@ -72,7 +77,7 @@ class MediaBytes:
 
     def prefix(self, n: int) -> str | bytes:
         """The first `n` units as sent: base64's characters (a str, latin-1: a byte a character), raw bytes."""
-        part = self.data[self.start:self.start + n]
+        part = self.data[self.start : self.start + n]
         if not self.base64:
             return bytes(part)
         return part if isinstance(part, str) else bytes(part).decode("latin-1")
@@ -82,19 +87,21 @@ class MediaBytes:
         prefix of `n * 4 // 3 + 256` characters, whitespace left out (at least `n` bytes where it holds none and the
         item is longer, at most 192 more). InvalidBase64 where the prefix does not decode."""
         if not self.base64:
-            return bytes(self.data[self.start:self.start + n])
-        chunk = self.data[self.start:self.start + n * 4 // 3 + 256]
+            return bytes(self.data[self.start : self.start + n])
+        chunk = self.data[self.start : self.start + n * 4 // 3 + 256]
         if not isinstance(chunk, str):
             chunk = bytes(chunk)
         if len(chunk) == len(self):
             return decode_base64(chunk)
         try:  # no whitespace in the whole quads: they are the prefix (whitespace in the 3 characters after changes nothing)
-            return pybase64.b64decode(memoryview(chunk.encode("latin-1") if isinstance(chunk, str) else chunk)
-                                      [:len(chunk) // 4 * 4], validate=True)
+            return pybase64.b64decode(
+                memoryview(chunk.encode("latin-1") if isinstance(chunk, str) else chunk)[: len(chunk) // 4 * 4],
+                validate=True,
+            )
         except (binascii.Error, ValueError):
             pass
         text = type(chunk)().join(chunk.split())  # base64 may hold line breaks
-        return decode_base64(text[:len(text) // 4 * 4])
+        return decode_base64(text[: len(text) // 4 * 4])
 
     def ascii(self, nbytes: int | None = None) -> memoryview:
         """The base64 as ASCII bytes (a non-ASCII character becomes something no base64 decoder accepts); with
@@ -102,17 +109,20 @@ class MediaBytes:
         follows is not copied), where no whitespace comes before them."""
         text, end = self.data, len(self.data)
         if nbytes is not None and (n := -(-nbytes // 3) * 4) < len(self):
-            quads = text[self.start:self.start + n]
+            quads = text[self.start : self.start + n]
             if not (_WHITESPACE if isinstance(quads, str) else _WHITESPACE_BYTES).search(quads):
                 end = self.start + n
         if isinstance(text, str):  # the whole text encoded once, or only the prefix that holds the image
-            return memoryview(text[self.start:end].encode("ascii", "replace")) if end < len(text) else \
-                memoryview(text.encode("ascii", "replace"))[self.start:]
-        return text[self.start:end]
+            return (
+                memoryview(text[self.start : end].encode("ascii", "replace"))
+                if end < len(text)
+                else memoryview(text.encode("ascii", "replace"))[self.start :]
+            )
+        return text[self.start : end]
 
     def raw(self):
         """Raw bytes as they lie, from `start` (no copy)."""
-        return self.data if not self.start else memoryview(self.data)[self.start:]
+        return self.data if not self.start else memoryview(self.data)[self.start :]
 
     def keyed(self):
         """What a cache key hashes of the item: its base64 as ASCII bytes, raw bytes as they are."""
@@ -173,6 +183,6 @@ class MediaHandle:
 
 def _decode_view(pages: memoryview, at: int, length: int, end: int | None) -> bytes:
     with pages:  # every view of the mapping released on the way out: it can be closed
-        with pages[at:at + length] as text:
+        with pages[at : at + length] as text:
             with MediaBytes(text).ascii(end) as quads:
                 return decode_base64(quads)

@@ -67,8 +67,9 @@ class Packer:
     """Packs image grids into the replays of a set of patch budgets for one tower. `full_max_segments` and
     `window_max_segments` are its attention backends' `max_segments` (None: bounded by the launch grid)."""
 
-    def __init__(self, cfg: VisionConfig, budgets, full_max_segments: int | None = None,
-                 window_max_segments: int | None = None):
+    def __init__(
+        self, cfg: VisionConfig, budgets, full_max_segments: int | None = None, window_max_segments: int | None = None
+    ):
         self.cfg = cfg
         self.budgets = sorted({int(b) for b in budgets})
         bad = [b for b in self.budgets if b < MIN_FRAME_PATCHES or b % MIN_FRAME_PATCHES]
@@ -88,8 +89,9 @@ class Packer:
         for b in self.budgets:
             if patches <= b:
                 full_pad, window_pad = padding_segments(b - patches, self.cfg)
-                if frames + len(full_pad) <= self.frame_capacity(b) and \
-                        windows + len(window_pad) <= self.window_capacity(b):
+                if frames + len(full_pad) <= self.frame_capacity(b) and windows + len(
+                    window_pad
+                ) <= self.window_capacity(b):
                     return b
         return None
 
@@ -107,8 +109,12 @@ class Packer:
                     budget = self.budget_for(batch.patches + p, batch.frames + f, batch.windows + w)
                     if budget is not None:
                         batch.indices.append(i)
-                        batch.budget, batch.patches, batch.frames, batch.windows = budget, batch.patches + p, \
-                            batch.frames + f, batch.windows + w
+                        batch.budget, batch.patches, batch.frames, batch.windows = (
+                            budget,
+                            batch.patches + p,
+                            batch.frames + f,
+                            batch.windows + w,
+                        )
                         break
             else:
                 batches.append(Batch([i], self.budget_for(p, f, w), p, f, w))

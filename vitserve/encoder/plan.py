@@ -49,16 +49,16 @@ class Segments:
 @dataclass
 class BatchPlan:
     grids: list[Grid]
-    num_patches: int                    # real patches
-    total_patches: int                  # real + padding: the length of every per-patch tensor below
-    positions: torch.Tensor             # int32 [total, 2] (row, col) rotary positions, in the order the blocks see
-    full: Segments                      # one segment per frame (full attention)
-    window: Segments | None             # Qwen2.5 window segments (None for other families)
-    patch_order: torch.Tensor | None    # int64 [total]: input row feeding block row i (window order), or None
-    token_order: torch.Tensor | None    # int64 [total / merge_unit]: merger output row holding raster token j
+    num_patches: int  # real patches
+    total_patches: int  # real + padding: the length of every per-patch tensor below
+    positions: torch.Tensor  # int32 [total, 2] (row, col) rotary positions, in the order the blocks see
+    full: Segments  # one segment per frame (full attention)
+    window: Segments | None  # Qwen2.5 window segments (None for other families)
+    patch_order: torch.Tensor | None  # int64 [total]: input row feeding block row i (window order), or None
+    token_order: torch.Tensor | None  # int64 [total / merge_unit]: merger output row holding raster token j
     interp_indices: torch.Tensor | None  # int64 [total, 4]: Qwen3 learned-position taps, or None
     interp_weights: torch.Tensor | None  # float32 [total, 4]
-    token_offsets: list[int]            # output tokens of image i are rows token_offsets[i]:token_offsets[i + 1]
+    token_offsets: list[int]  # output tokens of image i are rows token_offsets[i]:token_offsets[i + 1]
 
     @property
     def num_tokens(self) -> int:
@@ -124,7 +124,7 @@ def padding_segments(padding: int, cfg: VisionConfig) -> tuple[list[int], list[i
         return [], []
     if not cfg.window_size:
         return [padding], []
-    rows = cfg.window_tokens ** 2 * cfg.merge_unit
+    rows = cfg.window_tokens**2 * cfg.merge_unit
     return [padding], [rows] * (padding // rows) + ([padding % rows] if padding % rows else [])
 
 
@@ -156,16 +156,16 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -
         full_lengths += [h * w] * t
         if windowed:
             order, counts = _windows(t, h // m, w // m, cfg.window_tokens)
-            token_window_order[start // unit:(start + n) // unit] = order + start // unit
+            token_window_order[start // unit : (start + n) // unit] = order + start // unit
             window_lengths += (counts * unit).tolist()
             frame = np.tile(frame, (t, 1))[(order[:, None] * unit + np.arange(unit)).reshape(-1)]
-            positions[start:start + n] = frame
+            positions[start : start + n] = frame
         else:
-            positions[start:start + n] = np.tile(frame, (t, 1))
+            positions[start : start + n] = np.tile(frame, (t, 1))
         if interp:
             idx, wts = _interpolation(rows, cols, h, w, side)
-            interp_indices[start:start + n] = np.tile(idx, (t, 1))
-            interp_weights[start:start + n] = np.tile(wts, (t, 1))
+            interp_indices[start : start + n] = np.tile(idx, (t, 1))
+            interp_weights[start : start + n] = np.tile(wts, (t, 1))
         start += n
         token_offsets.append(start // unit)
 
@@ -178,9 +178,14 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -
         token_order = torch.from_numpy(np.argsort(token_window_order, kind="stable"))
         window = Segments.from_lengths(window_lengths)
     return BatchPlan(
-        grids=grids, num_patches=num_patches, total_patches=total,
-        positions=torch.from_numpy(positions), full=Segments.from_lengths(full_lengths), window=window,
-        patch_order=patch_order, token_order=token_order,
+        grids=grids,
+        num_patches=num_patches,
+        total_patches=total,
+        positions=torch.from_numpy(positions),
+        full=Segments.from_lengths(full_lengths),
+        window=window,
+        patch_order=patch_order,
+        token_order=token_order,
         interp_indices=None if interp_indices is None else torch.from_numpy(interp_indices),
         interp_weights=None if interp_weights is None else torch.from_numpy(interp_weights),
         token_offsets=token_offsets,
@@ -196,7 +201,7 @@ class TowerInputs:
     positions: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    seqlens: list[int] | None            # host lengths, only for the CPU attention fallback
+    seqlens: list[int] | None  # host lengths, only for the CPU attention fallback
     cu_window_seqlens: torch.Tensor | None = None
     max_window_seqlen: int = 0
     window_seqlens: list[int] | None = None
@@ -217,11 +222,15 @@ def to_device(plan: BatchPlan, pixel_values: torch.Tensor, device: torch.device,
     window = plan.window
     return TowerInputs(
         pixel_values=pixel_values.to(device=device, dtype=dtype, non_blocking=True),
-        positions=dev(plan.positions), cu_seqlens=dev(plan.full.cu_seqlens), max_seqlen=plan.full.max_seqlen,
+        positions=dev(plan.positions),
+        cu_seqlens=dev(plan.full.cu_seqlens),
+        max_seqlen=plan.full.max_seqlen,
         seqlens=plan.full.lengths,
         cu_window_seqlens=None if window is None else dev(window.cu_seqlens),
         max_window_seqlen=0 if window is None else window.max_seqlen,
         window_seqlens=None if window is None else window.lengths,
-        patch_order=dev(plan.patch_order), token_order=dev(plan.token_order),
-        interp_indices=dev(plan.interp_indices), interp_weights=dev(plan.interp_weights),
+        patch_order=dev(plan.patch_order),
+        token_order=dev(plan.token_order),
+        interp_indices=dev(plan.interp_indices),
+        interp_weights=dev(plan.interp_weights),
     )

@@ -311,8 +311,9 @@ def _decode_opened(img: Image.Image, max_image_pixels: int) -> Image.Image:
     return rgb
 
 
-def load_image(source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS,
-               formats: tuple[str, ...] | None = ALLOWED_FORMATS) -> Image.Image:
+def load_image(
+    source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS, formats: tuple[str, ...] | None = ALLOWED_FORMATS
+) -> Image.Image:
     """Decode ``source`` into an RGB ``PIL.Image.Image``, validating it on the way.
 
     ``source`` may be a ``PIL.Image.Image``, ``bytes``/``bytearray``/``memoryview`` of an
@@ -354,8 +355,7 @@ def load_image(source: Any, *, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
             return _open_and_decode(fh, max_image_pixels, f"file {path!r}", formats)
 
     raise TypeError(
-        "image source must be a PIL.Image.Image, bytes/bytearray/memoryview or a path, "
-        f"got {type(source).__name__}"
+        f"image source must be a PIL.Image.Image, bytes/bytearray/memoryview or a path, got {type(source).__name__}"
     )
 
 
@@ -376,8 +376,7 @@ def open_header(fp: Any, what: str, formats: tuple[str, ...] | None) -> Image.Im
             except Exception:
                 pass
         if other is not None:
-            raise UnsupportedFormat(f"{other} images are not accepted; send one of "
-                                    f"{', '.join(formats)}") from exc
+            raise UnsupportedFormat(f"{other} images are not accepted; send one of {', '.join(formats)}") from exc
         raise NotAnImage(f"not a recognized image format ({what})") from exc
     except MemoryError:
         raise
@@ -385,8 +384,9 @@ def open_header(fp: Any, what: str, formats: tuple[str, ...] | None) -> Image.Im
         raise _undecodable(f"could not read image header ({what})", exc) from exc
 
 
-def _open_and_decode(fp: Any, max_image_pixels: int, what: str,
-                     formats: tuple[str, ...] | None = ALLOWED_FORMATS) -> Image.Image:
+def _open_and_decode(
+    fp: Any, max_image_pixels: int, what: str, formats: tuple[str, ...] | None = ALLOWED_FORMATS
+) -> Image.Image:
     img = open_header(fp, what, formats)
     with img:
         try:
@@ -436,16 +436,20 @@ def target_size(image, cfg: PreprocessConfig) -> tuple[int, int]:
     return smart_resize(image.shape[0], image.shape[1], cfg.factor, cfg.min_pixels, cfg.max_pixels)
 
 
-def load_for_device(source: Any, jpeg_on_device: bool,
-                    max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray | EncodedJpeg:
+def load_for_device(
+    source: Any, jpeg_on_device: bool, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
+) -> np.ndarray | EncodedJpeg:
     """An image for the fast preprocessing (preprocess_fast.resize_on_device), which resizes on the device: a JPEG's bytes
     left encoded when `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the
     uint8 [H, W, 3] array of its RGB pixels (load_image)."""
     if jpeg_on_device and isinstance(source, (bytes, bytearray, memoryview)) and len(source):
         if (jpeg := jpeg_for_device(bytes(source), max_image_pixels)) is not None:
             return jpeg
-    image = source if isinstance(source, Image.Image) and source.mode == "RGB" and \
-        source.info.get("transparency") is None else load_image(source, max_image_pixels=max_image_pixels)
+    image = (
+        source
+        if isinstance(source, Image.Image) and source.mode == "RGB" and source.info.get("transparency") is None
+        else load_image(source, max_image_pixels=max_image_pixels)
+    )
     return np.asarray(image)
 
 

@@ -122,8 +122,9 @@ def load(images: list, device: torch.device) -> list[np.ndarray | EncodedJpeg]:
     return [load_for_device(x, jpeg_on_device) for x in images]
 
 
-def resize_on_device(images: list, sizes: list[tuple[int, int]], device: torch.device) -> list[torch.Tensor |
-                                                                                               ImageError]:
+def resize_on_device(
+    images: list, sizes: list[tuple[int, int]], device: torch.device
+) -> list[torch.Tensor | ImageError]:
     """Decoded (uint8 [H, W, 3] host arrays, full size) or still encoded (EncodedJpeg) images -> each resized on
     `device` to its (height, width) in `sizes`, uint8 [h, w, 3]; an ImageError in place of an image that cannot be
     decoded (a JPEG neither nvJPEG nor PIL reads), so that only it fails."""
@@ -139,8 +140,7 @@ def resize_on_device(images: list, sizes: list[tuple[int, int]], device: torch.d
                 continue
             try:  # PIL's turn: it decodes more (CMYK inside, arithmetic coding) and names what is wrong; the size
                 # its header declares passed the server's limit already
-                chw[i] = _upload(np.asarray(load_image(jpeg.data, max_image_pixels=jpeg.height * jpeg.width)),
-                                 device)
+                chw[i] = _upload(np.asarray(load_image(jpeg.data, max_image_pixels=jpeg.height * jpeg.width)), device)
             except ImageError as e:
                 chw[i] = e
     out: list = []
@@ -150,8 +150,9 @@ def resize_on_device(images: list, sizes: list[tuple[int, int]], device: torch.d
     return out
 
 
-def preprocess(images: list, cfg: PreprocessConfig, device: str | torch.device = "cpu") -> tuple[torch.Tensor,
-                                                                                                 torch.Tensor]:
+def preprocess(
+    images: list, cfg: PreprocessConfig, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast processor's output for PIL images, encoded bytes or paths: (pixel_values [rows, patch_dim] float32,
     grid_thw [n, 3] int64) on the CPU, in its layout. Decoding as `load` does; ImageError for a bad image."""
     device = torch.device(device)

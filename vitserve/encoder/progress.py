@@ -37,5 +37,11 @@ class Progress:
         else:
             counts = f"{self.done}/{self.total}" + (f" {self.unit}" if self.unit else "")
         end = f" in {time.perf_counter() - self.start:.2f} s" if self.done == self.total else ""
-        self.log.info("%s: %s%s%s", self.what, counts, f" ({detail})" if detail else "", end,
-                      extra={"progress": (self.step, self.done, self.total)})
+        self.log.info(
+            "%s: %s%s%s",
+            self.what,
+            counts,
+            f" ({detail})" if detail else "",
+            end,
+            extra={"progress": (self.step, self.done, self.total)},
+        )

@@ -82,10 +82,16 @@ class RunnerStats:
     attention: dict[str, str] = field(default_factory=dict)  # layer kind (full, window) -> attention backend
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "budgets": {str(b): vars(s).copy() for b, s in self.budgets.items()},
-                "attention": dict(self.attention), "eager_runs": self.eager_runs, "eager_patches": self.eager_patches,
-                "eager_fallbacks": self.eager_fallbacks, "pool_bytes": self.pool_bytes,
-                "capture_seconds": round(self.capture_seconds, 3)}
+        return {
+            "mode": self.mode,
+            "budgets": {str(b): vars(s).copy() for b, s in self.budgets.items()},
+            "attention": dict(self.attention),
+            "eager_runs": self.eager_runs,
+            "eager_patches": self.eager_patches,
+            "eager_fallbacks": self.eager_fallbacks,
+            "pool_bytes": self.pool_bytes,
+            "capture_seconds": round(self.capture_seconds, 3),
+        }
 
 
 class GraphRunner:
@@ -100,17 +106,32 @@ class GraphRunner:
     exactly what a GPU replays.
     """
 
-    def __init__(self, tower, cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
-                 budgets=DEFAULT_BUDGETS, pad: bool | None = None):
+    def __init__(
+        self,
+        tower,
+        cfg: VisionConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        budgets=DEFAULT_BUDGETS,
+        pad: bool | None = None,
+    ):
         self.tower, self.cfg, self.device, self.dtype = tower, cfg, device, dtype
         self.packer = Packer(cfg, budgets, tower.attention.max_segments, tower.window_attention.max_segments)
         self.budgets = self.packer.budgets
-        self.use_graphs = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and \
-            tower.attention.capturable and tower.window_attention.capturable
-        self.window_seqlen = cfg.window_tokens ** 2 * cfg.merge_unit if cfg.window_size else 0
-        self.stats = RunnerStats(budgets={b: BudgetStats() for b in self.budgets},
-                                 attention={"full": tower.attention.name,
-                                            **({"window": tower.window_attention.name} if cfg.window_size else {})})
+        self.use_graphs = (
+            device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16)
+            and tower.attention.capturable
+            and tower.window_attention.capturable
+        )
+        self.window_seqlen = cfg.window_tokens**2 * cfg.merge_unit if cfg.window_size else 0
+        self.stats = RunnerStats(
+            budgets={b: BudgetStats() for b in self.budgets},
+            attention={
+                "full": tower.attention.name,
+                **({"window": tower.window_attention.name} if cfg.window_size else {}),
+            },
+        )
         self.pad = pad
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -142,13 +163,18 @@ class GraphRunner:
                 return torch.zeros(*shape, dtype=dtype, device=device) if on else None
 
             self._static = TowerInputs(
-                pixel_values=buf(largest, cfg.patch_dim, dtype=self.dtype), positions=buf(largest, 2),
-                cu_seqlens=buf(cap_full + 1), max_seqlen=largest, seqlens=None,
-                cu_window_seqlens=buf(cap_window + 1, on=windowed), max_window_seqlen=self.window_seqlen,
+                pixel_values=buf(largest, cfg.patch_dim, dtype=self.dtype),
+                positions=buf(largest, 2),
+                cu_seqlens=buf(cap_full + 1),
+                max_seqlen=largest,
+                seqlens=None,
+                cu_window_seqlens=buf(cap_window + 1, on=windowed),
+                max_window_seqlen=self.window_seqlen,
                 patch_order=buf(largest, dtype=torch.int64, on=windowed),
                 token_order=buf(largest // cfg.merge_unit, dtype=torch.int64, on=windowed),
                 interp_indices=buf(largest, 4, dtype=torch.int64, on=interp),
-                interp_weights=buf(largest, 4, dtype=torch.float32, on=interp))
+                interp_weights=buf(largest, 4, dtype=torch.float32, on=interp),
+            )
         return self._static
 
     def pack(self, grids) -> list[Batch]:
@@ -158,8 +184,10 @@ class GraphRunner:
     # ---- running -------------------------------------------------------------------------------------------------
     def _enter(self) -> None:
         if not self._lock.acquire(blocking=False):
-            raise RuntimeError("GraphRunner is used from one worker thread at a time: its static buffers and graphs "
-                               "are shared, and a replay is already in flight")
+            raise RuntimeError(
+                "GraphRunner is used from one worker thread at a time: its static buffers and graphs "
+                "are shared, and a replay is already in flight"
+            )
 
     @torch.inference_mode()
     def run(self, pixel_values: torch.Tensor, grids) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -177,18 +205,19 @@ class GraphRunner:
         for g in grids:
             starts.append(starts[-1] + grid_patches(g))
         if pixel_values.dim() != 2 or pixel_values.shape != (starts[-1], self.cfg.patch_dim):
-            raise ValueError(f"pixel_values must be [{starts[-1]}, {self.cfg.patch_dim}] for these grids, "
-                             f"got {tuple(pixel_values.shape)}")
+            raise ValueError(
+                f"pixel_values must be [{starts[-1]}, {self.cfg.patch_dim}] for these grids, "
+                f"got {tuple(pixel_values.shape)}"
+            )
 
         def rows_for(indices: list[int], n: int) -> torch.Tensor:
             rows = torch.empty(n, pixel_values.shape[1], dtype=pixel_values.dtype, pin_memory=self._pin)
-            return torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in indices], out=rows)
+            return torch.cat([pixel_values[starts[i] : starts[i + 1]] for i in indices], out=rows)
 
         return self._launch(grids, rows_for)
 
     @torch.inference_mode()
-    def launch_images(self, images: list, pixel_lut, mean_pooling: list[bool] | None = None,
-                      slice_lut=None) -> Launch:
+    def launch_images(self, images: list, pixel_lut, mean_pooling: list[bool] | None = None, slice_lut=None) -> Launch:
         """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size; host arrays from
         preprocess.resize_rgb, or tensors on this device from preprocess_fast.resize_on_device): 8x fewer bytes to
         copy than float rows, and normalize + patchify run on the device through `pixel_lut` ([3, 256] float32,
@@ -199,19 +228,33 @@ class GraphRunner:
 
         Images flagged in `mean_pooling` come back as (mean of their tokens [D] in float32, []): the mean is taken on
         the device, and a replay whose images are all pooled copies only the means back."""
-        arrays = [a if torch.is_tensor(a) and a.device.type != "cpu" else a.numpy() if torch.is_tensor(a)
-                  else np.asarray(a) for a in images]  # on this device already (fast preprocessing), else host
+        arrays = [
+            a if torch.is_tensor(a) and a.device.type != "cpu" else a.numpy() if torch.is_tensor(a) else np.asarray(a)
+            for a in images
+        ]  # on this device already (fast preprocessing), else host
         p, t = self.cfg.patch_size, self.cfg.temporal_patch_size
-        bad = [tuple(a.shape) for a in arrays if a.dtype not in (np.uint8, torch.uint8) or a.ndim not in (3, 4)
-               or (a.ndim == 4 and a.shape[0] != t) or a.shape[-1] != 3 or a.shape[-3] % p or a.shape[-2] % p]
+        bad = [
+            tuple(a.shape)
+            for a in arrays
+            if a.dtype not in (np.uint8, torch.uint8)
+            or a.ndim not in (3, 4)
+            or (a.ndim == 4 and a.shape[0] != t)
+            or a.shape[-1] != 3
+            or a.shape[-3] % p
+            or a.shape[-2] % p
+        ]
         if bad:
-            raise ValueError(f"images must be uint8 [H, W, 3] (or video slices [{t}, H, W, 3]) with sides multiples "
-                             f"of {p}; got {bad[:3]}")
+            raise ValueError(
+                f"images must be uint8 [H, W, 3] (or video slices [{t}, H, W, 3]) with sides multiples "
+                f"of {p}; got {bad[:3]}"
+            )
         grids = check_grids([(1, a.shape[-3] // p, a.shape[-2] // p) for a in arrays], self.cfg)
-        lut = self._device_lut(np.concatenate([np.reshape(pixel_lut, -1),
-                                               np.reshape(pixel_lut if slice_lut is None else slice_lut, -1)]))
-        return self._launch(grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut),
-                            mean_pooling)
+        lut = self._device_lut(
+            np.concatenate([np.reshape(pixel_lut, -1), np.reshape(pixel_lut if slice_lut is None else slice_lut, -1)])
+        )
+        return self._launch(
+            grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut), mean_pooling
+        )
 
     def _device_lut(self, pixel_lut) -> torch.Tensor:
         """The normalization table on the device, uploaded once per table: a fresh upload per launch is a pageable
@@ -231,8 +274,9 @@ class GraphRunner:
             parts = []
             for batch in self.pack(grids):
                 n = sum(grid_patches(grids[i]) for i in batch.indices)
-                plan, merged, deepstack = self._run_batch([grids[i] for i in batch.indices],
-                                                          rows_for(batch.indices, n), batch.budget)
+                plan, merged, deepstack = self._run_batch(
+                    [grids[i] for i in batch.indices], rows_for(batch.indices, n), batch.budget
+                )
                 pooled = [mean_pooling[i] for i in batch.indices]
                 tokens = ds = means = None
                 if not all(pooled):
@@ -259,7 +303,7 @@ class GraphRunner:
         segment_d, weight_d = (self._upload(torch.from_numpy(x)) for x in (segment, weight))
         images = torch.arange(len(counts), device=rows.device)
         weights = (segment_d[None, :] == images[:, None]).float() * weight_d[None, :]
-        return weights @ rows[:offsets[-1]].float()
+        return weights @ rows[: offsets[-1]].float()
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device without making the host wait (through pinned memory on CUDA)."""
@@ -285,10 +329,10 @@ class GraphRunner:
             height, width = a.shape[-3], a.shape[-2]
             h, w = height // p, width // p
             rows, cols = block_order(h, w, m)
-            base[row:row + h * w] = offset + (rows * p * width + cols * p) * 3
-            stride[row:row + h * w] = width * 3
+            base[row : row + h * w] = offset + (rows * p * width + cols * p) * 3
+            stride[row : row + h * w] = width * 3
             if a.ndim == 4:  # a video slice: its frames follow one another
-                step[row:row + h * w] = height * width * 3
+                step[row : row + h * w] = height * width * 3
             offset, row = offset + int(np.prod(a.shape)), row + h * w
         base_d, stride_d = (self._upload(torch.from_numpy(v)) for v in (base, stride))
         k = torch.arange(p, device=self.device, dtype=torch.int32)
@@ -327,7 +371,7 @@ class GraphRunner:
 
     def _to_host(self, out: torch.Tensor, plan: BatchPlan | None = None) -> torch.Tensor:
         """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the graph memory pool."""
-        rows = out[:plan.num_tokens] if plan is not None else out
+        rows = out[: plan.num_tokens] if plan is not None else out
         if not self._pin:
             return rows
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -366,18 +410,28 @@ class GraphRunner:
         s.pixel_values[n:budget].zero_()
         h2d(s.positions[:budget], plan.positions)
         full = _padded_cu(plan.full.cu_seqlens, self.packer.frame_capacity(budget))
-        h2d(s.cu_seqlens[:full.numel()], full)
+        h2d(s.cu_seqlens[: full.numel()], full)
         inputs = TowerInputs(
-            pixel_values=s.pixel_values[:budget], positions=s.positions[:budget], cu_seqlens=s.cu_seqlens[:full.numel()],
-            max_seqlen=budget, seqlens=None if self.use_graphs else _lengths(full))
+            pixel_values=s.pixel_values[:budget],
+            positions=s.positions[:budget],
+            cu_seqlens=s.cu_seqlens[: full.numel()],
+            max_seqlen=budget,
+            seqlens=None if self.use_graphs else _lengths(full),
+        )
         if plan.window is not None:
             window = _padded_cu(plan.window.cu_seqlens, self.packer.window_capacity(budget))
-            h2d(s.cu_window_seqlens[:window.numel()], window)
+            h2d(s.cu_window_seqlens[: window.numel()], window)
             h2d(s.patch_order[:budget], plan.patch_order)
-            h2d(s.token_order[:budget // self.cfg.merge_unit], plan.token_order)
-            inputs.cu_window_seqlens, inputs.max_window_seqlen = s.cu_window_seqlens[:window.numel()], self.window_seqlen
+            h2d(s.token_order[: budget // self.cfg.merge_unit], plan.token_order)
+            inputs.cu_window_seqlens, inputs.max_window_seqlen = (
+                s.cu_window_seqlens[: window.numel()],
+                self.window_seqlen,
+            )
             inputs.window_seqlens = None if self.use_graphs else _lengths(window)
-            inputs.patch_order, inputs.token_order = s.patch_order[:budget], s.token_order[:budget // self.cfg.merge_unit]
+            inputs.patch_order, inputs.token_order = (
+                s.patch_order[:budget],
+                s.token_order[: budget // self.cfg.merge_unit],
+            )
         if plan.interp_indices is not None:
             h2d(s.interp_indices[:budget], plan.interp_indices)
             h2d(s.interp_weights[:budget], plan.interp_weights)

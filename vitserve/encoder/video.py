@@ -110,8 +110,10 @@ class VideoLimits:
         if info.width <= 0 or info.height <= 0:
             raise VideoError(f"the video declares no frame size ({info.width}x{info.height})")
         if info.width * info.height > self.max_frame_pixels:
-            raise VideoTooLarge(f"the video's frames are {info.width}x{info.height}; the limit is "
-                                f"{self.max_frame_pixels} pixels a frame")
+            raise VideoTooLarge(
+                f"the video's frames are {info.width}x{info.height}; the limit is "
+                f"{self.max_frame_pixels} pixels a frame"
+            )
 
 
 class VideoUnavailable(RuntimeError):
@@ -122,7 +124,7 @@ class VideoUnavailable(RuntimeError):
 class VideoConfig:
     """The video preprocessing of one model: transformers' video processor settings (`size` as min/max pixels)."""
 
-    family: str                 # "qwen2" (Qwen2/2.5-VL rules) or "qwen3"
+    family: str  # "qwen2" (Qwen2/2.5-VL rules) or "qwen3"
     patch_size: int
     temporal_patch_size: int = 2
     merge_size: int = 2
@@ -138,7 +140,7 @@ class VideoConfig:
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
     truncate_frames: bool = False  # a num_frames over the video's frames takes them all (else VideoTooShort)
-    decoder: str = "cpu"        # one of DECODERS: how frames are decoded, not which frames or pixels
+    decoder: str = "cpu"  # one of DECODERS: how frames are decoded, not which frames or pixels
 
     def __post_init__(self) -> None:
         if self.family not in ("qwen2", "qwen3"):
@@ -156,8 +158,9 @@ class VideoConfig:
             if value is not None and (isinstance(value, bool) or int(value) != value or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.min_pixels > self.max_pixels:
-            raise ValueError(f"the videos' min_pixels ({self.min_pixels}) must be <= their max_pixels "
-                             f"({self.max_pixels})")
+            raise ValueError(
+                f"the videos' min_pixels ({self.min_pixels}) must be <= their max_pixels ({self.max_pixels})"
+            )
 
     @property
     def factor(self) -> int:
@@ -169,11 +172,19 @@ class VideoConfig:
         `video_preprocessor_config.json` (`hf`) where it has one."""
         qwen3 = cfg.family == "qwen3_vl"
         f = cfg.patch_size * cfg.spatial_merge_size
-        base = cls("qwen3" if qwen3 else "qwen2", cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size,
-                   min_pixels=128 * f * f, max_pixels=768 * f * f,
-                   image_mean=IMAGENET_STANDARD if qwen3 else OPENAI_CLIP_MEAN,
-                   image_std=IMAGENET_STANDARD if qwen3 else OPENAI_CLIP_STD,
-                   do_sample_frames=qwen3, fps=2.0 if qwen3 else None, max_video_tokens=768 if qwen3 else 128000)
+        base = cls(
+            "qwen3" if qwen3 else "qwen2",
+            cfg.patch_size,
+            cfg.temporal_patch_size,
+            cfg.spatial_merge_size,
+            min_pixels=128 * f * f,
+            max_pixels=768 * f * f,
+            image_mean=IMAGENET_STANDARD if qwen3 else OPENAI_CLIP_MEAN,
+            image_std=IMAGENET_STANDARD if qwen3 else OPENAI_CLIP_STD,
+            do_sample_frames=qwen3,
+            fps=2.0 if qwen3 else None,
+            max_video_tokens=768 if qwen3 else 128000,
+        )
         return base.from_hf(hf) if hf else base
 
     def from_hf(self, d: Mapping[str, Any]) -> VideoConfig:
@@ -207,8 +218,14 @@ class VideoConfig:
             kw["num_frames"] = None if d.get("num_frames") is None else int(d["num_frames"])
         return dataclasses.replace(self, **kw)
 
-    def with_request(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
-                     max_pixels: int | None = None, truncate_frames: bool = False) -> VideoConfig:
+    def with_request(
+        self,
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+        max_pixels: int | None = None,
+        truncate_frames: bool = False,
+    ) -> VideoConfig:
         """A request's sampling and size: `fps` or `num_frames` replaces the default rule (and samples); the others
         only tighten (a `max_pixels` under `min_pixels` is a ValueError, as for images); `truncate_frames`: a
         `num_frames` over a video's frames takes them all."""
@@ -228,8 +245,13 @@ class VideoConfig:
 # video_preprocessor_config.json; Qwen2/2.5-VL ship none, so transformers' video processor reads their
 # preprocessor_config.json's pixels. What dummy weights of a built-in hub id preprocess videos with.
 PUBLISHED = {
-    "qwen3_vl": {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "fps": 2, "min_frames": 4,
-                 "max_frames": 768, "do_sample_frames": True},
+    "qwen3_vl": {
+        "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 768,
+        "do_sample_frames": True,
+    },
     "qwen2_5_vl": {"min_pixels": 3136, "max_pixels": 12845056},
     "qwen2_vl": {"min_pixels": 3136, "max_pixels": 12845056},
 }
@@ -318,11 +340,11 @@ def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
     if num_frames is None:
         return np.arange(total)
     if num_frames <= 0:
-        raise VideoTooShort(f"the video has {plural_frames(total)}, fewer than one temporal patch "
-                            f"({plural_frames(t)})")
+        raise VideoTooShort(f"the video has {plural_frames(total)}, fewer than one temporal patch ({plural_frames(t)})")
     if num_frames > total:
-        raise VideoTooShort(f"num_frames {num_frames} is more than the video's {plural_frames(total)} "
-                            "(truncate_frames takes them all)")
+        raise VideoTooShort(
+            f"num_frames {num_frames} is more than the video's {plural_frames(total)} (truncate_frames takes them all)"
+        )
     return torch.arange(0, total, total / num_frames).int().numpy()
 
 
@@ -366,7 +388,7 @@ class Video:
     indices: np.ndarray
     info: VideoInfo
     temporal_patch_size: int
-    decoder: str = "cpu"        # what decoded it: "nvdec" (the GPU's video engines) or "cpu"
+    decoder: str = "cpu"  # what decoded it: "nvdec" (the GPU's video engines) or "cpu"
 
     def slices(self) -> list[np.ndarray]:
         """uint8 [T, h, w, 3] per temporal patch, the last frame repeated to fill the last slice (views where the
@@ -374,7 +396,7 @@ class Video:
         t, frames = self.temporal_patch_size, self.frames
         if pad := -len(frames) % t:
             frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-        return [frames[i:i + t] for i in range(0, len(frames), t)]
+        return [frames[i : i + t] for i in range(0, len(frames), t)]
 
     @property
     def sampled_fps(self) -> float:
@@ -443,8 +465,9 @@ def _open(source: Any, max_pixels: int | None = None, decoder: str = "cpu"):
 
         start = source.tell() if hasattr(source, "tell") else None
         try:
-            return av.open(source, mode="r", options=options,
-                           hwaccel=HWAccel(device_type="cuda", allow_software_fallback=True))
+            return av.open(
+                source, mode="r", options=options, hwaccel=HWAccel(device_type="cuda", allow_software_fallback=True)
+            )
         except (av.error.FFmpegError, ValueError, OSError) as e:
             refused = f"{type(e).__name__}: {e}"
             if start is not None:
@@ -487,14 +510,17 @@ def probe(container, limits: VideoLimits | None = None) -> VideoInfo:
             for packet in container.demux(stream):
                 frames += packet.size > 0
                 if frames > most:
-                    raise VideoTooLong(f"the video holds over {most:.0f} frames at {float(rate):g} fps; the limit "
-                                       f"is {limits.max_seconds:g} s")
+                    raise VideoTooLong(
+                        f"the video holds over {most:.0f} frames at {float(rate):g} fps; the limit "
+                        f"is {limits.max_seconds:g} s"
+                    )
             if frames:
                 container.seek(0)
         except av.error.FFmpegError as e:
             raise VideoError("the video's frames could not be counted", str(e)) from None
-    return VideoInfo(frames, float(rate) if rate else 0.0, stream.width, stream.height,
-                     stream.codec_context.codec.canonical_name)
+    return VideoInfo(
+        frames, float(rate) if rate else 0.0, stream.width, stream.height, stream.codec_context.codec.canonical_name
+    )
 
 
 def _video_stream(container):
@@ -503,8 +529,9 @@ def _video_stream(container):
     return container.streams.video[0]
 
 
-def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads: int = 0,
-                  max_work: int | None = None) -> Iterator[np.ndarray]:
+def decode_frames(
+    container, indices: np.ndarray, size: tuple[int, int], threads: int = 0, max_work: int | None = None
+) -> Iterator[np.ndarray]:
     """The frames at `indices` (ascending; a repeated index gives its frame once, as transformers' reader does),
     each converted to RGB and resized to `size` as it is decoded; `threads`: FFmpeg's decoding threads (0: one per
     core). `max_work`: the decode work (`decode_work`, counted on the frames as they come) past which the video is
@@ -523,8 +550,10 @@ def decode_frames(container, indices: np.ndarray, size: tuple[int, int], threads
                 return
             work += decode_work(frame.width, frame.height, 1, i in wanted)
             if max_work is not None and work > max_work:
-                raise VideoTooCostly(f"decoding the video takes more than its header declares (a frame of "
-                                     f"{frame.width}x{frame.height} at frame {i})")
+                raise VideoTooCostly(
+                    f"decoding the video takes more than its header declares (a frame of "
+                    f"{frame.width}x{frame.height} at frame {i})"
+                )
             if i in wanted:
                 rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
                 yield resize(rgb, height, width).permute(1, 2, 0).numpy()
@@ -547,8 +576,7 @@ class VideoCost:
     work: int
 
 
-def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, np.ndarray, tuple[int, int],
-                                                                     VideoCost]:
+def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, np.ndarray, tuple[int, int], VideoCost]:
     """From the header, before any frame is kept: the video's info (its limits checked), the frames to keep, their
     size, and what decoding it takes (its limits checked)."""
     info = probe(container, limits)
@@ -557,14 +585,18 @@ def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, 
     kept = np.unique(indices)
     height, width = frame_size(len(indices), info.height, info.width, cfg)
     if len(kept) * height * width * 3 > limits.max_bytes:
-        raise VideoTooLarge(f"{plural_frames(len(kept))} of {width}x{height} take "
-                            f"{len(kept) * height * width * 3 >> 20} MiB; the limit is {limits.max_bytes >> 20} MiB "
-                            "(sample fewer frames: max_frames, num_frames or fps; or smaller ones: max_pixels)")
+        raise VideoTooLarge(
+            f"{plural_frames(len(kept))} of {width}x{height} take "
+            f"{len(kept) * height * width * 3 >> 20} MiB; the limit is {limits.max_bytes >> 20} MiB "
+            "(sample fewer frames: max_frames, num_frames or fps; or smaller ones: max_pixels)"
+        )
     work = decode_work(info.width, info.height, int(kept[-1]) + 1, len(kept))
     if limits.max_work is not None and work > limits.max_work:
-        raise VideoTooCostly(f"decoding {plural_frames(int(kept[-1]) + 1)} of {info.width}x{info.height} and "
-                             f"converting {len(kept)} of them is {work / 1e9:.1f} G pixels of work; the limit is "
-                             f"{limits.max_work / 1e9:.1f} G (send a shorter or smaller video)")
+        raise VideoTooCostly(
+            f"decoding {plural_frames(int(kept[-1]) + 1)} of {info.width}x{info.height} and "
+            f"converting {len(kept)} of them is {work / 1e9:.1f} G pixels of work; the limit is "
+            f"{limits.max_work / 1e9:.1f} G (send a shorter or smaller video)"
+        )
     return info, kept, (height, width), VideoCost((len(kept) * height * width + info.height * info.width) * 3, work)
 
 
@@ -592,8 +624,9 @@ def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
         for n, frame in enumerate(decode_frames(container, kept, (height, width), threads, 2 * cost.work), 1):
             frames[n - 1] = frame
         if n < len(kept):
-            raise VideoError(f"the video declares {plural_frames(info.total_frames)} but ends before frame "
-                             f"{int(kept[n])}")
+            raise VideoError(
+                f"the video declares {plural_frames(info.total_frames)} but ends before frame {int(kept[n])}"
+            )
         return Video(frames, kept, info, cfg.temporal_patch_size, decoder_used(container))
     finally:
         container.close()
@@ -615,12 +648,16 @@ def patchify(video: Video, cfg: VideoConfig) -> tuple[np.ndarray, tuple[int, int
     return out.reshape(len(slices) * gh * gw, -1), (len(slices), gh, gw)
 
 
-def preprocess_videos(videos: list, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> tuple[
-        torch.Tensor, torch.Tensor, list[Video]]:
+def preprocess_videos(
+    videos: list, cfg: VideoConfig, limits: VideoLimits = VideoLimits()
+) -> tuple[torch.Tensor, torch.Tensor, list[Video]]:
     """Videos (bytes, file objects, paths or decoded `Video`s) -> (pixel_values_videos float32, video_grid_thw
     [n, 3] int64, the decoded videos), transformers' processor layout."""
     decoded = [v if isinstance(v, Video) else load_video(v, cfg, limits) for v in videos]
     rows, grids = zip(*(patchify(v, cfg) for v in decoded)) if decoded else ((), ())
-    pixels = torch.from_numpy(np.concatenate(rows)) if rows else torch.empty(0, 3 * cfg.temporal_patch_size
-                                                                               * cfg.patch_size ** 2)
+    pixels = (
+        torch.from_numpy(np.concatenate(rows))
+        if rows
+        else torch.empty(0, 3 * cfg.temporal_patch_size * cfg.patch_size**2)
+    )
     return pixels, torch.tensor(grids, dtype=torch.int64).reshape(-1, 3), decoded

@@ -26,8 +26,15 @@ from .preprocess import (
 from .preprocess_fast import fast_lut
 from .runner import DEFAULT_BUDGETS, GraphRunner
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "half": torch.float16,
+}
 IMAGE_TYPES = (str, os.PathLike, bytes, bytearray, memoryview, Image.Image)  # one image: a path, its bytes, PIL
 
 
@@ -107,9 +114,15 @@ def parse_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def load_configs(model: str, load_format: str = "auto", revision: str | None = None,
-                 allow_download: bool | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
-                 cache_dir: str | None = None) -> tuple[VisionConfig, PreprocessConfig, str | None]:
+def load_configs(
+    model: str,
+    load_format: str = "auto",
+    revision: str | None = None,
+    allow_download: bool | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    cache_dir: str | None = None,
+) -> tuple[VisionConfig, PreprocessConfig, str | None]:
     """The tower's and the preprocessing's configs, and the checkpoint directory to read weights from (None for
     dummy weights), without reading any weight: what a server needs before its devices have loaded."""
     if load_format not in LOAD_FORMATS:
@@ -123,16 +136,28 @@ def load_configs(model: str, load_format: str = "auto", revision: str | None = N
     else:
         ckpt = checkpoint.resolve_checkpoint(model, revision, allow_download, cache_dir)
         cfg, pre = checkpoint.read_config(ckpt)
-    pcfg = PreprocessConfig(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-                            merge_size=cfg.spatial_merge_size, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                            image_mean=cfg.image_mean, image_std=cfg.image_std)
+    pcfg = PreprocessConfig(
+        patch_size=cfg.patch_size,
+        temporal_patch_size=cfg.temporal_patch_size,
+        merge_size=cfg.spatial_merge_size,
+        min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels,
+        image_mean=cfg.image_mean,
+        image_std=cfg.image_std,
+    )
     pcfg = PreprocessConfig.from_hf(pre, pcfg) if pre else pcfg
     overrides = {k: v for k, v in dict(min_pixels=min_pixels, max_pixels=max_pixels).items() if v is not None}
     return cfg, pcfg.with_overrides(**overrides), ckpt
 
 
-def video_config_of(cfg: VisionConfig, ckpt, decoder: str = "cpu", model: str | None = None,
-                    min_pixels: int | None = None, max_pixels: int | None = None) -> video.VideoConfig:
+def video_config_of(
+    cfg: VisionConfig,
+    ckpt,
+    decoder: str = "cpu",
+    model: str | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> video.VideoConfig:
     """The video preprocessing of a checkpoint (its video processor settings over the family's defaults), decoded
     by `decoder` (video.DECODERS), its resize bounds overridden by `min_pixels` / `max_pixels` where given (as the
     family's processor counts them: per frame, or every sampled frame together). Dummy weights (`ckpt` None) of a
@@ -163,9 +188,18 @@ class VisionEncoder:
     >>> [r.grid_thw for r in enc.encode(["examples/sample.jpg", "examples/portrait.png"])]  # a list: a list
     """
 
-    def __init__(self, tower, config: VisionConfig, preprocess_config: PreprocessConfig, device: torch.device,
-                 dtype: torch.dtype, name: str, budgets=DEFAULT_BUDGETS, preprocess: str = "exact",
-                 video_config: video.VideoConfig | None = None):
+    def __init__(
+        self,
+        tower,
+        config: VisionConfig,
+        preprocess_config: PreprocessConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        name: str,
+        budgets=DEFAULT_BUDGETS,
+        preprocess: str = "exact",
+        video_config: video.VideoConfig | None = None,
+    ):
         self.tower, self.config, self.preprocess_config = tower, config, preprocess_config
         self.video_config = video_config or video.VideoConfig.for_model(config)
         self.device, self.dtype, self.name = device, dtype, name
@@ -196,13 +230,26 @@ class VisionEncoder:
         self.runner.capture()
 
     @classmethod
-    def from_pretrained(cls, model: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                        load_format: str = "auto", revision: str | None = None, allow_download: bool | None = None,
-                        min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
-                        cache_dir: str | None = None, budgets=DEFAULT_BUDGETS, capture: bool = True,
-                        attention_backend: str = "auto", preprocess: str = "exact",
-                        video_decoder: str = "cpu", video_min_pixels: int | None = None,
-                        video_max_pixels: int | None = None) -> VisionEncoder:
+    def from_pretrained(
+        cls,
+        model: str,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        load_format: str = "auto",
+        revision: str | None = None,
+        allow_download: bool | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        budgets=DEFAULT_BUDGETS,
+        capture: bool = True,
+        attention_backend: str = "auto",
+        preprocess: str = "exact",
+        video_decoder: str = "cpu",
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
+    ) -> VisionEncoder:
         """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
         `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
         `attention_backend`: one of encoder.attention.BACKENDS; `auto` takes the fastest that runs on this device and
@@ -219,7 +266,17 @@ class VisionEncoder:
         else:
             tensors = checkpoint.read_vision_tensors(ckpt)
         tower = checkpoint.build_tower(cfg, tensors, device, dtype, attention_backend)
-        encoder = cls(tower, cfg, pcfg, device, dtype, model, budgets, preprocess, video_config_of(cfg, ckpt, video_decoder, model, video_min_pixels, video_max_pixels))
+        encoder = cls(
+            tower,
+            cfg,
+            pcfg,
+            device,
+            dtype,
+            model,
+            budgets,
+            preprocess,
+            video_config_of(cfg, ckpt, video_decoder, model, video_min_pixels, video_max_pixels),
+        )
         if capture:
             encoder.capture()
         return encoder
@@ -253,8 +310,9 @@ class VisionEncoder:
         results = self.collect(launched.launch) if launched.launch is not None else []
         return results[0] if single else results
 
-    def launch(self, images: list, sizes: list[tuple[int, int]] | None = None,
-               mean_pooling: list[bool] | None = None) -> Launched:
+    def launch(
+        self, images: list, sizes: list[tuple[int, int]] | None = None, mean_pooling: list[bool] | None = None
+    ) -> Launched:
         """Start encoding images as the decode step leaves them, without waiting: exact preprocessing takes the
         resized host arrays (preprocess.resize_rgb); fast preprocessing full-size arrays or EncodedJpeg
         (preprocess.load_for_device), resized on the device to `sizes` (default: smart_resize's). Images that
@@ -264,8 +322,12 @@ class VisionEncoder:
             slices = {i for i, x in enumerate(images) if getattr(x, "ndim", 0) == 4}  # video slices: resized already
             todo = [i for i in range(len(images)) if i not in slices]
             sizes = sizes or [target_size(x, self.preprocess_config) for x in images]
-            prepared = dict(zip(todo, preprocess_fast.resize_on_device([images[i] for i in todo],
-                                                                       [sizes[i] for i in todo], self.device)))
+            prepared = dict(
+                zip(
+                    todo,
+                    preprocess_fast.resize_on_device([images[i] for i in todo], [sizes[i] for i in todo], self.device),
+                )
+            )
             prepared |= {i: preprocess_fast.upload(images[i], self.device) for i in slices}
             failed = {i: x for i, x in prepared.items() if isinstance(x, ImageError)}
             images = [prepared[i] for i in range(len(images)) if i not in failed]
@@ -281,12 +343,19 @@ class VisionEncoder:
         return [launched.failed[i] if i in launched.failed else next(done) for i in range(launched.count)]
 
     def collect(self, launch) -> list[EncodedImage]:
-        return [EncodedImage(tokens, grid, deepstack) for grid, (tokens, deepstack)
-                in zip(launch.grids, self.runner.collect(launch))]
+        return [
+            EncodedImage(tokens, grid, deepstack)
+            for grid, (tokens, deepstack) in zip(launch.grids, self.runner.collect(launch))
+        ]
 
-    def preprocess_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
-                          max_frames: int | None = None, max_pixels: int | None = None) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
+    def preprocess_videos(
+        self,
+        videos,
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+        max_pixels: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A video or a list of them (paths, bytes or file objects) -> (pixel_values_videos [rows, patch_dim]
         float32, video_grid_thw [n, 3] int64): transformers' video processor layout and values (video.py).
         `fps` or `num_frames` sample the video (mutually exclusive); `max_frames` and `max_pixels` (per frame for
@@ -296,9 +365,14 @@ class VisionEncoder:
         pixels, grids, _ = video.preprocess_videos(videos, cfg)
         return pixels, grids
 
-    def encode_videos(self, videos, fps: float | None = None, num_frames: int | None = None,
-                      max_frames: int | None = None,
-                      max_pixels: int | None = None) -> EncodedVideo | list[EncodedVideo]:
+    def encode_videos(
+        self,
+        videos,
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+        max_pixels: int | None = None,
+    ) -> EncodedVideo | list[EncodedVideo]:
         """A video (a path, its bytes or a decoded video.Video) -> its EncodedVideo; a list -> one per video, in
         order; options as for `preprocess_videos`. Each video is decoded, sampled and resized on the host; its
         slices (T frames each) go to the device as uint8 and pack into the patch budgets like images, so a long
@@ -314,9 +388,17 @@ class VisionEncoder:
         for v, parts in zip(decoded, slices):
             joined = Features.join([next(outputs) for _ in parts])
             p = self.config.patch_size
-            results.append(EncodedVideo(joined.tokens, (len(parts), v.frames.shape[1] // p, v.frames.shape[2] // p),
-                                        joined.deepstack, v.indices.tolist(), v.info.fps, v.timestamps,
-                                        v.second_per_grid_t))
+            results.append(
+                EncodedVideo(
+                    joined.tokens,
+                    (len(parts), v.frames.shape[1] // p, v.frames.shape[2] // p),
+                    joined.deepstack,
+                    v.indices.tolist(),
+                    v.info.fps,
+                    v.timestamps,
+                    v.second_per_grid_t,
+                )
+            )
         return results[0] if single else results
 
     def encode_pixels(self, pixel_values: torch.Tensor, grid_thw) -> list[EncodedImage]:

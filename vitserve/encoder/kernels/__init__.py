@@ -38,6 +38,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 # ---- torch references (transformers' op order) ----------------------------------------------------------------------
 
+
 def norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     if bias is None:  # Qwen2.5 RMSNorm: statistics in fp32, weight applied in the input dtype
         h = x.float()
@@ -61,6 +62,7 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 # ---- dispatch -------------------------------------------------------------------------------------------------------
+
 
 def norm(x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
     if use_triton(x):

@@ -8,14 +8,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_norm_kernel(res_ptr, delta_ptr, out_res_ptr, out_ptr, w_ptr, b_ptr, D, eps,
-                     HAS_DELTA: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr):
+def _add_norm_kernel(
+    res_ptr,
+    delta_ptr,
+    out_res_ptr,
+    out_ptr,
+    w_ptr,
+    b_ptr,
+    D,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    RMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0)
     if HAS_DELTA:  # residual add rounded to the storage dtype, as a separate torch add would be
-        x = (x.to(tl.float32) + tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(out_res_ptr.dtype.element_ty)
         tl.store(out_res_ptr + row * D + cols, x, mask=mask)
     xf = x.to(tl.float32)
@@ -37,15 +48,36 @@ def add_norm(residual, delta, weight, bias, eps):
     n, d = residual.shape
     out = torch.empty_like(residual)
     out_res = torch.empty_like(residual) if delta is not None else residual
-    _add_norm_kernel[(n,)](residual, delta.contiguous() if delta is not None else residual, out_res, out, weight,
-                           bias if bias is not None else weight, d, eps, HAS_DELTA=delta is not None,
-                           RMS=bias is None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+    _add_norm_kernel[(n,)](
+        residual,
+        delta.contiguous() if delta is not None else residual,
+        out_res,
+        out,
+        weight,
+        bias if bias is not None else weight,
+        d,
+        eps,
+        HAS_DELTA=delta is not None,
+        RMS=bias is None,
+        BLOCK=triton.next_power_of_2(d),
+        num_warps=4 if d <= 2048 else 8,
+    )
     return out_res, out
 
 
 @triton.jit
-def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, qk_ptr, N, D: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotary_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    qk_ptr,
+    N,
+    D: tl.constexpr,
+    HD: tl.constexpr,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """ROWS rows of q (program axis 1 = 0) or k (= 1) per program, each row's H x HD values as one flat vector: lane
     j = e % HD of a head pairs with e + HALF (j < HALF: x * cos - partner * sin) or e - HALF (x * cos + partner *
     sin). Every load is contiguous along the row, with the widths known at compile time, so they vectorize: 1.2 ms
@@ -73,8 +105,19 @@ def rotary_qk(qkv, cos, sin, num_heads):
     hd = d // num_heads
     qk = torch.empty(2, n, num_heads, hd, dtype=qkv.dtype, device=qkv.device)
     rows = 4
-    _rotary_kernel[(triton.cdiv(n, rows), 2)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), qk, n, d, hd,
-                                              hd // 2, ROWS=rows, BLOCK_D=triton.next_power_of_2(d), num_warps=8)
+    _rotary_kernel[(triton.cdiv(n, rows), 2)](
+        qkv.contiguous(),
+        cos.contiguous(),
+        sin.contiguous(),
+        qk,
+        n,
+        d,
+        hd,
+        hd // 2,
+        ROWS=rows,
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=8,
+    )
     return qk[0], qk[1]
 
 

@@ -53,7 +53,9 @@ def tower_layout(cfg: VisionConfig, *, norm_bias: bool, patch_bias: bool, mlp_la
     for j in range(len(cfg.deepstack_visual_indexes)):
         s = f"deepstack_merger_list.{j}."
         shapes |= norm_layout(s + "norm", wide, True)
-        shapes |= linear_layout(s + "linear_fc1", wide, wide) | linear_layout(s + "linear_fc2", cfg.out_hidden_size, wide)
+        shapes |= linear_layout(s + "linear_fc1", wide, wide) | linear_layout(
+            s + "linear_fc2", cfg.out_hidden_size, wide
+        )
     return shapes
 
 

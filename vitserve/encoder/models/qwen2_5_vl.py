@@ -11,13 +11,16 @@ from .layout import QWEN2_MERGER, convert_shared, linear_layout, pad_cols, pad_r
 
 
 def build(cfg: VisionConfig) -> VisionTower:
-    return VisionTower(cfg, rms_norm, lambda: GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act),
-                       patch_bias=False)
+    return VisionTower(
+        cfg, rms_norm, lambda: GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act), patch_bias=False
+    )
 
 
 def hf_layout(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     d, i = cfg.hidden_size, cfg.intermediate_size
-    mlp = lambda p: linear_layout(p + "gate_proj", i, d) | linear_layout(p + "up_proj", i, d) | linear_layout(p + "down_proj", d, i)
+    mlp = lambda p: (
+        linear_layout(p + "gate_proj", i, d) | linear_layout(p + "up_proj", i, d) | linear_layout(p + "down_proj", d, i)
+    )
     return tower_layout(cfg, norm_bias=False, patch_bias=False, merger_names=QWEN2_MERGER, mlp_layout=mlp)
 
 

@@ -13,13 +13,19 @@ MERGER = ("norm", "linear_fc1", "linear_fc2")
 
 
 def build(cfg: VisionConfig) -> VisionTower:
-    return VisionTower(cfg, layer_norm, lambda: MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act),
-                       patch_bias=True)
+    return VisionTower(
+        cfg, layer_norm, lambda: MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act), patch_bias=True
+    )
 
 
 def hf_layout(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
-    return tower_layout(cfg, norm_bias=True, patch_bias=True, merger_names=MERGER,
-                        mlp_layout=gelu_mlp_layout(cfg, "linear_fc1", "linear_fc2"))
+    return tower_layout(
+        cfg,
+        norm_bias=True,
+        patch_bias=True,
+        merger_names=MERGER,
+        mlp_layout=gelu_mlp_layout(cfg, "linear_fc1", "linear_fc2"),
+    )
 
 
 def convert(hf: dict[str, torch.Tensor], cfg: VisionConfig) -> dict[str, torch.Tensor]:

@@ -17,8 +17,11 @@ from .served import served
 router = APIRouter()
 
 
-@router.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest),
-             responses={200: {"model": EmbeddingAnswer}, **errors(400, 404, 413, 422, 429, 501, 503)})
+@router.post(
+    "/v1/embeddings",
+    openapi_extra=request_body(EmbeddingRequest),
+    responses={200: {"model": EmbeddingAnswer}, **errors(400, 404, 413, 422, 429, 501, 503)},
+)
 async def embeddings(request: Request) -> Response:
     api = served(request)
     body = await read_json(request, EmbeddingRequest, api.limits.images, ("input",), api.engine.decoder.bodies)
@@ -35,7 +38,13 @@ async def embeddings(request: Request) -> Response:
     def build() -> Response:
         tokens = request.state.tokens
         data = embedding_data(result.outputs, body.normalize, body.encoding_format, mean)
-        return json_response({"object": "list", "data": data, "model": api.settings.model.name,
-                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": api.settings.model.name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
 
     return await answer(api, request, result, build)

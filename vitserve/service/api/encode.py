@@ -26,8 +26,10 @@ from .schemas import EncodeForm, EncodeRequest, check_uuid_counts, request_body
 from .served import Served, served
 
 router = APIRouter()
-SAFETENSORS = "one safetensors body: tensors images.{i}.embeddings and images.{i}.deepstack.{j}, metadata grid_thw, " \
-              "model, dtype, tokens, layout (and videos, ec_ids)"
+SAFETENSORS = (
+    "one safetensors body: tensors images.{i}.embeddings and images.{i}.deepstack.{j}, metadata grid_thw, "
+    "model, dtype, tokens, layout (and videos, ec_ids)"
+)
 
 
 @dataclass
@@ -88,9 +90,11 @@ def tier_items(given: EncodeInput) -> list[MediaItem]:
     return items
 
 
-@router.post("/v1/encode", openapi_extra=request_body(EncodeRequest, EncodeForm),
-             responses={**json_and_binary(EncodeAnswer, SAFETENSORS),
-                        **errors(400, 404, 413, 422, 429, 501, 503, 507)})
+@router.post(
+    "/v1/encode",
+    openapi_extra=request_body(EncodeRequest, EncodeForm),
+    responses={**json_and_binary(EncodeAnswer, SAFETENSORS), **errors(400, 404, 413, 422, 429, 501, 503, 507)},
+)
 async def encode(request: Request) -> Response:
     api = served(request)
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -99,24 +103,38 @@ async def encode(request: Request) -> Response:
         given = await json_input(api, request)
     body = given.body
     api.check_model(body.model)
-    result, ids = await encode_with_identifiers(api, tier_items(given), lambda: encode_media(
-        api, request, given.images, given.videos, body, given.order))
+    result, ids = await encode_with_identifiers(
+        api, tier_items(given), lambda: encode_media(api, request, given.images, given.videos, body, given.order)
+    )
 
     def build() -> Response:
         tokens = request.state.tokens
         answers = [laid_out(item, body.layout) for item in result.outputs]
         if "application/octet-stream" in request.headers.get("accept", ""):
-            metadata = {"model": api.settings.model.name, "grid_thw": json.dumps([item.grid for item in answers]),
-                        "dtype": body.dtype, "tokens": str(tokens), "layout": body.layout}
+            metadata = {
+                "model": api.settings.model.name,
+                "grid_thw": json.dumps([item.grid for item in answers]),
+                "dtype": body.dtype,
+                "tokens": str(tokens),
+                "layout": body.layout,
+            }
             if any(item.timing is not None for item in answers):  # per item: null for an image, a video's timing
                 metadata["videos"] = json.dumps([item.timing for item in answers])
             if ids is not None:
                 metadata["ec_ids"] = json.dumps(ids)
-            return PartsResponse(safetensors_parts(answers, body.dtype, metadata, body.deepstack),
-                                 media_type="application/octet-stream")
+            return PartsResponse(
+                safetensors_parts(answers, body.dtype, metadata, body.deepstack), media_type="application/octet-stream"
+            )
         data = encode_data(answers, body.dtype, body.deepstack, ids)
-        return json_response({"object": "list", "model": api.settings.model.name, "layout": body.layout,
-                              "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                              "cache_hits": result.cache_hits})
+        return json_response(
+            {
+                "object": "list",
+                "model": api.settings.model.name,
+                "layout": body.layout,
+                "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "cache_hits": result.cache_hits,
+            }
+        )
 
     return await answer_beside_files(api, request, result, build, ids, wait=False)

@@ -43,29 +43,57 @@ async def wait_disconnect(request: Request) -> None:
         pass
 
 
-async def encode_images(served: Served, request: Request, images: list, field: str, mean_pooling: bool = False,
-                        max_pixels: int | None = None) -> Encoded:
+async def encode_images(
+    served: Served,
+    request: Request,
+    images: list,
+    field: str,
+    mean_pooling: bool = False,
+    max_pixels: int | None = None,
+) -> Encoded:
     """A request's images encoded, its counts and phases noted."""
     served.limits.check_images(len(images), field)
     client = request.scope["state"].get("client")
-    return noted(served, request, await while_connected(request, lambda disconnected: served.engine.encode(
-        images, mean_pooling, disconnected, field, max_pixels, client)))
+    return noted(
+        served,
+        request,
+        await while_connected(
+            request,
+            lambda disconnected: served.engine.encode(images, mean_pooling, disconnected, field, max_pixels, client),
+        ),
+    )
 
 
-async def encode_videos(served: Served, request: Request, videos: list, field: str, options: dict,
-                        mean_pooling: bool = False, max_pixels: int | None = None) -> Encoded:
+async def encode_videos(
+    served: Served,
+    request: Request,
+    videos: list,
+    field: str,
+    options: dict,
+    mean_pooling: bool = False,
+    max_pixels: int | None = None,
+) -> Encoded:
     engine = served.engine
     if engine.videos_unavailable:  # the server's condition, not the request's fault
-        raise Unsupported(f"this server cannot decode videos: {engine.videos_unavailable}", "videos_unavailable",
-                          field)
+        raise Unsupported(f"this server cannot decode videos: {engine.videos_unavailable}", "videos_unavailable", field)
     served.limits.check_videos(len(videos), field)
-    return await while_connected(request, lambda disconnected: engine.encode_videos(
-        videos, options, mean_pooling, disconnected, field, max_pixels))
+    return await while_connected(
+        request,
+        lambda disconnected: engine.encode_videos(videos, options, mean_pooling, disconnected, field, max_pixels),
+    )
 
 
-async def encode_media(served: Served, request: Request, images: list, videos: list, body,
-                       order: list[bool] | None = None, mean_pooling: bool = False, image_field: str = "images",
-                       video_field: str = "videos") -> Encoded:
+async def encode_media(
+    served: Served,
+    request: Request,
+    images: list,
+    videos: list,
+    body,
+    order: list[bool] | None = None,
+    mean_pooling: bool = False,
+    image_field: str = "images",
+    video_field: str = "videos",
+) -> Encoded:
     """A request's images and videos encoded side by side; one answer of both, its items in the request's `order`
     (per item whether it is a video; None: the images, then the videos); its counts and phases noted. `body` gives
     `max_pixels` and the videos' sampling options."""
@@ -73,8 +101,9 @@ async def encode_media(served: Served, request: Request, images: list, videos: l
     if images:
         jobs.append(encode_images(served, request, images, image_field, mean_pooling, body.max_pixels))
     if videos:
-        jobs.append(encode_videos(served, request, videos, video_field, body.video_options(), mean_pooling,
-                                  body.max_pixels))
+        jobs.append(
+            encode_videos(served, request, videos, video_field, body.video_options(), mean_pooling, body.max_pixels)
+        )
     tasks = [asyncio.ensure_future(job) for job in jobs]
     try:
         parts = await asyncio.gather(*tasks)
@@ -95,8 +124,13 @@ def merged(images: Encoded | None, videos: Encoded, order: list[bool]) -> Encode
     image_at, video_at = iter(range(len(images.outputs) if images else 0)), iter(range(len(videos.outputs)))
     where = [(videos, next(video_at)) if is_video else (images, next(image_at)) for is_video in order]
     parts = [part for part in (images, videos) if part is not None]
-    return Encoded([part.outputs[i] for part, i in where], max(p.decode_s for p in parts),
-                   max(p.queue_s for p in parts), max(p.inference_s for p in parts), images.cache_hits if images else 0)
+    return Encoded(
+        [part.outputs[i] for part, i in where],
+        max(p.decode_s for p in parts),
+        max(p.queue_s for p in parts),
+        max(p.inference_s for p in parts),
+        images.cache_hits if images else 0,
+    )
 
 
 async def answer(served: Served, request: Request, result: Encoded, build) -> Response:
@@ -108,10 +142,15 @@ async def answer(served: Served, request: Request, result: Encoded, build) -> Re
     served.engine.metrics.serialize_seconds.observe(seconds)
     served.engine.metrics.record("serialize", seconds)
     request.state.serialize_ms = round(seconds * 1e3, 2)
-    response.headers.update({
-        "x-decode-time": f"{result.decode_s * 1e3:.2f}", "x-queue-time": f"{result.queue_s * 1e3:.2f}",
-        "x-inference-time": f"{result.inference_s * 1e3:.2f}", "x-serialize-time": f"{seconds * 1e3:.2f}",
-        "x-cache-hits": str(result.cache_hits)})
+    response.headers.update(
+        {
+            "x-decode-time": f"{result.decode_s * 1e3:.2f}",
+            "x-queue-time": f"{result.queue_s * 1e3:.2f}",
+            "x-inference-time": f"{result.inference_s * 1e3:.2f}",
+            "x-serialize-time": f"{seconds * 1e3:.2f}",
+            "x-cache-hits": str(result.cache_hits),
+        }
+    )
     return response
 
 
@@ -129,8 +168,9 @@ async def encode_with_identifiers(served: Served, items: list[MediaItem], encode
     return result, await identifiers
 
 
-async def answer_beside_files(served: Served, request: Request, result: Encoded, build, ids: list[str] | None,
-                              wait: bool = True) -> Response:
+async def answer_beside_files(
+    served: Served, request: Request, result: Encoded, build, ids: list[str] | None, wait: bool = True
+) -> Response:
     """`answer`, with the items' files written beside its serialization (where `ids`). `wait`: the
     answer is sent once the files are in place too (whoever has it finds them: the proxy's request); else as soon as
     it is built (/v1/encode: its answer is the embeddings, never slowed by the files), the files following within

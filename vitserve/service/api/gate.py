@@ -110,8 +110,9 @@ class BodyMeter:
             want = HELD_PER_BODY_BYTE * (self.length - FREE_BODY_BYTES) - self.charged
             if want > 0:
                 try:
-                    self.charged += await asyncio.wait_for(self.bodies.acquire(want),
-                                                           max(0.0, self.deadline - time.monotonic()))
+                    self.charged += await asyncio.wait_for(
+                        self.bodies.acquire(want), max(0.0, self.deadline - time.monotonic())
+                    )
                 except asyncio.TimeoutError:
                     raise NoBodyMemory() from None
             return
@@ -127,7 +128,9 @@ class Gate:
     def __init__(self, app, settings: Settings, metrics: Metrics, engine=None):
         self.app, self.settings, self.metrics, self.engine = app, settings, metrics, engine
         self.keys = [key.encode() for key in settings.server.api_keys()]
-        self.bodies = engine.bodies if engine is not None else MemoryBudget(settings.limits.body_memory, patience=math.inf)
+        self.bodies = (
+            engine.bodies if engine is not None else MemoryBudget(settings.limits.body_memory, patience=math.inf)
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -159,8 +162,13 @@ class Gate:
         if refused is not None:
             return await refused(scope, receive, send)
         length = headers.get(b"content-length")
-        body = BodyMeter(self.bodies, receive, limit, None if length is None else int(length),
-                         time.monotonic() + self.settings.server.body_timeout)
+        body = BodyMeter(
+            self.bodies,
+            receive,
+            limit,
+            None if length is None else int(length),
+            time.monotonic() + self.settings.server.body_timeout,
+        )
         started = [False]
 
         async def started_send(message):
@@ -189,8 +197,12 @@ class Gate:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             matches = [hmac.compare_digest(token, key) for key in self.keys]  # all compared: the time names none
             if scheme.lower() != b"bearer" or not any(matches):
-                return error_response(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                      "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return error_response(
+                    401,
+                    "missing or invalid API key (Authorization: Bearer <key>)",
+                    "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
             scope["state"]["client"] = matches.index(True)  # which key: the cache's scope (--cache-scope api-key)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -200,12 +212,20 @@ class Gate:
     def _body_error(self, e: Exception, limit: int):
         """The answer to a body that did not fit its memory (429), its limit (413) or its deadline (408)."""
         if isinstance(e, NoBodyMemory):
-            return error_response(429, "the server holds too many request bodies; retry shortly", "queue_full",
-                                  headers={"Retry-After": "1", "Connection": "close"})
+            return error_response(
+                429,
+                "the server holds too many request bodies; retry shortly",
+                "queue_full",
+                headers={"Retry-After": "1", "Connection": "close"},
+            )
         if isinstance(e, PayloadTooLarge):
             return error_response(413, payload_message(limit), "payload_too_large")
-        return error_response(408, f"the request body did not arrive within {self.settings.server.body_timeout:g} s",
-                              "request_timeout", headers={"Connection": "close"})
+        return error_response(
+            408,
+            f"the request body did not arrive within {self.settings.server.body_timeout:g} s",
+            "request_timeout",
+            headers={"Connection": "close"},
+        )
 
     def _account(self, scope, status: int, seconds: float) -> None:
         """The request's metrics and its access line (every request but the scrapes and probes, which would drown
@@ -220,13 +240,23 @@ class Gate:
         level = logging.DEBUG if path in OPEN_PATHS else logging.INFO
         if not access.isEnabledFor(level):
             return
-        fields = {"method": scope.get("method"), "path": path, "status": status, "ms": round(seconds * 1e3, 2),
-                  "images": state.get("images"), "tokens": state.get("tokens"),
-                  "decode_ms": state.get("decode_ms"), "queue_ms": state.get("queue_ms"),
-                  "inference_ms": state.get("inference_ms"), "serialize_ms": state.get("serialize_ms"),
-                  "cache_hits": state.get("cache_hits"), "request_id": state["request_id"]}
-        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("method", "path",
-                                                                                           "status"))
+        fields = {
+            "method": scope.get("method"),
+            "path": path,
+            "status": status,
+            "ms": round(seconds * 1e3, 2),
+            "images": state.get("images"),
+            "tokens": state.get("tokens"),
+            "decode_ms": state.get("decode_ms"),
+            "queue_ms": state.get("queue_ms"),
+            "inference_ms": state.get("inference_ms"),
+            "serialize_ms": state.get("serialize_ms"),
+            "cache_hits": state.get("cache_hits"),
+            "request_id": state["request_id"],
+        }
+        text = " ".join(
+            f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("method", "path", "status")
+        )
         access.log(level, "%s %s %s %s", fields["method"], path, status, text, extra={"fields": fields})
 
 

@@ -49,10 +49,19 @@ HIGH_WATER = 64 * 2**10  # the transports' default write-buffer limit (asyncio's
 def error_bytes(conn: h11.Connection, status: int, message: str, code: str, headers=()) -> bytes:
     """A whole error response in the OpenAI envelope, closing the connection, as h11 frames it on `conn`."""
     body = json.dumps(envelope(status, message, code)).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"), *headers]
-    return b"".join([conn.send(h11.Response(status_code=status, headers=head)), conn.send(h11.Data(data=body)),
-                     conn.send(h11.EndOfMessage())])
+    head = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        *headers,
+    ]
+    return b"".join(
+        [
+            conn.send(h11.Response(status_code=status, headers=head)),
+            conn.send(h11.Data(data=body)),
+            conn.send(h11.EndOfMessage()),
+        ]
+    )
 
 
 class CountedConnection:
@@ -111,14 +120,18 @@ class GuardedH11Protocol(H11Protocol):
     def _make_room(self) -> None:
         """Close the longest-idle connections until this one fits; if every other one is busy, this connection's
         requests are answered 503, but for the probes."""
-        idle = sorted((c for c in self.connections if c is not self and getattr(c, "idle", False)),
-                      key=lambda c: c._idle_since)
-        for other in idle[:len(self.connections) - self.max_connections]:
+        idle = sorted(
+            (c for c in self.connections if c is not self and getattr(c, "idle", False)), key=lambda c: c._idle_since
+        )
+        for other in idle[: len(self.connections) - self.max_connections]:
             other.transport.close()
             other.connections.discard(other)  # counted out now: its close completes on a later turn of the loop
         if len(self.connections) > self.max_connections:
-            log.warning("%d connections open, each busy with a request (--max-connections %d): answering a new "
-                        "one 503", len(self.connections), self.max_connections)
+            log.warning(
+                "%d connections open, each busy with a request (--max-connections %d): answering a new one 503",
+                len(self.connections),
+                self.max_connections,
+            )
             self.app = _over_limit(self.app)
 
     def _arm(self) -> None:
@@ -154,17 +167,23 @@ class GuardedH11Protocol(H11Protocol):
             self._start, self._pieces, self._data = self._parsed(), 0, 0
             names = {name.lower() for name, _ in event.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
-                return self._refuse(400, "a request may not have both Content-Length and Transfer-Encoding",
-                                    "invalid_framing")
+                return self._refuse(
+                    400, "a request may not have both Content-Length and Transfer-Encoding", "invalid_framing"
+                )
         elif isinstance(event, h11.Data):
             self._pieces += 1
             self._data += len(event.data)
             if self._pieces > FREE_PIECES + self._data // PIECE_BYTES:
-                return self._refuse(400, f"the request body came in {self._pieces} pieces for {self._data} bytes; "
-                                         f"send it in pieces of at least {PIECE_BYTES} bytes", "body_pieces")
+                return self._refuse(
+                    400,
+                    f"the request body came in {self._pieces} pieces for {self._data} bytes; "
+                    f"send it in pieces of at least {PIECE_BYTES} bytes",
+                    "body_pieces",
+                )
             if self._parsed() - self._start - self._data > FRAMING_BYTES + self._data // 8:
-                return self._refuse(400, "the request body's framing takes more bytes than its data allows",
-                                    "body_pieces")
+                return self._refuse(
+                    400, "the request body's framing takes more bytes than its data allows", "body_pieces"
+                )
         return event
 
     def _parsed(self) -> int:
@@ -213,11 +232,21 @@ def _over_limit(app):
     async def answer(scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await app(scope, receive, send)
-        body = json.dumps(envelope(503, "too many connections, each busy with a request; retry shortly",
-                                   "too_many_connections")).encode()
-        await send({"type": "http.response.start", "status": 503, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"retry-after", b"1"), (b"connection", b"close")]})
+        body = json.dumps(
+            envelope(503, "too many connections, each busy with a request; retry shortly", "too_many_connections")
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", b"1"),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     return answer
@@ -238,13 +267,22 @@ def connection_limit(max_connections: int) -> int:
             pass
     if soft != resource.RLIM_INFINITY and soft < want:
         fit = max(1, soft - RESERVED_FILES)
-        log.warning("--max-connections %d needs %d file descriptors, but this process may open %d (ulimit -n): "
-                    "holding at most %d connections", max_connections, want, soft, fit)
+        log.warning(
+            "--max-connections %d needs %d file descriptors, but this process may open %d (ulimit -n): "
+            "holding at most %d connections",
+            max_connections,
+            want,
+            soft,
+            fit,
+        )
         return fit
     return max_connections
 
 
 def guarded_h11(header_timeout: float, max_connections: int = 1024) -> type[GuardedH11Protocol]:
     """The protocol class uvicorn is given (it instantiates it per connection)."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout": header_timeout,
-                                                              "max_connections": max_connections})
+    return type(
+        "GuardedH11Protocol",
+        (GuardedH11Protocol,),
+        {"header_timeout": header_timeout, "max_connections": max_connections},
+    )

@@ -35,18 +35,39 @@ from ..ground.errors import (
 log = logging.getLogger("vitserve.app")
 TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               408: "timeout_error", 409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 501: "server_error", 503: "service_unavailable",
-               507: "insufficient_storage"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    501: "server_error",
+    503: "service_unavailable",
+    507: "insufficient_storage",
+}
 
 # the one place that turns domain errors into HTTP: status and, where retrying helps, Retry-After seconds
 HTTP_STATUS: dict[type[EngineError], tuple[int, str | None]] = {
-    InputRejected: (400, None), NotAllowed: (403, None), NotServed: (404, None), Conflict: (409, None),
-    InputTooLarge: (413, None), Unsupported: (501, None),
-    QueueFull: (429, "1"), InferenceFailed: (500, None), DeliveryFailed: (502, None), NotReady: (503, "5"),
-    Unavailable: (503, "5"), TimedOut: (504, None), OutOfMemory: (507, None), StorageFailed: (507, None),
-    ClientDisconnected: (499, None)}
+    InputRejected: (400, None),
+    NotAllowed: (403, None),
+    NotServed: (404, None),
+    Conflict: (409, None),
+    InputTooLarge: (413, None),
+    Unsupported: (501, None),
+    QueueFull: (429, "1"),
+    InferenceFailed: (500, None),
+    DeliveryFailed: (502, None),
+    NotReady: (503, "5"),
+    Unavailable: (503, "5"),
+    TimedOut: (504, None),
+    OutOfMemory: (507, None),
+    StorageFailed: (507, None),
+    ClientDisconnected: (499, None),
+}
 
 
 class ServiceError(Exception):
@@ -54,16 +75,18 @@ class ServiceError(Exception):
     own errors (a body the HTTP layer refuses: its framing, its JSON, its values' count, a multipart form's fields)
     are raised as these; a domain error becomes one by `of`."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self, status: int, message: str, code: str, param: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers or {}
 
     @classmethod
     def of(cls, error: EngineError) -> ServiceError:
         status, retry_after = next(HTTP_STATUS[c] for c in type(error).__mro__ if c in HTTP_STATUS)
-        return cls(status, error.message, error.code, error.param,
-                   {"Retry-After": retry_after} if retry_after else None)
+        return cls(
+            status, error.message, error.code, error.param, {"Retry-After": retry_after} if retry_after else None
+        )
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.code, self.param, self.headers)
@@ -75,12 +98,19 @@ class ServiceError(Exception):
 
 def envelope(status: int, message: str, code: str, param: str | None = None) -> dict:
     """An error in OpenAI's envelope: `{"error": {"message", "type", "param", "code"}}`, its type by the status."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
-def error_response(status: int, message: str, code: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, code: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(envelope(status, message, code, param), status_code=status, headers=headers)
 
 
@@ -99,8 +129,9 @@ def validation_error(exc: RequestValidationError, status: int = 422) -> ServiceE
     too, an unknown key) and pydantic's words."""
     first = exc.errors()[0] if exc.errors() else {}
     field = clip(where(tuple(first.get("loc", ()))))
-    return ServiceError(status, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}", "invalid_request",
-                        field or None)
+    return ServiceError(
+        status, f"{field or 'body'}: {clip(first.get('msg', 'invalid request'))}", "invalid_request", field or None
+    )
 
 
 def add_error_handlers(app: FastAPI) -> None:

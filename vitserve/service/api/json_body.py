@@ -106,12 +106,21 @@ class Scan:
 
 
 def too_many(max_images: int) -> ServiceError:
-    return ServiceError(413, f"more than {max_images} images (or values) in one request", "too_many_images",
-                        headers={"Connection": "close"})  # the rest of the body is not read
+    return ServiceError(
+        413,
+        f"more than {max_images} images (or values) in one request",
+        "too_many_images",
+        headers={"Connection": "close"},
+    )  # the rest of the body is not read
 
 
-async def read_json(request, model: type[BaseModel], max_images: int, raw_fields: tuple[str, ...] = (),
-                    bodies: SharedBodies | None = None) -> BaseModel:
+async def read_json(
+    request,
+    model: type[BaseModel],
+    max_images: int,
+    raw_fields: tuple[str, ...] = (),
+    bodies: SharedBodies | None = None,
+) -> BaseModel:
     """A request's JSON body as `model` (`parse_body`), scanned as it arrives: a body with more values than
     `max_images` images and a few fields could hold is refused at the chunk that shows it. The body goes into one
     buffer, a chunk's copy at a time, and is never joined from pieces afterwards. A large one of declared length
@@ -139,19 +148,24 @@ async def read_json(request, model: type[BaseModel], max_images: int, raw_fields
         if mapped:
             if size + len(chunk) > int(length):  # (the HTTP layer frames by the declared length)
                 raise ServiceError(400, "the body is longer than its Content-Length", "invalid_request")
-            body[size:size + len(chunk)] = chunk
+            body[size : size + len(chunk)] = chunk
         else:
             body += chunk
         size += len(chunk)
         if not scan.feed(body, size):
             raise too_many(max_images)
-    return parse_body(model, body, max_images, raw_fields, scan, size,
-                      shared.path if shared is not None else None)
+    return parse_body(model, body, max_images, raw_fields, scan, size, shared.path if shared is not None else None)
 
 
-def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_images: int,
-               raw_fields: tuple[str, ...] = (), scan: Scan | None = None, size: int | None = None,
-               path: str | None = None) -> BaseModel:
+def parse_body(
+    model: type[BaseModel],
+    body: bytes | bytearray | mmap.mmap,
+    max_images: int,
+    raw_fields: tuple[str, ...] = (),
+    scan: Scan | None = None,
+    size: int | None = None,
+    path: str | None = None,
+) -> BaseModel:
     """`body` (its first `size` bytes; default all) validated as `model`: not JSON (or nested too deeply) is a 400,
     invalid fields a 422, more values than `max_images` images and a few fields could hold a 413. The long strings of
     `raw_fields` (a string or a list of strings each) come back as `Text` where they hold no escapes; every other
@@ -163,10 +177,10 @@ def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_
         scan.feed(body, size)
     if scan.over:
         raise too_many(max_images)
-    long = [(s, e) for s, e in scan.spans if e - s > LONG and body[e + 1:e + 64].lstrip()[:1] != b":"]  # values
+    long = [(s, e) for s, e in scan.spans if e - s > LONG and body[e + 1 : e + 64].lstrip()[:1] != b":"]  # values
     pieces, previous = [], 0
     for i, (start, end) in enumerate(long):
-        pieces += [body[previous:start + 1], _MARK_JSON + str(i).encode()]
+        pieces += [body[previous : start + 1], _MARK_JSON + str(i).encode()]
         previous = end
     whole = isinstance(body, (bytes, bytearray)) and size == len(body)
     skeleton = b"".join([*pieces, body[previous:size]]) if long else body if whole else body[:size]
@@ -183,8 +197,9 @@ def parse_body(model: type[BaseModel], body: bytes | bytearray | mmap.mmap, max_
     return parsed
 
 
-def _restore_fields(model: BaseModel, raw_fields: tuple[str, ...], body, view: memoryview,
-                    long: list[tuple[int, int]], path: str | None) -> None:
+def _restore_fields(
+    model: BaseModel, raw_fields: tuple[str, ...], body, view: memoryview, long: list[tuple[int, int]], path: str | None
+) -> None:
     """`_restore` every field of a parsed model (strings, and those in its lists and dicts), and of the models within
     it (a chat request's content parts), the fields named in `raw_fields` at any depth as `Text`."""
     for name in type(model).model_fields:
@@ -209,7 +224,7 @@ def _restore(value, raw: bool, body, view: memoryview, long: list[tuple[int, int
         return {k: _restore(v, raw, body, view, long, path) for k, v in value.items()}
     if not isinstance(value, str) or not value.startswith(_MARK):
         return value
-    start, end = long[int(value[len(_MARK):])]
+    start, end = long[int(value[len(_MARK) :])]
     if raw and body.find(b"\\", start, end) < 0:
-        return Text(view[start + 1:end], None if path is None else (path, start + 1))
-    return json.loads(body[start:end + 1])  # escapes (or not an image field): decoded as JSON does
+        return Text(view[start + 1 : end], None if path is None else (path, start + 1))
+    return json.loads(body[start : end + 1])  # escapes (or not an image field): decoded as JSON does

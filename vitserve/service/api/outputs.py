@@ -77,11 +77,15 @@ def encode_data(items: list[Features], dtype: str, deepstack: bool, ids: list[st
     out, data = OUTPUT_DTYPES[dtype], []
     for i, item in enumerate(items):
         modality = "video" if item.timing else "image"
-        entry = {"index": next(counts[modality]), "modality": modality,
-                 "grid_thw": item.grid, "shape": list(item.tokens.shape), "dtype": dtype,
-                 "embeddings": b64(converted(item.tokens, out)),
-                 "deepstack": [b64(converted(d, out)) for d in item.deepstack] if item.deepstack and deepstack
-                 else None}
+        entry = {
+            "index": next(counts[modality]),
+            "modality": modality,
+            "grid_thw": item.grid,
+            "shape": list(item.tokens.shape),
+            "dtype": dtype,
+            "embeddings": b64(converted(item.tokens, out)),
+            "deepstack": [b64(converted(d, out)) for d in item.deepstack] if item.deepstack and deepstack else None,
+        }
         data.append(entry | (item.timing or {}) | ({"ec_id": ids[i]} if ids is not None else {}))
     return data
 
@@ -145,8 +149,13 @@ class PartsResponse(Response):
     """A response whose body goes out as the pieces it was built from (bytes, or byte memoryviews of tensors), with
     one Content-Length for them all."""
 
-    def __init__(self, parts: list[bytes | memoryview], status_code: int = 200, headers=None,
-                 media_type: str = "application/json"):
+    def __init__(
+        self,
+        parts: list[bytes | memoryview],
+        status_code: int = 200,
+        headers=None,
+        media_type: str = "application/json",
+    ):
         self.parts = parts
         super().__init__(None, status_code, headers, media_type)
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
@@ -165,8 +174,9 @@ def json_response(content, status_code: int = 200, headers=None) -> PartsRespons
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
-def safetensors_parts(items: list[Features], dtype: str, metadata: dict[str, str],
-                      deepstack: bool = True) -> list[bytes | memoryview]:
+def safetensors_parts(
+    items: list[Features], dtype: str, metadata: dict[str, str], deepstack: bool = True
+) -> list[bytes | memoryview]:
     """Every item's tokens and deepstack features in `dtype` as one safetensors file, with string `metadata`, in pieces:
     the header, then each tensor's raw little-endian bytes in header order (`raw_bytes` of the tensor, or of its
     conversion to `dtype`: a tensor shared by several items is a piece of each)."""
@@ -178,8 +188,11 @@ def safetensors_parts(items: list[Features], dtype: str, metadata: dict[str, str
         named += [(f"images.{i}.deepstack.{j}", d) for j, d in enumerate(item.deepstack if deepstack else [])]
         for name, t in named:
             data = raw_bytes(converted(t, out_dtype))
-            header[name] = {"dtype": SAFETENSORS_DTYPES[out_dtype], "shape": list(t.shape),
-                            "data_offsets": [offset, offset + len(data)]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[out_dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + len(data)],
+            }
             parts.append(data)
             offset += len(data)
     parts[0] = safetensors_header(header)

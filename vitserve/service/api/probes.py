@@ -18,13 +18,25 @@ async def models(request: Request):
     api = served(request)
     engine, settings = api.engine, api.settings
     cfg = engine.model.config if engine.model else None
-    return {"object": "list", "data": [{
-        "id": settings.model.name, "object": "model", "created": int(engine.started), "owned_by": "vitserve",
-        "root": settings.model.model, "family": cfg.family if cfg else None,
-        "embedding_dim": cfg.out_hidden_size if cfg else None, "ready": engine.state is State.READY,
-        "deepstack_layers": len(cfg.deepstack_visual_indexes) if cfg else None,
-        "max_images_per_request": api.limits.images, "max_videos_per_request": api.limits.videos,
-        "capabilities": {"images": True, "videos": engine.videos_unavailable is None}}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": settings.model.name,
+                "object": "model",
+                "created": int(engine.started),
+                "owned_by": "vitserve",
+                "root": settings.model.model,
+                "family": cfg.family if cfg else None,
+                "embedding_dim": cfg.out_hidden_size if cfg else None,
+                "ready": engine.state is State.READY,
+                "deepstack_layers": len(cfg.deepstack_visual_indexes) if cfg else None,
+                "max_images_per_request": api.limits.images,
+                "max_videos_per_request": api.limits.videos,
+                "capabilities": {"images": True, "videos": engine.videos_unavailable is None},
+            }
+        ],
+    }
 
 
 @router.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
@@ -49,7 +61,10 @@ async def stats(request: Request):
     return await served(request).engine.server_stats()
 
 
-@router.get("/metrics", response_class=PlainTextResponse,
-            responses={200: {"description": "Prometheus exposition text (text/plain; version=0.0.4)"}})
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus exposition text (text/plain; version=0.0.4)"}},
+)
 async def metrics(request: Request):
     return Response(await served(request).engine.server_metrics(), media_type=CONTENT_TYPE_LATEST)

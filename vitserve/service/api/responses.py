@@ -33,7 +33,8 @@ class Embedding(BaseModel):
     shape: list[int] | None = Field(None, description="pooling none: the token matrix's [tokens, width]")
     grid_thw: list[int] | None = Field(None, description="pooling none: the item's [t, h, w] patch grid")
     embedding: list[float] | list[list[float]] | str = Field(
-        description="float: the vector (or, pooling none, one per token); base64: its little-endian float32 bytes")
+        description="float: the vector (or, pooling none, one per token); base64: its little-endian float32 bytes"
+    )
 
 
 class EmbeddingAnswer(BaseModel):
@@ -149,7 +150,8 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: ChatUsage
     ec_transfer_params: dict[str, Any] = Field(
-        description="per identifier: modality, item_indices, metadata (grid, a Qwen3-VL video's timestamps)")
+        description="per identifier: modality, item_indices, metadata (grid, a Qwen3-VL video's timestamps)"
+    )
 
 
 class SGLangError(BaseModel):
@@ -167,8 +169,14 @@ def errors(*statuses: int) -> dict:
 
 def json_and_binary(model: type[BaseModel], binary: str) -> dict:
     """A 200 answer in JSON (`model`) or, by the request's Accept, a binary body (`binary` says what it holds)."""
-    return {200: {"model": model, "content": {"application/octet-stream": {
-        "schema": {"type": "string", "format": "binary", "description": binary}}}}}
+    return {
+        200: {
+            "model": model,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary", "description": binary}}
+            },
+        }
+    }
 
 
 NULL = {200: {"description": "done", "content": {"application/json": {"schema": {"type": "null"}}}}}

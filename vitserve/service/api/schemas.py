@@ -17,9 +17,14 @@ def request_body(model: type[BaseModel], form: type[BaseModel] | None = None) ->
     content = {"application/json": {"schema": model.model_json_schema()}}
     if form is not None:
         schema = form.model_json_schema()
-        schema["properties"] = {"images": {"type": "array", "items": {"type": "string", "format": "binary"},
-                                           "description": "image files (any file field name)"},
-                                **schema["properties"]}
+        schema["properties"] = {
+            "images": {
+                "type": "array",
+                "items": {"type": "string", "format": "binary"},
+                "description": "image files (any file field name)",
+            },
+            **schema["properties"],
+        }
         schema["required"] = ["images"]
         content["multipart/form-data"] = {"schema": schema}
     return {"requestBody": {"required": True, "content": content}}
@@ -31,23 +36,36 @@ def canonical_dtype(value):
     return str(DTYPES[value]).removeprefix("torch.") if isinstance(value, str) and value in DTYPES else value
 
 
-DType = Annotated[Literal[tuple(OUTPUT_DTYPES)], BeforeValidator(canonical_dtype),
-                  Field(description="float32, float16 or bfloat16 (or fp32, fp16, bf16, half)")]
+DType = Annotated[
+    Literal[tuple(OUTPUT_DTYPES)],
+    BeforeValidator(canonical_dtype),
+    Field(description="float32, float16 or bfloat16 (or fp32, fp16, bf16, half)"),
+]
 
-MAX_PIXELS = Field(default=None, gt=0, description="cap on the resized image's pixels for this request (at most the "
-                                                   "server's own, which also applies when this is larger)")
+MAX_PIXELS = Field(
+    default=None,
+    gt=0,
+    description="cap on the resized image's pixels for this request (at most the "
+    "server's own, which also applies when this is larger)",
+)
 
 
 class VideoOptions(BaseModel):
     """How a request's videos are sampled (transformers' video processor arguments), within the server's limits."""
 
     fps: float | None = Field(default=None, gt=0, le=240, description="frames sampled a second of video")
-    num_frames: int | None = Field(default=None, gt=0, description="frames sampled from each video, evenly "
-                                                                   "(instead of fps; at most --max-video-frames)")
-    max_frames: int | None = Field(default=None, gt=0, description="at most this many frames a video (and at most "
-                                                                   "--max-video-frames)")
-    truncate_frames: bool = Field(default=False, description="a num_frames over a video's frames takes them all "
-                                                             "instead of a 400 (TEI's truncate, for frames)")
+    num_frames: int | None = Field(
+        default=None,
+        gt=0,
+        description="frames sampled from each video, evenly (instead of fps; at most --max-video-frames)",
+    )
+    max_frames: int | None = Field(
+        default=None, gt=0, description="at most this many frames a video (and at most --max-video-frames)"
+    )
+    truncate_frames: bool = Field(
+        default=False,
+        description="a num_frames over a video's frames takes them all instead of a 400 (TEI's truncate, for frames)",
+    )
 
     @model_validator(mode="after")
     def one_rate(self):
@@ -56,8 +74,12 @@ class VideoOptions(BaseModel):
         return self
 
     def video_options(self) -> dict:
-        return {"fps": self.fps, "num_frames": self.num_frames, "max_frames": self.max_frames,
-                "truncate_frames": self.truncate_frames}
+        return {
+            "fps": self.fps,
+            "num_frames": self.num_frames,
+            "max_frames": self.max_frames,
+            "truncate_frames": self.truncate_frames,
+        }
 
 
 class EmbeddingRequest(VideoOptions):

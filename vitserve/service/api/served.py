@@ -40,8 +40,11 @@ class Served:
     def check_model(self, name: str | None, *others: str | None) -> None:
         """`name` (a request's `model`) is the served model, its --model, or one of `others` (else a 404)."""
         if name is not None and name not in (self.settings.model.name, self.settings.model.model, *others):
-            raise NotServed(f"model {clip(name)!r} is not served here; this server serves "
-                            f"{self.settings.model.name!r}", "model_not_found", "model")
+            raise NotServed(
+                f"model {clip(name)!r} is not served here; this server serves {self.settings.model.name!r}",
+                "model_not_found",
+                "model",
+            )
 
 
 def served(request: Request) -> Served:

@@ -87,8 +87,11 @@ class SharedBodies:
         except OSError:  # no room in the directory (or it is gone): a private mapping
             return Body(await loop.run_in_executor(None, anonymous, size), None, size, None)
         except asyncio.CancelledError:  # the request is gone: the file goes back once mapped
-            mapping.add_done_callback(lambda done: done.cancelled() or done.exception() or
-                                      self._release(done.result()[1], capacity, done.result()[0]))
+            mapping.add_done_callback(
+                lambda done: (
+                    done.cancelled() or done.exception() or self._release(done.result()[1], capacity, done.result()[0])
+                )
+            )
             raise
         return Body(buffer, path, capacity, self)
 

@@ -31,9 +31,15 @@ class DecodedImage:
     seconds: float
 
 
-def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: PreprocessConfig,
-                      spool_prefix: str | None = None, fast: bool = False,
-                      jpeg_on_device: bool = False) -> DecodedImage:
+def decode_and_resize(
+    data,
+    is_base64: bool,
+    max_image_pixels: int,
+    cfg: PreprocessConfig,
+    spool_prefix: str | None = None,
+    fast: bool = False,
+    jpeg_on_device: bool = False,
+) -> DecodedImage:
     """Runs in a worker: encoded bytes (or their base64 text, or where it lies: MediaHandle) -> the resized (H, W, 3)
     uint8 image, in a spool file when `spool_prefix` is given and it can, and the seconds it took (a DecodedImage).
     Before PIL reads it, the image's structure is walked whole (`probe`): what breaks its limits (a JPEG's scans, a
@@ -45,7 +51,7 @@ def decode_and_resize(data, is_base64: bool, max_image_pixels: int, cfg: Preproc
     header = probe(data, whole=True)
     header.check(max_image_pixels)
     if header.end is not None and header.end < len(data):
-        data = data[:header.end]
+        data = data[: header.end]
     if fast:
         image = load_for_device(data, jpeg_on_device, max_image_pixels)
         if isinstance(image, EncodedJpeg):
@@ -92,8 +98,9 @@ class DecodedVideo:
     duration: float
 
 
-def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = None,
-                 threads: int = VIDEO_DECODE_THREADS) -> DecodedVideo:
+def decode_video(
+    data, is_base64: bool, cfg, limits, spool_path: str | None = None, threads: int = VIDEO_DECODE_THREADS
+) -> DecodedVideo:
     """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its DecodedVideo, the slices in
     spool files `spool_path`-0, -1, ... where given and it can (encoder.video.load_video: the limits are checked from
     the header first, frames decoded one at a time and resized as they come)."""
@@ -105,7 +112,11 @@ def decode_video(data, is_base64: bool, cfg, limits, spool_path: str | None = No
     slices = video.slices()
     out = [(spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)]
     _, h, w, _ = video.frames.shape
-    timing = {"frame_indices": video.indices.tolist(), "fps": video.info.fps, "timestamps": video.timestamps,
-              "second_per_grid_t": video.second_per_grid_t}
+    timing = {
+        "frame_indices": video.indices.tolist(),
+        "fps": video.info.fps,
+        "timestamps": video.timestamps,
+        "second_per_grid_t": video.second_per_grid_t,
+    }
     grid = (len(slices), h // cfg.patch_size, w // cfg.patch_size)
     return DecodedVideo(out, grid, timing, video.decoder, time.perf_counter() - start, video.info.duration)

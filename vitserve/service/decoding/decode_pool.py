@@ -86,8 +86,8 @@ class _Link(asyncio.Protocol):
             size = ANSWER_HEADER.unpack_from(self._buffer)[0]
             if len(self._buffer) < head + size:
                 return
-            result = pickle.loads(bytes(self._buffer[head:head + size]))
-            del self._buffer[:head + size]
+            result = pickle.loads(bytes(self._buffer[head : head + size]))
+            del self._buffer[: head + size]
             self.pool._answered(self, result)
 
     def connection_lost(self, exc) -> None:
@@ -100,8 +100,9 @@ class _Job:
 
     __slots__ = ("call", "payload", "future", "on_lost", "timeout")
 
-    def __init__(self, call: bytes, payload, future: asyncio.Future, on_lost: Callable[[], None] | None,
-                 timeout: float | None):
+    def __init__(
+        self, call: bytes, payload, future: asyncio.Future, on_lost: Callable[[], None] | None, timeout: float | None
+    ):
         self.call, self.payload, self.future, self.on_lost, self.timeout = call, payload, future, on_lost, timeout
 
 
@@ -142,9 +143,15 @@ class DecodePool:
     last worker died and none could be started in its place. `timeout`: seconds a job may run (None: no limit);
     `grace`: seconds a cancelled job may still run before its worker is killed."""
 
-    def __init__(self, workers: int, preload: str = "vitserve.service.decoding.forkserver_preload",
-                 on_orphan: Callable = lambda result: None, on_broken: Callable[[str], None] = lambda reason: None,
-                 timeout: float | None = None, grace: float = 1.0):
+    def __init__(
+        self,
+        workers: int,
+        preload: str = "vitserve.service.decoding.forkserver_preload",
+        on_orphan: Callable = lambda result: None,
+        on_broken: Callable[[str], None] = lambda reason: None,
+        timeout: float | None = None,
+        grace: float = 1.0,
+    ):
         self.size, self.timeout, self.grace = workers, timeout, grace
         self.on_orphan, self.on_broken = on_orphan, on_broken
         self._context = multiprocessing.get_context("forkserver")
@@ -191,8 +198,9 @@ class DecodePool:
         """Live workers waiting for a job."""
         return len(self._idle)
 
-    def submit(self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None,
-               timeout: float | None = None) -> asyncio.Future:
+    def submit(
+        self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None, timeout: float | None = None
+    ) -> asyncio.Future:
         """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
         as its ErrorRecord brings it back (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like (sent as they
         are), a function that makes them when a worker takes the job, or any other object, pickled with the call (a
@@ -208,8 +216,12 @@ class DecodePool:
             return future
         inline = not (callable(payload) or isinstance(payload, _BYTES))
         call = Call(fn, args, payload, True) if inline else Call(fn, args)
-        self._waiting.append(owner, _Job(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL), payload, future,
-                                         on_lost, timeout or self.timeout))
+        self._waiting.append(
+            owner,
+            _Job(
+                pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL), payload, future, on_lost, timeout or self.timeout
+            ),
+        )
         self._dispatch()
         return future
 
@@ -228,8 +240,7 @@ class DecodePool:
             link.job = job
             link.send(job.call, job.payload if isinstance(job.payload, _BYTES) else b"")
             if job.timeout is not None:
-                link.timer = self._loop.call_later(job.timeout, self._kill, link, f"its job ran past "
-                                                                                 f"{job.timeout:g} s")
+                link.timer = self._loop.call_later(job.timeout, self._kill, link, f"its job ran past {job.timeout:g} s")
             job.future.add_done_callback(functools.partial(self._cancelled, link, job))
 
     def _cancelled(self, link: _Link, job: _Job, future: asyncio.Future) -> None:
@@ -237,8 +248,9 @@ class DecodePool:
         if future.cancelled() and link.job is job and link.killed is None:
             if link.timer is not None:
                 link.timer.cancel()
-            link.timer = self._loop.call_later(self.grace, self._kill, link, f"its job's caller was gone for "
-                                                                            f"{self.grace:g} s")
+            link.timer = self._loop.call_later(
+                self.grace, self._kill, link, f"its job's caller was gone for {self.grace:g} s"
+            )
 
     def _kill(self, link: _Link, reason: str) -> None:
         """Kill a worker that holds a job too long (SIGKILL: a decoder does not stop on request); it is replaced like

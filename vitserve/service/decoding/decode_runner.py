@@ -54,19 +54,25 @@ class DecodeRunner:
         self.pool: DecodePool | None = None
         self.threads: ThreadPoolExecutor | None = None
         if decoding.decode_processes:
-            self.pool = DecodePool(workers, on_orphan=discard_decoded, on_broken=on_broken,
-                                   timeout=decoding.decode_timeout)
+            self.pool = DecodePool(
+                workers, on_orphan=discard_decoded, on_broken=on_broken, timeout=decoding.decode_timeout
+            )
         else:
             self.threads = ThreadPoolExecutor(workers, thread_name_prefix="vitserve-decode")
         self.spool_prefix: str | None = None
         if decoding.decode_processes and decoding.spool_dir != "none":
             self.spool_prefix = spool.spool_prefix(decoding.spool_dir)
             if self.spool_prefix is None:
-                log.warning("no usable spool directory (%s): decoded images cross through a pipe, which costs the "
-                            "server about 2 ms of CPU per megabyte", decoding.spool_dir or "/dev/shm")
+                log.warning(
+                    "no usable spool directory (%s): decoded images cross through a pipe, which costs the "
+                    "server about 2 ms of CPU per megabyte",
+                    decoding.spool_dir or "/dev/shm",
+                )
         if "C extension active" not in pybase64.get_version():  # its pure-Python fallback is the standard library's
-            log.warning("pybase64 runs without its C extension (%s): base64 decodes at a quarter of the speed",
-                        pybase64.get_version())
+            log.warning(
+                "pybase64 runs without its C extension (%s): base64 decodes at a quarter of the speed",
+                pybase64.get_version(),
+            )
         # large request bodies in files of the spool, which the workers read in place (bodies.py)
         self.bodies = SharedBodies(self.spool_prefix) if self.spool_prefix else None
 
@@ -100,8 +106,10 @@ class DecodeRunner:
         jobs = [asyncio.ensure_future(decode) for decode in decodes]
         try:
             await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
-            failed = next(((i, job.exception()) for i, job in zip(names, jobs)
-                           if job.done() and job.exception() is not None), None)
+            failed = next(
+                ((i, job.exception()) for i, job in zip(names, jobs) if job.done() and job.exception() is not None),
+                None,
+            )
             if failed is not None:
                 raise rejection(f"{field}[{failed[0]}]", failed[1], kind=kind) from None
         except BaseException:  # one failed, or the request was cancelled: what was decoded goes, the rest is dropped
@@ -122,8 +130,16 @@ class DecodeRunner:
         except WorkerDied:
             return await run()
 
-    async def run(self, fn, data, owner, *args, end: int | None = None, timeout: float | None = None,
-                  lost: Callable[[], None] | None = None):
+    async def run(
+        self,
+        fn,
+        data,
+        owner,
+        *args,
+        end: int | None = None,
+        timeout: float | None = None,
+        lost: Callable[[], None] | None = None,
+    ):
         """fn(payload, is_base64, *args) in a decode worker (or thread), under the decode timeout. The payload is
         `MediaBytes.payload`'s of `data` up to its `end`: where its base64 lies in its request's body file (the
         worker reads it there, nothing is sent), else its bytes (its base64 as ASCII bytes: a str pickles at twice
@@ -132,8 +148,9 @@ class DecodeRunner:
         media = MediaBytes.of(data)
         payload = media.payload(end, in_file=self.pool is not None)
         if self.pool is None:
-            return await self._in_thread(lambda: fn(payload() if callable(payload) else payload, media.base64, *args),
-                                         timeout)
+            return await self._in_thread(
+                lambda: fn(payload() if callable(payload) else payload, media.base64, *args), timeout
+            )
         job = self.pool.submit(fn, payload, media.base64, *args, owner=owner, timeout=timeout, on_lost=lost)
         try:
             return await job

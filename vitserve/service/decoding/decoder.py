@@ -50,8 +50,9 @@ class Decoder(DecodeRunner):
 
     rejection = staticmethod(rejection)
 
-    def __init__(self, decoding: DecodingSettings, limits: LimitSettings, metrics: Metrics,
-                 on_broken: Callable[[str], None]):
+    def __init__(
+        self, decoding: DecodingSettings, limits: LimitSettings, metrics: Metrics, on_broken: Callable[[str], None]
+    ):
         super().__init__(decoding, on_broken)
         self.limits = limits
         self.metrics = metrics
@@ -102,8 +103,9 @@ class Decoder(DecodeRunner):
             raise
         return headers
 
-    async def decode(self, images: list, cfg: PreprocessConfig, field: str = "input",
-                     names: list[int] | None = None) -> list[Decoded]:
+    async def decode(
+        self, images: list, cfg: PreprocessConfig, field: str = "input", names: list[int] | None = None
+    ) -> list[Decoded]:
         """Decode and resize concurrently; the first bad image fails the request (only it), named `field[i]` with
         i its index in `names` (default: its position)."""
         names = list(range(len(images))) if names is None else names
@@ -111,11 +113,17 @@ class Decoder(DecodeRunner):
         headers = await self.headers(images, field, names, owner)
         costs, limit = [header.decode_bytes for header in headers], self.limits.decode_memory_per_request
         if sum(costs) > limit:
-            raise InputTooLarge(f"decoding these {len(images)} image(s) takes about {sum(costs) / 2**20:.0f} MB; a "
-                                f"request may take {limit / 2**20:.0f} MB (send fewer or smaller images)",
-                                "decode_memory", field)
-        results = await self.run_all([self._decode(data, header.end, cfg, cost, owner)
-                                   for data, header, cost in zip(images, headers, costs)], field, names)
+            raise InputTooLarge(
+                f"decoding these {len(images)} image(s) takes about {sum(costs) / 2**20:.0f} MB; a "
+                f"request may take {limit / 2**20:.0f} MB (send fewer or smaller images)",
+                "decode_memory",
+                field,
+            )
+        results = await self.run_all(
+            [self._decode(data, header.end, cfg, cost, owner) for data, header, cost in zip(images, headers, costs)],
+            field,
+            names,
+        )
         out, p = [], cfg.patch_size
         for decoded in results:
             image = decoded.image
@@ -144,20 +152,35 @@ class Decoder(DecodeRunner):
             if isinstance(first, Exception):  # its base64 does not decode
                 raise self.rejection(param, first, data) from None
             if not sniff(first):
-                raise InputRejected(f"{param}: not a video (send MP4, WebM, MKV, AVI, MPEG-TS, FLV or Ogg; images go "
-                                    "in images)", "not_a_video", param)
+                raise InputRejected(
+                    f"{param}: not a video (send MP4, WebM, MKV, AVI, MPEG-TS, FLV or Ogg; images go in images)",
+                    "not_a_video",
+                    param,
+                )
         s = self.limits
-        limits = VideoLimits(max_seconds=s.max_video_seconds, max_frame_pixels=s.max_image_pixels,
-                             max_bytes=s.decode_memory_per_request, max_work=s.video_decode_work_per_request)
-        costs = await self.run_all([self._video_job(measure_video, data, owner, cfg, limits) for data in videos], field,
-                                names, "video")
+        limits = VideoLimits(
+            max_seconds=s.max_video_seconds,
+            max_frame_pixels=s.max_image_pixels,
+            max_bytes=s.decode_memory_per_request,
+            max_work=s.video_decode_work_per_request,
+        )
+        costs = await self.run_all(
+            [self._video_job(measure_video, data, owner, cfg, limits) for data in videos], field, names, "video"
+        )
         work, limit = sum(cost.work for cost in costs), s.video_decode_work_per_request
         if work > limit:
-            raise InputTooLarge(f"decoding these {len(videos)} videos is {work / 1e9:.1f} G pixels of work; a request "
-                                f"may take {limit / 1e9:.1f} G (send fewer, shorter or smaller videos)", "decode_work",
-                                field)
-        results = await self.run_all([self._decode_video(data, cfg, limits, cost, owner)
-                                   for data, cost in zip(videos, costs)], field, names, "video")
+            raise InputTooLarge(
+                f"decoding these {len(videos)} videos is {work / 1e9:.1f} G pixels of work; a request "
+                f"may take {limit / 1e9:.1f} G (send fewer, shorter or smaller videos)",
+                "decode_work",
+                field,
+            )
+        results = await self.run_all(
+            [self._decode_video(data, cfg, limits, cost, owner) for data, cost in zip(videos, costs)],
+            field,
+            names,
+            "video",
+        )
         out, m = [], self.metrics
         for video in results:
             m.videos.labels(video.decoder).inc()
@@ -172,8 +195,9 @@ class Decoder(DecodeRunner):
         """fn(video, *args) in a decode worker once one of the videos' workers (--video-decode-workers) is free,
         under --video-decode-timeout."""
         async with self.video_slots:
-            return await self.tried_twice(lambda: self.run(fn, data, owner, *args,
-                                                            timeout=self.decoding.video_decode_timeout))
+            return await self.tried_twice(
+                lambda: self.run(fn, data, owner, *args, timeout=self.decoding.video_decode_timeout)
+            )
 
     async def _decode_video(self, data, cfg, limits, cost, owner):
         """A video's decode, once the memory and the work its header declares (`cost`) are taken from the server's
@@ -188,11 +212,20 @@ class Decoder(DecodeRunner):
                     # video gets them all; many get VIDEO_DECODE_THREADS each, as the workers decode them side by side)
                     threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
                     self._videos += 1
+
                     def run():
                         path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-                        return self.run(decode_video, data, owner, cfg, limits, path or None, threads,
-                                        timeout=self.decoding.video_decode_timeout,
-                                        lost=path and functools.partial(spool.clear, f"{path}-"))
+                        return self.run(
+                            decode_video,
+                            data,
+                            owner,
+                            cfg,
+                            limits,
+                            path or None,
+                            threads,
+                            timeout=self.decoding.video_decode_timeout,
+                            lost=path and functools.partial(spool.clear, f"{path}-"),
+                        )
 
                     try:
                         start = time.perf_counter()
@@ -209,9 +242,18 @@ class Decoder(DecodeRunner):
     async def _decode(self, data, end: int | None, cfg: PreprocessConfig, cost: int, owner):
         def run():
             path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-            return self.run(decode_and_resize, data, owner, self.limits.max_image_pixels, cfg, path or None,
-                            self.fast, self.jpeg_on_device, end=end,
-                            lost=path and functools.partial(spool.remove, path))
+            return self.run(
+                decode_and_resize,
+                data,
+                owner,
+                self.limits.max_image_pixels,
+                cfg,
+                path or None,
+                self.fast,
+                self.jpeg_on_device,
+                end=end,
+                lost=path and functools.partial(spool.remove, path),
+            )
 
         share = await self.budget.acquire(cost, owner)
         try:

@@ -41,10 +41,13 @@ def looks_like_text(data) -> bool:
         except UnicodeDecodeError as e:  # a character cut at the end of the sample is not binary data
             if e.start < len(sample) - 3:
                 return False
-            sample = sample[:e.start].decode()
+            sample = sample[: e.start].decode()
     letters = sum(map(str.isalpha, sample)) + sum(map(str.isspace, sample))
-    return sample.translate(_CONTROLS).isprintable() and 4 * letters >= 3 * len(sample) > 0 and \
-        (" " in sample or not sample.isascii())
+    return (
+        sample.translate(_CONTROLS).isprintable()
+        and 4 * letters >= 3 * len(sample) > 0
+        and (" " in sample or not sample.isascii())
+    )
 
 
 def head_or_error(data, size: int = 512):

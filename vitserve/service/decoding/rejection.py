@@ -13,8 +13,10 @@ from .first_bytes import is_video, looks_like_text
 
 log = logging.getLogger("vitserve.decoder")
 
-TEXT_INPUT = ("this is text, not an image: this server encodes images and videos, not text, and its pooled "
-              "vectors are the vision tower's, not text-aligned retrieval embeddings")
+TEXT_INPUT = (
+    "this is text, not an image: this server encodes images and videos, not text, and its pooled "
+    "vectors are the vision tower's, not text-aligned retrieval embeddings"
+)
 
 
 def rejection(param: str, e: BaseException, data=None, kind: str = "image") -> Exception:
@@ -23,17 +25,19 @@ def rejection(param: str, e: BaseException, data=None, kind: str = "image") -> E
     if data is not None and isinstance(e, (InvalidBase64, UndecodableImage)) and looks_like_text(data):
         return InputRejected(f"{param}: {TEXT_INPUT}", "text_input", param)
     if data is not None and isinstance(e, (UndecodableImage, UnsupportedFormat)) and is_video(data):
-        return InputRejected(f"{param}: this is a video, not an image: send it in `videos` (/v1/encode) or with "
-                             "modality video (/v1/embeddings)", "video_input", param)
+        return InputRejected(
+            f"{param}: this is a video, not an image: send it in `videos` (/v1/encode) or with "
+            "modality video (/v1/embeddings)",
+            "video_input",
+            param,
+        )
     if isinstance(e, JobTimedOut):
         log.info("%s: %s", param, e)
-        return InputTooLarge(f"{param}: the {kind} took longer than {e.seconds:g} s to decode", "decode_timeout",
-                             param)
+        return InputTooLarge(f"{param}: the {kind} took longer than {e.seconds:g} s to decode", "decode_timeout", param)
     if isinstance(e, ImageError):
         if str(e) != e.public:
             log.info("%s: %s", param, e)  # the decoder's own words: for the log, not the client
-        return (InputTooLarge if isinstance(e, ImageTooLarge) else InputRejected)(f"{param}: {e.public}", e.code,
-                                                                                 param)
+        return (InputTooLarge if isinstance(e, ImageTooLarge) else InputRejected)(f"{param}: {e.public}", e.code, param)
     if isinstance(e, WorkerDied):  # twice: this image or video kills decode workers
         return InputRejected(f"{param}: the {kind} crashed the decoder", f"undecodable_{kind}", param)
     if isinstance(e, PoolUnavailable):  # not about this image

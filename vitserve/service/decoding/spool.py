@@ -47,8 +47,7 @@ def pixels(images: list) -> list[np.ndarray]:
         except OSError as e:
             lost = lost or e
     if lost is not None:
-        raise ImageLost(f"a decoded image was lost on its way from the decode worker ({type(lost).__name__}: "
-                        f"{lost})")
+        raise ImageLost(f"a decoded image was lost on its way from the decode worker ({type(lost).__name__}: {lost})")
     return out
 
 
@@ -116,8 +115,11 @@ def _is_tmpfs(path: str) -> bool:
     """Whether `path` is on a RAM-backed file system (a spool on disk would write every image out)."""
     try:
         with open("/proc/self/mounts") as mounts:
-            best = max((line.split() for line in mounts if path.startswith(line.split()[1])),
-                       key=lambda fields: len(fields[1]), default=None)
+            best = max(
+                (line.split() for line in mounts if path.startswith(line.split()[1])),
+                key=lambda fields: len(fields[1]),
+                default=None,
+            )
     except OSError:
         return False
     return best is not None and best[2] in ("tmpfs", "ramfs")
@@ -171,7 +173,7 @@ def clear(prefix: str | None, own: bool = False) -> None:
     if prefix:
         for path in glob.glob(glob.escape(prefix) + "*"):
             try:
-                if own and (not FILE.fullmatch(path[len(prefix):]) or os.lstat(path).st_uid != os.getuid()):
+                if own and (not FILE.fullmatch(path[len(prefix) :]) or os.lstat(path).st_uid != os.getuid()):
                     continue
             except OSError:
                 continue

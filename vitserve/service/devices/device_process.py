@@ -73,16 +73,21 @@ def _send_answers(conn, ran: queue.Queue, runner, prefix: str) -> None:
         except (OSError, ValueError):  # the server went away
             return
         except Exception as e:  # an answer that cannot be sent still ends its job: the server never waits on it
-            conn.send(BatchAnswer(batch.job, {}, None,
-                                  ErrorRecord(type(e).__name__, f"the answer could not be sent: {e}")))
+            conn.send(
+                BatchAnswer(batch.job, {}, None, ErrorRecord(type(e).__name__, f"the answer could not be sent: {e}"))
+            )
 
 
 def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str) -> None:
     """The device process: load and capture, say Ready, then run the Batches the server sends, in order, until
     Stop."""
     # lines named by the device; a progress bar only where this is the one device (two would draw over each other)
-    configure_logging(settings.logging.log_format, settings.logging.log_level, bar=None if len(settings.devices.resolve()[0]) == 1
-                      else False, source=device)
+    configure_logging(
+        settings.logging.log_format,
+        settings.logging.log_level,
+        bar=None if len(settings.devices.resolve()[0]) == 1 else False,
+        source=device,
+    )
     leave_to_owner()  # a group's SIGTERM or Ctrl-C: the server drains, then stops this process
     try:
         encoder = _load(settings, device, dtype)
@@ -100,8 +105,9 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
     # answers are written and sent by a thread of their own: writing megabytes of token features to their files
     # overlaps the next batch's launch instead of delaying it (the GPU would wait)
     ran: queue.Queue = queue.Queue()
-    sender = threading.Thread(target=_send_answers, args=(conn, ran, encoder.runner, prefix),
-                              name="vitserve-answers", daemon=True)
+    sender = threading.Thread(
+        target=_send_answers, args=(conn, ran, encoder.runner, prefix), name="vitserve-answers", daemon=True
+    )
     sender.start()
 
     def launch(batch: Batch):
@@ -132,13 +138,15 @@ class ProcessDevice:
 
     depth = BATCHES_IN_FLIGHT + 1  # the device process runs two; one more waits in its pipe
 
-    def __init__(self, settings: Settings, device: str, dtype: str, prefix: str, patch_size: int,
-                 records: bool = False):
+    def __init__(
+        self, settings: Settings, device: str, dtype: str, prefix: str, patch_size: int, records: bool = False
+    ):
         self.name, self.prefix, self.patch_size, self.records = device, prefix, patch_size, records
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process's state
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=serve_device, args=(child, settings, device, dtype, prefix),
-                                       name=f"vitserve-{device}", daemon=True)
+        self.process = context.Process(
+            target=serve_device, args=(child, settings, device, dtype, prefix), name=f"vitserve-{device}", daemon=True
+        )
         self.process.start()
         child.close()
         self.stats: dict = {}
@@ -154,8 +162,9 @@ class ProcessDevice:
         try:
             message = self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"the process for {self.name} exited while loading "
-                               f"(exit code {self.process.exitcode})") from None
+            raise RuntimeError(
+                f"the process for {self.name} exited while loading (exit code {self.process.exitcode})"
+            ) from None
         if not isinstance(message, Ready):
             raise RuntimeError(f"{self.name}: {message.error}")
         self.stats = message.stats
@@ -164,15 +173,20 @@ class ProcessDevice:
         pass
 
     def _lost(self) -> Unavailable:
-        return Unavailable(f"the process serving {self.name} exited (exit code {self.process.exitcode}); the server "
-                           "is restarting", "device_lost")
+        return Unavailable(
+            f"the process serving {self.name} exited (exit code {self.process.exitcode}); the server is restarting",
+            "device_lost",
+        )
 
     def launch(self, batch) -> int:
         job = next(self._jobs)
         images = [item.image for item in batch]
         try:
-            self.conn.send(Batch(job, images, [item.size(self.patch_size) for item in batch],
-                                 [item.mean_pooling for item in batch]))
+            self.conn.send(
+                Batch(
+                    job, images, [item.size(self.patch_size) for item in batch], [item.mean_pooling for item in batch]
+                )
+            )
         except OSError:  # BrokenPipeError: the process is gone
             for image in images:
                 spool.discard(image)
@@ -209,17 +223,24 @@ class ProcessDevice:
         spool.clear(self.prefix)
 
 
-def start_devices(settings: Settings, devices: list[str], dtype: str, prefix: str, *, records: bool = False,
-                  started=lambda: None) -> tuple:
+def start_devices(
+    settings: Settings, devices: list[str], dtype: str, prefix: str, *, records: bool = False, started=lambda: None
+) -> tuple:
     """Blocking: the model in one process per device, loading and capturing side by side. Returns (config,
     preprocess_config, video_config, processes) once every process is ready; `started()` is called when all are
     started (they load and capture from then on). On a failure the started processes are closed and the error
     raised."""
     s = settings
-    config, preprocess_config, ckpt = load_configs(s.model.model, s.model.load_format, s.model.revision, min_pixels=s.decoding.min_pixels,
-                                                   max_pixels=s.decoding.max_pixels)
-    video_config = video_config_of(config, ckpt, s.decoding.video_decoder, s.model.model, s.decoding.video_min_pixels,
-                                   s.decoding.video_max_pixels)
+    config, preprocess_config, ckpt = load_configs(
+        s.model.model,
+        s.model.load_format,
+        s.model.revision,
+        min_pixels=s.decoding.min_pixels,
+        max_pixels=s.decoding.max_pixels,
+    )
+    video_config = video_config_of(
+        config, ckpt, s.decoding.video_decoder, s.model.model, s.decoding.video_min_pixels, s.decoding.video_max_pixels
+    )
     processes = []
     try:
         for i, device in enumerate(devices):

@@ -80,7 +80,7 @@ class Output:
                     spool.remove(self.path)
         raw, tensors, offset = torch.from_numpy(raw), [], 0
         for dtype, shape, n in self.entries:
-            tensors.append(raw[offset:offset + n].view(getattr(torch, dtype)).view(shape))
+            tensors.append(raw[offset : offset + n].view(getattr(torch, dtype)).view(shape))
             offset += n
         return Features(tensors[0], tensors[1:], None if self.grid is None else list(self.grid))
 

@@ -73,8 +73,9 @@ class LocalDevice:
 
     def launch(self, batch: list[WorkItem]):
         p = self.encoder.config.patch_size
-        return self.encoder.launch(spool.pixels([i.image for i in batch]), [i.size(p) for i in batch],
-                                   [i.mean_pooling for i in batch])
+        return self.encoder.launch(
+            spool.pixels([i.image for i in batch]), [i.size(p) for i in batch], [i.mean_pooling for i in batch]
+        )
 
     def collect(self, launch) -> list:
         return self.encoder.outputs(launch)
@@ -92,8 +93,10 @@ def batch_error(e: Exception, batch: list[WorkItem]) -> EngineError:
         return e
     if isinstance(e, torch.OutOfMemoryError):
         log.warning("OOM on a batch of %d images: %s", len(batch), e)
-        return OutOfMemory(f"the device ran out of memory for this batch ({sum(i.patches for i in batch)} patches); "
-                           "retry with fewer or smaller images")
+        return OutOfMemory(
+            f"the device ran out of memory for this batch ({sum(i.patches for i in batch)} patches); "
+            "retry with fewer or smaller images"
+        )
     if isinstance(e, ImageLost):
         log.error("batch of %d images failed: %s", len(batch), e)
         return InferenceFailed(str(e), "internal_error")
@@ -106,8 +109,13 @@ class DeviceWorker:
     from that thread once per batch, with the outputs in batch order or the error its requests get."""
 
     def __init__(self, device, queue: ImageQueue, max_patches: int, wait_s: float, on_done: Callable):
-        self.device, self.queue, self.max_patches, self.wait_s, self.on_done = device, queue, max_patches, wait_s, \
-            on_done
+        self.device, self.queue, self.max_patches, self.wait_s, self.on_done = (
+            device,
+            queue,
+            max_patches,
+            wait_s,
+            on_done,
+        )
         self.name = device.name
         self.in_flight = self.batches = self.images = 0
         self.thread = threading.Thread(target=self._loop, name=f"vitserve-{self.name}", daemon=True)
@@ -149,8 +157,12 @@ class DeviceWorker:
         self.on_done(self, batch, outputs, None, time.perf_counter() - start)
 
     def stats(self) -> dict:
-        return {"batches": self.batches, "images": self.images, "batches_in_flight": self.in_flight,
-                "runner": self.device.runner_stats()}
+        return {
+            "batches": self.batches,
+            "images": self.images,
+            "batches_in_flight": self.in_flight,
+            "runner": self.device.runner_stats(),
+        }
 
 
 def workers_stats(workers: list[DeviceWorker]) -> tuple[dict, list[dict]]:

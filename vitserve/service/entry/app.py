@@ -29,8 +29,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The app serving `engine` (else one made from `settings`), with the tiers its settings turn on."""
     engine = engine or Engine(settings)
     vllm = VLLMTier(settings.tiers, settings.model.model, engine.dtype) if settings.tiers.ec_shared_storage else None
-    sglang = (SGLangTier(engine.dtype, settings.tiers.sglang_timeout, receivers=settings.tiers.sglang_receivers)
-              if settings.tiers.sglang_encoder else None)
+    sglang = (
+        SGLangTier(engine.dtype, settings.tiers.sglang_timeout, receivers=settings.tiers.sglang_receivers)
+        if settings.tiers.sglang_encoder
+        else None
+    )
     if vllm is not None:
         engine.tiers["ec_storage"] = vllm.stats
     if sglang is not None:
@@ -53,11 +56,16 @@ async def lifespan(app: FastAPI):
     vllm, sglang = app.state.vllm, app.state.sglang
     await served.engine.start()
     if vllm is not None:
-        log.info("vLLM encoder tier on: /v1/chat/completions, files in %s (up to %d bytes)",
-                 served.settings.tiers.ec_shared_storage, served.settings.tiers.ec_storage_bytes)
+        log.info(
+            "vLLM encoder tier on: /v1/chat/completions, files in %s (up to %d bytes)",
+            served.settings.tiers.ec_shared_storage,
+            served.settings.tiers.ec_storage_bytes,
+        )
     if sglang is not None:
-        log.info("SGLang encoder tier on: /encode and /scheduler_receive_url, features pushed to %s",
-                 served.settings.tiers.sglang_receivers or "any address but loopback, link-local and multicast ones")
+        log.info(
+            "SGLang encoder tier on: /encode and /scheduler_receive_url, features pushed to %s",
+            served.settings.tiers.sglang_receivers or "any address but loopback, link-local and multicast ones",
+        )
     yield
     served.engine.drain()
     await served.engine.stop()

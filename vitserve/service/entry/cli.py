@@ -43,10 +43,13 @@ examples:
 
 
 def epilog(examples: str) -> str:
-    notes = ["sizes: bytes, or a number and a unit: 512KiB, 32MiB, 4GiB (powers of 1024), or KB, MB, GB (powers of "
-             "1000)", "every flag is also an environment variable, VITSERVE_ and the flag in upper snake case; a "
-             "flag wins over its variable", f"built-in models (--model): {builtin_names()}",
-             "more: docs/configuration.md"]
+    notes = [
+        "sizes: bytes, or a number and a unit: 512KiB, 32MiB, 4GiB (powers of 1024), or KB, MB, GB (powers of 1000)",
+        "every flag is also an environment variable, VITSERVE_ and the flag in upper snake case; a "
+        "flag wins over its variable",
+        f"built-in models (--model): {builtin_names()}",
+        "more: docs/configuration.md",
+    ]
     return examples + "\n" + "\n".join(textwrap.fill(n, 116, subsequent_indent="  ") for n in notes)
 
 
@@ -95,7 +98,9 @@ def check_sampling(fps: float | None, num_frames: int | None) -> None:
 
 
 def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
-    log.info("loading %s (%s)", settings.model.model, settings.model.load_format)  # before the imports: torch's take seconds
+    log.info(
+        "loading %s (%s)", settings.model.model, settings.model.load_format
+    )  # before the imports: torch's take seconds
     start = time.perf_counter()
     from ... import __version__
     from ...encoder import VisionEncoder
@@ -107,8 +112,14 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
 
     (device,), dtype = settings.devices.resolve()
     enc = VisionEncoder.from_pretrained(settings.model.model, device=device, dtype=dtype, **settings.encoder_kwargs())
-    log.info("loaded in %.2f s: vitserve %s on %s (%s, attention %s)", time.perf_counter() - start, __version__,
-             device, dtype, attention_text(enc.runner.stats.attention))
+    log.info(
+        "loaded in %.2f s: vitserve %s on %s (%s, attention %s)",
+        time.perf_counter() - start,
+        __version__,
+        device,
+        dtype,
+        attention_text(enc.runner.stats.attention),
+    )
     videos = []
     for path in args.images:  # each file's first bytes tell a video from an image
         with open(path, "rb") as f:
@@ -126,33 +137,50 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     seconds = time.perf_counter() - start
     name = next(name for name, t in OUTPUT_DTYPES.items() if t == enc.dtype)  # an alias's canonical name
-    metadata = {"model": settings.model.model, "family": enc.config.family, "dtype": name,
-                "grid_thw": json.dumps([list(r.grid_thw) for r in results]), "sources": json.dumps(args.images)}
+    metadata = {
+        "model": settings.model.model,
+        "family": enc.config.family,
+        "dtype": name,
+        "grid_thw": json.dumps([list(r.grid_thw) for r in results]),
+        "sources": json.dumps(args.images),
+    }
     if clips:  # per input, null for an image: what an LLM needs to place a video's tokens
-        metadata["videos"] = json.dumps([video_metadata(r) if is_video else None
-                                         for r, is_video in zip(results, videos)])
+        metadata["videos"] = json.dumps(
+            [video_metadata(r) if is_video else None for r, is_video in zip(results, videos)]
+        )
     body = safetensors_body([Features(r.embeddings, r.deepstack or [], r.grid_thw) for r in results], name, metadata)
     with open(args.output, "wb") as f:
         f.write(body)
     tokens = sum(r.num_tokens for r in results)
     videos_text = f" and {len(clips)} video(s)" if clips else ""
-    print(f"encoded {len(images)} image(s){videos_text}, {tokens} tokens, on {device} in {name}, in "
-          f"{seconds * 1e3:.1f} ms -> {args.output}", file=sys.stderr)
+    print(
+        f"encoded {len(images)} image(s){videos_text}, {tokens} tokens, on {device} in {name}, in "
+        f"{seconds * 1e3:.1f} ms -> {args.output}",
+        file=sys.stderr,
+    )
     return 0
 
 
 def video_metadata(result) -> dict:
     """A video's timing as the safetensors metadata of `vitserve encode` carries it (EncodedVideo)."""
-    return {"frame_indices": result.frame_indices, "fps": result.fps, "timestamps": result.timestamps,
-            "second_per_grid_t": result.second_per_grid_t}
+    return {
+        "frame_indices": result.frame_indices,
+        "fps": result.fps,
+        "timestamps": result.timestamps,
+        "second_per_grid_t": result.second_per_grid_t,
+    }
 
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from ... import __version__
 
     fronts = settings.api_server_count()
-    log.info("starting vitserve %s for %s%s", __version__, settings.model.model,
-             f", {fronts} front ends" if fronts > 1 else "")
+    log.info(
+        "starting vitserve %s for %s%s",
+        __version__,
+        settings.model.model,
+        f", {fronts} front ends" if fronts > 1 else "",
+    )
     if fronts > 1:
         from .core import serve
 
@@ -166,31 +194,51 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 def build_parser() -> Parser:
     from ... import __version__
 
-    parser = Parser(prog="vitserve", description="Qwen-VL vision towers: serve image embeddings over HTTP, or encode "
-                                                 "image files.",
-                    epilog="`vitserve serve --help` and `vitserve encode --help` list each command's flags, with "
-                           "examples.")
+    parser = Parser(
+        prog="vitserve",
+        description="Qwen-VL vision towers: serve image embeddings over HTTP, or encode image files.",
+        epilog="`vitserve serve --help` and `vitserve encode --help` list each command's flags, with examples.",
+    )
     parser.add_argument("--version", action="version", version=f"vitserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     raw = argparse.RawDescriptionHelpFormatter
-    serve = sub.add_parser("serve", help="run the HTTP service", description="Run the HTTP service.",
-                           usage="%(prog)s --model MODEL [options]", epilog=epilog(SERVE_EXAMPLES),
-                           formatter_class=raw)
+    serve = sub.add_parser(
+        "serve",
+        help="run the HTTP service",
+        description="Run the HTTP service.",
+        usage="%(prog)s --model MODEL [options]",
+        epilog=epilog(SERVE_EXAMPLES),
+        formatter_class=raw,
+    )
     add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
-    enc = sub.add_parser("encode", help="encode image and video files into one safetensors file",
-                         description="Encode image and video files into one safetensors file.",
-                         usage="%(prog)s --model MODEL [options] FILE [FILE ...] -o FILE",
-                         epilog=epilog(ENCODE_EXAMPLES), formatter_class=raw)
+    enc = sub.add_parser(
+        "encode",
+        help="encode image and video files into one safetensors file",
+        description="Encode image and video files into one safetensors file.",
+        usage="%(prog)s --model MODEL [options] FILE [FILE ...] -o FILE",
+        epilog=epilog(ENCODE_EXAMPLES),
+        formatter_class=raw,
+    )
     files = enc.add_argument_group("files")
-    files.add_argument("images", nargs="+", metavar="FILE", help="image and video files (told apart by content; "
-                                                                 "videos need the video extra: PyAV)")
+    files.add_argument(
+        "images",
+        nargs="+",
+        metavar="FILE",
+        help="image and video files (told apart by content; videos need the video extra: PyAV)",
+    )
     files.add_argument("-o", "--output", required=True, metavar="FILE", help="output .safetensors path")
     sampling = files.add_mutually_exclusive_group()
-    sampling.add_argument("--fps", type=float, default=None, metavar="F",
-                          help="videos: sample F frames a second (default: the checkpoint's video processor settings)")
-    sampling.add_argument("--num-frames", type=int, default=None, metavar="N",
-                          help="videos: sample N frames, evenly (instead of --fps)")
+    sampling.add_argument(
+        "--fps",
+        type=float,
+        default=None,
+        metavar="F",
+        help="videos: sample F frames a second (default: the checkpoint's video processor settings)",
+    )
+    sampling.add_argument(
+        "--num-frames", type=int, default=None, metavar="N", help="videos: sample N frames, evenly (instead of --fps)"
+    )
     add_arguments(enc, encode=True)
     enc.set_defaults(func=cmd_encode)
     return parser

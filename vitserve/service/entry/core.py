@@ -95,8 +95,17 @@ class Link:
         with self.items_lock:
             for result in results:
                 self.items.pop(result.item.id, None)
-        answers = [Done(r.item.id, r.output, ErrorRecord.of(r.error) if r.error is not None else None, r.keep,
-                        r.item.queue_s, r.inference_s) for r in results]
+        answers = [
+            Done(
+                r.item.id,
+                r.output,
+                ErrorRecord.of(r.error) if r.error is not None else None,
+                r.keep,
+                r.item.queue_s,
+                r.inference_s,
+            )
+            for r in results
+        ]
         self.send(Answers(answers))
         if not self.open:  # its front end is gone: nobody maps these files
             for done in answers:
@@ -118,8 +127,9 @@ class Core:
         self.life.listeners.append(self.broadcast)
         devices, dtype = settings.devices.resolve()
         self.prefix = spool_prefix(settings.decoding.spool_dir)
-        self.backend = LocalBackend(settings, self.metrics, self.life, devices, dtype, self.prefix,
-                                    process_each=True, records=True)
+        self.backend = LocalBackend(
+            settings, self.metrics, self.life, devices, dtype, self.prefix, process_each=True, records=True
+        )
         self.links: list[Link] = []
         self.replaced = 0  # front ends that died and were started again
         self.scrapes: dict[int, dict] = {}
@@ -134,13 +144,25 @@ class Core:
 
         s, backend = self.settings, self.backend
         if backend.load(also=f", {self.fronts} front ends") and self.life.state is State.READY:
-            log.info("ready in %.2f s: %s, %d front ends on port %d", backend.load_seconds, serving_text(
-                s, backend.devices, True, backend.dtype, backend.attention(),
-                front_settings(s, self.fronts).decoding.decode_workers * self.fronts), self.fronts, s.server.port)
+            log.info(
+                "ready in %.2f s: %s, %d front ends on port %d",
+                backend.load_seconds,
+                serving_text(
+                    s,
+                    backend.devices,
+                    True,
+                    backend.dtype,
+                    backend.attention(),
+                    front_settings(s, self.fronts).decoding.decode_workers * self.fronts,
+                ),
+                self.fronts,
+                s.server.port,
+            )
 
     def status(self) -> Status:
-        return Status(self.life.state, self.life.error, self.backend.model,
-                      self.backend.devices if self.backend.workers else [])
+        return Status(
+            self.life.state, self.life.error, self.backend.model, self.backend.devices if self.backend.workers else []
+        )
 
     def broadcast(self) -> None:
         """The lifecycle moved: every front end hears it."""
@@ -192,7 +214,8 @@ class Core:
             case Lookup(lookup, keys):
                 with link.lock:  # a key settled meanwhile is told to this front end after the lookup's answer
                     answers = self.backend.cache.lookup(
-                        keys, link, lambda i: lambda entry: link.send(Settled(lookup, i, entry)))
+                        keys, link, lambda i: lambda entry: link.send(Settled(lookup, i, entry))
+                    )
                     link.send(Looked(lookup, answers))
             case Drop(ids):
                 with link.items_lock:
@@ -212,8 +235,10 @@ class Core:
     def _submit(self, link: Link, records: list) -> None:
         from ..devices.scheduler import WorkItem
 
-        items = [WorkItem(r.image, r.grid, None, r.mean_pooling, r.param, r.key, origin=link, id=r.id,
-                          modality=r.modality) for r in records]
+        items = [
+            WorkItem(r.image, r.grid, None, r.mean_pooling, r.param, r.key, origin=link, id=r.id, modality=r.modality)
+            for r in records
+        ]
         with link.items_lock:
             link.items.update((item.id, item) for item in items)
         self.backend.queue.put(items)
@@ -247,8 +272,13 @@ class Core:
 
         if kind == "metrics":
             return merged_metrics([generate_latest(self.metrics.registry).decode(), *parts])
-        return server_stats(self.settings, self.backend.stats(recent=True), parts, api_servers=self.fronts,
-                            api_servers_replaced=self.replaced)
+        return server_stats(
+            self.settings,
+            self.backend.stats(recent=True),
+            parts,
+            api_servers=self.fronts,
+            api_servers_replaced=self.replaced,
+        )
 
 
 # ---- processes ---------------------------------------------------------------------------------------------------
@@ -337,11 +367,17 @@ def supervise(core: Core, stopping: threading.Event, restart) -> int:
                 continue  # its reader thread lets go of what it held (Core.lost) once it has read all it sent
             delay = restarts.after(link.index, link.up)
             if delay is None:
-                core.fail(f"front end {link.index} exited (exit code {link.process.exitcode}) before it was up, "
-                          f"{len(restarts.delays) + 1} times in a row; the server is restarting")
+                core.fail(
+                    f"front end {link.index} exited (exit code {link.process.exitcode}) before it was up, "
+                    f"{len(restarts.delays) + 1} times in a row; the server is restarting"
+                )
                 break
-            log.warning("front end %d exited (exit code %s); starting it again%s", link.index,
-                        link.process.exitcode, f" in {delay:g} s" if delay else "")
+            log.warning(
+                "front end %d exited (exit code %s); starting it again%s",
+                link.index,
+                link.process.exitcode,
+                f" in {delay:g} s" if delay else "",
+            )
             due[link.index] = now + delay
         for index, when in list(due.items()):
             if when <= now and not core.failed.is_set():

@@ -14,20 +14,29 @@ from ..ground.settings import Settings
 def front_settings(settings: Settings, fronts: int) -> Settings:
     """One front end's share of the server's limits (connections, requests in flight, memory budgets, decode
     workers, the encoder-cache files' space): each is split evenly, so that the server's totals hold."""
+
     def share(n: int) -> int:
         return max(1, math.ceil(n / fronts))
 
     limits, decoding = settings.limits, settings.decoding
     return dataclasses.replace(
-        settings, server=dataclasses.replace(settings.server, max_connections=share(settings.server.max_connections)),
-        limits=dataclasses.replace(limits, max_concurrent_requests=share(limits.max_concurrent_requests),
-                                   body_memory=share(limits.body_memory), decode_memory=share(limits.decode_memory),
-                                   url_fetch_memory=share(limits.url_fetch_memory),
-                                   video_decode_work=share(limits.video_decode_work)),
-        decoding=dataclasses.replace(decoding, decode_workers=max(1, decoding.worker_count() // fronts),
-                                     video_decode_workers=decoding.video_decode_workers
-                                     and max(1, decoding.video_decode_workers // fronts)),
-        tiers=dataclasses.replace(settings.tiers, ec_storage_bytes=share(settings.tiers.ec_storage_bytes)))
+        settings,
+        server=dataclasses.replace(settings.server, max_connections=share(settings.server.max_connections)),
+        limits=dataclasses.replace(
+            limits,
+            max_concurrent_requests=share(limits.max_concurrent_requests),
+            body_memory=share(limits.body_memory),
+            decode_memory=share(limits.decode_memory),
+            url_fetch_memory=share(limits.url_fetch_memory),
+            video_decode_work=share(limits.video_decode_work),
+        ),
+        decoding=dataclasses.replace(
+            decoding,
+            decode_workers=max(1, decoding.worker_count() // fronts),
+            video_decode_workers=decoding.video_decode_workers and max(1, decoding.video_decode_workers // fronts),
+        ),
+        tiers=dataclasses.replace(settings.tiers, ec_storage_bytes=share(settings.tiers.ec_storage_bytes)),
+    )
 
 
 def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> None:

@@ -25,8 +25,8 @@ def serve_args(argv: list[str]) -> list[str] | None:
     """The arguments after `serve` of a `vitserve serve` command line (the console script, run as is or by its
     interpreter, or `python -m vitserve`), else None."""
     for i, word in enumerate(argv):
-        if (i <= 1 and os.path.basename(word) == "vitserve") or (word in PROGRAMS and argv[i - 1:i] == ["-m"]):
-            return argv[i + 2:] if argv[i + 1:i + 2] == ["serve"] else None
+        if (i <= 1 and os.path.basename(word) == "vitserve") or (word in PROGRAMS and argv[i - 1 : i] == ["-m"]):
+            return argv[i + 2 :] if argv[i + 1 : i + 2] == ["serve"] else None
     return None
 
 
@@ -89,9 +89,12 @@ def probe(url: str, timeout: float) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vitserve.service.entry.healthcheck", description=__doc__.split("\n")[0])
-    parser.add_argument("--pid", type=int, help="the server's PID (default: PID 1 if it is vitserve serve, else the "
-                                                "lowest such PID)")
+    parser = argparse.ArgumentParser(
+        prog="python -m vitserve.service.entry.healthcheck", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--pid", type=int, help="the server's PID (default: PID 1 if it is vitserve serve, else the lowest such PID)"
+    )
     parser.add_argument("--timeout", type=float, default=4.0, help="seconds to wait for the answer")
     args = parser.parse_args(argv)
     pids = [args.pid] if args.pid else servers()

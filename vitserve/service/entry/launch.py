@@ -18,19 +18,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str, port: int | None = None, timeout: float = 600, capture_log: bool = False,
-                 **popen) -> tuple[subprocess.Popen, str]:
+def start_server(
+    *flags: str, port: int | None = None, timeout: float = 600, capture_log: bool = False, **popen
+) -> tuple[subprocess.Popen, str]:
     """`vitserve serve --host 127.0.0.1 --port PORT FLAGS...` (this interpreter's), once `/ready` answers 200.
     `capture_log`: its output lines collect in `proc.log`, drained continuously by `proc.log_reader` (a full pipe
     would block the server's logging), which ends once the server has exited. RuntimeError when it exits or is not ready in `timeout` seconds."""
     port = port or free_port()
     if capture_log:
         popen |= dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc = subprocess.Popen([sys.executable, "-m", "vitserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             *flags], env=os.environ | {"PYTHONUNBUFFERED": "1"}, **popen)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vitserve", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        **popen,
+    )
     proc.log = []
-    proc.log_reader = threading.Thread(target=lambda: proc.log.extend(proc.stdout) if capture_log else None,
-                                       daemon=True)
+    proc.log_reader = threading.Thread(
+        target=lambda: proc.log.extend(proc.stdout) if capture_log else None, daemon=True
+    )
     proc.log_reader.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout

@@ -38,11 +38,18 @@ def run_server(settings: Settings, engine, sockets=None) -> int:
             or has failed (a model that did not load, a lost device): for a restart."""
             return await super().on_tick(counter) or engine.state in (State.DRAINING, State.FAILED)
 
-    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port, log_config=None, lifespan="on",
-                            log_level=settings.logging.log_level, access_log=False,
-                            timeout_keep_alive=settings.server.timeout_keep_alive,
-                            http=guarded_h11(settings.server.header_timeout, connection_limit(settings.server.max_connections)),
-                            h11_max_incomplete_event_size=settings.server.max_header_bytes)
+    config = uvicorn.Config(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_config=None,
+        lifespan="on",
+        log_level=settings.logging.log_level,
+        access_log=False,
+        timeout_keep_alive=settings.server.timeout_keep_alive,
+        http=guarded_h11(settings.server.header_timeout, connection_limit(settings.server.max_connections)),
+        h11_max_incomplete_event_size=settings.server.max_header_bytes,
+    )
     server = Server(config)
     server.run(sockets=sockets)
     if server.force_exit:  # "exit now": no interpreter teardown (seconds, with torch and a process pool loaded)

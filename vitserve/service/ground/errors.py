@@ -119,9 +119,13 @@ class ErrorRecord:
             return cls(type(error).__name__, error.message, error.code, error.param)
         public = getattr(error, "public", None)  # an ImageError: what the client is told, and the detail apart
         code = getattr(error, "code", None)
-        return cls(type(error).__name__, public if isinstance(public, str) else str(error),
-                   code if isinstance(code, str) else None, None,
-                   str(error) if isinstance(public, str) and str(error) != public else None)
+        return cls(
+            type(error).__name__,
+            public if isinstance(public, str) else str(error),
+            code if isinstance(code, str) else None,
+            None,
+            str(error) if isinstance(public, str) and str(error) != public else None,
+        )
 
     def error(self) -> Exception:
         from ...encoder.image_errors import ImageError
@@ -157,8 +161,13 @@ def error_kinds() -> dict[str, type[Exception]]:
     if "torch" in sys.modules:  # the video errors (encoder.video imports torch) and torch's own
         from ...encoder import video  # noqa: F401
     kinds: list[type] = [c for c in vars(builtins).values() if isinstance(c, type) and issubclass(c, Exception)]
-    kinds += [EngineError, *_subclasses(EngineError), image_errors.ImageError, *_subclasses(image_errors.ImageError),
-              ImageLost]
+    kinds += [
+        EngineError,
+        *_subclasses(EngineError),
+        image_errors.ImageError,
+        *_subclasses(image_errors.ImageError),
+        ImageLost,
+    ]
     if "torch" in sys.modules:
         kinds.append(sys.modules["torch"].OutOfMemoryError)
     return {kind.__name__: kind for kind in kinds}

@@ -51,8 +51,15 @@ class Parser(argparse.ArgumentParser):
 SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.I)
 # byte counts: IEC units are powers of 1024 (Kubernetes' Ki, Mi, Gi too), SI units powers of 1000; a bare K, M or G
 # (1000 to Kubernetes, 1024 to Docker) is refused as ambiguous
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              **{f"{p}{b}": 2 ** (10 * (i + 1)) for i, p in enumerate("kmgt") for b in ("i", "ib")}}
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    **{f"{p}{b}": 2 ** (10 * (i + 1)) for i, p in enumerate("kmgt") for b in ("i", "ib")},
+}
 
 
 def parse_size(text: str) -> int:
@@ -60,8 +67,9 @@ def parse_size(text: str) -> int:
     GiB 2**30; any case), rounded down to a whole byte."""
     m = SIZE.fullmatch(text.strip())
     if not m or m[2].lower() not in SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or with a unit: 512KiB, 32MiB, 4GiB; KB, "
-                                         "MB, GB are powers of 1000)")
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (bytes, or with a unit: 512KiB, 32MiB, 4GiB; KB, MB, GB are powers of 1000)"
+        )
     return int(Fraction(m[1]) * SIZE_UNITS[m[2].lower()])
 
 
@@ -111,8 +119,17 @@ def _metavar(f) -> str:
     if f.metadata["choices"]:
         return "{" + ",".join(f.metadata["choices"]) + "}"
     kind = _kind(f)
-    return f.metadata["metavar"] or ("SIZE" if f.metadata["size"] else "BOOL" if kind is bool else
-                                     "N" if kind is int else "X" if kind is float else "TEXT")
+    return f.metadata["metavar"] or (
+        "SIZE"
+        if f.metadata["size"]
+        else "BOOL"
+        if kind is bool
+        else "N"
+        if kind is int
+        else "X"
+        if kind is float
+        else "TEXT"
+    )
 
 
 def _env_value(f):
@@ -141,15 +158,24 @@ def add_arguments(parser: Parser, encode: bool = False) -> None:
                 try:
                     default = convert(env[1])
                 except (ValueError, argparse.ArgumentTypeError) as e:
-                    reason = str(e) if isinstance(e, argparse.ArgumentTypeError) else \
-                        f"invalid {_kind(f).__name__} value: {env[1]!r}"
+                    reason = (
+                        str(e)
+                        if isinstance(e, argparse.ArgumentTypeError)
+                        else f"invalid {_kind(f).__name__} value: {env[1]!r}"
+                    )
                     parser.env_errors.append(f"{env[0]}: {reason}")
-            shown_default = "required" if f.name == "model" else None if _default(f) is None else \
-                f"default {_default(f)}"
+            shown_default = (
+                "required" if f.name == "model" else None if _default(f) is None else f"default {_default(f)}"
+            )
             names = [_flag(f.name), *map(_flag, f.metadata["aliases"])]
-            common = dict(dest=f.name, default=default, type=convert, metavar=_metavar(f),
-                          help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}"
-                               f"{'; ' + shown_default if shown_default else ''}]")
+            common = dict(
+                dest=f.name,
+                default=default,
+                type=convert,
+                metavar=_metavar(f),
+                help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}"
+                f"{'; ' + shown_default if shown_default else ''}]",
+            )
             arguments.add_argument(*names, **common, **(dict(nargs="?", const=True) if _kind(f) is bool else {}))
 
 
@@ -162,11 +188,18 @@ def flag_table() -> str:
     """Every flag as Markdown tables, one per group (docs/configuration.md holds them; a test keeps the two equal)."""
     out = []
     for group in GROUP_TYPES.values():
-        out += ["", f"**{group.TITLE}**", "", "| flag | value | env var | default | `encode` | meaning |",
-                "|---|---|---|---|---|---|"]
+        out += [
+            "",
+            f"**{group.TITLE}**",
+            "",
+            "| flag | value | env var | default | `encode` | meaning |",
+            "|---|---|---|---|---|---|",
+        ]
         for f in dataclasses.fields(group):
             aliases = "".join(f" (or `{_flag(a)}`)" for a in f.metadata["aliases"])
             default = "(required)" if f.name == "model" else f"`{_default(f)}`" if _default(f) is not None else "–"
-            out.append(f"| `{_flag(f.name)}`{aliases} | `{_metavar(f)}` | `{ENV_PREFIX}{f.name.upper()}` | "
-                       f"{default} | {'yes' if f.metadata['encode'] else ''} | {f.metadata['help']} |")
+            out.append(
+                f"| `{_flag(f.name)}`{aliases} | `{_metavar(f)}` | `{ENV_PREFIX}{f.name.upper()}` | "
+                f"{default} | {'yes' if f.metadata['encode'] else ''} | {f.metadata['help']} |"
+            )
     return "\n".join(out[1:])

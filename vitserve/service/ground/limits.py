@@ -40,10 +40,8 @@ class RequestLimits:
 
     def check_images(self, count: int, field: str) -> None:
         if count > self.images:
-            raise InputTooLarge(f"{count} images in one request; the limit is {self.images}", "too_many_images",
-                                field)
+            raise InputTooLarge(f"{count} images in one request; the limit is {self.images}", "too_many_images", field)
 
     def check_videos(self, count: int, field: str) -> None:
         if count > self.videos:
-            raise InputTooLarge(f"{count} videos in one request; the limit is {self.videos}", "too_many_videos",
-                                field)
+            raise InputTooLarge(f"{count} videos in one request; the limit is {self.videos}", "too_many_videos", field)

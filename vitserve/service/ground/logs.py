@@ -19,8 +19,12 @@ BAR_WIDTH = 24
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-                 "message": record.getMessage()}
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         entry.update(getattr(record, "fields", {}))  # the access line's fields, as fields
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
@@ -67,7 +71,7 @@ class ProgressHandler(logging.StreamHandler):
             try:
                 filled = BAR_WIDTH * done // total
                 text = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {record.getMessage()}"
-                self.stream.write(text[:shutil.get_terminal_size().columns - 1])
+                self.stream.write(text[: shutil.get_terminal_size().columns - 1])
                 self.drawn = True
                 self.flush()
             except Exception:
@@ -94,8 +98,11 @@ def configure_logging(log_format: str, level: str, bar: bool | None = None, sour
     if bar is None:
         bar = log_format == "text" and sys.stderr.isatty()
     handler = ProgressHandler(bar=bar and log_format == "text")
-    handler.setFormatter(JsonFormatter() if log_format == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     handler.addFilter(_Rename(source))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -46,50 +46,91 @@ class Metrics:
         r = self.registry
         ProcessCollector(registry=r)
         self.build = Info("vitserve_build", "The running vitserve: version, python, torch, model", registry=r)
-        self.requests = Counter("vitserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"],
-                                registry=r)
+        self.requests = Counter(
+            "vitserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"], registry=r
+        )
         self.images = Counter("vitserve_images", "Images encoded (video slices apart)", ["device"], registry=r)
-        self.videos = Counter("vitserve_videos_decoded", "Videos decoded, by the decoder that decoded them (cpu, or "
-                              "nvdec with --preprocess fast where the GPU's video engines open)", ["decoder"], registry=r)
-        self.video_slices = Counter("vitserve_video_slices", "Video slices (a temporal patch of frames each) encoded",
-                                    ["device"], registry=r)
-        self.video_frames = Counter("vitserve_video_frames", "Frames sampled from videos (decoded, converted and "
-                                    "resized)", registry=r)
-        self.video_seconds = Counter("vitserve_video_seconds", "Seconds of video decoded (their declared durations)",
-                                     registry=r)
-        self.queue_seconds = Histogram("vitserve_queue_seconds", "Time an image waited for its batch",
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.preprocess_seconds = Histogram("vitserve_preprocess_seconds", "Decode + resize work per image, in its "
-                                            "decode worker", buckets=LATENCY_BUCKETS, registry=r)
-        self.decode_seconds = Histogram("vitserve_decode_seconds", "Wall time from handing an image (or a video, its "
-                                        "header read) to the decode pool to getting its pixels back (pool queueing "
-                                        "included)",
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.inference_seconds = Histogram("vitserve_inference_seconds", "Device time per batch (incl. copies)",
-                                           ["device"], buckets=LATENCY_BUCKETS, registry=r)
-        self.serialize_seconds = Histogram("vitserve_serialize_seconds", "Building a response body from its "
-                                           "embeddings (conversion, base64, JSON or safetensors)",
-                                           buckets=LATENCY_BUCKETS, registry=r)
-        self.request_seconds = Histogram("vitserve_request_seconds", "End-to-end request time, by endpoint and "
-                                         "outcome (ok, client_error, server_error)", ["endpoint", "outcome"],
-                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.videos = Counter(
+            "vitserve_videos_decoded",
+            "Videos decoded, by the decoder that decoded them (cpu, or "
+            "nvdec with --preprocess fast where the GPU's video engines open)",
+            ["decoder"],
+            registry=r,
+        )
+        self.video_slices = Counter(
+            "vitserve_video_slices", "Video slices (a temporal patch of frames each) encoded", ["device"], registry=r
+        )
+        self.video_frames = Counter(
+            "vitserve_video_frames", "Frames sampled from videos (decoded, converted and resized)", registry=r
+        )
+        self.video_seconds = Counter(
+            "vitserve_video_seconds", "Seconds of video decoded (their declared durations)", registry=r
+        )
+        self.queue_seconds = Histogram(
+            "vitserve_queue_seconds", "Time an image waited for its batch", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.preprocess_seconds = Histogram(
+            "vitserve_preprocess_seconds",
+            "Decode + resize work per image, in its decode worker",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_seconds = Histogram(
+            "vitserve_decode_seconds",
+            "Wall time from handing an image (or a video, its "
+            "header read) to the decode pool to getting its pixels back (pool queueing "
+            "included)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inference_seconds = Histogram(
+            "vitserve_inference_seconds",
+            "Device time per batch (incl. copies)",
+            ["device"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.serialize_seconds = Histogram(
+            "vitserve_serialize_seconds",
+            "Building a response body from its embeddings (conversion, base64, JSON or safetensors)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "vitserve_request_seconds",
+            "End-to-end request time, by endpoint and outcome (ok, client_error, server_error)",
+            ["endpoint", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("vitserve_queue_depth", "Images waiting for a batch", registry=r)
-        self.requests_in_flight = Gauge("vitserve_requests_in_flight", "Admitted requests not yet answered",
-                                        registry=r)
-        self.batch_tokens = Histogram("vitserve_batch_tokens", "Vision tokens per batch", buckets=TOKEN_BUCKETS,
-                                      registry=r)
-        self.batch_images = Histogram("vitserve_batch_images", "Items (images and video slices) per batch", buckets=(1, 2, 4, 8, 16, 32, 64),
-                                      registry=r)
-        self.dropped = Counter("vitserve_dropped_images", "Images dropped because their client went away (being decoded "
-                               "or waiting for a batch)",
-                               registry=r)
+        self.requests_in_flight = Gauge("vitserve_requests_in_flight", "Admitted requests not yet answered", registry=r)
+        self.batch_tokens = Histogram(
+            "vitserve_batch_tokens", "Vision tokens per batch", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.batch_images = Histogram(
+            "vitserve_batch_images",
+            "Items (images and video slices) per batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.dropped = Counter(
+            "vitserve_dropped_images",
+            "Images dropped because their client went away (being decoded or waiting for a batch)",
+            registry=r,
+        )
         self.cache_hits = Counter("vitserve_cache_hits", "Images answered from the embedding cache", registry=r)
         self.cache_misses = Counter("vitserve_cache_misses", "Images encoded while the cache is on", registry=r)
         self.cache_evictions = Counter("vitserve_cache_evictions", "Cache entries dropped for room", registry=r)
         self.cache_bytes = Gauge("vitserve_cache_bytes", "Bytes held by the embedding cache", registry=r)
         self.cache_entries = Gauge("vitserve_cache_entries", "Images held by the embedding cache", registry=r)
-        self.memory_held = Gauge("vitserve_memory_held_bytes", "Host memory counted against a budget: request bodies "
-                                 "(--body-memory) and images being decoded (--decode-memory)", ["use"], registry=r)
+        self.memory_held = Gauge(
+            "vitserve_memory_held_bytes",
+            "Host memory counted against a budget: request bodies "
+            "(--body-memory) and images being decoded (--decode-memory)",
+            ["use"],
+            registry=r,
+        )
         self.ready = Gauge("vitserve_ready", "1 when the model is loaded, graphs captured and not draining", registry=r)
         self._runners = None
         self._tiers = None
@@ -122,7 +163,6 @@ class Metrics:
         self._runners = _RunnerCollector(stats_by_device)
         self.registry.register(self._runners)
 
-
     def watch_tiers(self, figures) -> None:
         """The encoder tiers' figures (`figures()`: by tier, `TIER_SERIES`'s keys) read at scrape time."""
         if self._tiers is not None:
@@ -138,19 +178,35 @@ TIER_SERIES = {
     ("ec_storage", "files"): ("vitserve_ec_files", "gauge", "Encoder-cache files (items)"),
     ("ec_storage", "writes"): ("vitserve_ec_writes", "counter", "Encoder-cache files written"),
     ("ec_storage", "evictions"): ("vitserve_ec_evictions", "counter", "Encoder-cache files removed for room"),
-    ("ec_storage", "write_failures"): ("vitserve_ec_write_failures", "counter",
-                                       "Requests whose encoder-cache files could not be written"),
+    ("ec_storage", "write_failures"): (
+        "vitserve_ec_write_failures",
+        "counter",
+        "Requests whose encoder-cache files could not be written",
+    ),
     ("sglang", "parts_encoding"): ("vitserve_sglang_parts_encoding", "gauge", "SGLang parts an /encode serves"),
-    ("sglang", "parts_waiting_for_encode"): ("vitserve_sglang_parts_waiting", "gauge",
-                                             "SGLang parts whose receivers registered, with no /encode yet"),
+    ("sglang", "parts_waiting_for_encode"): (
+        "vitserve_sglang_parts_waiting",
+        "gauge",
+        "SGLang parts whose receivers registered, with no /encode yet",
+    ),
     ("sglang", "sockets"): ("vitserve_sglang_sockets", "gauge", "ZMQ sockets open to SGLang's receivers"),
     ("sglang", "deliveries"): ("vitserve_sglang_deliveries", "counter", "Messages handed to an SGLang receiver"),
-    ("sglang", "delivery_failures"): ("vitserve_sglang_delivery_failures", "counter",
-                                      "Messages an SGLang receiver's socket refused"),
-    ("sglang", "delivery_timeouts"): ("vitserve_sglang_delivery_timeouts", "counter",
-                                      "Messages no SGLang receiver took within --sglang-timeout"),
-    ("sglang", "registration_timeouts"): ("vitserve_sglang_registration_timeouts", "counter",
-                                          "SGLang parts whose receivers did not register within --sglang-timeout")}
+    ("sglang", "delivery_failures"): (
+        "vitserve_sglang_delivery_failures",
+        "counter",
+        "Messages an SGLang receiver's socket refused",
+    ),
+    ("sglang", "delivery_timeouts"): (
+        "vitserve_sglang_delivery_timeouts",
+        "counter",
+        "Messages no SGLang receiver took within --sglang-timeout",
+    ),
+    ("sglang", "registration_timeouts"): (
+        "vitserve_sglang_registration_timeouts",
+        "counter",
+        "SGLang parts whose receivers did not register within --sglang-timeout",
+    ),
+}
 
 
 class _TierCollector:
@@ -173,8 +229,11 @@ def percentiles(recent: dict[str, list[float]]) -> dict:
     out = {}
     for phase, values in recent.items():
         values = sorted(values)
-        pick = (lambda q: round(values[min(len(values) - 1, int(q * len(values)))] * 1e3, 3)) if values else \
-            (lambda q: None)
+        pick = (
+            (lambda q: round(values[min(len(values) - 1, int(q * len(values)))] * 1e3, 3))
+            if values
+            else (lambda q: None)
+        )
         out[phase] = {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "count": len(values)}
     return out
 
@@ -186,20 +245,28 @@ class _RunnerCollector:
     def collect(self):
         by_device = self.stats_fn()
         replays = CounterMetricFamily("vitserve_graph_replays", "CUDA graph replays", labels=["device", "budget"])
-        padded = CounterMetricFamily("vitserve_graph_padded_patches", "Padding patches run",
-                                     labels=["device", "budget"])
-        real = CounterMetricFamily("vitserve_graph_real_patches", "Real patches run in budgets",
-                                   labels=["device", "budget"])
-        eager = CounterMetricFamily("vitserve_eager_fallbacks", "Images run eagerly on a device with graphs, being "
-                                    "larger than the largest budget", labels=["device"])
-        eager_runs = CounterMetricFamily("vitserve_eager_runs", "Batches run eagerly (every batch where no graph "
-                                         "runs: CPU, float32; else the images larger than the largest budget)",
-                                         labels=["device"])
-        eager_patches = CounterMetricFamily("vitserve_eager_patches", "Patches of the batches run eagerly",
-                                            labels=["device"])
+        padded = CounterMetricFamily(
+            "vitserve_graph_padded_patches", "Padding patches run", labels=["device", "budget"]
+        )
+        real = CounterMetricFamily(
+            "vitserve_graph_real_patches", "Real patches run in budgets", labels=["device", "budget"]
+        )
+        eager = CounterMetricFamily(
+            "vitserve_eager_fallbacks",
+            "Images run eagerly on a device with graphs, being larger than the largest budget",
+            labels=["device"],
+        )
+        eager_runs = CounterMetricFamily(
+            "vitserve_eager_runs",
+            "Batches run eagerly (every batch where no graph "
+            "runs: CPU, float32; else the images larger than the largest budget)",
+            labels=["device"],
+        )
+        eager_patches = CounterMetricFamily(
+            "vitserve_eager_patches", "Patches of the batches run eagerly", labels=["device"]
+        )
         pool = GaugeMetricFamily("vitserve_graph_pool_bytes", "CUDA graph memory pool", labels=["device"])
-        capture = GaugeMetricFamily("vitserve_graph_capture_seconds", "Time to capture all budgets",
-                                    labels=["device"])
+        capture = GaugeMetricFamily("vitserve_graph_capture_seconds", "Time to capture all budgets", labels=["device"])
         for device, stats in by_device.items():
             for budget, s in stats["budgets"].items():
                 replays.add_metric([device, budget], s["replays"])
@@ -236,8 +303,10 @@ def merged_metrics(texts: list[str]) -> str:
     lines = []
     for name, (kind, help, samples) in families.items():
         name += "_total" if kind == "counter" else ""  # the parser names a counter without its suffix
-        lines += [f"# HELP {name} {help.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}",
-                  f"# TYPE {name} {kind}"]
+        lines += [
+            f"# HELP {name} {help.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}",
+            f"# TYPE {name} {kind}",
+        ]
         for (sample, labels), value in samples.items():
             text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
             lines.append(f"{sample}{{{text}}} {_number(value)}" if text else f"{sample} {_number(value)}")
@@ -245,7 +314,7 @@ def merged_metrics(texts: list[str]) -> str:
 
 
 def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
 def _number(value: float) -> str:

@@ -32,18 +32,24 @@ def check_tiers(tiers: TierSettings) -> None:
     if tiers.ec_shared_storage is not None:
         path = Path(tiers.ec_shared_storage)
         if not path.is_dir():
-            raise ValueError(f"--ec-shared-storage {tiers.ec_shared_storage}: "
-                             + ("not a directory" if path.exists() else "no such directory (create it: the "
-                                                                        "folder vLLM's consumer reads)"))
+            raise ValueError(
+                f"--ec-shared-storage {tiers.ec_shared_storage}: "
+                + (
+                    "not a directory"
+                    if path.exists()
+                    else "no such directory (create it: the folder vLLM's consumer reads)"
+                )
+            )
         if not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"--ec-shared-storage {tiers.ec_shared_storage}: not writable by this user")
         if tiers.ec_hash_algorithm == "blake3" and not installed("blake3"):
-            raise ValueError("--ec-shared-storage names items by vLLM's default digest, blake3, which is not "
-                             "installed: pip install 'vitserve[ec]' (or --ec-hash-algorithm, as the consumer's "
-                             "--mm-hasher-algorithm)")
+            raise ValueError(
+                "--ec-shared-storage names items by vLLM's default digest, blake3, which is not "
+                "installed: pip install 'vitserve[ec]' (or --ec-hash-algorithm, as the consumer's "
+                "--mm-hasher-algorithm)"
+            )
     if tiers.sglang_encoder and not installed("zmq"):
-        raise ValueError("--sglang-encoder pushes over ZMQ, and pyzmq is not installed: "
-                         "pip install 'vitserve[sglang]'")
+        raise ValueError("--sglang-encoder pushes over ZMQ, and pyzmq is not installed: pip install 'vitserve[sglang]'")
 
 
 def check_devices(devices: DeviceSettings) -> None:
@@ -54,13 +60,16 @@ def check_devices(devices: DeviceSettings) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError(f"device {cuda[0]} asked for, but CUDA is not available on this machine "
-                         f"(torch.cuda.is_available() is false); use --device cpu or auto")
+        raise ValueError(
+            f"device {cuda[0]} asked for, but CUDA is not available on this machine "
+            f"(torch.cuda.is_available() is false); use --device cpu or auto"
+        )
     count = torch.cuda.device_count()
     for d in cuda:
         if int(d.partition(":")[2] or 0) >= count:
-            raise ValueError(f"device {d} asked for, but this machine has {count} CUDA device(s): "
-                             f"cuda:0 to cuda:{count - 1}")
+            raise ValueError(
+                f"device {d} asked for, but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+            )
 
 
 def check_model(model: ModelSettings) -> list[str]:
@@ -78,18 +87,25 @@ def check_model(model: ModelSettings) -> list[str]:
         builtin = False
     if model.load_format == "dummy":
         if not builtin:
-            raise ValueError(f"--model {model.model!r} with --load-format dummy: not a built-in name, and no local "
-                             f"checkpoint directory of that name{did_you_mean(model.model)}")
+            raise ValueError(
+                f"--model {model.model!r} with --load-format dummy: not a built-in name, and no local "
+                f"checkpoint directory of that name{did_you_mean(model.model)}"
+            )
         return []
     if builtin and model.model.lower().startswith("tiny-"):
         if model.load_format != "auto":
             raise ValueError(f"{model.model} is a built-in test tower with no checkpoint: use --load-format dummy")
         model.load_format = "dummy"
-        return [f"{model.model} is a built-in test tower with no checkpoint: using seeded random weights "
-                "(--load-format dummy)"]
+        return [
+            f"{model.model} is a built-in test tower with no checkpoint: using seeded random weights "
+            "(--load-format dummy)"
+        ]
     if "/" not in model.model:
-        what = "a built-in name, but not a hub id (org/name)" if builtin else \
-            "not a local directory, a built-in name or a hub id (org/name)"
+        what = (
+            "a built-in name, but not a hub id (org/name)"
+            if builtin
+            else "not a local directory, a built-in name or a hub id (org/name)"
+        )
         raise ValueError(f"--model {model.model!r}: {what}{did_you_mean(model.model)}")
     if downloads_allowed():
         return []  # the load fetches what the cache lacks
@@ -102,10 +118,12 @@ def check_model(model: ModelSettings) -> list[str]:
     except CheckpointError as e:
         if not builtin:
             raise
-        raise ValueError(f"{model.model!r} is not a local directory and not in the Hugging Face cache "
-                         f"({HF_HUB_CACHE}), and downloads are off (HF_HUB_OFFLINE=1): add --load-format dummy "
-                         f"for seeded random weights, or download it first (hf download {model.model}), or allow "
-                         "downloads (unset HF_HUB_OFFLINE)") from e
+        raise ValueError(
+            f"{model.model!r} is not a local directory and not in the Hugging Face cache "
+            f"({HF_HUB_CACHE}), and downloads are off (HF_HUB_OFFLINE=1): add --load-format dummy "
+            f"for seeded random weights, or download it first (hf download {model.model}), or allow "
+            "downloads (unset HF_HUB_OFFLINE)"
+        ) from e
     return []
 
 
@@ -128,8 +146,10 @@ def check_attention(devices: DeviceSettings) -> None:
         if name in ATTENTION_PACKAGES and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
             module, extra = ATTENTION_PACKAGES[name]
             if not installed(module):
-                raise ValueError(f"attention backend {name!r} is unavailable: {module} is not installed; "
-                                 f"pip install 'vitserve[{extra}]'")
+                raise ValueError(
+                    f"attention backend {name!r} is unavailable: {module} is not installed; "
+                    f"pip install 'vitserve[{extra}]'"
+                )
         else:
             attention.select(name, device, dtype, heads=1, head_dim=4)  # its ValueError, or nothing to build
 

@@ -38,14 +38,24 @@ class Settings:
     logging: LogSettings = field(default_factory=LogSettings)
 
     def __post_init__(self):
-        check([(self.server.api_servers <= 1 or self.devices.device_processes is not False,
-                 "--api-servers above 1 serves the devices from processes of their own: drop "
-                 "--device-processes false"),
-                (not self.tiers.sglang_encoder or self.server.api_servers <= 1,
-                 "--sglang-encoder pairs each /encode part with its receivers' registrations in one process: it "
-                 "takes one front end (--api-servers 1)"),
-                (self.cache.cache_scope != "api-key" or self.server.api_key,
-                 "--cache-scope api-key needs --api-key (the keys are the scopes)")])
+        check(
+            [
+                (
+                    self.server.api_servers <= 1 or self.devices.device_processes is not False,
+                    "--api-servers above 1 serves the devices from processes of their own: drop "
+                    "--device-processes false",
+                ),
+                (
+                    not self.tiers.sglang_encoder or self.server.api_servers <= 1,
+                    "--sglang-encoder pairs each /encode part with its receivers' registrations in one process: it "
+                    "takes one front end (--api-servers 1)",
+                ),
+                (
+                    self.cache.cache_scope != "api-key" or self.server.api_key,
+                    "--cache-scope api-key needs --api-key (the keys are the scopes)",
+                ),
+            ]
+        )
 
     @classmethod
     def of(cls, **values) -> Settings:
@@ -63,19 +73,30 @@ class Settings:
         """VisionEncoder.from_pretrained's arguments from these settings, besides model, device and dtype: the same
         wherever a device loads (a thread of the server, a device process, or `vitserve encode`)."""
         budgets, decoding = self.devices.budget_list(), self.decoding
-        return dict(load_format=self.model.load_format, revision=self.model.revision, min_pixels=decoding.min_pixels,
-                    max_pixels=decoding.max_pixels, video_min_pixels=decoding.video_min_pixels,
-                    video_max_pixels=decoding.video_max_pixels, attention_backend=self.devices.attention_backend,
-                    preprocess=decoding.preprocess, video_decoder=decoding.video_decoder,
-                    **({} if budgets is None else {"budgets": budgets}))
+        return dict(
+            load_format=self.model.load_format,
+            revision=self.model.revision,
+            min_pixels=decoding.min_pixels,
+            max_pixels=decoding.max_pixels,
+            video_min_pixels=decoding.video_min_pixels,
+            video_max_pixels=decoding.video_max_pixels,
+            attention_backend=self.devices.attention_backend,
+            preprocess=decoding.preprocess,
+            video_decoder=decoding.video_decoder,
+            **({} if budgets is None else {"budgets": budgets}),
+        )
 
     def batching_stats(self, decode_workers: int) -> dict:
         """/stats' `batching`: the settings that shape batches, and the decode workers running."""
-        return {"max_batch_tokens": self.batching.max_batch_tokens,
-                "max_batch_wait_ms": self.batching.max_batch_wait_ms,
-                "max_concurrent_requests": self.limits.max_concurrent_requests,
-                "max_images_per_request": self.limits.max_images_per_request, "preprocess": self.decoding.preprocess,
-                "decode_workers": decode_workers, "decode_processes": self.decoding.decode_processes}
+        return {
+            "max_batch_tokens": self.batching.max_batch_tokens,
+            "max_batch_wait_ms": self.batching.max_batch_wait_ms,
+            "max_concurrent_requests": self.limits.max_concurrent_requests,
+            "max_images_per_request": self.limits.max_images_per_request,
+            "preprocess": self.decoding.preprocess,
+            "decode_workers": decode_workers,
+            "decode_processes": self.decoding.decode_processes,
+        }
 
     def api_server_count(self) -> int:
         """The front ends to run: `--api-servers`, else one per 4 CPUs this process may use (2 to 8) where a device
@@ -83,13 +104,24 @@ class Settings:
         --sglang-encoder."""
         if self.server.api_servers:
             return self.server.api_servers
-        if (self.devices.device_processes is False or self.tiers.sglang_encoder  # (SGLang's calls pair up in one process)
-                or not any(d.startswith("cuda") for d in self.devices.resolve()[0])):
+        if (
+            self.devices.device_processes is False
+            or self.tiers.sglang_encoder  # (SGLang's calls pair up in one process)
+            or not any(d.startswith("cuda") for d in self.devices.resolve()[0])
+        ):
             return 1
         return min(8, max(2, available_cpus() // 4))
 
 
 # each group's type, by its name in Settings (dataclasses.fields gives the annotation as a string)
-GROUP_TYPES = {"model": ModelSettings, "devices": DeviceSettings, "server": ServerSettings,
-               "batching": BatchingSettings, "limits": LimitSettings, "decoding": DecodingSettings,
-               "cache": CacheSettings, "tiers": TierSettings, "logging": LogSettings}
+GROUP_TYPES = {
+    "model": ModelSettings,
+    "devices": DeviceSettings,
+    "server": ServerSettings,
+    "batching": BatchingSettings,
+    "limits": LimitSettings,
+    "decoding": DecodingSettings,
+    "cache": CacheSettings,
+    "tiers": TierSettings,
+    "logging": LogSettings,
+}

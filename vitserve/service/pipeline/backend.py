@@ -90,9 +90,20 @@ class LocalBackend:
 
     takes_signals = True  # this process drains on SIGTERM itself
 
-    def __init__(self, settings: Settings, metrics: Metrics, life: Lifecycle, devices: list[str], dtype: str,
-                 spool_prefix: str | None, process_each: bool, records: bool = False, collect=None,
-                 preloaded: list | None = None, ready_text=None):
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        life: Lifecycle,
+        devices: list[str],
+        dtype: str,
+        spool_prefix: str | None,
+        process_each: bool,
+        records: bool = False,
+        collect=None,
+        preloaded: list | None = None,
+        ready_text=None,
+    ):
         self.settings, self.metrics, self.life = settings, metrics, life
         self.devices, self.dtype, self.prefix = devices, dtype, spool_prefix
         self.process_each, self.records, self.collect = process_each, records, collect
@@ -133,8 +144,7 @@ class LocalBackend:
         s, start = self.settings, time.perf_counter()
         try:
             if self.process_each:
-                model, devices = load_processes(s, self.devices, self.dtype, self.prefix, self.life, self.records,
-                                                also)
+                model, devices = load_processes(s, self.devices, self.dtype, self.prefix, self.life, self.records, also)
             else:
                 model, devices = load_here(s, self.devices, self.dtype, self.life)
         except Exception as e:  # reported on /health and /ready; the process exits non-zero
@@ -151,14 +161,20 @@ class LocalBackend:
         s = self.settings
         self.model = model
         max_patches = s.batching.max_batch_tokens * model.config.merge_unit
-        self.workers = [DeviceWorker(d, self.queue, max_patches, s.batching.max_batch_wait_ms / 1e3, self.done)
-                        for d in devices]
+        self.workers = [
+            DeviceWorker(d, self.queue, max_patches, s.batching.max_batch_wait_ms / 1e3, self.done) for d in devices
+        ]
         if len({w.name for w in self.workers}) < len(self.workers):  # replicas on one device (cpu,cpu): label apart
             for i, worker in enumerate(self.workers):
                 worker.name = f"{worker.name}#{i}"
         self.devices = [w.name for w in self.workers]
-        self.metrics.describe_build(torch=torch.__version__, model=s.model.name, family=model.config.family,
-                                    dtype=self.dtype, attention="+".join(dict.fromkeys(self.attention().values())))
+        self.metrics.describe_build(
+            torch=torch.__version__,
+            model=s.model.name,
+            family=model.config.family,
+            dtype=self.dtype,
+            attention="+".join(dict.fromkeys(self.attention().values())),
+        )
         self.metrics.watch_runners(lambda: {w.name: w.device.runner_stats() for w in self.workers})
         for worker in self.workers:
             worker.start()
@@ -206,8 +222,9 @@ class LocalBackend:
         return server_stats(self.settings, self.stats(recent=False), [self.collect("stats")])
 
     # -- a device's batch, on its worker's thread
-    def done(self, worker: DeviceWorker, batch: list[WorkItem], outputs, error: EngineError | None,
-             seconds: float) -> None:
+    def done(
+        self, worker: DeviceWorker, batch: list[WorkItem], outputs, error: EngineError | None, seconds: float
+    ) -> None:
         """The one batch accounting: the batch's metrics, each item's answer kept by the cache where it has a key,
         and delivered to its origin (one delivery per origin)."""
         try:
@@ -266,14 +283,21 @@ class LocalBackend:
     def stats(self, recent: bool) -> dict:
         """This backend's part of /stats (`recent`: with its latencies, where its metrics are its own)."""
         devices, runners = workers_stats(self.workers)
-        return {"state": self.life.state.value, "error": self.life.error, "device": self.devices[0],
-                "devices": devices, "dtype": self.dtype,
-                "family": self.model.config.family if self.model else None,
-                "uptime_seconds": round(time.time() - self.started, 3), "load_seconds": round(self.load_seconds, 3),
-                "queue_depth": len(self.queue),
-                "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "spool": self.prefix and os.path.dirname(self.prefix),
-                "device_processes": self.process_each,
-                "cache": self.cache.stats(), "eager_runs": sum(r.get("eager_runs", 0) for r in runners),
-                "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners),
-                "recent": self.metrics.recent() if recent else {}}
+        return {
+            "state": self.life.state.value,
+            "error": self.life.error,
+            "device": self.devices[0],
+            "devices": devices,
+            "dtype": self.dtype,
+            "family": self.model.config.family if self.model else None,
+            "uptime_seconds": round(time.time() - self.started, 3),
+            "load_seconds": round(self.load_seconds, 3),
+            "queue_depth": len(self.queue),
+            "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "spool": self.prefix and os.path.dirname(self.prefix),
+            "device_processes": self.process_each,
+            "cache": self.cache.stats(),
+            "eager_runs": sum(r.get("eager_runs", 0) for r in runners),
+            "eager_fallbacks": sum(r.get("eager_fallbacks", 0) for r in runners),
+            "recent": self.metrics.recent() if recent else {},
+        }

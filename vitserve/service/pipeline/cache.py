@@ -41,20 +41,24 @@ class CacheKeys:
     def __init__(self, model: str, per_client: bool = False):
         self.model, self.per_client = model, per_client
 
-    async def keys(self, images: list, cfg: PreprocessConfig, mean_pooling: bool,
-                   client: int | None = None) -> list[bytes]:
+    async def keys(
+        self, images: list, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None
+    ) -> list[bytes]:
         """`key` of each image, all of them in one go in a thread (hashlib lets go of the GIL while it hashes): no
         byte of an image is hashed on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [self.key(data, cfg, mean_pooling, client) for data in images])
+            None, lambda: [self.key(data, cfg, mean_pooling, client) for data in images]
+        )
 
     def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
         """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
         digest, media = hashlib.sha256(), MediaBytes.of(data)
         base64 = media.base64
         digest.update(media.keyed())
-        digest.update(f"\0{'base64' if base64 else 'bytes'}\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0"
-                      f"{int(mean_pooling)}\0{client if self.per_client else ''}".encode())
+        digest.update(
+            f"\0{'base64' if base64 else 'bytes'}\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0"
+            f"{int(mean_pooling)}\0{client if self.per_client else ''}".encode()
+        )
         return digest.digest()
 
 
@@ -152,5 +156,10 @@ class Cache:
         """Its figures for /stats (the hits and misses are counted where the lookups are: the front ends)."""
         evictions = self.metrics.registry.get_sample_value("vitserve_cache_evictions_total") or 0
         with self.lock:
-            return {"enabled": self.enabled, "limit_bytes": self.limit, "bytes": self.bytes,
-                    "entries": len(self.entries), "evictions": int(evictions)}
+            return {
+                "enabled": self.enabled,
+                "limit_bytes": self.limit,
+                "bytes": self.bytes,
+                "entries": len(self.entries),
+                "evictions": int(evictions),
+            }

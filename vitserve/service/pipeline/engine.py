@@ -62,8 +62,13 @@ class Engine:
     """`encoders`: already loaded encoders to serve (one per device; tests), else the settings' model is loaded by
     `start`. `core`: a front end's pipe to the core of a server with several (its backend is then the core's)."""
 
-    def __init__(self, settings: Settings, encoders: VisionEncoder | list[VisionEncoder] | None = None,
-                 metrics: Metrics | None = None, core=None):
+    def __init__(
+        self,
+        settings: Settings,
+        encoders: VisionEncoder | list[VisionEncoder] | None = None,
+        metrics: Metrics | None = None,
+        core=None,
+    ):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.life = Lifecycle(self.metrics)
@@ -78,26 +83,45 @@ class Engine:
 
             self.decoder.jpeg_on_device = nvjpeg_available()  # else the decode workers decode JPEGs too
         self.fetch_budget = fetch.FetchBudget(settings.limits.url_fetch_memory)
-        self.bodies = MemoryBudget(settings.limits.body_memory, patience=math.inf)  # the gate's: small bodies never wait
+        self.bodies = MemoryBudget(
+            settings.limits.body_memory, patience=math.inf
+        )  # the gate's: small bodies never wait
         self.metrics.memory_held.labels("bodies").set_function(lambda: self.bodies.used)  # on a large one
         self.metrics.memory_held.labels("decode").set_function(lambda: self.decoder.budget.used)
         self.cache_keys = CacheKeys(settings.model.name or "", per_client=settings.cache.cache_scope == "api-key")
         self.in_flight = 0
         self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
         self.metrics.watch_tiers(self.tier_figures)
-        self.device_processes = settings.devices.device_processes  # default: on GPUs (measured faster for one and for two)
+        self.device_processes = (
+            settings.devices.device_processes
+        )  # default: on GPUs (measured faster for one and for two)
         if self.device_processes is None:
             self.device_processes = any(d.startswith("cuda") for d in devices)
         preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
-        self.backend = HubBackend(core, self.life, devices, self.collect) if core is not None else LocalBackend(
-            settings, self.metrics, self.life, devices, self.dtype, self.decoder.spool_prefix, self.process_each(),
-            collect=self.collect, preloaded=preloaded, ready_text=self.ready_text)
+        self.backend = (
+            HubBackend(core, self.life, devices, self.collect)
+            if core is not None
+            else LocalBackend(
+                settings,
+                self.metrics,
+                self.life,
+                devices,
+                self.dtype,
+                self.decoder.spool_prefix,
+                self.process_each(),
+                collect=self.collect,
+                preloaded=preloaded,
+                ready_text=self.ready_text,
+            )
+        )
 
     def process_each(self) -> bool:
         """A process per device: where asked for (the default on GPUs) and a spool directory holds their answers."""
         if self.device_processes and self.decoder.spool_prefix is None:
-            log.warning("a process per device needs a spool directory (/dev/shm or --spool-dir): serving the "
-                        "devices from threads of this process")
+            log.warning(
+                "a process per device needs a spool directory (/dev/shm or --spool-dir): serving the "
+                "devices from threads of this process"
+            )
         return bool(self.device_processes and self.decoder.spool_prefix is not None)
 
     def ready_text(self, process_each: bool, attention: dict) -> str:
@@ -145,9 +169,13 @@ class Engine:
     def admitted(self):
         """A request in flight: refused (503 while not ready, 429 over --max-concurrent-requests), else counted."""
         if self.state is not State.READY:
-            reason = f"server failed: {self.error}" if self.state is State.FAILED else \
-                "server is shutting down" if self.state is State.DRAINING else \
-                f"model is not ready yet ({self.state.value})"
+            reason = (
+                f"server failed: {self.error}"
+                if self.state is State.FAILED
+                else "server is shutting down"
+                if self.state is State.DRAINING
+                else f"model is not ready yet ({self.state.value})"
+            )
             raise NotReady(reason)
         if self.in_flight >= self.settings.limits.max_concurrent_requests:
             raise QueueFull(f"too many requests in flight ({self.in_flight}); retry shortly")
@@ -167,13 +195,23 @@ class Engine:
         cfg = self.model.preprocess_config
         if max_pixels is not None:
             if max_pixels < cfg.min_pixels:
-                raise InputRejected(f"max_pixels must be at least this server's min_pixels ({cfg.min_pixels})",
-                                    "invalid_max_pixels", "max_pixels")
+                raise InputRejected(
+                    f"max_pixels must be at least this server's min_pixels ({cfg.min_pixels})",
+                    "invalid_max_pixels",
+                    "max_pixels",
+                )
             cfg = dataclasses.replace(cfg, max_pixels=min(max_pixels, cfg.max_pixels))
         return cfg
 
-    async def encode(self, images: list, mean_pooling: bool = False, disconnected: asyncio.Future | None = None,
-                     field: str = "input", max_pixels: int | None = None, client: int | None = None) -> Encoded:
+    async def encode(
+        self,
+        images: list,
+        mean_pooling: bool = False,
+        disconnected: asyncio.Future | None = None,
+        field: str = "input",
+        max_pixels: int | None = None,
+        client: int | None = None,
+    ) -> Encoded:
         """Encode a request's images (MediaBytes, bytes, or URLs when fetching is on): decoding, then batching.
         If `disconnected` resolves first, its images are dropped from the queue (ClientDisconnected). `field`
         names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's; `client`
@@ -183,7 +221,9 @@ class Engine:
         if self.settings.server.allow_url_fetch:
             images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
         outputs: list[Features | None] = [None] * len(images)
-        keys = await self.cache_keys.keys(images, cfg, mean_pooling, client) if self.settings.cache.cache_bytes > 0 else []
+        keys = (
+            await self.cache_keys.keys(images, cfg, mean_pooling, client) if self.settings.cache.cache_bytes > 0 else []
+        )
         todo, waits, hits = (await self._looked_up(keys, outputs)) if keys else (list(range(len(images))), [], 0)
         times = (0.0, 0.0, 0.0)
         try:
@@ -213,18 +253,30 @@ class Engine:
         self.metrics.cache_misses.inc(len(todo))
         return todo, waits, hits
 
-    async def _compute(self, images: list, todo: list[int], outputs: list, cfg, field: str, mean_pooling: bool,
-                       disconnected: asyncio.Future | None, keys: list | None = None) -> tuple[float, float, float]:
+    async def _compute(
+        self,
+        images: list,
+        todo: list[int],
+        outputs: list,
+        cfg,
+        field: str,
+        mean_pooling: bool,
+        disconnected: asyncio.Future | None,
+        keys: list | None = None,
+    ) -> tuple[float, float, float]:
         """Decode and run the images at `todo` (indices of `images`), filling `outputs`; the seconds their decoding
         took, and the longest queue and inference seconds among them. `keys`: the images' cache keys, under which
         the backend keeps their answers."""
         start = time.perf_counter()
-        decoded = await self._decoded(self.decoder.decode([images[i] for i in todo], cfg, field, todo), disconnected,
-                                      len(todo))
+        decoded = await self._decoded(
+            self.decoder.decode([images[i] for i in todo], cfg, field, todo), disconnected, len(todo)
+        )
         decode_s = time.perf_counter() - start
         loop = asyncio.get_running_loop()
-        items = [WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
-                 for i, (image, grid) in zip(todo, decoded)]
+        items = [
+            WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
+            for i, (image, grid) in zip(todo, decoded)
+        ]
         for i, output in zip(todo, await self._run(items, disconnected)):
             outputs[i] = output
         return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
@@ -234,8 +286,9 @@ class Engine:
         (ClientDisconnected; `dropped` images counted as dropped before they were queued)."""
         decoding = asyncio.ensure_future(decoding)
         try:
-            await asyncio.wait({decoding} if disconnected is None else {decoding, disconnected},
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {decoding} if disconnected is None else {decoding, disconnected}, return_when=asyncio.FIRST_COMPLETED
+            )
             if not decoding.done():
                 self.metrics.dropped.inc(dropped)
                 raise ClientDisconnected("the client went away")
@@ -249,8 +302,9 @@ class Engine:
         client leaves first, they are taken out of the queue (ClientDisconnected)."""
         self.backend.submit(items)
         results = asyncio.gather(*(item.future for item in items))
-        await asyncio.wait({results} if disconnected is None else {results, disconnected},
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {results} if disconnected is None else {results, disconnected}, return_when=asyncio.FIRST_COMPLETED
+        )
         if not results.done():
             self.backend.drop(items)
             results.cancel()
@@ -258,29 +312,55 @@ class Engine:
             raise ClientDisconnected("the client went away")
         return results.result()
 
-    def video_config(self, fps: float | None = None, num_frames: int | None = None, max_frames: int | None = None,
-                     max_pixels: int | None = None, truncate_frames: bool = False) -> VideoConfig:
+    def video_config(
+        self,
+        fps: float | None = None,
+        num_frames: int | None = None,
+        max_frames: int | None = None,
+        max_pixels: int | None = None,
+        truncate_frames: bool = False,
+    ) -> VideoConfig:
         """The model's video preprocessing with a request's sampling (else --video-fps where set), within the
         server's limits: at most --max-video-frames frames (a larger num_frames is refused, 413)."""
         s = self.settings
         if num_frames is not None and num_frames > s.limits.max_video_frames:
-            raise InputTooLarge(f"num_frames {num_frames} is over this server's limit of {s.limits.max_video_frames} frames "
-                                "a video", "too_many_frames", "num_frames")
+            raise InputTooLarge(
+                f"num_frames {num_frames} is over this server's limit of {s.limits.max_video_frames} frames a video",
+                "too_many_frames",
+                "num_frames",
+            )
         if fps is None and num_frames is None and s.decoding.video_fps is not None:
             fps = s.decoding.video_fps
         cfg = self.model.video_config
         if num_frames is not None and num_frames < cfg.temporal_patch_size:
-            raise InputRejected(f"num_frames must be at least {cfg.temporal_patch_size} (one temporal patch), got "
-                                f"{num_frames}", "invalid_num_frames", "num_frames")
+            raise InputRejected(
+                f"num_frames must be at least {cfg.temporal_patch_size} (one temporal patch), got {num_frames}",
+                "invalid_num_frames",
+                "num_frames",
+            )
         if max_pixels is not None and max_pixels < cfg.min_pixels:
-            raise InputRejected(f"max_pixels must be at least this server's video min_pixels ({cfg.min_pixels})",
-                                "invalid_max_pixels", "max_pixels")
-        return cfg.with_request(fps, num_frames, min(max_frames or s.limits.max_video_frames, s.limits.max_video_frames),
-                                max_pixels, truncate_frames)
+            raise InputRejected(
+                f"max_pixels must be at least this server's video min_pixels ({cfg.min_pixels})",
+                "invalid_max_pixels",
+                "max_pixels",
+            )
+        return cfg.with_request(
+            fps,
+            num_frames,
+            min(max_frames or s.limits.max_video_frames, s.limits.max_video_frames),
+            max_pixels,
+            truncate_frames,
+        )
 
-    async def encode_videos(self, videos: list, options: dict, mean_pooling: bool = False,
-                            disconnected: asyncio.Future | None = None, field: str = "videos",
-                            max_pixels: int | None = None) -> Encoded:
+    async def encode_videos(
+        self,
+        videos: list,
+        options: dict,
+        mean_pooling: bool = False,
+        disconnected: asyncio.Future | None = None,
+        field: str = "videos",
+        max_pixels: int | None = None,
+    ) -> Encoded:
         """Encode a request's videos (MediaBytes, bytes, or URLs when fetching is on): each is decoded, sampled
         and resized by a decode worker into slices of T frames, and its slices join the image queue as items of
         their own (they batch beside images and other videos, over as many replays as they need); the answer per
@@ -296,19 +376,30 @@ class Engine:
         decode_s = time.perf_counter() - start
         loop, items, owners = asyncio.get_running_loop(), [], []
         for j, (slices, (t, h, w), _) in enumerate(decoded):
-            items += [WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]", modality="video")
-                      for s in slices]
+            items += [
+                WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]", modality="video") for s in slices
+            ]
             owners += [j] * len(slices)
         results = await self._run(items, disconnected)
 
         def assemble() -> list[Features]:  # each video's slices joined: megabytes to copy, off the event loop
-            return [Features.join([output for owner, output in zip(owners, results) if owner == j], list(grid),
-                                  timing, mean=mean_pooling)
-                    for j, (_, grid, timing) in enumerate(decoded)]
+            return [
+                Features.join(
+                    [output for owner, output in zip(owners, results) if owner == j],
+                    list(grid),
+                    timing,
+                    mean=mean_pooling,
+                )
+                for j, (_, grid, timing) in enumerate(decoded)
+            ]
 
         outputs = await asyncio.to_thread(assemble)
-        return Encoded(outputs, decode_s, max((i.queue_s for i in items), default=0.0),
-                       max((i.inference_s for i in items), default=0.0))
+        return Encoded(
+            outputs,
+            decode_s,
+            max((i.queue_s for i in items), default=0.0),
+            max((i.inference_s for i in items), default=0.0),
+        )
 
     # ---- /stats and /metrics -------------------------------------------------------------------------------------
     def collect(self, kind: str):
@@ -319,14 +410,19 @@ class Engine:
 
             return generate_latest(self.metrics.registry).decode()
         count = lambda name: int(self.metrics.registry.get_sample_value(name) or 0)  # noqa: E731
-        return {"recent": self.metrics.recent(), "requests_in_flight": self.in_flight,
-                "tiers": self.tier_figures(),
-                "decode_workers": self.decoder.workers, "decode_workers_replaced": self.decoder.workers_replaced,
-                "memory": {"bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
-                           "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used}},
-                "counters": {"hits": count("vitserve_cache_hits_total"),
-                             "misses": count("vitserve_cache_misses_total")},
-                "videos": {"available": self.videos_unavailable is None, "reason": self.videos_unavailable}}
+        return {
+            "recent": self.metrics.recent(),
+            "requests_in_flight": self.in_flight,
+            "tiers": self.tier_figures(),
+            "decode_workers": self.decoder.workers,
+            "decode_workers_replaced": self.decoder.workers_replaced,
+            "memory": {
+                "bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
+                "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used},
+            },
+            "counters": {"hits": count("vitserve_cache_hits_total"), "misses": count("vitserve_cache_misses_total")},
+            "videos": {"available": self.videos_unavailable is None, "reason": self.videos_unavailable},
+        }
 
     async def server_stats(self) -> dict:
         """/stats of the whole server (the backend gathers its part and every front end's)."""

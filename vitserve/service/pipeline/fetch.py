@@ -22,6 +22,8 @@ from ..ground.errors import InputRejected, InputTooLarge, QueueFull, clip
 from ..ground.settings import Settings
 
 MAX_REDIRECTS = 3
+
+
 class FetchBudget:
     """Bytes held by fetches in flight across the server (`--url-fetch-memory`)."""
 
@@ -38,8 +40,9 @@ class Allowance:
 
     def take(self, n: int, param: str) -> None:
         if n > self.room:
-            raise InputTooLarge(f"{param}: the images at this request's URLs are over its limit of bytes",
-                                "image_too_large", param)
+            raise InputTooLarge(
+                f"{param}: the images at this request's URLs are over its limit of bytes", "image_too_large", param
+            )
         if self.budget.used + n > self.budget.limit:
             raise QueueFull(f"{param}: the server is fetching too many images at once; retry shortly")
         self.room -= n
@@ -77,8 +80,9 @@ async def resolve_public(url: str, param: str) -> tuple[str, str, int]:
         if parts.scheme not in ("http", "https") or not host or any(c in url for c in "\r\n\t "):
             raise ValueError("scheme or host")
     except ValueError:  # a bad port (99999, -1), an unclosed [ or a control character in the host
-        raise InputRejected(f"{param}: not a valid http(s) URL with a host: {clip(url)!r}", "invalid_url",
-                            param) from None
+        raise InputRejected(
+            f"{param}: not a valid http(s) URL with a host: {clip(url)!r}", "invalid_url", param
+        ) from None
     port = port or (443 if parts.scheme == "https" else 80)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -112,47 +116,66 @@ async def fetch_url(client: httpx.AsyncClient, url: str, param: str, allowance: 
     """The image at `url`, within the request's allowance."""
     for _ in range(MAX_REDIRECTS + 1):
         host, address, _ = await resolve_public(url, param)
-        request = client.build_request("GET", pinned(url, address), extensions={"sni_hostname": host},
-                                       headers={"Host": host, "Accept-Encoding": "gzip, deflate, identity"})
+        request = client.build_request(
+            "GET",
+            pinned(url, address),
+            extensions={"sni_hostname": host},
+            headers={"Host": host, "Accept-Encoding": "gzip, deflate, identity"},
+        )
         try:
             response = await client.send(request, stream=True)
         except httpx.HTTPError as e:
-            raise InputRejected(f"{param}: fetching the URL failed: {type(e).__name__}", "url_fetch_failed",
-                                param) from None
+            raise InputRejected(
+                f"{param}: fetching the URL failed: {type(e).__name__}", "url_fetch_failed", param
+            ) from None
         try:
             if response.is_redirect and "location" in response.headers:
                 url = urljoin(url, response.headers["location"])
                 continue
             if response.status_code != 200:
-                raise InputRejected(f"{param}: fetching the URL gave HTTP {response.status_code}", "url_fetch_failed",
-                                    param)
+                raise InputRejected(
+                    f"{param}: fetching the URL gave HTTP {response.status_code}", "url_fetch_failed", param
+                )
             data = bytearray()
             async for chunk in response.aiter_raw():  # as sent: inflated below, capped, off the event loop
                 allowance.take(len(chunk), param)
                 data += chunk
             encoding = response.headers.get("content-encoding", "identity").lower()
             if encoding in ("gzip", "deflate"):
-                inflated = await asyncio.get_running_loop().run_in_executor(None, inflate, bytes(data), encoding,
-                                                                            allowance.room)
+                inflated = await asyncio.get_running_loop().run_in_executor(
+                    None, inflate, bytes(data), encoding, allowance.room
+                )
                 if inflated is None:
-                    raise InputTooLarge(f"{param}: the image at the URL inflates to over this request's limit of "
-                                        "bytes", "image_too_large", param)
+                    raise InputTooLarge(
+                        f"{param}: the image at the URL inflates to over this request's limit of bytes",
+                        "image_too_large",
+                        param,
+                    )
                 allowance.take(len(inflated), param)
                 return inflated
             if encoding != "identity":
-                raise InputRejected(f"{param}: the URL answered in an unsupported encoding ({clip(encoding)})",
-                                    "url_fetch_failed", param)
+                raise InputRejected(
+                    f"{param}: the URL answered in an unsupported encoding ({clip(encoding)})",
+                    "url_fetch_failed",
+                    param,
+                )
             return bytes(data)
         except httpx.HTTPError as e:
-            raise InputRejected(f"{param}: fetching the URL failed: {type(e).__name__}", "url_fetch_failed",
-                                param) from None
+            raise InputRejected(
+                f"{param}: fetching the URL failed: {type(e).__name__}", "url_fetch_failed", param
+            ) from None
         finally:
             await response.aclose()
     raise InputRejected(f"{param}: more than {MAX_REDIRECTS} redirects", "url_fetch_failed", param)
 
 
-async def fetch_all(images: list, settings: Settings, field: str = "input", budget: FetchBudget | None = None,
-                    transport: httpx.AsyncBaseTransport | None = None) -> list:
+async def fetch_all(
+    images: list,
+    settings: Settings,
+    field: str = "input",
+    budget: FetchBudget | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> list:
     """Replace each URL in `images` by its bytes (other items unchanged); errors name the image `field[i]`. The
     whole of it takes at most `--url-fetch-timeout` seconds, and at most `--payload-limit` bytes."""
     urls = [(i, x) for i, x in enumerate(images) if isinstance(x, str)]  # the rest: MediaBytes or raw bytes
@@ -160,13 +183,19 @@ async def fetch_all(images: list, settings: Settings, field: str = "input", budg
         return images
     allowance = Allowance(budget or FetchBudget(settings.limits.url_fetch_memory), settings.limits.payload_limit)
     try:
-        async with httpx.AsyncClient(follow_redirects=False, timeout=settings.server.url_fetch_timeout, transport=transport,
-                                     trust_env=False) as client:
-            fetched = await asyncio.wait_for(asyncio.gather(*(
-                fetch_url(client, url, f"{field}[{i}]", allowance) for i, url in urls)), settings.server.url_fetch_timeout)
+        async with httpx.AsyncClient(
+            follow_redirects=False, timeout=settings.server.url_fetch_timeout, transport=transport, trust_env=False
+        ) as client:
+            fetched = await asyncio.wait_for(
+                asyncio.gather(*(fetch_url(client, url, f"{field}[{i}]", allowance) for i, url in urls)),
+                settings.server.url_fetch_timeout,
+            )
     except asyncio.TimeoutError:
-        raise InputRejected(f"{field}: fetching the image URLs took over {settings.server.url_fetch_timeout:g} s",
-                            "url_fetch_failed", field) from None
+        raise InputRejected(
+            f"{field}: fetching the image URLs took over {settings.server.url_fetch_timeout:g} s",
+            "url_fetch_failed",
+            field,
+        ) from None
     finally:
         allowance.release()  # the bytes now belong to the request, bounded by --payload-limit
     images = list(images)

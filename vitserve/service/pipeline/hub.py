@@ -88,8 +88,7 @@ class HubBackend:
         for item in items:
             item.id = next(self.ids)
             self.items[item.id] = item
-            records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key,
-                                item.modality))
+            records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key, item.modality))
         self.send(Submit(records))
 
     def drop(self, items: list) -> None:
@@ -132,8 +131,11 @@ class HubBackend:
             case Status():
                 call(self._mirror, message)
             case Answers(answers):
-                call(self._done, [(done, self._features(done.output, done.keep)) for done in answers
-                                  if done.error is None], [done for done in answers if done.error is not None])
+                call(
+                    self._done,
+                    [(done, self._features(done.output, done.keep)) for done in answers if done.error is None],
+                    [done for done in answers if done.error is not None],
+                )
             case Looked(lookup, answers):
                 call(self._looked, lookup, [self._features(a, True) if a not in (None, WAIT) else a for a in answers])
             case Settled(lookup, i, output):
@@ -209,7 +211,6 @@ class HubBackend:
             self.lookups.pop(lookup, None)
         if future is not None and not future.done():
             future.set_result(output)
-
 
     def _scraped(self, scrape: int, answer) -> None:
         future = self.scrapes.get(scrape)

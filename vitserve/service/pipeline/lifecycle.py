@@ -24,8 +24,11 @@ class State(str, enum.Enum):
     FAILED = "failed"
 
 
-NOT_READY = {State.LOADING: "loading model weights", State.CAPTURING: "capturing CUDA graphs",
-             State.DRAINING: "draining: shutting down"}
+NOT_READY = {
+    State.LOADING: "loading model weights",
+    State.CAPTURING: "capturing CUDA graphs",
+    State.DRAINING: "draining: shutting down",
+}
 FINAL = (State.DRAINING, State.FAILED)
 
 

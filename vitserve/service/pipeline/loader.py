@@ -36,15 +36,21 @@ class ModelInfo:
         return cls(encoder.config, encoder.preprocess_config, encoder.video_config)
 
 
-def serving_text(settings: Settings, devices: list[str], process_each: bool, dtype: str, attention: dict,
-                 decode_workers: int) -> str:
+def serving_text(
+    settings: Settings, devices: list[str], process_each: bool, dtype: str, attention: dict, decode_workers: int
+) -> str:
     """What serves, for the startup's ready line: version, model, devices, dtype, attention, decode workers, cache."""
     s = settings
-    cache = "off" if not s.cache.cache_bytes else \
-        f"{format_size(s.cache.cache_bytes)} per {'API key' if s.cache.cache_scope == 'api-key' else 'server'}"
-    return (f"vitserve {__version__}, {s.model.model} on {', '.join(devices)}{', one process each' * process_each} "
-            f"({dtype}, attention {attention_text(attention)}), {decode_workers} decode "
-            f"{'processes' if s.decoding.decode_processes else 'threads'}, cache {cache}")
+    cache = (
+        "off"
+        if not s.cache.cache_bytes
+        else f"{format_size(s.cache.cache_bytes)} per {'API key' if s.cache.cache_scope == 'api-key' else 'server'}"
+    )
+    return (
+        f"vitserve {__version__}, {s.model.model} on {', '.join(devices)}{', one process each' * process_each} "
+        f"({dtype}, attention {attention_text(attention)}), {decode_workers} decode "
+        f"{'processes' if s.decoding.decode_processes else 'threads'}, cache {cache}"
+    )
 
 
 def load_here(settings: Settings, devices: list[str], dtype: str, life: Lifecycle) -> tuple[ModelInfo, list]:
@@ -55,8 +61,11 @@ def load_here(settings: Settings, devices: list[str], dtype: str, life: Lifecycl
         if s.devices.gpu_memory_fraction and device.startswith("cuda"):
             torch.cuda.set_per_process_memory_fraction(s.devices.gpu_memory_fraction, torch.device(device))
         log.info("loading %s (%s) on %s as %s", s.model.model, s.model.load_format, device, dtype)
-        encoders.append(VisionEncoder.from_pretrained(s.model.model, device=device, dtype=dtype, capture=False,
-                                                      **s.encoder_kwargs()))
+        encoders.append(
+            VisionEncoder.from_pretrained(
+                s.model.model, device=device, dtype=dtype, capture=False, **s.encoder_kwargs()
+            )
+        )
     if any(e.runner.use_graphs for e in encoders):
         log.info("loaded; capturing CUDA graphs")
     life.capturing()
@@ -65,13 +74,21 @@ def load_here(settings: Settings, devices: list[str], dtype: str, life: Lifecycl
     return ModelInfo.of(encoders[0]), [LocalDevice(e) for e in encoders]
 
 
-def load_processes(settings: Settings, devices: list[str], dtype: str, prefix: str, life: Lifecycle,
-                   records: bool, also: str = "") -> tuple[ModelInfo, list]:
+def load_processes(
+    settings: Settings, devices: list[str], dtype: str, prefix: str, life: Lifecycle, records: bool, also: str = ""
+) -> tuple[ModelInfo, list]:
     """One process per device; done when all are loaded and captured. `records`: their answers stay Output records
     (spool files), not tensors. `also`: the log line's end (the core's front ends)."""
     s = settings
-    log.info("loading %s (%s) on %s as %s, one process per device%s", s.model.model, s.model.load_format, ", ".join(devices),
-             dtype, also)
-    config, preprocess_config, video_config, processes = start_devices(s, devices, dtype, prefix, records=records,
-                                                                       started=life.capturing)
+    log.info(
+        "loading %s (%s) on %s as %s, one process per device%s",
+        s.model.model,
+        s.model.load_format,
+        ", ".join(devices),
+        dtype,
+        also,
+    )
+    config, preprocess_config, video_config, processes = start_devices(
+        s, devices, dtype, prefix, records=records, started=life.capturing
+    )
     return ModelInfo(config, preprocess_config, video_config), processes

@@ -25,8 +25,9 @@ def summed_tiers(fronts: list[dict]) -> dict[str, dict]:
     return tiers
 
 
-def server_stats(settings: Settings, backend: dict, fronts: list[dict], api_servers: int | None = None,
-                 api_servers_replaced: int = 0) -> dict:
+def server_stats(
+    settings: Settings, backend: dict, fronts: list[dict], api_servers: int | None = None, api_servers_replaced: int = 0
+) -> dict:
     """`backend`: LocalBackend.stats; `fronts`: each front end's Engine.collect("stats"); `api_servers`: the front
     ends the server runs (None: one process, which reports no front ends)."""
     recent = collections.defaultdict(list)
@@ -34,8 +35,13 @@ def server_stats(settings: Settings, backend: dict, fronts: list[dict], api_serv
         for phase, values in part["recent"].items():
             recent[phase] += values
     count = lambda name: sum(int(part["counters"].get(name, 0)) for part in fronts)  # noqa: E731
-    memory = {use: {"limit_bytes": sum(p["memory"][use]["limit_bytes"] for p in fronts),
-                    "bytes": sum(p["memory"][use]["bytes"] for p in fronts)} for use in ("bodies", "decode")}
+    memory = {
+        use: {
+            "limit_bytes": sum(p["memory"][use]["limit_bytes"] for p in fronts),
+            "bytes": sum(p["memory"][use]["bytes"] for p in fronts),
+        }
+        for use in ("bodies", "decode")
+    }
     cache = backend["cache"] | {"hits": count("hits"), "misses": count("misses")}
     cache = {key: cache[key] for key in ("enabled", "limit_bytes", "bytes", "entries", "hits", "misses", "evictions")}
     batching = settings.batching_stats(front_total(fronts, "decode_workers"))
@@ -43,16 +49,32 @@ def server_stats(settings: Settings, backend: dict, fronts: list[dict], api_serv
     if api_servers is not None:
         batching |= {"api_servers": api_servers}
         topology = {"api_servers_replaced": api_servers_replaced, "api_servers": len(fronts)}
-    stats = {"version": __version__, "model": settings.model.name, "state": backend["state"],
-             "error": backend["error"], "device": backend["device"], "devices": backend["devices"],
-             "latency": percentiles(recent), "dtype": backend["dtype"], "family": backend["family"],
-             "uptime_seconds": backend["uptime_seconds"], "load_seconds": backend["load_seconds"],
-             "requests_in_flight": front_total(fronts, "requests_in_flight"), "queue_depth": backend["queue_depth"],
-             "tiers": summed_tiers(fronts), "batch_size_histogram": backend["batch_size_histogram"],
-             "spool": backend["spool"], "device_processes": backend["device_processes"],
-             "decode_workers_replaced": front_total(fronts, "decode_workers_replaced"), **topology,
-             "cache": cache, "batching": batching, "eager_runs": backend["eager_runs"], "memory": memory,
-             "eager_fallbacks": backend["eager_fallbacks"]}
+    stats = {
+        "version": __version__,
+        "model": settings.model.name,
+        "state": backend["state"],
+        "error": backend["error"],
+        "device": backend["device"],
+        "devices": backend["devices"],
+        "latency": percentiles(recent),
+        "dtype": backend["dtype"],
+        "family": backend["family"],
+        "uptime_seconds": backend["uptime_seconds"],
+        "load_seconds": backend["load_seconds"],
+        "requests_in_flight": front_total(fronts, "requests_in_flight"),
+        "queue_depth": backend["queue_depth"],
+        "tiers": summed_tiers(fronts),
+        "batch_size_histogram": backend["batch_size_histogram"],
+        "spool": backend["spool"],
+        "device_processes": backend["device_processes"],
+        "decode_workers_replaced": front_total(fronts, "decode_workers_replaced"),
+        **topology,
+        "cache": cache,
+        "batching": batching,
+        "eager_runs": backend["eager_runs"],
+        "memory": memory,
+        "eager_fallbacks": backend["eager_fallbacks"],
+    }
     if fronts:
         stats["videos"] = fronts[0]["videos"]
     return stats

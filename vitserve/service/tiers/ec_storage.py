@@ -45,7 +45,7 @@ def _write_rows(fd: int, rows: Rows, first: int, last: int, offset: int) -> None
     """Rows first..last-1 of an item, at `offset` in the file."""
     pieces = rows.pieces(first, last)
     for k in range(0, len(pieces), IOV_MAX):
-        batch = pieces[k:k + IOV_MAX]
+        batch = pieces[k : k + IOV_MAX]
         want = sum(len(p) for p in batch)
         done = os.pwritev(fd, batch, offset)
         if done != want:  # a short write (tmpfs and disks write all of it; only a full disk stops short)
@@ -56,10 +56,17 @@ def _write_rows(fd: int, rows: Rows, first: int, last: int, offset: int) -> None
 def check_identifier(identifier: str) -> str:
     """An identifier is one folder name that is not hidden: no separators, no leading `.` (the storage's own
     temporary files), at most 255 bytes."""
-    if (not identifier or "/" in identifier or "\\" in identifier or "\x00" in identifier
-            or identifier.startswith(".") or len(identifier.encode()) > 255):
-        raise ValueError(f"not a usable identifier: {identifier[:80]!r} (one folder name: no '/', no leading '.', "
-                         "at most 255 bytes)")
+    if (
+        not identifier
+        or "/" in identifier
+        or "\\" in identifier
+        or "\x00" in identifier
+        or identifier.startswith(".")
+        or len(identifier.encode()) > 255
+    ):
+        raise ValueError(
+            f"not a usable identifier: {identifier[:80]!r} (one folder name: no '/', no leading '.', at most 255 bytes)"
+        )
     return identifier
 
 
@@ -72,8 +79,14 @@ class ECStorage:
     identifier is refused: FileExistsError), and a file already under an identifier is never replaced: the first
     write of an identifier is its file until it is evicted."""
 
-    def __init__(self, directory: str | os.PathLike, max_bytes: int, file_mode: int = 0o644,
-                 dtype: torch.dtype = torch.bfloat16, writers: int = 4):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        max_bytes: int,
+        file_mode: int = 0o644,
+        dtype: torch.dtype = torch.bfloat16,
+        writers: int = 4,
+    ):
         self.directory, self.max_bytes, self.dtype = Path(directory), max_bytes, dtype
         self.fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.uid = os.geteuid()
@@ -111,8 +124,13 @@ class ECStorage:
         """The folder's figures for /stats and /metrics: its bytes and files (and the limit), the files written
         and evicted since start (`bytes` counts the writes in flight too: they hold their room)."""
         with self._changed:
-            return {"limit_bytes": self.max_bytes, "bytes": self._bytes, "files": len(self._sizes),
-                    "writes": self.written, "evictions": self.evicted}
+            return {
+                "limit_bytes": self.max_bytes,
+                "bytes": self._bytes,
+                "files": len(self._sizes),
+                "writes": self.written,
+                "evictions": self.evicted,
+            }
 
     def path(self, identifier: str) -> Path:
         return self.directory / check_identifier(identifier) / FILE_NAME
@@ -124,8 +142,13 @@ class ECStorage:
         this server's, FileExistsError (nothing is replaced)."""
         check_identifier(identifier)
         rows = item.rows(self.dtype)
-        header = {TENSOR_NAME: {"dtype": SAFETENSORS_DTYPES[self.dtype], "shape": [rows.count, item.width],
-                                "data_offsets": [0, rows.nbytes]}}
+        header = {
+            TENSOR_NAME: {
+                "dtype": SAFETENSORS_DTYPES[self.dtype],
+                "shape": [rows.count, item.width],
+                "data_offsets": [0, rows.nbytes],
+            }
+        }
         head = safetensors_header(header)
         size = len(head) + header[TENSOR_NAME]["data_offsets"][1]
         if size > self.max_bytes:
@@ -172,8 +195,7 @@ class ECStorage:
         """Write the file under a temporary name and link it into its item's folder, which is created if missing;
         False where a file was linked there first (by another process)."""
         tmp = f".ec-{secrets.token_hex(8)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self.fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
         folder = -1
         try:
             os.ftruncate(fd, size)
@@ -183,8 +205,10 @@ class ECStorage:
                 _write_rows(fd, rows, 0, count, len(head))
             else:
                 step = -(-count // self.writers._max_workers)
-                jobs = [self.writers.submit(_write_rows, fd, rows, r, min(count, r + step),
-                                            len(head) + r * rows.row_bytes) for r in range(0, count, step)]
+                jobs = [
+                    self.writers.submit(_write_rows, fd, rows, r, min(count, r + step), len(head) + r * rows.row_bytes)
+                    for r in range(0, count, step)
+                ]
                 for job in jobs:
                     job.result()
             os.fchmod(fd, self.file_mode)
@@ -243,8 +267,10 @@ class ECStorage:
         if info is None:
             return False
         if info.st_size != size:
-            raise FileExistsError(f"{self.directory / identifier} holds another item already ({info.st_size} bytes, "
-                                  f"not {size}): an identifier names one item")
+            raise FileExistsError(
+                f"{self.directory / identifier} holds another item already ({info.st_size} bytes, "
+                f"not {size}): an identifier names one item"
+            )
         os.utime(f"{identifier}/{FILE_NAME}", dir_fd=self.fd, follow_symlinks=False)
         if identifier not in self._sizes:
             self._sizes[identifier] = size

@@ -13,14 +13,30 @@ from ..ground.errors import InputRejected, NotAllowed
 from ..pipeline.fetch import embedded_ipv4
 
 RESOLVE_TIMEOUT = 5.0  # seconds to resolve a receiver's host name
-HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+HOST_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
 # where features are never pushed unless --sglang-receivers lists the network: this host (loopback, unspecified),
 # link-local (cloud metadata services at 169.254.169.254 and fd00:ec2::254 among them), multicast and broadcast,
 # and the metadata addresses outside those ranges (Alibaba's, Azure's wire server)
-REFUSED = tuple(ipaddress.ip_network(n) for n in (
-    "127.0.0.0/8", "0.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "255.255.255.255/32", "100.100.100.200/32",
-    "168.63.129.16/32", "::1/128", "::/128", "fe80::/10", "ff00::/8", "fd00:ec2::254/128"))
+REFUSED = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "127.0.0.0/8",
+        "0.0.0.0/8",
+        "169.254.0.0/16",
+        "224.0.0.0/4",
+        "255.255.255.255/32",
+        "100.100.100.200/32",
+        "168.63.129.16/32",
+        "::1/128",
+        "::/128",
+        "fe80::/10",
+        "ff00::/8",
+        "fd00:ec2::254/128",
+    )
+)
 ADDRESS = re.compile(r"\[(?P<v6>[0-9A-Fa-f:.]+)\]:(?P<p6>\d{1,5})|(?P<host>[A-Za-z0-9.\-]+):(?P<port>\d{1,5})")
 
 
@@ -34,8 +50,9 @@ def receiver_address(address: str) -> tuple[str, int]:
     match = ADDRESS.fullmatch(address)
     port = match and int(match["p6"] or match["port"])
     if not match or not 0 < port < 65536:
-        raise InputRejected(f"receive_url must be host:port ([ipv6]:port), got {address[:100]!r}",
-                            "invalid_receive_url", "receive_url")
+        raise InputRejected(
+            f"receive_url must be host:port ([ipv6]:port), got {address[:100]!r}", "invalid_receive_url", "receive_url"
+        )
     return match["v6"] or match["host"], port
 
 
@@ -55,8 +72,9 @@ class ReceiverNetworks:
     connects to the address checked (never to the name, which could resolve elsewhere the next time)."""
 
     def __init__(self, networks: str | None = None):
-        self.networks = [ipaddress.ip_network(n.strip(), strict=False) for n in (networks or "").split(",")
-                         if n.strip()]
+        self.networks = [
+            ipaddress.ip_network(n.strip(), strict=False) for n in (networks or "").split(",") if n.strip()
+        ]
 
     def allowed(self, ip) -> bool:
         """`ip` may be pushed to; an IPv6 address that carries an IPv4 one (6to4, Teredo, NAT64) only where both may."""
@@ -77,8 +95,11 @@ class ReceiverNetworks:
         refused = next((a for a in addresses if not self.allowed(a)), None)
         if refused is not None:
             named = f"{refused} is" if ip is not None else f"{host!r} resolves to {refused},"
-            raise NotAllowed(f"{param}: {named} outside the networks features are pushed to "
-                             "(--sglang-receivers)", "receiver_not_allowed", param)
+            raise NotAllowed(
+                f"{param}: {named} outside the networks features are pushed to (--sglang-receivers)",
+                "receiver_not_allowed",
+                param,
+            )
         return str(addresses[0])
 
     @staticmethod
@@ -87,8 +108,9 @@ class ReceiverNetworks:
         if not HOST_NAME.fullmatch(host):
             raise InputRejected(f"{param}: not a host name or IP address: {host[:100]!r}", "invalid_receiver", param)
         try:
-            found = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
-                host, None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT)
+            found = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT
+            )
         except (OSError, asyncio.TimeoutError):
             raise InputRejected(f"{param}: cannot resolve {host!r}", "invalid_receiver", param) from None
         addresses = [address_of(entry[4][0].split("%")[0]) for entry in found]

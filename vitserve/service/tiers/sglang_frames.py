@@ -74,7 +74,7 @@ def embedding_frame(items: list[Features], dtype: torch.dtype) -> tuple[memoryvi
     out = np.empty((count, rows[0].row_bytes), np.uint8)
     start = 0
     for r in rows:
-        r.copy_into(out[start:start + r.count])
+        r.copy_into(out[start : start + r.count])
         start += r.count
     return memoryview(out.reshape(-1)), [count, width]
 
@@ -87,14 +87,31 @@ def meta_frame(call: EncodeCall, items: list[Features], family: str, dtype: torc
     apply, as SGLang's encoder sends them."""
     videos = [item.timing for item in items if item.timing is not None]
     timestamps = [[float(t) for t in v["timestamps"]] for v in videos] if videos and family == "qwen3_vl" else None
-    seconds = (torch.tensor([float(v["second_per_grid_t"]) for v in videos], dtype=torch.float32)
-               if videos and family == "qwen2_5_vl" else None)
-    return dumps(EmbeddingData({
-        "req_id": call.req_id, "num_parts": call.num_parts, "part_idx": call.part_idx,
-        "grid_dim": torch.tensor([list(item.grid) for item in items], dtype=torch.int64).reshape(-1, 3),
-        "modality": Modality[call.modality],
-        "embedding": None, "send_time": None, "dtype": dtype, "shape": shape, "_mr_ptr": None, "error_msg": None,
-        "error_code": None, "video_timestamps": timestamps, "second_per_grid_ts": seconds}))
+    seconds = (
+        torch.tensor([float(v["second_per_grid_t"]) for v in videos], dtype=torch.float32)
+        if videos and family == "qwen2_5_vl"
+        else None
+    )
+    return dumps(
+        EmbeddingData(
+            {
+                "req_id": call.req_id,
+                "num_parts": call.num_parts,
+                "part_idx": call.part_idx,
+                "grid_dim": torch.tensor([list(item.grid) for item in items], dtype=torch.int64).reshape(-1, 3),
+                "modality": Modality[call.modality],
+                "embedding": None,
+                "send_time": None,
+                "dtype": dtype,
+                "shape": shape,
+                "_mr_ptr": None,
+                "error_msg": None,
+                "error_code": None,
+                "video_timestamps": timestamps,
+                "second_per_grid_ts": seconds,
+            }
+        )
+    )
 
 
 def message(call: EncodeCall, result: Encoded, family: str, dtype: torch.dtype) -> list:

@@ -40,8 +40,13 @@ class Pairing:
     `max_pending` of them at once, `max_per_host` of them for receivers on one host (a 429 beyond either), each
     dropped `timeout` seconds after it was made (by `clock`)."""
 
-    def __init__(self, timeout: float = TIMEOUT, max_pending: int = MAX_PENDING,
-                 max_per_host: int = MAX_PENDING_PER_HOST, clock=time.monotonic):
+    def __init__(
+        self,
+        timeout: float = TIMEOUT,
+        max_pending: int = MAX_PENDING,
+        max_per_host: int = MAX_PENDING_PER_HOST,
+        clock=time.monotonic,
+    ):
         self.timeout, self.max_pending, self.max_per_host, self.clock = timeout, max_pending, max_per_host, clock
         self.entries: dict[str, Receivers] = {}
         self.unheld: Counter[str] = Counter()  # unheld entries by their receivers' host
@@ -69,19 +74,29 @@ class Pairing:
         entry = self.entries.get(body.req_id)
         if entry is None:
             if sum(self.unheld.values()) >= self.max_pending or self.unheld[host] >= self.max_per_host:
-                raise QueueFull(f"{self.max_pending} parts (or {self.max_per_host} for receivers on one "
-                                "host) wait for their /encode already", "too_many_pending", "req_id")
+                raise QueueFull(
+                    f"{self.max_pending} parts (or {self.max_per_host} for receivers on one "
+                    "host) wait for their /encode already",
+                    "too_many_pending",
+                    "req_id",
+                )
             entry = self.entries[body.req_id] = Receivers(now + self.timeout, host)
             self.unheld[host] += 1
         if entry.count is None:
             entry.count = body.receive_count
         if body.receive_count != entry.count:
-            raise InputRejected(f"inconsistent receive_count for req_id {body.req_id[:100]!r}: registered "
-                                f"{entry.count}, got {body.receive_count}", "inconsistent_receive_count",
-                                "receive_count")
+            raise InputRejected(
+                f"inconsistent receive_count for req_id {body.req_id[:100]!r}: registered "
+                f"{entry.count}, got {body.receive_count}",
+                "inconsistent_receive_count",
+                "receive_count",
+            )
         if target not in entry.endpoints and len(entry.endpoints) >= entry.count:
-            raise InputRejected(f"more receivers than receive_count ({entry.count}) for req_id "
-                                f"{body.req_id[:100]!r}", "too_many_receivers", "receive_url")
+            raise InputRejected(
+                f"more receivers than receive_count ({entry.count}) for req_id {body.req_id[:100]!r}",
+                "too_many_receivers",
+                "receive_url",
+            )
         entry.endpoints[target] = None
         entry.changed.set()
 
@@ -117,6 +132,7 @@ class Pairing:
                 await asyncio.wait_for(entry.changed.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 have = f"{len(entry.endpoints)} of {entry.count} receivers" if entry.count else "no receiver"
-                raise TimedOut(f"req_id {req_id[:100]!r}: {have} registered within {self.timeout:g} s",
-                               "registration_timeout") from None
+                raise TimedOut(
+                    f"req_id {req_id[:100]!r}: {have} registered within {self.timeout:g} s", "registration_timeout"
+                ) from None
         return list(entry.endpoints)

@@ -88,11 +88,10 @@ class PushSockets:
             return sock
         if len(self.busy) >= MAX_OPEN_SOCKETS:  # the idle kept ones go first
             idle = [t for t, s in self.kept.items() if not self.busy[s]]
-            for old in idle[:len(self.busy) - MAX_OPEN_SOCKETS + 1]:
+            for old in idle[: len(self.busy) - MAX_OPEN_SOCKETS + 1]:
                 self._close(self.kept.pop(old), LINGER_MS)
             if len(self.busy) >= MAX_OPEN_SOCKETS:
-                raise QueueFull(f"{MAX_OPEN_SOCKETS} deliveries are under way; retry shortly",
-                                "too_many_deliveries")
+                raise QueueFull(f"{MAX_OPEN_SOCKETS} deliveries are under way; retry shortly", "too_many_deliveries")
         sock = self._open(target)
         if keep:
             self._keep(target, sock, now)
@@ -115,10 +114,13 @@ class PushSockets:
             sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
             if target.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
-            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                                              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            )
             self.watches[sock] = (monitor, asyncio.ensure_future(self._watch(monitor)))
             sock.connect(target)
         except zmq.ZMQError as e:
@@ -132,7 +134,7 @@ class PushSockets:
         self.kept[target] = sock
         self.used[sock] = now
         idle = [t for t, s in self.kept.items() if not self.busy[s] and s is not sock]
-        for old in idle[:max(0, len(self.kept) - MAX_SOCKETS)]:
+        for old in idle[: max(0, len(self.kept) - MAX_SOCKETS)]:
             self._close(self.kept.pop(old), LINGER_MS)
 
     async def _watch(self, monitor) -> int:

@@ -21,16 +21,21 @@ from .sglang_tier import SGLangTier
 from .vllm_tier import Options
 
 router = APIRouter()
-ANSWERS = {**NULL, **{status: {"model": SGLangError} for status in (400, 403, 413, 429, 502, 503, 504)},
-           **errors(404)}  # (a tier that is off answers in OpenAI's envelope)
+ANSWERS = {
+    **NULL,
+    **{status: {"model": SGLangError} for status in (400, 403, 413, 429, 502, 503, 504)},
+    **errors(404),
+}  # (a tier that is off answers in OpenAI's envelope)
 
 
 def tier(request: Request) -> tuple[Served, SGLangTier]:
     """What the route serves from and the tier, where the server runs SGLang's tier (else a 404)."""
     api, sglang = served(request), request.app.state.sglang
     if sglang is None:
-        raise NotServed("/encode and /scheduler_receive_url serve SGLang's encoder tier: start the server with "
-                        "--sglang-encoder", "encoder_tier_off")
+        raise NotServed(
+            "/encode and /scheduler_receive_url serve SGLang's encoder tier: start the server with --sglang-encoder",
+            "encoder_tier_off",
+        )
     return api, sglang
 
 
@@ -59,12 +64,18 @@ async def sglang_encode(request: Request) -> Response:
         call = await read_json(request, EncodeCall, api.limits.part_values, ("url",), api.engine.decoder.bodies)
         bounded(call)
         request.state.sglang_req_id = call.req_id
-        items = [decode_input(item.url, i, api.settings.server.allow_url_fetch, "mm_items", call.kind)
-                 for i, item in enumerate(call.mm_items)]
+        items = [
+            decode_input(item.url, i, api.settings.server.allow_url_fetch, "mm_items", call.kind)
+            for i, item in enumerate(call.mm_items)
+        ]
         images, videos = (items, []) if call.kind == "image" else ([], items)
-        await sglang.serve(call, lambda: encode_media(api, request, images, videos, Options(),
-                                                          image_field="mm_items", video_field="mm_items"),
-                               lambda: api.engine.model.config.family)
+        await sglang.serve(
+            call,
+            lambda: encode_media(
+                api, request, images, videos, Options(), image_field="mm_items", video_field="mm_items"
+            ),
+            lambda: api.engine.model.config.family,
+        )
 
     return await sglang_call(request, serve)
 

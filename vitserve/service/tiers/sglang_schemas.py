@@ -78,8 +78,12 @@ class Registration(BaseModel):
 def string_limits(model: type[BaseModel]) -> dict[str, int]:
     """The `max_length` of each of `model`'s fields that has one, in the fields' order: the bounds `bounded` checks.
     (A field whose value must be one of a few words, as /encode's `modality`, needs none: no placeholder is one.)"""
-    return {name: bound.max_length for name, field in model.model_fields.items()
-            for bound in field.metadata if getattr(bound, "max_length", None) is not None}
+    return {
+        name: bound.max_length
+        for name, field in model.model_fields.items()
+        for bound in field.metadata
+        if getattr(bound, "max_length", None) is not None
+    }
 
 
 CALL_LIMITS = string_limits(EncodeCall)

@@ -42,8 +42,9 @@ class SGLangTier:
     leave by. Features go only to the allowed networks (`receivers`: `--sglang-receivers`, see `ReceiverNetworks`),
     and a receiver registers itself: a registration comes from the address it names."""
 
-    def __init__(self, dtype: str, timeout: float = TIMEOUT, max_pending: int = MAX_PENDING,
-                 receivers: str | None = None):
+    def __init__(
+        self, dtype: str, timeout: float = TIMEOUT, max_pending: int = MAX_PENDING, receivers: str | None = None
+    ):
         zmq = pyzmq()  # first: without pyzmq there is no tier
         self.dtype, self.timeout = DTYPES[dtype], timeout  # the model's dtype: SGLang's choice
         self.pairing = Pairing(timeout, max_pending)
@@ -53,9 +54,13 @@ class SGLangTier:
 
     def stats(self) -> dict:
         """The tier's figures for /stats and /metrics."""
-        return {"parts_encoding": self.pairing.held, "parts_waiting_for_encode": sum(self.pairing.unheld.values()),
-                "sockets": len(self.sockets.busy), **{k: self.sockets.counts[k] for k in COUNTED},
-                "registration_timeouts": self.registration_timeouts}
+        return {
+            "parts_encoding": self.pairing.held,
+            "parts_waiting_for_encode": sum(self.pairing.unheld.values()),
+            "sockets": len(self.sockets.busy),
+            **{k: self.sockets.counts[k] for k in COUNTED},
+            "registration_timeouts": self.registration_timeouts,
+        }
 
     async def register(self, body: Registration, sender: str | None) -> None:
         """Record a receiver of a part. It registers itself: `sender` (the registration's peer address) must be the
@@ -64,9 +69,12 @@ class SGLangTier:
         ip = await self.networks.resolve(host, "receive_url")
         peer = address_of(sender or "")
         if str(peer) != ip:
-            raise NotAllowed(f"receive_url: a receiver registers itself, from its own address; {ip} is not "
-                             f"the address this registration came from ({peer or 'unknown'})",
-                             "receiver_not_sender", "receive_url")
+            raise NotAllowed(
+                f"receive_url: a receiver registers itself, from its own address; {ip} is not "
+                f"the address this registration came from ({peer or 'unknown'})",
+                "receiver_not_sender",
+                "receive_url",
+            )
         self.pairing.register(body, endpoint(ip, port), ip)
 
     async def serve(self, call: EncodeCall, encode, family) -> None:
@@ -91,8 +99,9 @@ class SGLangTier:
                 except TimedOut:
                     self.registration_timeouts += 1
                     raise
-            sent = await asyncio.gather(*(self.sockets.push(target, frames, keep) for target in targets),
-                                        return_exceptions=True)
+            sent = await asyncio.gather(
+                *(self.sockets.push(target, frames, keep) for target in targets), return_exceptions=True
+            )
             failed = next((e for e in sent if isinstance(e, BaseException)), None)
             if failed is not None:
                 raise failed

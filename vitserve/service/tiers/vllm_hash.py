@@ -117,8 +117,7 @@ def image_io_config(data: bytes) -> dict | None:
     return None if keeps else IO_CONFIG
 
 
-def hash_factors(modality: str, mm_processor_kwargs: dict | None = None,
-                 media_io_kwargs: dict | None = None) -> dict:
+def hash_factors(modality: str, mm_processor_kwargs: dict | None = None, media_io_kwargs: dict | None = None) -> dict:
     """The request's hash factors for one modality, as vLLM scopes them: `media_io_kwargs` of that modality, and
     `mm_processor_kwargs` less the other modalities' scoped entries (`videos_kwargs` for an image, ...)."""
     scoped = {"image": "images_kwargs", "video": "videos_kwargs"}
@@ -139,9 +138,16 @@ def digest_shaped(name: str, algorithm: str) -> bool:
     return len(name) == DIGEST_HEX[algorithm] and all(c in "0123456789abcdef" for c in name)
 
 
-def mm_hash(modality: str, model_id: str, algorithm: str = "blake3", *, data: bytes | None = None,
-            uuid: str | None = None, mm_processor_kwargs: dict | None = None,
-            media_io_kwargs: dict | None = None) -> str:
+def mm_hash(
+    modality: str,
+    model_id: str,
+    algorithm: str = "blake3",
+    *,
+    data: bytes | None = None,
+    uuid: str | None = None,
+    mm_processor_kwargs: dict | None = None,
+    media_io_kwargs: dict | None = None,
+) -> str:
     """vLLM's identifier of one item: its `uuid` (as it is, or hashed with the request's factors), else, for an
     image, its encoded bytes `data` hashed with `model_id` and the factors. A video without a uuid raises
     ValueError: vLLM hashes it with its decoder's metadata, which is not known here."""

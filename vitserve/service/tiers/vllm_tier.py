@@ -40,8 +40,6 @@ MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 PROCESSOR_OPTIONS = {"max_pixels", "fps", "num_frames", "max_frames"}
 
 
-
-
 class Options(VideoOptions):
     """A chat request's processing options (from its mm_processor_kwargs), validated as /v1/encode's body fields
     of the same names are."""
@@ -60,8 +58,11 @@ def chat_items(body: ChatRequest) -> list[MediaItem]:
             if part.type == "text":
                 continue
             if part.type not in MEDIA_PARTS:
-                raise InputRejected(f"{param}: a {clip(part.type)!r} part; this encoder takes image_url and video_url",
-                                    "unsupported_content", param)
+                raise InputRejected(
+                    f"{param}: a {clip(part.type)!r} part; this encoder takes image_url and video_url",
+                    "unsupported_content",
+                    param,
+                )
             media = getattr(part, part.type)
             url = media.url if isinstance(media, ChatMediaURL) else media
             if url is None:
@@ -77,8 +78,11 @@ def chat_options(body: ChatRequest) -> Options:
     `videos_kwargs`), validated as /v1/encode validates them; one it cannot apply, or media_io_kwargs (how vLLM would
     load the media), is a 400: the features would not be the ones the consumer's identifier promises."""
     if body.media_io_kwargs:
-        raise InputRejected("media_io_kwargs is not supported: this server loads media with its own settings",
-                            "unsupported_media_io_kwargs", "media_io_kwargs")
+        raise InputRejected(
+            "media_io_kwargs is not supported: this server loads media with its own settings",
+            "unsupported_media_io_kwargs",
+            "media_io_kwargs",
+        )
     kwargs, where = {}, {}
     for key, value in (body.mm_processor_kwargs or {}).items():
         if key not in ("images_kwargs", "videos_kwargs"):
@@ -86,16 +90,21 @@ def chat_options(body: ChatRequest) -> Options:
     for scoped in ("images_kwargs", "videos_kwargs"):
         given = (body.mm_processor_kwargs or {}).get(scoped)
         if given is not None and not isinstance(given, dict):
-            raise InputRejected(f"mm_processor_kwargs.{scoped} must be an object", "invalid_mm_processor_kwargs",
-                                f"mm_processor_kwargs.{scoped}")
+            raise InputRejected(
+                f"mm_processor_kwargs.{scoped} must be an object",
+                "invalid_mm_processor_kwargs",
+                f"mm_processor_kwargs.{scoped}",
+            )
         for key, value in (given or {}).items():
             kwargs[key], where[key] = value, f"mm_processor_kwargs.{scoped}.{clip(key)}"
     unknown = sorted(set(kwargs) - PROCESSOR_OPTIONS)
     if unknown:
         listed = ", ".join(repr(clip(key)) for key in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
-        raise InputRejected(f"mm_processor_kwargs {listed} not supported (this server applies "
-                            f"{', '.join(sorted(PROCESSOR_OPTIONS))})", "unsupported_mm_processor_kwargs",
-                            where[unknown[0]])
+        raise InputRejected(
+            f"mm_processor_kwargs {listed} not supported (this server applies {', '.join(sorted(PROCESSOR_OPTIONS))})",
+            "unsupported_mm_processor_kwargs",
+            where[unknown[0]],
+        )
     try:
         return Options.model_validate({k: v for k, v in kwargs.items() if v is not None})
     except ValidationError as e:
@@ -134,11 +143,15 @@ class VLLMTier:
             except InvalidBase64 as e:
                 raise InputRejected(f"{item.param}: {e}", "invalid_base64", item.param) from None
         try:
-            return mm_hash(item.modality, self.model_id, self.algorithm, data=data, uuid=item.uuid,
-                           mm_processor_kwargs=kwargs)
+            return mm_hash(
+                item.modality, self.model_id, self.algorithm, data=data, uuid=item.uuid, mm_processor_kwargs=kwargs
+            )
         except (OSError, Image.DecompressionBombError):  # PIL cannot (or will not) read it, nor can vLLM's loader
-            raise InputRejected(f"{item.param}: not an image vLLM's loader reads, so it has no identifier there",
-                                "unidentified_image", item.param) from None
+            raise InputRejected(
+                f"{item.param}: not an image vLLM's loader reads, so it has no identifier there",
+                "unidentified_image",
+                item.param,
+            ) from None
 
     async def identifiers(self, items: list[MediaItem], kwargs: dict | None = None) -> list[str]:
         """vLLM's identifier of each item (its uuid, or a hash: in the pool). A video or a URL without a uuid, or a
@@ -146,27 +159,39 @@ class VLLMTier:
         for item in items:
             if item.uuid is None and (item.modality == "video" or isinstance(item.data, str)):
                 what = "a video" if item.modality == "video" else "an image URL"
-                how = ("give the part a `uuid`" if item.param.startswith("messages") else
-                       f"give it one in multi_modal_uuids.{item.modality} (a field of the JSON body or of the "
-                       "multipart form, JSON there; the client's uuids=)")
-                raise InputRejected(f"{item.param}: {what} needs a uuid to be named for vLLM (its own identifier "
-                                    f"of it depends on what vLLM's loader makes of it): {how}", "uuid_required",
-                                    item.param)
+                how = (
+                    "give the part a `uuid`"
+                    if item.param.startswith("messages")
+                    else f"give it one in multi_modal_uuids.{item.modality} (a field of the JSON body or of the "
+                    "multipart form, JSON there; the client's uuids=)"
+                )
+                raise InputRejected(
+                    f"{item.param}: {what} needs a uuid to be named for vLLM (its own identifier "
+                    f"of it depends on what vLLM's loader makes of it): {how}",
+                    "uuid_required",
+                    item.param,
+                )
             if item.uuid is not None:
                 try:
                     check_identifier(item.uuid)
                 except ValueError as e:
                     raise InputRejected(f"{item.param}: {e}", "invalid_uuid", item.param) from None
                 if digest_shaped(item.uuid, self.algorithm):
-                    raise InputRejected(f"{item.param}: a uuid of {len(item.uuid)} hex digits has the shape of an "
-                                        f"item's {self.algorithm} content hash, whose file it could name; use "
-                                        "another", "invalid_uuid", item.param)
+                    raise InputRejected(
+                        f"{item.param}: a uuid of {len(item.uuid)} hex digits has the shape of an "
+                        f"item's {self.algorithm} content hash, whose file it could name; use "
+                        "another",
+                        "invalid_uuid",
+                        item.param,
+                    )
         if all(item.uuid is not None for item in items) and not any(
-                hash_factors(item.modality, kwargs) for item in items):
+            hash_factors(item.modality, kwargs) for item in items
+        ):
             return [item.uuid for item in items]
         loop = asyncio.get_running_loop()
-        return list(await asyncio.gather(*(loop.run_in_executor(self.pool, self._identifier, item, kwargs)
-                                           for item in items)))
+        return list(
+            await asyncio.gather(*(loop.run_in_executor(self.pool, self._identifier, item, kwargs) for item in items))
+        )
 
     def written(self, job: asyncio.Future) -> None:
         """A write nobody waits for, done: its failure logged (the storage counts the files)."""
@@ -178,13 +203,14 @@ class VLLMTier:
         whose folder is not this server's, is a 409 `ec_id_taken` (nothing is replaced); a storage failure is a 507
         `ec_write_failed`."""
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self.pool, self.storage.write, identifier, item)
-                for identifier, item in dict(zip(identifiers, items)).items()]
+        jobs = [
+            loop.run_in_executor(self.pool, self.storage.write, identifier, item)
+            for identifier, item in dict(zip(identifiers, items)).items()
+        ]
         try:
             await asyncio.gather(*jobs)
         except FileExistsError as e:
-            raise Conflict(f"the encoder cache holds another item under that identifier: {e}",
-                           "ec_id_taken") from None
+            raise Conflict(f"the encoder cache holds another item under that identifier: {e}", "ec_id_taken") from None
         except (OSError, ValueError) as e:
             self.write_failures += 1
             raise StorageFailed(f"the encoder cache could not be written: {e}", "ec_write_failed") from None
@@ -207,8 +233,12 @@ class VLLMTier:
 
 def chat_completion(model: str | None, params: dict, tokens: int) -> dict:
     """A chat completion that generates nothing, with the producer's `ec_transfer_params`."""
-    return {"id": f"chatcmpl-{uuidlib.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
-                                         "finish_reason": "length"}],
-            "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
-            "ec_transfer_params": params}
+    return {
+        "id": f"chatcmpl-{uuidlib.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+        "ec_transfer_params": params,
+    }
