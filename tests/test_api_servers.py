@@ -20,7 +20,7 @@ from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, sta
 
 from vitserve.encoder import VisionEncoder
 from vitserve.service.entry import launch
-from vitserve.service.entry.core import Restarts
+from vitserve.service.entry.supervisor import Restarts
 from vitserve.service.ground.settings import Settings
 
 pytestmark = pytest.mark.slow

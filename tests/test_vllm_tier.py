@@ -17,7 +17,7 @@ from helpers import IMAGES, b64_bf16, client_for, data_uri, serving, wait_until
 from safetensors.torch import load, load_file
 
 from vitserve.encoder.features import Features
-from vitserve.service.ground.settings_groups import EC_HASH_ALGORITHMS
+from vitserve.service.ground.settings_media import EC_HASH_ALGORITHMS
 from vitserve.service.tiers import ec_storage
 from vitserve.service.tiers.ec_storage import ECStorage
 from vitserve.service.tiers.vllm_hash import ALGORITHMS, mm_hash

@@ -19,7 +19,7 @@ from typing import Callable
 import pybase64
 
 from ...encoder.media import MediaBytes
-from ..ground.settings_groups import DecodingSettings
+from ..ground.settings_media import DecodingSettings
 from . import spool
 from .bodies import SharedBodies
 from .decode import DecodedImage, DecodedVideo

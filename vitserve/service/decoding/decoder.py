@@ -33,7 +33,7 @@ from ...encoder.image_errors import HeaderNotFound
 from ...encoder.preprocess import PreprocessConfig, target_size
 from ..ground.errors import InputRejected, InputTooLarge
 from ..ground.metrics import Metrics
-from ..ground.settings_groups import DecodingSettings, LimitSettings
+from ..ground.settings_media import DecodingSettings, LimitSettings
 from . import spool
 from .budget import MemoryBudget
 from .decode import VIDEO_DECODE_THREADS, decode_and_resize, decode_video, measure_video, read_header

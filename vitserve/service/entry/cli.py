@@ -97,17 +97,35 @@ def check_sampling(fps: float | None, num_frames: int | None) -> None:
         raise ValueError(f"--num-frames must be at least 1, not {num_frames}")
 
 
+def write_output(args: argparse.Namespace, model: str, family: str, dtype: str, results: list, videos: list) -> None:
+    """`vitserve encode`'s safetensors file: each input's embeddings and deepstack, their grids, the sources and,
+    per input, a video's timing (null for an image: what an LLM needs to place a video's tokens)."""
+    from ...encoder.features import Features
+    from ..api.outputs import safetensors_body
+
+    metadata = {
+        "model": model,
+        "family": family,
+        "dtype": dtype,
+        "grid_thw": json.dumps([list(r.grid_thw) for r in results]),
+        "sources": json.dumps(args.images),
+    }
+    if any(videos):
+        metadata["videos"] = json.dumps([video_metadata(r) if v else None for r, v in zip(results, videos)])
+    body = safetensors_body([Features(r.embeddings, r.deepstack or [], r.grid_thw) for r in results], dtype, metadata)
+    with open(args.output, "wb") as f:
+        f.write(body)
+
+
 def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
-    log.info(
-        "loading %s (%s)", settings.model.model, settings.model.load_format
-    )  # before the imports: torch's take seconds
+    # logged before the imports: torch's take seconds
+    log.info("loading %s (%s)", settings.model.model, settings.model.load_format)
     start = time.perf_counter()
     from ... import __version__
     from ...encoder import VisionEncoder
-    from ...encoder.features import Features
     from ...encoder.preprocess import ImageError, load_image
     from ...encoder.video import VideoUnavailable, sniff
-    from ..api.outputs import OUTPUT_DTYPES, safetensors_body
+    from ..api.outputs import OUTPUT_DTYPES
     from ..ground.logs import attention_text
 
     (device,), dtype = settings.devices.resolve()
@@ -137,20 +155,7 @@ def cmd_encode(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     seconds = time.perf_counter() - start
     name = next(name for name, t in OUTPUT_DTYPES.items() if t == enc.dtype)  # an alias's canonical name
-    metadata = {
-        "model": settings.model.model,
-        "family": enc.config.family,
-        "dtype": name,
-        "grid_thw": json.dumps([list(r.grid_thw) for r in results]),
-        "sources": json.dumps(args.images),
-    }
-    if clips:  # per input, null for an image: what an LLM needs to place a video's tokens
-        metadata["videos"] = json.dumps(
-            [video_metadata(r) if is_video else None for r, is_video in zip(results, videos)]
-        )
-    body = safetensors_body([Features(r.embeddings, r.deepstack or [], r.grid_thw) for r in results], name, metadata)
-    with open(args.output, "wb") as f:
-        f.write(body)
+    write_output(args, settings.model.model, enc.config.family, name, results, videos)
     tokens = sum(r.num_tokens for r in results)
     videos_text = f" and {len(clips)} video(s)" if clips else ""
     print(
@@ -182,7 +187,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         f", {fronts} front ends" if fronts > 1 else "",
     )
     if fronts > 1:
-        from .core import serve
+        from .supervisor import serve
 
         return serve(settings, fronts)
     from ..pipeline.engine import Engine

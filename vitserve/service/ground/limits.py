@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InputTooLarge
-from .settings_groups import LimitSettings
+from .settings_media import LimitSettings
 
 
 @dataclass(frozen=True)

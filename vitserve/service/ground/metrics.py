@@ -43,8 +43,17 @@ def count_items(metrics: Metrics, device: str, batch: list) -> None:
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)
+        ProcessCollector(registry=self.registry)
+        self._declare_counts(self.registry)
+        self._declare_times(self.registry)
+        self._declare_state(self.registry)
+        self._runners = None
+        self._tiers = None
+        self._recent = {phase: collections.deque(maxlen=RECENT) for phase in PHASES}
+        self._lock = threading.Lock()
+
+    def _declare_counts(self, r: CollectorRegistry) -> None:
+        """The build and the counts: requests, images, videos and what was decoded of them."""
         self.build = Info("vitserve_build", "The running vitserve: version, python, torch, model", registry=r)
         self.requests = Counter(
             "vitserve_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"], registry=r
@@ -66,6 +75,9 @@ class Metrics:
         self.video_seconds = Counter(
             "vitserve_video_seconds", "Seconds of video decoded (their declared durations)", registry=r
         )
+
+    def _declare_times(self, r: CollectorRegistry) -> None:
+        """The latencies: queueing, decoding, inference, serialization, whole requests."""
         self.queue_seconds = Histogram(
             "vitserve_queue_seconds", "Time an image waited for its batch", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -103,6 +115,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _declare_state(self, r: CollectorRegistry) -> None:
+        """What is held now, and per batch: the queue, requests in flight, batches, the cache, memory, readiness."""
         self.queue_depth = Gauge("vitserve_queue_depth", "Images waiting for a batch", registry=r)
         self.requests_in_flight = Gauge("vitserve_requests_in_flight", "Admitted requests not yet answered", registry=r)
         self.batch_tokens = Histogram(
@@ -132,10 +147,6 @@ class Metrics:
             registry=r,
         )
         self.ready = Gauge("vitserve_ready", "1 when the model is loaded, graphs captured and not draining", registry=r)
-        self._runners = None
-        self._tiers = None
-        self._recent = {phase: collections.deque(maxlen=RECENT) for phase in PHASES}
-        self._lock = threading.Lock()
 
     def describe_build(self, **labels: str) -> None:
         from ... import __version__

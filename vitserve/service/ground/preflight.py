@@ -11,7 +11,8 @@ from pathlib import Path
 from ...encoder.config import BUILTIN_CONFIGS, builtin_config
 from .machine import ATTENTION_PACKAGES, downloads_allowed, installed
 from .settings import Settings
-from .settings_groups import DeviceSettings, ModelSettings, TierSettings
+from .settings_groups import DeviceSettings, ModelSettings
+from .settings_media import TierSettings
 
 
 def prepare(settings: Settings) -> list[str]:

@@ -9,18 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .machine import available_cpus
-from .settings_groups import (
-    BatchingSettings,
-    CacheSettings,
-    DecodingSettings,
-    DeviceSettings,
-    LimitSettings,
-    LogSettings,
-    ModelSettings,
-    ServerSettings,
-    TierSettings,
-    check,
-)
+from .settings_groups import BatchingSettings, DeviceSettings, LogSettings, ModelSettings, ServerSettings, check
+from .settings_media import CacheSettings, DecodingSettings, LimitSettings, TierSettings
 
 
 @dataclass

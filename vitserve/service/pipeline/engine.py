@@ -15,7 +15,6 @@ the core), the server turns FAILED, and the CLI exits for a supervisor to restar
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import multiprocessing
@@ -31,7 +30,7 @@ from ...encoder.video import unavailable as video_unavailable
 from ..decoding.budget import MemoryBudget
 from ..decoding.decoder import Decoder
 from ..devices.scheduler import WorkItem
-from ..ground.errors import ClientDisconnected, InputRejected, InputTooLarge, NotReady, QueueFull
+from ..ground.errors import ClientDisconnected, NotReady, QueueFull
 from ..ground.metrics import Metrics
 from ..ground.settings import Settings
 from . import fetch
@@ -40,6 +39,8 @@ from .cache import CacheKeys
 from .hub import HubBackend
 from .lifecycle import NOT_READY, Lifecycle, State
 from .loader import ModelInfo, serving_text
+from .options import checked_image_config, checked_video_config
+from .stats import front_stats
 
 __all__ = ["NOT_READY", "Encoded", "Engine", "ModelInfo", "State", "serving_text"]
 log = logging.getLogger("vitserve.engine")
@@ -83,37 +84,25 @@ class Engine:
 
             self.decoder.jpeg_on_device = nvjpeg_available()  # else the decode workers decode JPEGs too
         self.fetch_budget = fetch.FetchBudget(settings.limits.url_fetch_memory)
-        self.bodies = MemoryBudget(
-            settings.limits.body_memory, patience=math.inf
-        )  # the gate's: small bodies never wait
+        # the gate's: small bodies never wait
+        self.bodies = MemoryBudget(settings.limits.body_memory, patience=math.inf)
         self.metrics.memory_held.labels("bodies").set_function(lambda: self.bodies.used)  # on a large one
         self.metrics.memory_held.labels("decode").set_function(lambda: self.decoder.budget.used)
         self.cache_keys = CacheKeys(settings.model.name or "", per_client=settings.cache.cache_scope == "api-key")
         self.in_flight = 0
         self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
         self.metrics.watch_tiers(self.tier_figures)
-        self.device_processes = (
-            settings.devices.device_processes
-        )  # default: on GPUs (measured faster for one and for two)
+        # default: on GPUs (measured faster for one and for two)
+        self.device_processes = settings.devices.device_processes
         if self.device_processes is None:
             self.device_processes = any(d.startswith("cuda") for d in devices)
         preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
-        self.backend = (
-            HubBackend(core, self.life, devices, self.collect)
-            if core is not None
-            else LocalBackend(
-                settings,
-                self.metrics,
-                self.life,
-                devices,
-                self.dtype,
-                self.decoder.spool_prefix,
-                self.process_each(),
-                collect=self.collect,
-                preloaded=preloaded,
-                ready_text=self.ready_text,
-            )
-        )
+        if core is not None:
+            self.backend: LocalBackend | HubBackend = HubBackend(core, self.life, devices, self.collect)
+        else:
+            own = (self.dtype, self.decoder.spool_prefix, self.process_each())
+            kwargs = dict(collect=self.collect, preloaded=preloaded, ready_text=self.ready_text)
+            self.backend = LocalBackend(settings, self.metrics, self.life, devices, *own, **kwargs)
 
     def process_each(self) -> bool:
         """A process per device: where asked for (the default on GPUs) and a spool directory holds their answers."""
@@ -192,16 +181,7 @@ class Engine:
         """The model's image preprocessing, its resized size capped at a request's `max_pixels`."""
         if self.model is None:
             raise NotReady(f"model is not ready yet ({self.state.value})")
-        cfg = self.model.preprocess_config
-        if max_pixels is not None:
-            if max_pixels < cfg.min_pixels:
-                raise InputRejected(
-                    f"max_pixels must be at least this server's min_pixels ({cfg.min_pixels})",
-                    "invalid_max_pixels",
-                    "max_pixels",
-                )
-            cfg = dataclasses.replace(cfg, max_pixels=min(max_pixels, cfg.max_pixels))
-        return cfg
+        return checked_image_config(self.model.preprocess_config, max_pixels)
 
     async def encode(
         self,
@@ -312,45 +292,9 @@ class Engine:
             raise ClientDisconnected("the client went away")
         return results.result()
 
-    def video_config(
-        self,
-        fps: float | None = None,
-        num_frames: int | None = None,
-        max_frames: int | None = None,
-        max_pixels: int | None = None,
-        truncate_frames: bool = False,
-    ) -> VideoConfig:
-        """The model's video preprocessing with a request's sampling (else --video-fps where set), within the
-        server's limits: at most --max-video-frames frames (a larger num_frames is refused, 413)."""
-        s = self.settings
-        if num_frames is not None and num_frames > s.limits.max_video_frames:
-            raise InputTooLarge(
-                f"num_frames {num_frames} is over this server's limit of {s.limits.max_video_frames} frames a video",
-                "too_many_frames",
-                "num_frames",
-            )
-        if fps is None and num_frames is None and s.decoding.video_fps is not None:
-            fps = s.decoding.video_fps
-        cfg = self.model.video_config
-        if num_frames is not None and num_frames < cfg.temporal_patch_size:
-            raise InputRejected(
-                f"num_frames must be at least {cfg.temporal_patch_size} (one temporal patch), got {num_frames}",
-                "invalid_num_frames",
-                "num_frames",
-            )
-        if max_pixels is not None and max_pixels < cfg.min_pixels:
-            raise InputRejected(
-                f"max_pixels must be at least this server's video min_pixels ({cfg.min_pixels})",
-                "invalid_max_pixels",
-                "max_pixels",
-            )
-        return cfg.with_request(
-            fps,
-            num_frames,
-            min(max_frames or s.limits.max_video_frames, s.limits.max_video_frames),
-            max_pixels,
-            truncate_frames,
-        )
+    def video_config(self, **request) -> VideoConfig:
+        """The model's video preprocessing with a request's sampling (options.checked_video_config)."""
+        return checked_video_config(self.model.video_config, self.settings.limits, self.settings.decoding, **request)
 
     async def encode_videos(
         self,
@@ -383,23 +327,14 @@ class Engine:
         results = await self._run(items, disconnected)
 
         def assemble() -> list[Features]:  # each video's slices joined: megabytes to copy, off the event loop
+            parts = [[output for owner, output in zip(owners, results) if owner == j] for j in range(len(decoded))]
             return [
-                Features.join(
-                    [output for owner, output in zip(owners, results) if owner == j],
-                    list(grid),
-                    timing,
-                    mean=mean_pooling,
-                )
-                for j, (_, grid, timing) in enumerate(decoded)
+                Features.join(p, list(grid), timing, mean=mean_pooling) for p, (_, grid, timing) in zip(parts, decoded)
             ]
 
         outputs = await asyncio.to_thread(assemble)
-        return Encoded(
-            outputs,
-            decode_s,
-            max((i.queue_s for i in items), default=0.0),
-            max((i.inference_s for i in items), default=0.0),
-        )
+        queue_s, inference_s = (max((getattr(i, t) for i in items), default=0.0) for t in ("queue_s", "inference_s"))
+        return Encoded(outputs, decode_s, queue_s, inference_s)
 
     # ---- /stats and /metrics -------------------------------------------------------------------------------------
     def collect(self, kind: str):
@@ -409,20 +344,7 @@ class Engine:
             from prometheus_client import generate_latest
 
             return generate_latest(self.metrics.registry).decode()
-        count = lambda name: int(self.metrics.registry.get_sample_value(name) or 0)  # noqa: E731
-        return {
-            "recent": self.metrics.recent(),
-            "requests_in_flight": self.in_flight,
-            "tiers": self.tier_figures(),
-            "decode_workers": self.decoder.workers,
-            "decode_workers_replaced": self.decoder.workers_replaced,
-            "memory": {
-                "bodies": {"limit_bytes": self.bodies.limit, "bytes": self.bodies.used},
-                "decode": {"limit_bytes": self.decoder.budget.limit, "bytes": self.decoder.budget.used},
-            },
-            "counters": {"hits": count("vitserve_cache_hits_total"), "misses": count("vitserve_cache_misses_total")},
-            "videos": {"available": self.videos_unavailable is None, "reason": self.videos_unavailable},
-        }
+        return front_stats(self)
 
     async def server_stats(self) -> dict:
         """/stats of the whole server (the backend gathers its part and every front end's)."""

@@ -10,6 +10,24 @@ from ..ground.metrics import percentiles
 from ..ground.settings import Settings
 
 
+def front_stats(engine) -> dict:
+    """A front end's part of /stats (an engine's: its requests, decoding, memory, tiers and latencies)."""
+    count = lambda name: int(engine.metrics.registry.get_sample_value(name) or 0)  # noqa: E731
+    return {
+        "recent": engine.metrics.recent(),
+        "requests_in_flight": engine.in_flight,
+        "tiers": engine.tier_figures(),
+        "decode_workers": engine.decoder.workers,
+        "decode_workers_replaced": engine.decoder.workers_replaced,
+        "memory": {
+            "bodies": {"limit_bytes": engine.bodies.limit, "bytes": engine.bodies.used},
+            "decode": {"limit_bytes": engine.decoder.budget.limit, "bytes": engine.decoder.budget.used},
+        },
+        "counters": {"hits": count("vitserve_cache_hits_total"), "misses": count("vitserve_cache_misses_total")},
+        "videos": {"available": engine.videos_unavailable is None, "reason": engine.videos_unavailable},
+    }
+
+
 def front_total(fronts: list[dict], name: str):
     return sum(part[name] for part in fronts)
 

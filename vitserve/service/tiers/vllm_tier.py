@@ -30,7 +30,7 @@ from ...encoder.vision_encoder import DTYPES
 from ..api.schemas import MAX_PIXELS, ChatMediaURL, ChatRequest, VideoOptions
 from ..ground.errors import Conflict, InputRejected, StorageFailed, clip
 from ..ground.media import MediaItem
-from ..ground.settings_groups import TierSettings
+from ..ground.settings_media import TierSettings
 from .ec_storage import ECStorage, check_identifier
 from .vllm_hash import digest_shaped, hash_factors, mm_hash
 
