@@ -76,7 +76,8 @@ def posts(url: str, bodies: list[dict], connections: int = 8) -> list[httpx.Resp
 def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct):
     expected = [r.embeddings.mean(0) for r in direct.encode(IMAGES)]
     images_total = f'vitserve_images_total{{device="{SERVED_DEVICE}"}}'
-    proc, url = start_server("--api-servers", "2", "--max-batch-wait-ms", "400")
+    # on the CPU wherever the test runs: a GPU runs the held image before the next images queue behind it
+    proc, url = start_server("--api-servers", "2", "--max-batch-wait-ms", "400", "--device", "cpu")
     try:
         stats = httpx.get(url + "/stats").json()
         assert stats["api_servers"] == 2 and stats["batching"]["api_servers"] == 2

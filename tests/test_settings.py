@@ -559,10 +559,10 @@ def test_available_cpus_is_bounded_by_the_affinity_mask(monkeypatch, tmp_path):
 def test_the_decode_workers_default_to_the_cpus_available(monkeypatch):
     """--decode-workers 0 starts one worker per CPU of the pod's quota, not per core of the node."""
     from vitserve.service.decoding.decoder import Decoder
-    from vitserve.service.ground import settings_groups
+    from vitserve.service.ground import settings_media
     from vitserve.service.ground.metrics import Metrics
 
-    monkeypatch.setattr(settings_groups, "available_cpus", lambda: 3)
+    monkeypatch.setattr(settings_media, "available_cpus", lambda: 3)
     assert Settings.of(model="m").decoding.worker_count() == 3
     assert Settings.of(model="m", decode_workers=5).decoding.worker_count() == 5
     settings = Settings.of(model="m", decode_processes=False)
