@@ -17,8 +17,8 @@ Each helper takes `EncodedImage` results (`Client.encode`'s in either layout, or
   tokens between vision start and end, t from `EncodedVideo.timestamps`), as its processor writes it.
 
 For Qwen3-VL every consumer takes the deepstack features on the width: `cat([tokens, ds0, ds1, ds2], -1)`, in
-`deepstack_visual_indexes` order (`Features.packed`, encoder/features.py; what `layout="vllm"` returns already). The prompt's image-token count must equal
-the grid's: vitserve's min/max pixels must match the LLM's processor settings.
+`deepstack_visual_indexes` order (`Features.packed`, encoder/features.py; what `layout="vllm"` returns already). The
+prompt's image-token count must equal the grid's: vitserve's min/max pixels must match the LLM's processor settings.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ class MediaBytes:
             chunk = bytes(chunk)
         if len(chunk) == len(self):
             return decode_base64(chunk)
-        try:  # no whitespace in the whole quads: they are the prefix (whitespace in the 3 characters after changes nothing)
+        # no whitespace in the whole quads: they are the prefix (whitespace in the 3 characters after changes nothing)
+        try:
             return pybase64.b64decode(
                 memoryview(chunk.encode("latin-1") if isinstance(chunk, str) else chunk)[: len(chunk) // 4 * 4],
                 validate=True,

@@ -439,8 +439,8 @@ def target_size(image, cfg: PreprocessConfig) -> tuple[int, int]:
 def load_for_device(
     source: Any, jpeg_on_device: bool, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
 ) -> np.ndarray | EncodedJpeg:
-    """An image for the fast preprocessing (preprocess_fast.resize_on_device), which resizes on the device: a JPEG's bytes
-    left encoded when `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the
+    """An image for the fast preprocessing (preprocess_fast.resize_on_device), which resizes on the device: a JPEG's
+    bytes left encoded when `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the
     uint8 [H, W, 3] array of its RGB pixels (load_image)."""
     if jpeg_on_device and isinstance(source, (bytes, bytearray, memoryview)) and len(source):
         if (jpeg := jpeg_for_device(bytes(source), max_image_pixels)) is not None:

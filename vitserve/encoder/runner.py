@@ -370,7 +370,8 @@ class GraphRunner:
         dst.copy_(src.pin_memory() if self._pin and not src.is_pinned() else src, non_blocking=True)
 
     def _to_host(self, out: torch.Tensor, plan: BatchPlan | None = None) -> torch.Tensor:
-        """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the graph memory pool."""
+        """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the graph
+        memory pool."""
         rows = out[: plan.num_tokens] if plan is not None else out
         if not self._pin:
             return rows

@@ -201,14 +201,14 @@ class DecodePool:
     def submit(
         self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None, timeout: float | None = None
     ) -> asyncio.Future:
-        """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
-        as its ErrorRecord brings it back (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like (sent as they
-        are), a function that makes them when a worker takes the job, or any other object, pickled with the call (a
-        description of where the worker finds the bytes itself, `len()` its size). A cancelled future's job is
-        skipped, its result dropped, or its worker killed after the grace. `on_lost()` is called when the worker dies
-        (or is killed) while it runs the job, whatever became of the future (what it was writing may be left half
-        done). Waiting jobs go to the workers round-robin by `owner` (FairQueue). `timeout`: this job's limit
-        instead of the pool's (a video's decode is longer than an image's)."""
+        """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised as
+        its ErrorRecord brings it back (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout).
+        `payload`: bytes-like (sent as they are), a function that makes them when a worker takes the job, or any other
+        object, pickled with the call (a description of where the worker finds the bytes itself, `len()` its size). A
+        cancelled future's job is skipped, its result dropped, or its worker killed after the grace. `on_lost()` is
+        called when the worker dies (or is killed) while it runs the job, whatever became of the future (what it was
+        writing may be left half done). Waiting jobs go to the workers round-robin by `owner` (FairQueue). `timeout`:
+        this job's limit instead of the pool's (a video's decode is longer than an image's)."""
         future = self._loop.create_future()
         self.submitted += 1
         if self._closed or self.broken:

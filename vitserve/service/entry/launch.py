@@ -23,7 +23,8 @@ def start_server(
 ) -> tuple[subprocess.Popen, str]:
     """`vitserve serve --host 127.0.0.1 --port PORT FLAGS...` (this interpreter's), once `/ready` answers 200.
     `capture_log`: its output lines collect in `proc.log`, drained continuously by `proc.log_reader` (a full pipe
-    would block the server's logging), which ends once the server has exited. RuntimeError when it exits or is not ready in `timeout` seconds."""
+    would block the server's logging), which ends once the server has exited. RuntimeError when it exits or is not
+    ready in `timeout` seconds."""
     port = port or free_port()
     if capture_log:
         popen |= dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -136,10 +136,11 @@ class ECStorage:
         return self.directory / check_identifier(identifier) / FILE_NAME
 
     def write(self, identifier: str, item: Features) -> int:
-        """Write one item's file (its packed rows, from host tensors, in this storage's dtype); the file's bytes. Older files go first where the new one would pass `max_bytes`, and a write waits for writes
-        in flight where only their finishing makes room. Where the identifier's file is there already (or being
-        written) at this size, it counts as written now; at another size, or where the identifier's folder is not
-        this server's, FileExistsError (nothing is replaced)."""
+        """Write one item's file (its packed rows, from host tensors, in this storage's dtype); the file's bytes. Older
+        files go first where the new one would pass `max_bytes`, and a write waits for writes in flight where only their
+        finishing makes room. Where the identifier's file is there already (or being written) at this size, it counts as
+        written now; at another size, or where the identifier's folder is not this server's, FileExistsError (nothing is
+        replaced)."""
         check_identifier(identifier)
         rows = item.rows(self.dtype)
         header = {
