@@ -76,7 +76,7 @@ def _positive(group, *names: str) -> list[tuple[bool, str]]:
 @dataclass
 class ModelSettings:
     TITLE: ClassVar[str] = "model"
-    model: str | None = _setting(
+    model: str = _setting(  # required: None (not given) is refused by __post_init__
         None, "checkpoint dir, hub id (org/name), or built-in name", encode=True, metavar="MODEL"
     )
     load_format: str = _setting(

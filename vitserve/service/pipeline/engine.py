@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 from ...encoder import VisionEncoder
 from ...encoder.features import Features
@@ -236,7 +237,7 @@ class Engine:
             outputs[i] = await other
             if outputs[i] is None:  # the other request failed: this one encodes it itself
                 times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected)
-        return Encoded(outputs, *times, hits)
+        return Encoded(cast("list[Features]", outputs), *times, hits)  # each one filled by now
 
     async def _looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list, int]:
         """The cache's answers filled into `outputs` (hits); the images to compute (claimed for this request), the
@@ -301,7 +302,7 @@ class Engine:
         """Submit decoded items to the backend and wait for their Features (each with its item's grid); when the
         client leaves first, they are taken out of the queue (ClientDisconnected)."""
         self.backend.submit(items)
-        results = asyncio.gather(*(item.future for item in items))
+        results = asyncio.gather(*(cast(asyncio.Future, item.future) for item in items))  # (this process's items)
         await asyncio.wait(
             {results} if disconnected is None else {results, disconnected}, return_when=asyncio.FIRST_COMPLETED
         )
@@ -331,7 +332,7 @@ class Engine:
             )
         if fps is None and num_frames is None and s.decoding.video_fps is not None:
             fps = s.decoding.video_fps
-        cfg = self.model.video_config
+        cfg = cast(ModelInfo, self.model).video_config  # (loaded: encode_videos checked)
         if num_frames is not None and num_frames < cfg.temporal_patch_size:
             raise InputRejected(
                 f"num_frames must be at least {cfg.temporal_patch_size} (one temporal patch), got {num_frames}",
