@@ -2,10 +2,10 @@
 
 For every backend that runs here (encoder.attention: flash, cudnn, fa4) and head size (16 x 80: Qwen2/2.5; 16 x 72:
 Qwen3):
-- correctness: packed q, k, v with NaN in every padding row (fa4: large finite values) and a strided v (a view of a fused qkv buffer, as in the
-  tower); each layout's real rows against float32 per-segment SDPA, eager and from a CUDA graph captured on another
-  layout with the same capacity and replayed after the new `cu_seqlens` is written in place (zero-length tail
-  segments, padding rows after the last segment). Pass: finite real rows, error within 2x flash's.
+- correctness: packed q, k, v with NaN in every padding row (fa4: large finite values) and a strided v (a view of a
+  fused qkv buffer, as in the tower); each layout's real rows against float32 per-segment SDPA, eager and from a CUDA
+  graph captured on another layout with the same capacity and replayed after the new `cu_seqlens` is written in place
+  (zero-length tail segments, padding rows after the last segment). Pass: finite real rows, error within 2x flash's.
 - speed: ms per call from graph replays, at the exact shape (segments = images, max_seqlen = the longest) and as a
   budget graph runs it (a fixed segment capacity, max_seqlen = the budget), plus how the time grows with unused
   capacity, and what a first call costs (cuDNN graph build, FA4 compile).
@@ -215,7 +215,8 @@ def main():
                 f"{worst:7.2f} {'PASS' if passed else 'FAIL'}"
             )
     print(
-        f"\n{'backend':7s} {'hd':>3s} {'layout':20s} {'exact ms':>8s} {'budget ms':>9s} {'TFLOP/s':>7s} {'1st call s':>10s}"
+        f"\n{'backend':7s} {'hd':>3s} {'layout':20s} {'exact ms':>8s} {'budget ms':>9s} {'TFLOP/s':>7s} "
+        f"{'1st call s':>10s}"
     )
     for name, info in result["backends"].items():
         for r in info.get("timings", []):

@@ -270,7 +270,8 @@ def main():
                 f"{name.split('/')[-1][:14]:14s} {case:8s} {n:7d} {row['floor_ms']:6.2f} "
                 + " ".join(f"{by_backend[b]:7.2f}" for b in columns)
                 + f" {call:7.2f} {eager:7.2f} {hf_graph_ms:8.2f} {compiled:7.2f} {hf_ms:8.2f} "
-                f"{100 * row['graph_frac']:5.1f}% {row['images_per_s']:7.1f} {'+'.join(str(b.budget) for b in replays)}",
+                f"{100 * row['graph_frac']:5.1f}% {row['images_per_s']:7.1f} "
+                f"{'+'.join(str(b.budget) for b in replays)}",
                 flush=True,
             )
         encoders = enc = runner = hf_eager = hf_flash = None  # free this model before the next

@@ -313,7 +313,8 @@ def main():
         server.wait(timeout=60)
     for name, r in (("low load (1 client)", low), (f"saturating ({args.concurrency} clients)", high)):
         print(
-            f"{name:24s} {r['images_per_s']:7.1f} images/s ({r['steady_images_per_s'] or 0:.1f} steady)  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  "
+            f"{name:24s} {r['images_per_s']:7.1f} images/s ({r['steady_images_per_s'] or 0:.1f} steady)  "
+            f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  "
             f"failures {r['failures']}"
         )
     print(

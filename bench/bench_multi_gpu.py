@@ -3,8 +3,9 @@ saturated by multi-process clients with the same image mix; reports images/s for
 
 Beside the throughput it reports where the host time goes, to tell a host-bound run from a device-bound one: the
 server's CPU use (whole process, and its main thread, which runs the event loop and holds the GIL for it) and the
-busiest client process's, each as a fraction of the wall time; `--profile DIR` also records a py-spy profile (its front ends, device and decode processes included)
-of the server per leg (every thread's samples, and with `-gil` only the thread holding the GIL).
+busiest client process's, each as a fraction of the wall time; `--profile DIR` also records a py-spy profile (its
+front ends, device and decode processes included) of the server per leg (every thread's samples, and with `-gil` only
+the thread holding the GIL).
 
 `--depth N --legs cuda:0` measures the front end's ceiling on one GPU: the model's tower cut to N blocks (dummy
 weights, same image sizes and output width) costs the GPU a fraction of the real one, while HTTP, JSON, decoding and
@@ -218,7 +219,8 @@ def main():
     for devices, r in results.items():
         mode = "processes" if r["device_processes"] else "threads"
         print(
-            f"{devices:16s} {mode:>9s} {engine[devices]:7.1f} {r['images_per_s']:9.1f} {r['steady_images_per_s']:7.1f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r['server_cpu']:7.2f} "
+            f"{devices:16s} {mode:>9s} {engine[devices]:7.1f} {r['images_per_s']:9.1f} {r['steady_images_per_s']:7.1f} "
+            f"{r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r['server_cpu']:7.2f} "
             f"{r['server_main_thread_cpu']:6.2f} {r['client_cpu_busiest']:7.2f}"
         )
     names = [n for n, _ in files]

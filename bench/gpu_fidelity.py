@@ -89,7 +89,8 @@ def main():
                 )
                 rows.append(row)
                 print(
-                    f"{name:28s} {backend:5s} {case:8s} {what:10s} hf_bf16 {e_hf:.3e}  ours {e_ours:.3e}  ratio {row['ratio']:.2f}"
+                    f"{name:28s} {backend:5s} {case:8s} {what:10s} hf_bf16 {e_hf:.3e}  ours {e_ours:.3e}  "
+                    f"ratio {row['ratio']:.2f}"
                     f"  {'PASS' if row['passed'] else 'FAIL'}",
                     flush=True,
                 )

@@ -111,7 +111,8 @@ def main():
         )
         report["families"].append(fam)
         print(
-            f"{name:28s} {backend:5s} images {count:4d} same-plan {worst_same:.2e} exact-plan {worst_exact:.2e} nan {nan} "
+            f"{name:28s} {backend:5s} images {count:4d} same-plan {worst_same:.2e} exact-plan {worst_exact:.2e} "
+            f"nan {nan} "
             f"capture {stats['capture_seconds']:.2f}s pool {fam['pool_mib']} MiB eager {stats['eager_fallbacks']} "
             f"{'PASS' if passed else 'FAIL'}",
             flush=True,

@@ -106,7 +106,7 @@ def main():
         model=args.model,
         health_s=health_s,
         ready_s=ready_s,
-        load_log=[l for l in log.splitlines() if re.search(r"loaded in|captured \d+ budgets|ready in", l)],
+        load_log=[line for line in log.splitlines() if re.search(r"loaded in|captured \d+ budgets|ready in", line)],
         single_448_ms_p50=float(np.median(single) * 1e3),
         requests=args.requests,
         concurrency=args.concurrency,

@@ -26,9 +26,9 @@ largest clip and --max-video-frames that fits the long clip, then --server-flags
 What the tower sees depends on the video processor settings. Dummy weights of a built-in hub id take the published
 checkpoints' (encoder.video.PUBLISHED); a tiny-* model the processor classes' defaults: Qwen3-VL's class default fits
 all sampled frames together into 768·32² pixels (the 30 s clip: 60 frames of 64x128), its published config into
-25165824 (60 frames of 480x832). `--video-config published` (or a JSON file or text of settings) writes the model once as a checkpoint directory
-(config, those settings, the same seeded dummy weights as safetensors in --dtype, under the temp dir; about 1.2 GB
-for Qwen3-VL-8B's tower in bf16) that the server, the engine and transformers all load.
+25165824 (60 frames of 480x832). `--video-config published` (or a JSON file or text of settings) writes the model
+once as a checkpoint directory (config, those settings, the same seeded dummy weights as safetensors in --dtype, under
+the temp dir; about 1.2 GB for Qwen3-VL-8B's tower in bf16) that the server, the engine and transformers all load.
 
 Clips are made once from examples/ photos (tests/videos.py's frames_of: a camera panning across a photo, played
 back and forth) with PyAV's libx264 (--x264-preset) and kept in --clip-dir, named by their parameters. The defaults

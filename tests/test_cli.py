@@ -290,7 +290,8 @@ def one_line(proc: subprocess.CompletedProcess, prefix: str) -> str:
         ),
         (
             ["--model", "tiny-qwen2.5-vl", "--attention-backend", "flash", "--device", "cpu"],
-            "attention backend 'flash' needs a CUDA device and float16 or bfloat16 (here cpu, float32); use sdpa or auto",
+            "attention backend 'flash' needs a CUDA device and float16 or bfloat16 (here cpu, float32); "
+            "use sdpa or auto",
         ),
     ],
 )

@@ -301,7 +301,8 @@ def test_decode_workers_import_no_torch(encoders):
             [(image, _)] = await engine.decoder.decode([IMAGES[0]], engine.model.preprocess_config)
             imported = await engine.decoder.pool.submit(
                 eval,
-                b"'torch' in __import__('sys').modules or 'vitserve.service.pipeline.engine' in __import__('sys').modules",
+                b"'torch' in __import__('sys').modules"
+                b" or 'vitserve.service.pipeline.engine' in __import__('sys').modules",
             )
             return spool.pixels([image])[0], imported
         finally:

@@ -440,11 +440,14 @@ def test_with_every_connection_busy_the_probes_still_answer(small_server):
     url = small_server
     port = int(url.rsplit(":", 1)[1])
     busy = [unfinished(port, 1000) for _ in range(4)]
-    in_flight = lambda: next(
-        float(line.split()[-1])
-        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
-        if line.startswith("vitserve_requests_in_flight ")
-    )  # noqa: E731 (/stats is not a probe)
+
+    def in_flight():  # read from /metrics (/stats is not a probe)
+        return next(
+            float(line.split()[-1])
+            for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+            if line.startswith("vitserve_requests_in_flight ")
+        )
+
     wait_until(lambda: in_flight() == 4, 5, "4 requests in flight")
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(url + path, timeout=5).status_code == 200, path

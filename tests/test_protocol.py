@@ -90,7 +90,8 @@ def test_the_domain_errors_and_the_pipes_records_import_no_web_framework():
     import sys
 
     code = (
-        "import sys; import vitserve.service.ground.errors, vitserve.service.decoding.decode_protocol, vitserve.service.ground.limits; "
+        "import sys; import vitserve.service.ground.errors, vitserve.service.decoding.decode_protocol, "
+        "vitserve.service.ground.limits; "
         "print(sorted(m for m in ('fastapi', 'starlette', 'torch') if m in sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

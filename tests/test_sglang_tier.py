@@ -225,7 +225,8 @@ def test_a_long_string_is_bounded_by_its_schemas_max_length_once_restored():
 
 
 def test_the_sglang_modules_raise_domain_errors_and_import_no_web_framework():
-    """The tier's modules raise domain errors (service/ground/errors.py); SGLang's error form is made at the HTTP edge."""
+    """The tier's modules raise domain errors (service/ground/errors.py); SGLang's error form is made at the HTTP
+    edge."""
     import pathlib
 
     tiers = pathlib.Path(__file__).resolve().parents[1] / "vitserve" / "service" / "tiers"

@@ -24,7 +24,7 @@ import json
 import mimetypes
 import os
 import time
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -145,9 +145,10 @@ def _no_answer(error: httpx.TransportError, server: str, path: str, attempts: in
 
 def _wait(outcome: httpx.Response | httpx.TransportError, attempt: int) -> float:
     """Seconds before retrying: the answer's Retry-After, else a backoff (0.5, 1, 2 s ...), at most 30."""
+    headers = outcome.headers if isinstance(outcome, httpx.Response) else {}  # (an error has none)
     try:
-        return min(30.0, float(outcome.headers["retry-after"]))
-    except (AttributeError, KeyError, ValueError):
+        return min(30.0, float(headers["retry-after"]))
+    except (KeyError, ValueError):
         return min(30.0, 0.5 * 2**attempt)
 
 
@@ -317,13 +318,14 @@ class _Base:
                     [sent[i] for i in run], [kinds[i] for i in run], uuids=[uuids[i] for i in run], **options
                 ),
             )
-            for run in _batches(kinds, self.batch, self.video_batch or 1)
+            for run in _batches(kinds, cast(int, self.batch), self.video_batch or 1)  # (known: _take_limits)
         ]
 
     def _embed_requests(
         self, sent: list[bytes | str], modality: str, pooling: str, normalize: bool, max_pixels: int | None, **video
     ) -> list[dict]:
-        runs = _batches([modality == "video"] * len(sent), self.batch, self.video_batch or 1)
+        # (the server's limits are known by now: _take_limits)
+        runs = _batches([modality == "video"] * len(sent), cast(int, self.batch), self.video_batch or 1)
         return [
             _embed_request([sent[i] for i in run], pooling, normalize, max_pixels, modality, **video) for run in runs
         ]
@@ -357,6 +359,7 @@ class Client(_Base):
     def _send(self, method: str, path: str, **request) -> httpx.Response:
         attempt = 0
         while True:
+            outcome: httpx.Response | httpx.TransportError
             try:
                 outcome = self.http.request(method, path, **request)
             except httpx.TransportError as e:
@@ -484,6 +487,7 @@ class AsyncClient(_Base):
     async def _send(self, method: str, path: str, **request) -> httpx.Response:
         attempt = 0
         while True:
+            outcome: httpx.Response | httpx.TransportError
             try:
                 outcome = await self.http.request(method, path, **request)
             except httpx.TransportError as e:

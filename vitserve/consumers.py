@@ -17,8 +17,8 @@ Each helper takes `EncodedImage` results (`Client.encode`'s in either layout, or
   tokens between vision start and end, t from `EncodedVideo.timestamps`), as its processor writes it.
 
 For Qwen3-VL every consumer takes the deepstack features on the width: `cat([tokens, ds0, ds1, ds2], -1)`, in
-`deepstack_visual_indexes` order (`Features.packed`, encoder/features.py; what `layout="vllm"` returns already). The prompt's image-token count must equal
-the grid's: vitserve's min/max pixels must match the LLM's processor settings.
+`deepstack_visual_indexes` order (`Features.packed`, encoder/features.py; what `layout="vllm"` returns already). The
+prompt's image-token count must equal the grid's: vitserve's min/max pixels must match the LLM's processor settings.
 """
 
 from __future__ import annotations
@@ -27,16 +27,20 @@ import base64
 import contextlib
 import io
 import sys
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from .client import EncodedImage, EncodedVideo
 from .encoder.features import Features
 
+Item = TypeVar("Item", bound=EncodedImage)  # an EncodedImage, or an EncodedVideo
+
 
 def _listed(
-    items: EncodedImage | list[EncodedImage], kind: str | None = None, helper: str = "this helper", other: str = ""
-) -> list[EncodedImage]:
+    items: Item | Sequence[Item], kind: str | None = None, helper: str = "this helper", other: str = ""
+) -> list[Item]:
     """`items` (one result, or an iterable of them) as a list, each an EncodedImage or an EncodedVideo, and where
     `kind` is given (`image`, `video`) of that kind only: else a TypeError that names the item, and `other`, the
     helper that takes it."""
@@ -73,7 +77,7 @@ def vllm_features(item: EncodedImage) -> torch.Tensor:
     return Features(item.embeddings, list(item.deepstack or [])).packed()
 
 
-def grid_tensor(items: EncodedImage | list[EncodedImage]) -> torch.Tensor:
+def grid_tensor(items: EncodedImage | Sequence[EncodedImage]) -> torch.Tensor:
     return torch.tensor([list(item.grid_thw) for item in _listed(items, helper="grid_tensor")], dtype=torch.int64)
 
 
@@ -206,7 +210,7 @@ def transformers_features(model, items: EncodedImage | list[EncodedImage]):
     inner = getattr(model, "model", model)
     dtype, device = model.dtype, model.device
     module = sys.modules[type(inner).__module__]  # its own output type (Qwen3-VL's carries the deepstack features)
-    output = getattr(module, "BaseModelOutputWithDeepstackFeatures", None)
+    output: Any = getattr(module, "BaseModelOutputWithDeepstackFeatures", None)
     if output is None:
         from transformers.modeling_outputs import BaseModelOutputWithPooling as output
 

@@ -6,10 +6,11 @@ project's own; see that test): vLLM's own code on what a vitserve server wrote a
 CASES.json: {"storage": DIR, "model_id": MODEL, "items": [{"identifier", "file", "uuid"?, "algorithm"?,
 "mm_processor_kwargs"?}]} where `file` is the image's bytes as sent (for vLLM's hasher). For each item, OUT.json
 holds vLLM's version, the metadata fields its Qwen2-VL (Qwen2.5-VL's too) and Qwen3-VL parsers require with
-out-of-band embeddings (`placeholder_metadata_fields`), and per item: whether vLLM's ECExampleConnector (consumer role) finds it (`has_cache_item`), the path of the tensor it loads
-into its encoder cache (saved with torch.save for the test to compare), and the identifier vLLM computes for the item
-(its MultiModalHasher through `ProcessorInputs.get_mm_hashes`' rules: the uuid as it is without hash factors, else
-hash_kwargs over the model id, the item as vLLM's image loader gives it, and the factors)."""
+out-of-band embeddings (`placeholder_metadata_fields`), and per item: whether vLLM's ECExampleConnector (consumer
+role) finds it (`has_cache_item`), the path of the tensor it loads into its encoder cache (saved with torch.save for
+the test to compare), and the identifier vLLM computes for the item (its MultiModalHasher through
+`ProcessorInputs.get_mm_hashes`' rules: the uuid as it is without hash factors, else hash_kwargs over the model id, the
+item as vLLM's image loader gives it, and the factors)."""
 
 import json
 import os

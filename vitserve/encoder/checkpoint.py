@@ -12,6 +12,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -70,7 +71,7 @@ def resolve_checkpoint(
     if allow_download is None:
         allow_download = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("1", "true", "yes")
     fetch = lambda name: _hub_file(model, name, revision, allow_download, cache_dir)  # noqa: E731
-    config = fetch("config.json")
+    config = cast(Path, fetch("config.json"))  # never None: only an optional file can be missing (_hub_file)
     for name in ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"):
         fetch(name)  # the image's and the video's processor settings, where transformers looks for them
     index = fetch(INDEX_FILE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # attention kernels a tower can run (encoder.attention); auto: the fastest that runs on the device and dtype
@@ -36,8 +37,8 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...] = ()
     deepstack_visual_indexes: tuple[int, ...] = ()
     num_position_embeddings: int = 0  # Qwen3: learned position table (48 x 48)
-    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
-    image_std: tuple[float, ...] = OPENAI_CLIP_STD
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
 
@@ -65,10 +66,10 @@ _FAMILY_OF_MODEL_TYPE = {
     "qwen3_vl_vision": "qwen3_vl",
     "qwen3_vl_moe_vision": "qwen3_vl",
 }
-_QWEN3_PIXELS = dict(
+_QWEN3_PIXELS: dict[str, Any] = dict(
     patch_size=16, image_mean=QWEN3_IMAGE_MEAN, image_std=QWEN3_IMAGE_STD, min_pixels=65536, max_pixels=16777216
 )
-_QWEN2_PIXELS = dict(min_pixels=3136, max_pixels=12845056)
+_QWEN2_PIXELS: dict[str, Any] = dict(min_pixels=3136, max_pixels=12845056)
 
 
 def from_hf_config(cfg: dict) -> VisionConfig:
@@ -87,7 +88,7 @@ def from_hf_config(cfg: dict) -> VisionConfig:
             f"supported families: {', '.join(FAMILIES)}"
         )
     rope = vision.get("rope_parameters") or {}
-    common = dict(
+    common: dict[str, Any] = dict(
         family=family,
         depth=vision["depth"],
         num_heads=vision["num_heads"],

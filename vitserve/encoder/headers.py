@@ -14,6 +14,7 @@ import dataclasses
 import io
 import re
 import struct
+from typing import cast
 
 import numpy as np
 from PIL import TiffImagePlugin
@@ -79,7 +80,9 @@ class _Walk:
     __slots__ = ("data", "n", "steps", "header", "end")
 
     def __init__(self, data: bytes, steps: int):
-        self.data, self.n, self.steps, self.header, self.end = data, len(data), steps, None, None
+        self.data, self.n, self.steps = data, len(data), steps
+        self.header: ImageHeader | None = None
+        self.end: int | None = None
 
     def step(self) -> None:
         self.steps -= 1
@@ -152,10 +155,10 @@ def _jpeg(walk: _Walk) -> None:
             pixels = walk.header.width * walk.header.height
             if scans > MAX_JPEG_SCANS or scans * pixels > MAX_SCAN_PIXELS:
                 raise _refuse("JPEG", f"more than {scans - 1} scans of {pixels} pixels")
-            found = _SCAN_END.search(data, pos + length)
-            if found is None:
+            scan_end = _SCAN_END.search(data, pos + length)
+            if scan_end is None:
                 raise _Stop("truncated")
-            pos = found.start()
+            pos = scan_end.start()
             continue
         pos += length
 
@@ -293,6 +296,7 @@ def _bmp(walk: _Walk) -> None:
     walk.need(18)
     size = int.from_bytes(data[14:18], "little")
     walk.need(14 + size)
+    masks: tuple[int, ...]
     info, pos, masks = data[18 : 14 + size], 14 + size, ()
     if size == 12:
         width, height, _, bits = struct.unpack_from("<4H", info)
@@ -497,6 +501,9 @@ def probe(data: bytes, formats: tuple[str, ...] | None = ALLOWED_FORMATS, whole:
             raise _refuse(fmt, str(stop)) from None
     except (struct.error, IndexError):  # a field that is not there
         raise _refuse(fmt, "a malformed header") from None
-    if walk.header.width <= 0 or walk.header.height <= 0:
-        raise UndecodableImage(f"image has an empty size ({walk.header.width}x{walk.header.height})")
-    return dataclasses.replace(walk.header, end=walk.end)
+    # FIXME: a walk that ends before any header (a JPEG's end of image, a GIF's trailer) leaves None here, which
+    # raises AttributeError below, not an ImageError; the cast keeps that as it was (typing only)
+    header = cast(ImageHeader, walk.header)
+    if header.width <= 0 or header.height <= 0:
+        raise UndecodableImage(f"image has an empty size ({header.width}x{header.height})")
+    return dataclasses.replace(header, end=walk.end)

@@ -8,6 +8,8 @@ map onto these parameters is models/layout.py's job.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -184,17 +186,19 @@ class VisionTower(nn.Module):
 
     def forward(self, inp: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = inp.pixel_values if inp.patch_order is None else inp.pixel_values[inp.patch_order]
-        x = self.patch_embed.proj(x.to(self.patch_embed.proj.weight.dtype))
+        proj = cast(nn.Linear, self.patch_embed.proj)  # set in __init__ (Module's __getattr__ says Tensor | Module)
+        x = proj(x.to(proj.weight.dtype))
         if self.pos_embed is not None:
+            # learned positions: every plan of the tower has their indices and weights (make_plan)
+            assert inp.interp_indices is not None and inp.interp_weights is not None
             learned = (self.pos_embed.weight[inp.interp_indices] * inp.interp_weights[..., None]).sum(1)
             x = x + learned.to(x.dtype)
         cos, sin = rotary_cos_sin(inp.positions, self.inv_freq)
         full = self.attention.bind(inp.cu_seqlens, inp.max_seqlen, inp.seqlens)
-        window = (
-            self.window_attention.bind(inp.cu_window_seqlens, inp.max_window_seqlen, inp.window_seqlens)
-            if self.windowed
-            else None
-        )
+        window = None
+        if self.windowed:
+            assert inp.cu_window_seqlens is not None  # a windowed tower's plans have windows (make_plan)
+            window = self.window_attention.bind(inp.cu_window_seqlens, inp.max_window_seqlen, inp.window_seqlens)
         deepstack, delta = [], None
         for i, block in enumerate(self.blocks):
             x, delta = block(x, delta, cos, sin, full if i in self.full_attention_layers else window)

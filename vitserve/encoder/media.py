@@ -17,6 +17,7 @@ import mmap
 import os
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import pybase64
 
@@ -24,9 +25,10 @@ from .image_errors import InvalidBase64
 
 _WHITESPACE = re.compile(r"\s")
 _WHITESPACE_BYTES = re.compile(rb"\s")
+_Bytes = bytes | bytearray | memoryview  # MediaBytes.data where it is not a str
 
 
-def decode_base64(text: str | bytes | memoryview) -> bytes:
+def decode_base64(text: str | bytes | bytearray | memoryview) -> bytes:
     """Strict base64 (whitespace allowed, e.g. line breaks), or InvalidBase64. Decoded in place (SIMD, without the
     GIL) where it holds no whitespace; only text that does is copied without it first."""
     try:
@@ -36,7 +38,9 @@ def decode_base64(text: str | bytes | memoryview) -> bytes:
     if isinstance(text, memoryview):
         text = bytes(text)
     try:
-        return pybase64.b64decode(type(text)().join(text.split()), validate=True)
+        return pybase64.b64decode(
+            "".join(text.split()) if isinstance(text, str) else b"".join(text.split()), validate=True
+        )
     except (binascii.Error, ValueError):
         raise InvalidBase64("not valid base64") from None
 
@@ -79,7 +83,7 @@ class MediaBytes:
         """The first `n` units as sent: base64's characters (a str, latin-1: a byte a character), raw bytes."""
         part = self.data[self.start : self.start + n]
         if not self.base64:
-            return bytes(part)
+            return bytes(cast(_Bytes, part))  # raw bytes are never a str (`of`: a str is base64)
         return part if isinstance(part, str) else bytes(part).decode("latin-1")
 
     def head(self, n: int) -> bytes:
@@ -87,30 +91,32 @@ class MediaBytes:
         prefix of `n * 4 // 3 + 256` characters, whitespace left out (at least `n` bytes where it holds none and the
         item is longer, at most 192 more). InvalidBase64 where the prefix does not decode."""
         if not self.base64:
-            return bytes(self.data[self.start : self.start + n])
+            return bytes(cast(_Bytes, self.data[self.start : self.start + n]))  # never a str (`prefix`)
         chunk = self.data[self.start : self.start + n * 4 // 3 + 256]
         if not isinstance(chunk, str):
             chunk = bytes(chunk)
         if len(chunk) == len(self):
             return decode_base64(chunk)
-        try:  # no whitespace in the whole quads: they are the prefix (whitespace in the 3 characters after changes nothing)
+        # no whitespace in the whole quads: they are the prefix (whitespace in the 3 characters after changes nothing)
+        try:
             return pybase64.b64decode(
                 memoryview(chunk.encode("latin-1") if isinstance(chunk, str) else chunk)[: len(chunk) // 4 * 4],
                 validate=True,
             )
         except (binascii.Error, ValueError):
             pass
-        text = type(chunk)().join(chunk.split())  # base64 may hold line breaks
+        # base64 may hold line breaks
+        text = "".join(chunk.split()) if isinstance(chunk, str) else b"".join(chunk.split())
         return decode_base64(text[: len(text) // 4 * 4])
 
-    def ascii(self, nbytes: int | None = None) -> memoryview:
+    def ascii(self, nbytes: int | None = None) -> bytes | bytearray | memoryview:
         """The base64 as ASCII bytes (a non-ASCII character becomes something no base64 decoder accepts); with
         `nbytes`, only the whole quads of characters that hold the first `nbytes` bytes (the image's end: what
         follows is not copied), where no whitespace comes before them."""
         text, end = self.data, len(self.data)
         if nbytes is not None and (n := -(-nbytes // 3) * 4) < len(self):
             quads = text[self.start : self.start + n]
-            if not (_WHITESPACE if isinstance(quads, str) else _WHITESPACE_BYTES).search(quads):
+            if not (_WHITESPACE.search(quads) if isinstance(quads, str) else _WHITESPACE_BYTES.search(quads)):
                 end = self.start + n
         if isinstance(text, str):  # the whole text encoded once, or only the prefix that holds the image
             return (
@@ -184,5 +190,6 @@ class MediaHandle:
 def _decode_view(pages: memoryview, at: int, length: int, end: int | None) -> bytes:
     with pages:  # every view of the mapping released on the way out: it can be closed
         with pages[at : at + length] as text:
-            with MediaBytes(text).ascii(end) as quads:
+            # a view's quads are a view of it (`ascii` slices it): released on the way out too
+            with cast(memoryview, MediaBytes(text).ascii(end)) as quads:
                 return decode_base64(quads)

@@ -162,7 +162,7 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -
             positions[start : start + n] = frame
         else:
             positions[start : start + n] = np.tile(frame, (t, 1))
-        if interp:
+        if interp_indices is not None and interp_weights is not None:  # (interp)
             idx, wts = _interpolation(rows, cols, h, w, side)
             interp_indices[start : start + n] = np.tile(idx, (t, 1))
             interp_weights[start : start + n] = np.tile(wts, (t, 1))
@@ -222,8 +222,8 @@ def to_device(plan: BatchPlan, pixel_values: torch.Tensor, device: torch.device,
     window = plan.window
     return TowerInputs(
         pixel_values=pixel_values.to(device=device, dtype=dtype, non_blocking=True),
-        positions=dev(plan.positions),
-        cu_seqlens=dev(plan.full.cu_seqlens),
+        positions=plan.positions.to(device, non_blocking=True),
+        cu_seqlens=plan.full.cu_seqlens.to(device, non_blocking=True),
         max_seqlen=plan.full.max_seqlen,
         seqlens=plan.full.lengths,
         cu_window_seqlens=None if window is None else dev(window.cu_seqlens),

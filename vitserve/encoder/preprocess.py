@@ -98,7 +98,7 @@ def as_triple(value: Any, name: str) -> tuple[float, float, float]:
     triple = tuple(float(v) for v in value)
     if len(triple) != 3:
         raise ValueError(f"{name} must have 3 elements (RGB), got {len(triple)}")
-    return triple  # type: ignore[return-value]
+    return triple
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,8 @@ class PreprocessConfig:
 
         kw: dict[str, Any] = {}
         for key in ("patch_size", "temporal_patch_size", "merge_size"):
-            if get(key) is not None:
-                kw[key] = int(get(key))
+            if (value := get(key)) is not None:
+                kw[key] = int(value)
         min_pixels = first(get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels"))
         max_pixels = first(get("max_pixels"), size.get("longest_edge"), size.get("max_pixels"))
         if min_pixels is not None:
@@ -375,7 +375,7 @@ def open_header(fp: Any, what: str, formats: tuple[str, ...] | None) -> Image.Im
                     other = img.format
             except Exception:
                 pass
-        if other is not None:
+        if other is not None and formats is not None:  # (other is only read where formats is given)
             raise UnsupportedFormat(f"{other} images are not accepted; send one of {', '.join(formats)}") from exc
         raise NotAnImage(f"not a recognized image format ({what})") from exc
     except MemoryError:
@@ -439,8 +439,8 @@ def target_size(image, cfg: PreprocessConfig) -> tuple[int, int]:
 def load_for_device(
     source: Any, jpeg_on_device: bool, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
 ) -> np.ndarray | EncodedJpeg:
-    """An image for the fast preprocessing (preprocess_fast.resize_on_device), which resizes on the device: a JPEG's bytes
-    left encoded when `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the
+    """An image for the fast preprocessing (preprocess_fast.resize_on_device), which resizes on the device: a JPEG's
+    bytes left encoded when `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the
     uint8 [H, W, 3] array of its RGB pixels (load_image)."""
     if jpeg_on_device and isinstance(source, (bytes, bytearray, memoryview)) and len(source):
         if (jpeg := jpeg_for_device(bytes(source), max_image_pixels)) is not None:

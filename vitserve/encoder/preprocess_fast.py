@@ -158,12 +158,14 @@ def preprocess(
     device = torch.device(device)
     loaded = load(images, device)
     resized = resize_on_device(loaded, [target_size(x, cfg) for x in loaded], device)
+    frames: list[torch.Tensor] = []
     for x in resized:
         if isinstance(x, ImageError):
             raise x
+        frames.append(x)
     lut = torch.tensor(fast_lut(cfg.image_mean, cfg.image_std), device=device)
     rows, grids, p, m, t = [], [], cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    for x in resized:
+    for x in frames:
         h, w = x.shape[0] // p, x.shape[1] // p
         values = lut[torch.arange(3, device=device)[:, None, None], x.permute(2, 0, 1).long()]  # [3, H, W]
         patches = values.reshape(3, h // m, m, p, w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # processor order

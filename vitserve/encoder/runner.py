@@ -58,7 +58,7 @@ class Launch:
     grids: list
     parts: list
     mean_pooling: list[bool]
-    done: object = None
+    done: torch.cuda.Event | None = None
 
     @property
     def num_images(self) -> int:
@@ -370,7 +370,8 @@ class GraphRunner:
         dst.copy_(src.pin_memory() if self._pin and not src.is_pinned() else src, non_blocking=True)
 
     def _to_host(self, out: torch.Tensor, plan: BatchPlan | None = None) -> torch.Tensor:
-        """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the graph memory pool."""
+        """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the graph
+        memory pool."""
         rows = out[: plan.num_tokens] if plan is not None else out
         if not self._pin:
             return rows
@@ -419,6 +420,9 @@ class GraphRunner:
             seqlens=None if self.use_graphs else _lengths(full),
         )
         if plan.window is not None:
+            # a windowed tower's plans have both orders (make_plan) and its static buffers the window ones (`static`)
+            assert s.cu_window_seqlens is not None and s.patch_order is not None and s.token_order is not None
+            assert plan.patch_order is not None and plan.token_order is not None
             window = _padded_cu(plan.window.cu_seqlens, self.packer.window_capacity(budget))
             h2d(s.cu_window_seqlens[: window.numel()], window)
             h2d(s.patch_order[:budget], plan.patch_order)
@@ -433,6 +437,8 @@ class GraphRunner:
                 s.token_order[: budget // self.cfg.merge_unit],
             )
         if plan.interp_indices is not None:
+            # learned positions: the plan's weights and the static buffers come with the indices (make_plan, `static`)
+            assert plan.interp_weights is not None and s.interp_indices is not None and s.interp_weights is not None
             h2d(s.interp_indices[:budget], plan.interp_indices)
             h2d(s.interp_weights[:budget], plan.interp_weights)
             inputs.interp_indices, inputs.interp_weights = s.interp_indices[:budget], s.interp_weights[:budget]

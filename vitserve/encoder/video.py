@@ -197,7 +197,9 @@ class VideoConfig:
             raise ValueError(f"unsupported video preprocessor config: rescale_factor={d['rescale_factor']}")
         if d.get("resample") not in (None, 3):
             raise ValueError(f"unsupported video preprocessor config: resample={d['resample']} (only bicubic=3)")
-        size = d.get("size") if isinstance(d.get("size"), Mapping) else {}
+        size = d.get("size")
+        if not isinstance(size, Mapping):
+            size = {}
         kw: dict[str, Any] = {}
         for key in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames", "max_video_tokens"):
             if d.get(key) is not None:
@@ -244,7 +246,7 @@ class VideoConfig:
 # The video processor settings the published checkpoints ship, by VisionConfig.family: Qwen3-VL's
 # video_preprocessor_config.json; Qwen2/2.5-VL ship none, so transformers' video processor reads their
 # preprocessor_config.json's pixels. What dummy weights of a built-in hub id preprocess videos with.
-PUBLISHED = {
+PUBLISHED: dict[str, dict[str, Any]] = {
     "qwen3_vl": {
         "size": {"longest_edge": 25165824, "shortest_edge": 4096},
         "fps": 2,
@@ -330,9 +332,8 @@ def sample_indices(info: VideoInfo, cfg: VideoConfig) -> np.ndarray:
         if not info.fps:
             raise VideoError("the video declares no frame rate, so it cannot be sampled by fps: give num_frames")
         max_frames = math.floor(min(cfg.max_frames, total) / t) * t
-        num_frames = total / info.fps * fps
-        num_frames = min(max(num_frames, cfg.min_frames), max_frames, total)
-        num_frames = math.floor(num_frames / t) * t
+        wanted = total / info.fps * fps
+        num_frames = math.floor(min(max(wanted, cfg.min_frames), max_frames, total) / t) * t
     elif total > cfg.max_frames:  # every frame, but at most max_frames of them
         num_frames = most
     if num_frames is not None and num_frames <= 0 and most <= 0:
@@ -505,14 +506,14 @@ def probe(container, limits: VideoLimits | None = None) -> VideoInfo:
     frames = int(stream.frames)
     if frames <= 0:
         most = limits.max_seconds * float(rate) if limits and rate else math.inf
+        max_seconds = limits.max_seconds if limits else math.inf  # (only named where `most` is finite)
         frames = 0
         try:
             for packet in container.demux(stream):
                 frames += packet.size > 0
                 if frames > most:
                     raise VideoTooLong(
-                        f"the video holds over {most:.0f} frames at {float(rate):g} fps; the limit "
-                        f"is {limits.max_seconds:g} s"
+                        f"the video holds over {most:.0f} frames at {float(rate):g} fps; the limit is {max_seconds:g} s"
                     )
             if frames:
                 container.seek(0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, cast
 
 import torch
 from PIL import Image
@@ -13,6 +15,7 @@ from PIL import Image
 from . import checkpoint, preprocess_fast, video
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
 from .features import Features
+from .plan import Grid
 from .preprocess import (
     PREPROCESS_MODES,
     ImageError,
@@ -24,7 +27,7 @@ from .preprocess import (
     target_size,
 )
 from .preprocess_fast import fast_lut
-from .runner import DEFAULT_BUDGETS, GraphRunner
+from .runner import DEFAULT_BUDGETS, GraphRunner, Launch
 
 DTYPES = {
     "float32": torch.float32,
@@ -88,7 +91,7 @@ def videos_list(videos) -> tuple[list, bool]:
 class Launched:
     """Images on their way through the device (`launch`): the runner's launch, and the images left out of it."""
 
-    launch: object | None  # runner.Launch, None when every image failed
+    launch: Launch | None  # None when every image failed
     failed: dict  # index -> ImageError
     count: int
 
@@ -122,12 +125,13 @@ def load_configs(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     cache_dir: str | None = None,
-) -> tuple[VisionConfig, PreprocessConfig, str | None]:
+) -> tuple[VisionConfig, PreprocessConfig, Path | None]:
     """The tower's and the preprocessing's configs, and the checkpoint directory to read weights from (None for
     dummy weights), without reading any weight: what a server needs before its devices have loaded."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
-    ckpt, pre = None, {}
+    ckpt: Path | None = None
+    pre: dict[str, Any] = {}
     if load_format == "dummy":
         try:
             cfg = builtin_config(model)
@@ -163,11 +167,14 @@ def video_config_of(
     family's processor counts them: per frame, or every sampled frame together). Dummy weights (`ckpt` None) of a
     built-in hub id (`model`) take its published checkpoints' settings (video.PUBLISHED), a tiny-* built-in the
     family's defaults alone."""
+    hf: Mapping[str, Any] | None
     if ckpt is not None:
         hf = checkpoint.read_video_config(ckpt)
     else:
         hf = video.PUBLISHED[cfg.family] if model is not None and _is_hub_builtin(model) else None
-    overrides = {k: v for k, v in dict(min_pixels=min_pixels, max_pixels=max_pixels).items() if v is not None}
+    overrides: dict[str, Any] = {
+        k: v for k, v in dict(min_pixels=min_pixels, max_pixels=max_pixels).items() if v is not None
+    }
     return dataclasses.replace(video.VideoConfig.for_model(cfg, hf), decoder=decoder, **overrides)
 
 
@@ -405,4 +412,5 @@ class VisionEncoder:
         """Encode a packed batch (transformers' processor layout); one result per grid, in order."""
         grids = [tuple(int(x) for x in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
         outputs = self.runner.run(pixel_values, grids)
-        return [EncodedImage(tokens, grid, deepstack) for grid, (tokens, deepstack) in zip(grids, outputs)]
+        triples = cast("list[Grid]", grids)  # (t, h, w) each: run refused any other (plan.check_grids)
+        return [EncodedImage(tokens, grid, deepstack) for grid, (tokens, deepstack) in zip(triples, outputs)]

@@ -156,14 +156,14 @@ def act(x, kind):
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
-    gate = tl.load(x_ptr + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like torch's F.silu
-    tl.store(out_ptr + row * I + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * inter + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate_up):

@@ -36,7 +36,9 @@ def tower_layout(cfg: VisionConfig, *, norm_bias: bool, patch_bias: bool, mlp_la
     """Every vision tensor of a published checkpoint: the parts all families share, plus the family's MLP
     (`mlp_layout(prefix)`) and merger names (`merger_names`: the published names of MERGER_PARTS under `merger.`)."""
     d, p = cfg.hidden_size, cfg.patch_size
-    shapes = {"patch_embed.proj.weight": (d, cfg.in_channels, cfg.temporal_patch_size, p, p)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "patch_embed.proj.weight": (d, cfg.in_channels, cfg.temporal_patch_size, p, p)
+    }
     if patch_bias:
         shapes["patch_embed.proj.bias"] = (d,)
     if cfg.num_position_embeddings:

@@ -18,9 +18,14 @@ def build(cfg: VisionConfig) -> VisionTower:
 
 def hf_layout(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     d, i = cfg.hidden_size, cfg.intermediate_size
-    mlp = lambda p: (
-        linear_layout(p + "gate_proj", i, d) | linear_layout(p + "up_proj", i, d) | linear_layout(p + "down_proj", d, i)
-    )
+
+    def mlp(p):
+        return (
+            linear_layout(p + "gate_proj", i, d)
+            | linear_layout(p + "up_proj", i, d)
+            | linear_layout(p + "down_proj", d, i)
+        )
+
     return tower_layout(cfg, norm_bias=False, patch_bias=False, merger_names=QWEN2_MERGER, mlp_layout=mlp)
 
 

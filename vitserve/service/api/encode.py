@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -84,7 +85,7 @@ def tier_items(given: EncodeInput) -> list[MediaItem]:
     by_kind = {"image": iter(enumerate(given.images)), "video": iter(enumerate(given.videos))}
     items = []
     for is_video in given.order:
-        kind = "video" if is_video else "image"
+        kind: Literal["image", "video"] = "video" if is_video else "image"
         i, data = next(by_kind[kind])
         items.append(MediaItem(kind, data, (uuids.get(kind) or [None] * (i + 1))[i], f"{kind}s[{i}]"))
     return items

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -14,14 +16,15 @@ from fastapi.responses import Response
 from ..ground.errors import Unsupported
 from ..ground.media import MediaItem
 from ..pipeline.engine import Encoded
+from ..pipeline.loader import ModelInfo
 from .outputs import OFF_LOOP_BYTES, answer_bytes
 from .served import Served
 
 
 def noted(served: Served, request: Request, result: Encoded) -> Encoded:
     """The request's counts and phases on its state, for its access line."""
-    unit = served.engine.model.config.merge_unit
-    grids = [item.grid for item in result.outputs]
+    unit = cast(ModelInfo, served.engine.model).config.merge_unit  # (loaded: the request was admitted)
+    grids = [cast("Sequence[int]", item.grid) for item in result.outputs]  # (an answer's Features have their grids)
     request.state.images, request.state.tokens = len(grids), sum(math.prod(g) // unit for g in grids)
     for phase in ("decode", "queue", "inference"):
         setattr(request.state, f"{phase}_ms", round(getattr(result, f"{phase}_s") * 1e3, 2))
@@ -125,7 +128,7 @@ def merged(images: Encoded | None, videos: Encoded, order: list[bool]) -> Encode
     where = [(videos, next(video_at)) if is_video else (images, next(image_at)) for is_video in order]
     parts = [part for part in (images, videos) if part is not None]
     return Encoded(
-        [part.outputs[i] for part, i in where],
+        [cast(Encoded, part).outputs[i] for part, i in where],  # (images only where there are images)
         max(p.decode_s for p in parts),
         max(p.queue_s for p in parts),
         max(p.inference_s for p in parts),
@@ -177,6 +180,7 @@ async def answer_beside_files(
     milliseconds (a failure is logged and counted)."""
     if ids is None:
         return await answer(served, request, result, build)
+    assert served.files is not None  # (identifiers only where the tier writes files)
     files = asyncio.ensure_future(served.files.write(ids, result.outputs))
     if not wait:
         files.add_done_callback(served.files.written)

@@ -30,6 +30,7 @@ import json
 import logging
 import resource
 import time
+from typing import cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -103,7 +104,7 @@ class GuardedH11Protocol(H11Protocol):
         self._received = self._start = 0  # bytes received on the connection; where the request being read began
 
     # ---- connections ---------------------------------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
         super().connection_made(transport)
         self._headers_of = self.cycle  # a new request is the cycle that replaces this one
         self._deadline: asyncio.TimerHandle | None = None
@@ -111,6 +112,10 @@ class GuardedH11Protocol(H11Protocol):
         self._arm()
         if len(self.connections) > self.max_connections:
             self._make_room()
+
+    @property
+    def _counted(self) -> CountedConnection:
+        return cast(CountedConnection, self.conn)  # what __init__ put in uvicorn's h11 connection's place
 
     @property
     def idle(self) -> bool:
@@ -121,7 +126,8 @@ class GuardedH11Protocol(H11Protocol):
         """Close the longest-idle connections until this one fits; if every other one is busy, this connection's
         requests are answered 503, but for the probes."""
         idle = sorted(
-            (c for c in self.connections if c is not self and getattr(c, "idle", False)), key=lambda c: c._idle_since
+            (c for c in self.connections if c is not self and getattr(c, "idle", False)),
+            key=lambda c: cast(GuardedH11Protocol, c)._idle_since,  # (only ours are idle)
         )
         for other in idle[: len(self.connections) - self.max_connections]:
             other.transport.close()
@@ -188,7 +194,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _parsed(self) -> int:
         """Bytes of the connection h11 has parsed: those received but what waits in its buffer."""
-        return self._received - len(self.conn._conn._receive_buffer)
+        return self._received - len(self._counted._conn._receive_buffer)
 
     def _refuse(self, status: int, message: str, code: str):
         """Answer the request being read with an error and close the connection; what the app does with it is
@@ -199,7 +205,7 @@ class GuardedH11Protocol(H11Protocol):
             cycle.message_event.set()
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE) and (cycle is None or not cycle.response_started):
             try:
-                self.transport.write(error_bytes(self.conn._conn, status, message, code))
+                self.transport.write(error_bytes(self._counted._conn, status, message, code))
             except h11.LocalProtocolError:
                 pass
         self.logger.info("refused a request: %s", message)

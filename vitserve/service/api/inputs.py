@@ -4,6 +4,7 @@ read here; its payload stays where it lies for a decode worker."""
 from __future__ import annotations
 
 import re
+from typing import cast
 
 from ...encoder.media import MediaBytes
 from ..ground.errors import InputRejected, clip
@@ -20,7 +21,7 @@ def decode_input(
     the request's body)."""
     param = f"{field}[{index}]"
     media = MediaBytes.of(item)  # a str or a Text: base64 text, where it lies
-    head = media.prefix(5120)
+    head = cast(str, media.prefix(5120))  # base64 text: a str (`prefix`)
     if head.startswith(("http://", "https://")):
         if not allow_url:
             raise InputRejected(

@@ -18,6 +18,7 @@ import asyncio
 import json
 import mmap
 import secrets
+from typing import TypeVar, cast
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
@@ -28,6 +29,7 @@ from .http_errors import ServiceError
 
 LONG = 4096  # bytes of a string beyond which it stays in the body, unparsed
 _MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder's prefix: no client can write one
+Model = TypeVar("Model", bound=BaseModel)  # what a body is parsed as
 _MARK_JSON = _MARK.replace("\x00", "\\u0000").encode()
 
 
@@ -38,6 +40,7 @@ class Text(MediaBytes):
     to refuse."""
 
     __slots__ = ()
+    data: memoryview  # (MediaBytes.data: always this view here)
 
     def __init__(self, view: memoryview, shared: tuple[str, int] | None = None):
         super().__init__(view, 0, True, shared)
@@ -50,7 +53,7 @@ class Text(MediaBytes):
         return bytes(self.data).decode("latin-1")
 
 
-def _escaped(body: bytes, start: int, end: int) -> bool:
+def _escaped(body: bytes | bytearray | mmap.mmap, start: int, end: int) -> bool:
     """Whether the quote at `end` is escaped: after an odd run of backslashes (within the string, from `start`).
     Looks back through windows that double while they hold only backslashes: a C-speed step per window."""
     window = 64
@@ -72,7 +75,8 @@ class Scan:
     def __init__(self, limit: int):
         self.limit, self.quotes, self.commas = limit, 0, 0
         self.spans: list[tuple[int, int]] = []
-        self._next, self._open = 0, None  # the next byte to look at; where the string being read opened
+        self._next = 0  # the next byte to look at
+        self._open: int | None = None  # where the string being read opened
 
     @property
     def over(self) -> bool:
@@ -115,12 +119,8 @@ def too_many(max_images: int) -> ServiceError:
 
 
 async def read_json(
-    request,
-    model: type[BaseModel],
-    max_images: int,
-    raw_fields: tuple[str, ...] = (),
-    bodies: SharedBodies | None = None,
-) -> BaseModel:
+    request, model: type[Model], max_images: int, raw_fields: tuple[str, ...] = (), bodies: SharedBodies | None = None
+) -> Model:
     """A request's JSON body as `model` (`parse_body`), scanned as it arrives: a body with more values than
     `max_images` images and a few fields could hold is refused at the chunk that shows it. The body goes into one
     buffer, a chunk's copy at a time, and is never joined from pieces afterwards. A large one of declared length
@@ -132,11 +132,12 @@ async def read_json(
     length = request.headers.get("content-length")
     size, scan = 0, Scan(2 * (max_images + 32))
     shared: Body | None = None
+    body: bytearray | mmap.mmap
     if length is not None and length.isdigit() and int(length) >= SHARED:
         if bodies is not None:
             shared = await bodies.take(int(length))
             request.scope.setdefault("state", {}).setdefault("on_end", []).append(shared.release)
-            body = shared.buffer
+            body = cast(mmap.mmap, shared.buffer)  # a body just taken holds its mapping (`release` empties it)
         else:
             body = await asyncio.get_running_loop().run_in_executor(None, anonymous, int(length))
         if len(body) < int(length):
@@ -158,14 +159,14 @@ async def read_json(
 
 
 def parse_body(
-    model: type[BaseModel],
+    model: type[Model],
     body: bytes | bytearray | mmap.mmap,
     max_images: int,
     raw_fields: tuple[str, ...] = (),
     scan: Scan | None = None,
     size: int | None = None,
     path: str | None = None,
-) -> BaseModel:
+) -> Model:
     """`body` (its first `size` bytes; default all) validated as `model`: not JSON (or nested too deeply) is a 400,
     invalid fields a 422, more values than `max_images` images and a few fields could hold a 413. The long strings of
     `raw_fields` (a string or a list of strings each) come back as `Text` where they hold no escapes; every other
@@ -183,7 +184,10 @@ def parse_body(
         pieces += [body[previous : start + 1], _MARK_JSON + str(i).encode()]
         previous = end
     whole = isinstance(body, (bytes, bytearray)) and size == len(body)
-    skeleton = b"".join([*pieces, body[previous:size]]) if long else body if whole else body[:size]
+    # a mapping is never whole: its slice, bytes, is what is parsed
+    skeleton = (
+        b"".join([*pieces, body[previous:size]]) if long else cast("bytes | bytearray", body) if whole else body[:size]
+    )
     try:
         parsed = model.model_validate_json(skeleton)
     except ValidationError as e:

@@ -26,6 +26,7 @@ import itertools
 import json
 import secrets
 import struct
+from collections.abc import Sequence
 
 import pybase64
 import torch
@@ -51,7 +52,8 @@ def laid_out(item: Features, layout: str) -> Features:
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """`raw_view` as a flat byte memoryview (its len is its byte count): a body piece that keeps the tensor alive."""
-    return memoryview(raw_view(t))
+    # (numpy types its buffer protocol for Python 3.12+ only)
+    return memoryview(raw_view(t))  # type: ignore[arg-type]
 
 
 def embedding_data(items: list[Features], normalize: bool, encoding: str, mean: bool) -> list[dict]:
@@ -102,7 +104,8 @@ class Base64:
     __slots__ = ("data",)
 
     def __init__(self, t: torch.Tensor):
-        self.data = pybase64.b64encode(raw_view(t))
+        # (numpy types its buffer protocol for Python 3.12+ only)
+        self.data = pybase64.b64encode(raw_view(t))  # type: ignore[arg-type]
 
     def __str__(self) -> str:
         return self.data.decode("ascii")
@@ -151,7 +154,7 @@ class PartsResponse(Response):
 
     def __init__(
         self,
-        parts: list[bytes | memoryview],
+        parts: Sequence[bytes | memoryview],
         status_code: int = 200,
         headers=None,
         media_type: str = "application/json",
@@ -182,7 +185,8 @@ def safetensors_parts(
     conversion to `dtype`: a tensor shared by several items is a piece of each)."""
     out_dtype = OUTPUT_DTYPES[dtype]
     header: dict = {"__metadata__": metadata}
-    parts, offset = [b""], 0
+    parts: list[bytes | memoryview] = [b""]
+    offset = 0
     for i, item in enumerate(items):
         named = [(f"images.{i}.embeddings", item.tokens)]
         named += [(f"images.{i}.deepstack.{j}", d) for j, d in enumerate(item.deepstack if deepstack else [])]

@@ -3,7 +3,7 @@ models: service/api/responses.py.)"""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Json, field_validator, model_validator
 
@@ -36,11 +36,14 @@ def canonical_dtype(value):
     return str(DTYPES[value]).removeprefix("torch.") if isinstance(value, str) and value in DTYPES else value
 
 
-DType = Annotated[
-    Literal[tuple(OUTPUT_DTYPES)],
-    BeforeValidator(canonical_dtype),
-    Field(description="float32, float16 or bfloat16 (or fp32, fp16, bf16, half)"),
-]
+if TYPE_CHECKING:  # a Literal of OUTPUT_DTYPES' names, made at run time: mypy sees a str
+    DType = str
+else:
+    DType = Annotated[
+        Literal[tuple(OUTPUT_DTYPES)],
+        BeforeValidator(canonical_dtype),
+        Field(description="float32, float16 or bfloat16 (or fp32, fp16, bf16, half)"),
+    ]
 
 MAX_PIXELS = Field(
     default=None,
@@ -110,7 +113,7 @@ class EmbeddingRequest(VideoOptions):
 MultiModalUUIDs = dict[Literal["image", "video"], list[str | None]]
 
 
-def check_uuid_counts(uuids: MultiModalUUIDs | None, counts: dict[str, int]) -> None:
+def check_uuid_counts(uuids: MultiModalUUIDs | None, counts: dict[Literal["image", "video"], int]) -> None:
     """ValueError where `multi_modal_uuids` has a modality's list, of another length than its items."""
     for modality, count in counts.items():
         given = (uuids or {}).get(modality)

@@ -42,14 +42,15 @@ class Body:
     __slots__ = ("buffer", "path", "capacity", "_owner")
 
     def __init__(self, buffer: mmap.mmap, path: str | None, capacity: int, owner: "SharedBodies | None"):
-        self.buffer, self.path, self.capacity, self._owner = buffer, path, capacity, owner
+        self.buffer: mmap.mmap | None = buffer  # None once released
+        self.path, self.capacity, self._owner = path, capacity, owner
 
     def release(self) -> None:
         """The request is over: its file goes back to the idle ones (or is removed, see the module), its mapping is
         closed in a thread. Idempotent."""
         owner, self._owner = self._owner, None
         buffer, self.buffer = self.buffer, None
-        if owner is not None and buffer is not None:
+        if owner is not None and buffer is not None and self.path is not None:  # (an owner's body has its file)
             owner._release(self.path, self.capacity, buffer)
 
 
@@ -87,11 +88,12 @@ class SharedBodies:
         except OSError:  # no room in the directory (or it is gone): a private mapping
             return Body(await loop.run_in_executor(None, anonymous, size), None, size, None)
         except asyncio.CancelledError:  # the request is gone: the file goes back once mapped
-            mapping.add_done_callback(
-                lambda done: (
-                    done.cancelled() or done.exception() or self._release(done.result()[1], capacity, done.result()[0])
-                )
-            )
+
+            def give_back(done: asyncio.Future) -> None:
+                if not (done.cancelled() or done.exception()):
+                    self._release(done.result()[1], capacity, done.result()[0])
+
+            mapping.add_done_callback(give_back)
             raise
         return Body(buffer, path, capacity, self)
 

@@ -19,7 +19,7 @@ import logging
 import multiprocessing
 import pickle
 import socket
-from typing import Callable
+from typing import Callable, cast
 
 from ..ground.signals import leave_to_owner
 from .decode_protocol import ANSWER_HEADER, Call, JobResult, job_frames, read_job
@@ -77,6 +77,7 @@ class _Link(asyncio.Protocol):
         self.transport = transport
 
     def send(self, call: bytes, payload) -> None:
+        assert self.transport is not None  # (the pool takes a link once it is connected)
         self.transport.writelines(job_frames(call, payload))
 
     def data_received(self, data: bytes) -> None:
@@ -110,7 +111,7 @@ class FairQueue:
     """Jobs waiting for a worker, taken round-robin by owner (a request): one request's many images interleave with
     the others' instead of all going first."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._by_owner: collections.OrderedDict[object, collections.deque] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -167,6 +168,13 @@ class DecodePool:
         self._spawning: set[asyncio.Task] = set()  # replacing dead workers
         self.respawn_delays = (1.0, 4.0)  # between tries at starting a replacement
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the pool runs on (`start`'s)."""
+        if self._loop is None:
+            raise RuntimeError("the decode pool is not started")
+        return self._loop
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await asyncio.gather(*(self.start_worker() for _ in range(self.size)))
@@ -178,13 +186,13 @@ class DecodePool:
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         process = self._context.Process(target=_serve, args=(theirs,), name="vitserve-decode", daemon=True)
         try:
-            await self._loop.run_in_executor(None, process.start)  # the fork server's round trip, off the loop
+            await self.loop.run_in_executor(None, process.start)  # the fork server's round trip, off the loop
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()  # the worker's copy only: its death then reads as end-of-file here
-        _, link = await self._loop.connect_accepted_socket(lambda: _Link(self, process), ours)
+        _, link = await self.loop.connect_accepted_socket(lambda: _Link(self, process), ours)
         self._links.add(link)
         if not self._closed:
             self._ready(link)
@@ -201,15 +209,15 @@ class DecodePool:
     def submit(
         self, fn, payload, *args, owner=None, on_lost: Callable[[], None] | None = None, timeout: float | None = None
     ) -> asyncio.Future:
-        """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised
-        as its ErrorRecord brings it back (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout). `payload`: bytes-like (sent as they
-        are), a function that makes them when a worker takes the job, or any other object, pickled with the call (a
-        description of where the worker finds the bytes itself, `len()` its size). A cancelled future's job is
-        skipped, its result dropped, or its worker killed after the grace. `on_lost()` is called when the worker dies
-        (or is killed) while it runs the job, whatever became of the future (what it was writing may be left half
-        done). Waiting jobs go to the workers round-robin by `owner` (FairQueue). `timeout`: this job's limit
-        instead of the pool's (a video's decode is longer than an image's)."""
-        future = self._loop.create_future()
+        """Run fn(payload, *args) in a worker; the future's result is its return value, or the exception it raised as
+        its ErrorRecord brings it back (`WorkerDied` if the worker died on it, `JobTimedOut` past the timeout).
+        `payload`: bytes-like (sent as they are), a function that makes them when a worker takes the job, or any other
+        object, pickled with the call (a description of where the worker finds the bytes itself, `len()` its size). A
+        cancelled future's job is skipped, its result dropped, or its worker killed after the grace. `on_lost()` is
+        called when the worker dies (or is killed) while it runs the job, whatever became of the future (what it was
+        writing may be left half done). Waiting jobs go to the workers round-robin by `owner` (FairQueue). `timeout`:
+        this job's limit instead of the pool's (a video's decode is longer than an image's)."""
+        future = self.loop.create_future()
         self.submitted += 1
         if self._closed or self.broken:
             future.set_exception(PoolUnavailable(self.broken or "the decode pool is closed"))
@@ -240,7 +248,7 @@ class DecodePool:
             link.job = job
             link.send(job.call, job.payload if isinstance(job.payload, _BYTES) else b"")
             if job.timeout is not None:
-                link.timer = self._loop.call_later(job.timeout, self._kill, link, f"its job ran past {job.timeout:g} s")
+                link.timer = self.loop.call_later(job.timeout, self._kill, link, f"its job ran past {job.timeout:g} s")
             job.future.add_done_callback(functools.partial(self._cancelled, link, job))
 
     def _cancelled(self, link: _Link, job: _Job, future: asyncio.Future) -> None:
@@ -248,7 +256,7 @@ class DecodePool:
         if future.cancelled() and link.job is job and link.killed is None:
             if link.timer is not None:
                 link.timer.cancel()
-            link.timer = self._loop.call_later(
+            link.timer = self.loop.call_later(
                 self.grace, self._kill, link, f"its job's caller was gone for {self.grace:g} s"
             )
 
@@ -259,13 +267,16 @@ class DecodePool:
             return
         link.killed = reason
         if not link.job.future.done():
-            link.job.future.set_exception(JobTimedOut(f"the decode worker was killed: {reason}", link.job.timeout))
+            # killed while its future waits: past its job's own timeout (the grace is for a cancelled future)
+            timeout = cast(float, link.job.timeout)
+            link.job.future.set_exception(JobTimedOut(f"the decode worker was killed: {reason}", timeout))
         link.process.kill()
 
     def _answered(self, link: _Link, result: JobResult) -> None:
         if link.killed is not None:  # an answer sent as it was killed: not ready again
             return
         job, link.job = link.job, None
+        assert job is not None  # (a worker answers the job it was given)
         if link.timer is not None:
             link.timer.cancel()
         if job.future.done():  # its request is gone: what was made is dropped
@@ -289,14 +300,14 @@ class DecodePool:
             if link.job is not None and not link.job.future.done():
                 link.job.future.set_exception(PoolUnavailable("the decode pool is closed"))
         else:
-            task = self._loop.create_task(self._replace(link))
+            task = self.loop.create_task(self._replace(link))
             self._spawning.add(task)
             task.add_done_callback(self._replaced)
 
     async def _replace(self, link: _Link) -> None:
         """A worker hung up on its own: it died. Fail its job (with its exit code, which takes the fork server a
         moment to report) and start another."""
-        await self._loop.run_in_executor(None, link.process.join, 5)
+        await self.loop.run_in_executor(None, link.process.join, 5)
         reason = f"the decode worker died (exit code {link.process.exitcode})"
         if link.job is not None and not link.job.future.done():
             link.job.future.set_exception(WorkerDied(reason))
@@ -337,8 +348,9 @@ class DecodePool:
         await asyncio.gather(*self._spawning, return_exceptions=True)
         links = list(self._links)
         for link in links:
+            assert link.transport is not None  # (connected before it was added)
             link.transport.close()
         for link in links:
-            await self._loop.run_in_executor(None, link.process.join, timeout)
+            await self.loop.run_in_executor(None, link.process.join, timeout)
             if link.process.is_alive():
                 link.process.kill()

@@ -87,7 +87,7 @@ class DecodeRunner:
     async def close(self) -> None:
         if self.pool:
             await self.pool.close()
-        else:
+        elif self.threads is not None:  # (no pool: the threads decode)
             self.threads.shutdown(wait=False, cancel_futures=True)
         if self.bodies:
             self.bodies.clear()

@@ -4,7 +4,7 @@ container (`is_video`), whether it is text sent where an image goes (`looks_like
 
 from __future__ import annotations
 
-from ...encoder.headers import probe
+from ...encoder.headers import ImageHeader, probe
 from ...encoder.media import MediaBytes
 
 PROBE_BYTES = 64 * 2**10  # of an image, where its header is read first (by a worker from all of it where not there)
@@ -21,7 +21,7 @@ def first_headers(images: list) -> list:
     """Each image's header from its first bytes (`probe(head(data))`), or the exception that raised (HeaderNotFound:
     not within them). Bounded work per image (a 64 KB prefix decoded, a walk of at most 256 steps): the request's
     images in one go in a thread, where base64 decodes without the GIL."""
-    out = []
+    out: list[ImageHeader | Exception] = []
     for data in images:
         try:
             out.append(probe(head(data)))
@@ -36,12 +36,13 @@ def looks_like_text(data) -> bool:
     a letter outside ASCII (base64 has neither). Base64 stands for a file, whatever its bytes: not told as text."""
     sample = MediaBytes.of(data).prefix(TEXT_SAMPLE)
     if isinstance(sample, bytes):
+        raw = sample
         try:
-            sample = sample.decode()
+            sample = raw.decode()
         except UnicodeDecodeError as e:  # a character cut at the end of the sample is not binary data
-            if e.start < len(sample) - 3:
+            if e.start < len(raw) - 3:
                 return False
-            sample = sample[: e.start].decode()
+            sample = raw[: e.start].decode()
     letters = sum(map(str.isalpha, sample)) + sum(map(str.isspace, sample))
     return (
         sample.translate(_CONTROLS).isprintable()

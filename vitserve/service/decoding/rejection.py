@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from ...encoder.image_errors import ImageError, ImageTooLarge, InvalidBase64, UndecodableImage, UnsupportedFormat
-from ..ground.errors import InputRejected, InputTooLarge, Unavailable
+from ..ground.errors import EngineError, InputRejected, InputTooLarge, Unavailable
 from .decode_pool import JobTimedOut, PoolUnavailable, WorkerDied
 from .first_bytes import is_video, looks_like_text
 
@@ -19,7 +19,7 @@ TEXT_INPUT = (
 )
 
 
-def rejection(param: str, e: BaseException, data=None, kind: str = "image") -> Exception:
+def rejection(param: str, e: BaseException, data=None, kind: str = "image") -> EngineError:
     """The domain error a request gets for its image `param` that could not be decoded (`e`); `data`, where given,
     is what the client sent, told apart as text where it is no image and reads as text."""
     if data is not None and isinstance(e, (InvalidBase64, UndecodableImage)) and looks_like_text(data):

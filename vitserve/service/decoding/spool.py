@@ -140,7 +140,8 @@ def write(path: str, arrays: list) -> bool:
         return False
     try:
         for array in arrays:
-            view, done = memoryview(np.ascontiguousarray(array)).cast("B"), 0
+            # (numpy types its buffer protocol for Python 3.12+ only)
+            view, done = memoryview(np.ascontiguousarray(array)).cast("B"), 0  # type: ignore[arg-type]
             while done < len(view):
                 done += os.write(fd, view[done:])
     except OSError:

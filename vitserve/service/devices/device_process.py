@@ -56,6 +56,7 @@ def _send_answers(conn, ran: queue.Queue, runner, prefix: str) -> None:
     """The answering thread: each batch's outputs into spool files of their own, then its BatchAnswer sent, until
     `ran` gives None."""
     names = itertools.count()
+    outputs: list[Output | ErrorRecord] | None
     while (batch := ran.get()) is not None:
         outputs, error = [], batch.error
         try:
@@ -204,9 +205,11 @@ class ProcessDevice:
         self.stats = answer.stats or self.stats
         if answer.error is not None:
             raise answer.error.error()
+        outputs = answer.outputs
+        assert outputs is not None  # (a batch without an error has its outputs)
         if self.records:
-            return answer.outputs
-        return [unpacked(output) for output in answer.outputs]
+            return outputs
+        return [unpacked(output) for output in outputs]
 
     def runner_stats(self) -> dict:
         return self.stats

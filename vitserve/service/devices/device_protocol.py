@@ -73,6 +73,7 @@ class Output:
         elif self.nbytes == 0:
             raw = np.empty(0, np.uint8)
         else:
+            assert self.path is not None  # (an Output has its data, or its file)
             try:
                 raw = np.memmap(self.path, np.uint8, mode="c", shape=(self.nbytes,))
             finally:
@@ -118,7 +119,7 @@ def packed(output, path: str) -> Output | ErrorRecord:
     return Output(entries, data=b"".join(a.tobytes() for a in arrays))
 
 
-def unpacked(output: Output | ErrorRecord) -> Features | ImageError:
+def unpacked(output: Output | ErrorRecord) -> Features | Exception:
     """A BatchAnswer's output for one image as the backend takes it: its Features (the backend gives them the
     image's grid), or the ImageError."""
     if isinstance(output, Output):

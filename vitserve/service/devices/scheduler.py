@@ -14,12 +14,19 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from ...encoder.preprocess import EncodedJpeg
 from ..decoding import spool
 from ..ground.metrics import Metrics
+
+
+class Origin(Protocol):
+    """Where items' answers go (`WorkItem.origin`): backend.Futures, or a front end's core.Link."""
+
+    def deliver(self, results: list) -> None: ...
 
 
 @dataclass
@@ -34,7 +41,7 @@ class WorkItem:
     mean_pooling: bool = False  # answer with the mean of the tokens (taken on the device) instead of the tokens
     param: str = "input[0]"  # the image as its request names it, in errors
     key: bytes | None = None  # its embedding cache key: the backend's cache keeps its answer under it
-    origin: object = None  # where its answer goes (`deliver`): backend.Futures, or a front end's core.Link
+    origin: Origin | None = None  # where its answer goes (`deliver`): backend.Futures, or a front end's core.Link
     id: int = -1  # between a front end and the core: the item's id in their records
     enqueued: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0
@@ -84,7 +91,7 @@ class ImageQueue:
         gone = {id(item) for item in items}
         dropped = []
         with self._ready:
-            groups = collections.deque()
+            groups: collections.deque[collections.deque[WorkItem]] = collections.deque()
             for group in self._groups:
                 dropped += [item for item in group if id(item) in gone]
                 kept = collections.deque(item for item in group if id(item) not in gone)
@@ -132,7 +139,8 @@ class ImageQueue:
                 return None
             if not block and self._idle:
                 return []
-            batch, patches, deadline = [], 0, time.monotonic() + wait_s
+            batch: list[WorkItem] = []
+            patches, deadline = 0, time.monotonic() + wait_s
             while True:
                 while self._groups and (not batch or patches + self._groups[0][0].patches <= max_patches):
                     item = self._pop()

@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 
+from ..devices.scheduler import WorkItem
 from ..ground.errors import ErrorRecord
 from ..ground.metrics import merged_metrics
 from ..ground.settings import Settings
@@ -72,7 +73,7 @@ class Link:
         self.index, self.conn, self.process = index, conn, process
         self.lock = threading.RLock()  # sends, one at a time; held over a lookup and its answer (Core._handle)
         self.open, self.up = True, False
-        self.items: dict[int, object] = {}  # item id -> its WorkItem, while queued or running
+        self.items: dict[int, WorkItem] = {}  # item id -> its WorkItem, while queued or running
         self.items_lock = threading.Lock()
 
     def send(self, message) -> None:

@@ -1,5 +1,5 @@
-"""`python -m vitserve.service.entry.healthcheck`: the container's health check. Exit 0 when the `vitserve serve` process
-answers `/ready` with 200; else 1 (Docker's "unhealthy"), with one line saying why.
+"""`python -m vitserve.service.entry.healthcheck`: the container's health check. Exit 0 when the `vitserve serve`
+process answers `/ready` with 200; else 1 (Docker's "unhealthy"), with one line saying why.
 
 `/ready`, not `/health`: Docker's "healthy" gates `depends_on: condition: service_healthy`, and a server that is
 still loading or capturing cannot answer yet (the image's `--start-period` covers the load); a draining server reads

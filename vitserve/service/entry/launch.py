@@ -18,24 +18,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerProcess(subprocess.Popen):
+    """A `vitserve serve` process (`start_server`): `log`, its output lines (where captured), and `log_reader`, the
+    thread that reads them."""
+
+    log: list[str]
+    log_reader: threading.Thread
+
+
 def start_server(
     *flags: str, port: int | None = None, timeout: float = 600, capture_log: bool = False, **popen
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[ServerProcess, str]:
     """`vitserve serve --host 127.0.0.1 --port PORT FLAGS...` (this interpreter's), once `/ready` answers 200.
     `capture_log`: its output lines collect in `proc.log`, drained continuously by `proc.log_reader` (a full pipe
-    would block the server's logging), which ends once the server has exited. RuntimeError when it exits or is not ready in `timeout` seconds."""
+    would block the server's logging), which ends once the server has exited. RuntimeError when it exits or is not
+    ready in `timeout` seconds."""
     port = port or free_port()
     if capture_log:
         popen |= dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc = subprocess.Popen(
+    proc = ServerProcess(
         [sys.executable, "-m", "vitserve", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
         env=os.environ | {"PYTHONUNBUFFERED": "1"},
         **popen,
     )
     proc.log = []
-    proc.log_reader = threading.Thread(
-        target=lambda: proc.log.extend(proc.stdout) if capture_log else None, daemon=True
-    )
+
+    def read_log() -> None:
+        if capture_log and proc.stdout is not None:  # (a pipe where the log is captured)
+            proc.log.extend(proc.stdout)
+
+    proc.log_reader = threading.Thread(target=read_log, daemon=True)
     proc.log_reader.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout

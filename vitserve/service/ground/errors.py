@@ -173,9 +173,9 @@ def error_kinds() -> dict[str, type[Exception]]:
     return {kind.__name__: kind for kind in kinds}
 
 
-def _subclasses(base: type) -> list[type]:
+def _subclasses(base: type[Exception]) -> list[type[Exception]]:
     """`base`'s subclasses at any depth that this package defines."""
-    out = []
+    out: list[type[Exception]] = []
     for sub in base.__subclasses__():
         if sub.__module__.startswith(PACKAGE):
             out += [sub, *_subclasses(sub)]

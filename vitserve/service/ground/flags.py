@@ -10,6 +10,7 @@ import difflib
 import os
 import re
 from fractions import Fraction
+from typing import Any
 
 from ...encoder.config import BUILTIN_CONFIGS
 from .settings import GROUP_TYPES, Settings
@@ -29,7 +30,7 @@ class Parser(argparse.ArgumentParser):
     records it) is one too, reported before any argument is read, `--help` included. Flags are never abbreviated
     (`--mod` is not `--model`), and an unknown one gets the closest known one suggested."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
         self.env_errors: list[str] = []
 
@@ -151,7 +152,9 @@ def add_arguments(parser: Parser, encode: bool = False) -> None:
     encode` reads. A flag's default is its variable's value, converted here: a bad one is recorded on the parser."""
     for group in GROUP_TYPES.values():
         shown = [f for f in dataclasses.fields(group) if not encode or f.metadata["encode"]]
-        arguments = parser.add_argument_group(group.TITLE) if shown else None
+        if not shown:
+            continue
+        arguments = parser.add_argument_group(group.TITLE)
         for f in shown:
             convert, default, env = _convert(f), f.default, _env_value(f)
             if env is not None:
@@ -168,7 +171,7 @@ def add_arguments(parser: Parser, encode: bool = False) -> None:
                 "required" if f.name == "model" else None if _default(f) is None else f"default {_default(f)}"
             )
             names = [_flag(f.name), *map(_flag, f.metadata["aliases"])]
-            common = dict(
+            common: dict[str, Any] = dict(
                 dest=f.name,
                 default=default,
                 type=convert,
@@ -176,7 +179,8 @@ def add_arguments(parser: Parser, encode: bool = False) -> None:
                 help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}"
                 f"{'; ' + shown_default if shown_default else ''}]",
             )
-            arguments.add_argument(*names, **common, **(dict(nargs="?", const=True) if _kind(f) is bool else {}))
+            optional_value: dict[str, Any] = dict(nargs="?", const=True) if _kind(f) is bool else {}
+            arguments.add_argument(*names, **common, **optional_value)
 
 
 def from_args(args: argparse.Namespace) -> Settings:

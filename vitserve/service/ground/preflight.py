@@ -19,7 +19,8 @@ def prepare(settings: Settings) -> list[str]:
     """Check what depends on this machine, before anything loads or binds (ValueError when wrong): the CUDA devices
     asked for exist, the model can be found (a name that cannot is refused at once, with the closest built-in
     name), an attention backend named explicitly runs on the devices, and the encoder tiers have their folder
-    and packages. A tiny-* built-in, which has no checkpoint anywhere, switches to dummy weights. Returns lines to log about what was implied."""
+    and packages. A tiny-* built-in, which has no checkpoint anywhere, switches to dummy weights. Returns lines to log
+    about what was implied."""
     check_devices(settings.devices)
     notes = check_model(settings.model)
     check_attention(settings.devices)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from .machine import available_cpus
 from .settings_groups import BatchingSettings, DeviceSettings, LogSettings, ModelSettings, ServerSettings, check
@@ -51,7 +52,7 @@ class Settings:
     def of(cls, **values) -> Settings:
         """Settings from fields by their flat names (the flags' and variables' own: model=, device=, port=, ...);
         every other field keeps its default. An unknown name is a TypeError, as a dataclass's."""
-        groups = {}
+        groups: dict[str, Any] = {}  # each group under its field's name
         for group in dataclasses.fields(cls):
             names = {f.name for f in dataclasses.fields(GROUP_TYPES[group.name])}
             groups[group.name] = GROUP_TYPES[group.name](**{k: values.pop(k) for k in list(values) if k in names})
@@ -103,8 +104,19 @@ class Settings:
         return min(8, max(2, available_cpus() // 4))
 
 
+SettingsGroup = (
+    ModelSettings
+    | DeviceSettings
+    | ServerSettings
+    | BatchingSettings
+    | LimitSettings
+    | DecodingSettings
+    | CacheSettings
+    | TierSettings
+    | LogSettings
+)
 # each group's type, by its name in Settings (dataclasses.fields gives the annotation as a string)
-GROUP_TYPES = {
+GROUP_TYPES: dict[str, type[SettingsGroup]] = {
     "model": ModelSettings,
     "devices": DeviceSettings,
     "server": ServerSettings,

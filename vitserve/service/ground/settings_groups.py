@@ -75,7 +75,7 @@ def positive(group, *names: str) -> list[tuple[bool, str]]:
 @dataclass
 class ModelSettings:
     TITLE: ClassVar[str] = "model"
-    model: str | None = setting(
+    model: str = setting(  # required: None (not given) is refused by __post_init__
         None, "checkpoint dir, hub id (org/name), or built-in name", encode=True, metavar="MODEL"
     )
     load_format: str = setting(

@@ -24,7 +24,7 @@ class StopSignals:
     exits at once. One that comes sooner is the same stop (timeout(1) signals its command, then its whole process
     group, the command again), so a drain is never cut short by the signal that started it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.first: float | None = None
 
     def add(self) -> bool:

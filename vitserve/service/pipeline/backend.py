@@ -25,12 +25,13 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from ...encoder.features import Features
 from ...encoder.preprocess import ImageError
 from ..decoding.decoder import Decoder
 from ..devices.device_protocol import Output
-from ..devices.scheduler import ImageQueue, WorkItem
+from ..devices.scheduler import ImageQueue, Origin, WorkItem
 from ..devices.worker import DeviceWorker, LocalDevice, workers_stats
 from ..ground.errors import EngineError, ErrorRecord
 from ..ground.metrics import Metrics, count_items, merged_metrics
@@ -67,7 +68,7 @@ class Futures:
     @staticmethod
     def _resolve(results: list[Result]) -> None:
         for result in results:
-            future = result.item.future
+            future = cast(asyncio.Future, result.item.future)  # an item of this process has its future
             result.item.inference_s = result.inference_s
             if future.done():
                 continue
@@ -144,7 +145,8 @@ class LocalBackend:
         s, start = self.settings, time.perf_counter()
         try:
             if self.process_each:
-                model, devices = load_processes(s, self.devices, self.dtype, self.prefix, self.life, self.records, also)
+                prefix = cast(str, self.prefix)  # processes each only where there is a spool (Engine.process_each)
+                model, devices = load_processes(s, self.devices, self.dtype, prefix, self.life, self.records, also)
             else:
                 model, devices = load_here(s, self.devices, self.dtype, self.life)
         except Exception as e:  # reported on /health and /ready; the process exits non-zero
@@ -232,12 +234,12 @@ class LocalBackend:
                 self.life.fail(error.message)
             if error is None:
                 self._count(worker, batch, seconds)
-            by_origin: dict[object, list[Result]] = collections.defaultdict(list)
+            by_origin: dict[Origin, list[Result]] = collections.defaultdict(list)
             for n, item in enumerate(batch):
                 result = Result(item, error=error) if error is not None else self._result(item, outputs[n], seconds)
                 if item.key is not None:
                     result.keep = self.cache.settle(item.key, self._entry(result))
-                by_origin[item.origin].append(result)
+                by_origin[cast(Origin, item.origin)].append(result)  # (set where it was submitted)
             for origin, results in by_origin.items():
                 origin.deliver(results)
         except Exception as e:  # a fault here would leave the batch's requests waiting: the server restarts instead
@@ -247,6 +249,7 @@ class LocalBackend:
     def _count(self, worker: DeviceWorker, batch: list[WorkItem], seconds: float) -> None:
         m = self.metrics
         m.inference_seconds.labels(worker.name).observe(seconds)
+        assert self.model is not None  # (batches run once it is served)
         m.batch_tokens.observe(sum(i.patches for i in batch) // self.model.config.merge_unit)
         m.batch_images.observe(len(batch))
         count_items(m, worker.name, batch)

@@ -26,13 +26,18 @@ import collections
 import hashlib
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ...encoder.media import MediaBytes
 from ...encoder.preprocess import PreprocessConfig
 from ..ground.metrics import Metrics
 
+if TYPE_CHECKING:
+    from ...encoder.features import Features
+    from ..devices.device_protocol import Output
+
 WAIT = "wait"  # a lookup's answer for a key another caller computes: its waiter is called when that one ends
-Waiter = Callable[[object], None]  # called with the entry, or None
+Waiter = Callable[["Features | Output | None"], None]  # called with the entry, or None
 
 
 class CacheKeys:
@@ -68,7 +73,7 @@ class Cache:
 
     def __init__(self, limit: int, metrics: Metrics):
         self.limit, self.metrics, self.bytes = limit, metrics, 0
-        self.entries: collections.OrderedDict[bytes, object] = collections.OrderedDict()
+        self.entries: collections.OrderedDict[bytes, Features | Output] = collections.OrderedDict()
         self.claims: dict[bytes, list[Waiter]] = {}  # key being computed -> its waiters
         self.owners: dict[bytes, object] = {}  # key being computed -> who computes it
         self.lock = threading.Lock()

@@ -5,9 +5,15 @@ dataclass per message."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..ground.errors import ErrorRecord
 from .lifecycle import State
+
+if TYPE_CHECKING:  # (the records stay import-light)
+    from ...encoder.features import Features
+    from ..devices.device_protocol import Output
+    from .loader import ModelInfo
 
 SCRAPE_SECONDS = 2.0  # a front end that does not answer a scrape within this is left out of it
 
@@ -19,7 +25,7 @@ class Status:
 
     state: State
     error: str | None = None
-    model: object = None  # engine.ModelInfo
+    model: ModelInfo | None = None
     devices: list | None = None
 
 
@@ -42,7 +48,7 @@ class Done:
     `keep`: the cache holds its file (the front end maps it and leaves it)."""
 
     id: int
-    output: object = None
+    output: Features | Output | None = None  # an Output record (the core's devices answer in records)
     error: ErrorRecord | None = None
     keep: bool = False
     queue_s: float = 0.0
@@ -80,7 +86,7 @@ class Settled:
 
     id: int
     index: int
-    output: object = None
+    output: Features | Output | None = None  # an Output record, as Done's
 
 
 @dataclass

@@ -5,11 +5,11 @@
             backend -> its image queue, where a DeviceWorker takes batches from concurrent requests -> its device
             (this process, or a process of its own) runs them -> each image's future is resolved on the event loop
 
-The engine owns admission, decoding, the cache keys and the answers; its backend (service/backend.py) owns the
-queue, the devices, the cache's entries, the loading and the lifecycle it shares with the engine: a `LocalBackend`
-in a server of one process, a `HubBackend` (service/hub.py) in a front end of a server with several, whose calls go
-to the core (service/core.py). When a part the engine cannot run without is gone (a device, the last decode worker,
-the core), the server turns FAILED, and the CLI exits for a supervisor to restart it.
+The engine owns admission, decoding, the cache keys and the answers; its backend owns the queue, the devices, the
+cache's entries, the loading and the lifecycle it shares with the engine: a `LocalBackend` (backend.py) in a server
+of one process, a `HubBackend` (hub.py) in a front end of a server with several, whose calls go to the core
+(entry/core.py). When a part the engine cannot run without is gone (a device, the last decode worker, the core),
+the server turns FAILED, and the CLI exits for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeAlias, cast
 
 from ...encoder import VisionEncoder
 from ...encoder.features import Features
@@ -44,6 +45,9 @@ from .stats import front_stats
 
 __all__ = ["NOT_READY", "Encoded", "Engine", "ModelInfo", "State", "serving_text"]
 log = logging.getLogger("vitserve.engine")
+Preloaded: TypeAlias = (
+    VisionEncoder | list[VisionEncoder] | None
+)  # encoders already loaded, to serve instead of loading
 
 
 @dataclass
@@ -63,13 +67,7 @@ class Engine:
     """`encoders`: already loaded encoders to serve (one per device; tests), else the settings' model is loaded by
     `start`. `core`: a front end's pipe to the core of a server with several (its backend is then the core's)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        encoders: VisionEncoder | list[VisionEncoder] | None = None,
-        metrics: Metrics | None = None,
-        core=None,
-    ):
+    def __init__(self, settings: Settings, encoders: Preloaded = None, metrics: Metrics | None = None, core=None):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.life = Lifecycle(self.metrics)
@@ -92,8 +90,7 @@ class Engine:
         self.in_flight = 0
         self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
         self.metrics.watch_tiers(self.tier_figures)
-        # default: on GPUs (measured faster for one and for two)
-        self.device_processes = settings.devices.device_processes
+        self.device_processes = settings.devices.device_processes  # default: on GPUs (faster for one and for two)
         if self.device_processes is None:
             self.device_processes = any(d.startswith("cuda") for d in devices)
         preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
@@ -101,8 +98,10 @@ class Engine:
             self.backend: LocalBackend | HubBackend = HubBackend(core, self.life, devices, self.collect)
         else:
             own = (self.dtype, self.decoder.spool_prefix, self.process_each())
-            kwargs = dict(collect=self.collect, preloaded=preloaded, ready_text=self.ready_text)
-            self.backend = LocalBackend(settings, self.metrics, self.life, devices, *own, **kwargs)
+            collect, ready = self.collect, self.ready_text
+            self.backend = LocalBackend(
+                settings, self.metrics, self.life, devices, *own, collect=collect, preloaded=preloaded, ready_text=ready
+            )
 
     def process_each(self) -> bool:
         """A process per device: where asked for (the default on GPUs) and a spool directory holds their answers."""
@@ -216,7 +215,7 @@ class Engine:
             outputs[i] = await other
             if outputs[i] is None:  # the other request failed: this one encodes it itself
                 times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected)
-        return Encoded(outputs, *times, hits)
+        return Encoded(cast("list[Features]", outputs), *times, hits)  # each one filled by now
 
     async def _looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list, int]:
         """The cache's answers filled into `outputs` (hits); the images to compute (claimed for this request), the
@@ -281,7 +280,7 @@ class Engine:
         """Submit decoded items to the backend and wait for their Features (each with its item's grid); when the
         client leaves first, they are taken out of the queue (ClientDisconnected)."""
         self.backend.submit(items)
-        results = asyncio.gather(*(item.future for item in items))
+        results = asyncio.gather(*(cast(asyncio.Future, item.future) for item in items))  # (this process's items)
         await asyncio.wait(
             {results} if disconnected is None else {results, disconnected}, return_when=asyncio.FIRST_COMPLETED
         )
@@ -294,7 +293,9 @@ class Engine:
 
     def video_config(self, **request) -> VideoConfig:
         """The model's video preprocessing with a request's sampling (options.checked_video_config)."""
-        return checked_video_config(self.model.video_config, self.settings.limits, self.settings.decoding, **request)
+        return checked_video_config(
+            cast(ModelInfo, self.model).video_config, self.settings.limits, self.settings.decoding, **request
+        )
 
     async def encode_videos(
         self,

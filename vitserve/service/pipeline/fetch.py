@@ -88,7 +88,7 @@ async def resolve_public(url: str, param: str) -> tuple[str, str, int]:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         raise InputRejected(f"{param}: cannot resolve {clip(host)!r}", "invalid_url", param) from None
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]  # (a str: typed str | int)
     if not addresses or not all(public(a) for a in addresses):
         raise InputRejected(f"{param}: {clip(host)!r} resolves to a non-public address", "forbidden_url", param)
     return host, str(addresses[0]), port

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import threading
+from typing import TYPE_CHECKING, cast
 
 from ...encoder.features import Features
 from ..devices.device_protocol import Output
@@ -35,7 +36,15 @@ from .core_link import (
 )
 from .lifecycle import Lifecycle
 
+if TYPE_CHECKING:
+    from ..devices.scheduler import WorkItem
+    from .loader import ModelInfo
+
 log = logging.getLogger("vitserve.core")
+
+
+def _future(item: WorkItem) -> asyncio.Future:
+    return cast(asyncio.Future, item.future)  # a front end's items have their futures (the core's have none)
 
 
 class HubBackend:
@@ -45,19 +54,26 @@ class HubBackend:
 
     def __init__(self, conn, life: Lifecycle, devices: list[str], collect):
         self.conn, self.life, self.devices, self.collect = conn, life, devices, collect
-        self.model = None
+        self.model: ModelInfo | None = None
         self.lock = threading.Lock()
         self.ids = itertools.count()
-        self.items: dict[int, object] = {}  # item id -> its WorkItem, until its answer
+        self.items: dict[int, WorkItem] = {}  # item id -> its WorkItem, until its answer
         self.lookups: dict[int, tuple] = {}  # lookup id -> (its future, the waits it holds by index)
         self.scrapes: dict[int, asyncio.Future] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._read, name="vitserve-core-link", daemon=True)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this front end runs on (`start`'s)."""
+        if self._loop is None:
+            raise RuntimeError("the core link is not started")
+        return self._loop
 
     # -- lifecycle: the core loads, and stops the devices
     async def start(self) -> None:
         """Read the core's records from now on, and tell it this front end is up."""
-        self.loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         self.thread.start()
         self.send(Up())
 
@@ -133,13 +149,18 @@ class HubBackend:
             case Answers(answers):
                 call(
                     self._done,
-                    [(done, self._features(done.output, done.keep)) for done in answers if done.error is None],
+                    # (the core answers in Output records)
+                    [
+                        (done, self._features(cast(Output, done.output), done.keep))
+                        for done in answers
+                        if done.error is None
+                    ],
                     [done for done in answers if done.error is not None],
                 )
-            case Looked(lookup, answers):
-                call(self._looked, lookup, [self._features(a, True) if a not in (None, WAIT) else a for a in answers])
+            case Looked(lookup, found):
+                call(self._looked, lookup, [self._features(a, True) if a not in (None, WAIT) else a for a in found])
             case Settled(lookup, i, output):
-                call(self._settled, lookup, i, None if output is None else self._features(output, True))
+                call(self._settled, lookup, i, None if output is None else self._features(cast(Output, output), True))
             case Collect(scrape, kind):  # answered from a thread of its own: this one keeps reading
                 threading.Thread(target=lambda: self.send(Collected(scrape, self.collect(kind))), daemon=True).start()
             case Scraped(scrape, answer):
@@ -178,18 +199,18 @@ class HubBackend:
     def _done(self, answers: list, errors: list) -> None:
         for done, output in answers:
             item = self.items.pop(done.id, None)
-            if item is None or item.future.done():
+            if item is None or _future(item).done():
                 continue
             item.queue_s, item.inference_s = done.queue_s, done.inference_s
             if output is None:
-                item.future.set_exception(InferenceFailed(f"{item.param}: its answer was lost", "internal_error"))
+                _future(item).set_exception(InferenceFailed(f"{item.param}: its answer was lost", "internal_error"))
             else:
-                item.future.set_result(output)
+                _future(item).set_result(output)
         for done in errors:
             item = self.items.pop(done.id, None)
-            if item is not None and not item.future.done():
+            if item is not None and not _future(item).done():
                 item.queue_s, item.inference_s = done.queue_s, done.inference_s
-                item.future.set_exception(done.error.error())
+                _future(item).set_exception(done.error.error())
 
     def _looked(self, lookup: int, answers: list) -> None:
         answered, waits = self.lookups[lookup]

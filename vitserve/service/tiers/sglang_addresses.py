@@ -48,7 +48,7 @@ def endpoint(host: str, port: int) -> str:
 def receiver_address(address: str) -> tuple[str, int]:
     """The host and port of a registration's `host:port`; anything else is a 400."""
     match = ADDRESS.fullmatch(address)
-    port = match and int(match["p6"] or match["port"])
+    port = int(match["p6"] or match["port"]) if match else 0
     if not match or not 0 < port < 65536:
         raise InputRejected(
             f"receive_url must be host:port ([ipv6]:port), got {address[:100]!r}", "invalid_receive_url", "receive_url"
@@ -113,7 +113,7 @@ class ReceiverNetworks:
             )
         except (OSError, asyncio.TimeoutError):
             raise InputRejected(f"{param}: cannot resolve {host!r}", "invalid_receiver", param) from None
-        addresses = [address_of(entry[4][0].split("%")[0]) for entry in found]
+        addresses = [address_of(str(entry[4][0]).split("%")[0]) for entry in found]  # (a str: typed str | int)
         if not addresses:
             raise InputRejected(f"{param}: {host!r} has no address", "invalid_receiver", param)
         return addresses

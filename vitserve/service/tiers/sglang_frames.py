@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 import io
 import pickle
+from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -70,13 +72,15 @@ def embedding_frame(items: list[Features], dtype: torch.dtype) -> tuple[memoryvi
     rows = [item.rows(dtype) for item in items]
     count, width = sum(r.count for r in rows), items[0].width
     if len(rows) == 1 and len(rows[0].views) == 1:
-        return memoryview(rows[0].views[0].reshape(-1)), [count, width]
+        # (numpy types its buffer protocol for Python 3.12+ only)
+        return memoryview(rows[0].views[0].reshape(-1)), [count, width]  # type: ignore[arg-type]
     out = np.empty((count, rows[0].row_bytes), np.uint8)
     start = 0
     for r in rows:
         r.copy_into(out[start : start + r.count])
         start += r.count
-    return memoryview(out.reshape(-1)), [count, width]
+    # (numpy types its buffer protocol for Python 3.12+ only)
+    return memoryview(out.reshape(-1)), [count, width]  # type: ignore[arg-type]
 
 
 def meta_frame(call: EncodeCall, items: list[Features], family: str, dtype: torch.dtype, shape: list[int]) -> bytes:
@@ -98,7 +102,10 @@ def meta_frame(call: EncodeCall, items: list[Features], family: str, dtype: torc
                 "req_id": call.req_id,
                 "num_parts": call.num_parts,
                 "part_idx": call.part_idx,
-                "grid_dim": torch.tensor([list(item.grid) for item in items], dtype=torch.int64).reshape(-1, 3),
+                # (an answer's Features have their grids: the backend sets them)
+                "grid_dim": torch.tensor(
+                    [list(cast("Sequence[int]", item.grid)) for item in items], dtype=torch.int64
+                ).reshape(-1, 3),
                 "modality": Modality[call.modality],
                 "embedding": None,
                 "send_time": None,

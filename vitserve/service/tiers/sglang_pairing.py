@@ -9,6 +9,7 @@ import asyncio
 import math
 import time
 from collections import Counter
+from typing import cast
 
 from ..ground.errors import InputRejected, QueueFull, TimedOut
 from .sglang_schemas import Registration
@@ -63,9 +64,10 @@ class Pairing:
     def _drop(self, req_id: str) -> None:
         entry = self.entries.pop(req_id)
         if not entry.held:
-            self.unheld[entry.host] -= 1
-            if not self.unheld[entry.host]:
-                del self.unheld[entry.host]
+            host = cast(str, entry.host)  # an unheld entry was made by a registration, with its host
+            self.unheld[host] -= 1
+            if not self.unheld[host]:
+                del self.unheld[host]
 
     def register(self, body: Registration, target: str, host: str) -> None:
         """Record receiver `target` (an endpoint on `host`) of `body.req_id`; a `receive_count` unlike the part's

@@ -25,6 +25,7 @@ The parts being encoded are bounded by admission (the gate admits /encode), the 
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 from ...encoder.vision_encoder import DTYPES
 from ..api.outputs import OFF_LOOP_BYTES, answer_bytes
@@ -85,7 +86,8 @@ class SGLangTier:
         pushed then."""
         targets = None
         if call.embedding_port is not None:
-            ip = await self.networks.resolve(call.prefill_host, "prefill_host")
+            host = cast(str, call.prefill_host)  # an embedding_port comes with its host (EncodeCall's check)
+            ip = await self.networks.resolve(host, "prefill_host")
             ports = call.embedding_port if isinstance(call.embedding_port, list) else [call.embedding_port]
             targets = [endpoint(ip, port) for port in dict.fromkeys(ports)]
         entry = self.pairing.hold(call.req_id) if targets is None else None
@@ -93,12 +95,13 @@ class SGLangTier:
             result = await encode()
             frames = await self._message(call, result, family())
             keep = entry is not None
-            if keep:
+            if entry is not None:  # (keep)
                 try:
                     targets = await self.pairing.receivers(call.req_id, entry)
                 except TimedOut:
                     self.registration_timeouts += 1
                     raise
+            assert targets is not None  # the embedding_port's, else the registered ones
             sent = await asyncio.gather(
                 *(self.sockets.push(target, frames, keep) for target in targets), return_exceptions=True
             )

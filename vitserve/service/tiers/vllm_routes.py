@@ -4,17 +4,21 @@ disaggregated-encoder proxy. The tier is also the app's `Served.files` (service/
 
 from __future__ import annotations
 
+from typing import cast
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ...encoder.media import MediaBytes
 from ..api.encoding import answer_beside_files, encode_media, encode_with_identifiers
 from ..api.inputs import decode_input
-from ..api.json_body import read_json
+from ..api.json_body import Text, read_json
 from ..api.outputs import json_response
 from ..api.responses import ChatCompletion, errors
 from ..api.schemas import ChatRequest, request_body
 from ..api.served import served
 from ..ground.errors import NotServed
+from ..pipeline.loader import ModelInfo
 from .vllm_tier import chat_completion, chat_items, chat_options
 
 router = APIRouter()
@@ -37,11 +41,16 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request, ChatRequest, api.limits.part_values, ("url",), api.engine.decoder.bodies)
     api.check_model(body.model, api.settings.tiers.ec_model_id)  # (the consumer's model string names it too)
     items, options = chat_items(body), chat_options(body)
-    images, videos = [], []
+    images: list[MediaBytes | str] = []
+    videos: list[MediaBytes | str] = []
     for item in items:
         given = images if item.modality == "image" else videos
         item.data = decode_input(
-            item.data, len(given), api.settings.server.allow_url_fetch, f"{item.modality}s", item.modality
+            cast("str | Text", item.data),  # a part's URL: its JSON string (chat_items)
+            len(given),
+            api.settings.server.allow_url_fetch,
+            f"{item.modality}s",
+            item.modality,
         )
         given.append(item.data)
     order = [item.modality == "video" for item in items]
@@ -53,7 +62,7 @@ async def chat_completions(request: Request) -> Response:
         items,
         [f.grid for f in result.outputs],
         [f.timing for f in result.outputs],
-        api.engine.model.config.family == "qwen3_vl",
+        cast(ModelInfo, api.engine.model).config.family == "qwen3_vl",  # (loaded: the request was admitted)
     )
     content = chat_completion(body.model, params, request.state.tokens)
     return await answer_beside_files(api, request, result, lambda: json_response(content), ids)

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid as uuidlib
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from PIL import Image
 from pydantic import ConfigDict, ValidationError
@@ -110,7 +111,7 @@ def chat_options(body: ChatRequest) -> Options:
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
         field = first["loc"][0] if first["loc"] else None
-        param = where.get(field, "mm_processor_kwargs")
+        param = where.get(field, "mm_processor_kwargs") if isinstance(field, str) else "mm_processor_kwargs"
         raise InputRejected(f"{param}: {first['msg']}", "invalid_mm_processor_kwargs", param) from None
 
 
@@ -120,7 +121,8 @@ class VLLMTier:
 
     def __init__(self, tiers: TierSettings, model: str, dtype: str):
         ec_dtype = DTYPES[dtype if tiers.ec_dtype == "auto" else tiers.ec_dtype]
-        self.storage = ECStorage(tiers.ec_shared_storage, tiers.ec_storage_bytes, int(tiers.ec_file_mode, 8), ec_dtype)
+        directory = cast(str, tiers.ec_shared_storage)  # the tier is made where it is given (create_app)
+        self.storage = ECStorage(directory, tiers.ec_storage_bytes, int(tiers.ec_file_mode, 8), ec_dtype)
         self.model_id = tiers.ec_model_id or model
         self.algorithm = tiers.ec_hash_algorithm
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="vitserve-ec-io")
@@ -136,7 +138,7 @@ class VLLMTier:
 
     def _identifier(self, item: MediaItem, kwargs: dict | None) -> str:
         """Runs in the pool: an item's identifier (its base64 decoded and hashed where it has no uuid)."""
-        data = item.data
+        data = None  # (a uuid is the identifier: the bytes are not read)
         if item.uuid is None:
             try:
                 data = item.media.decode()
@@ -187,7 +189,7 @@ class VLLMTier:
         if all(item.uuid is not None for item in items) and not any(
             hash_factors(item.modality, kwargs) for item in items
         ):
-            return [item.uuid for item in items]
+            return [cast(str, item.uuid) for item in items]  # (each has one)
         loop = asyncio.get_running_loop()
         return list(
             await asyncio.gather(*(loop.run_in_executor(self.pool, self._identifier, item, kwargs) for item in items))
