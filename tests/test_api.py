@@ -144,6 +144,8 @@ def test_unknown_paths_share_one_metrics_label(client):
     [
         ("%%%not-base64%%%", 400, "invalid_base64"),
         (base64.b64encode(b"just some text, not an image").decode(), 400, "undecodable_image"),
+        (base64.b64encode(b"\xff\xd8\xff\xd9").decode(), 400, "undecodable_image"),  # ends before its header
+        (base64.b64encode(b"GIF89a\x01\x00\x01\x00\x00\x00\x00;").decode(), 400, "undecodable_image"),
         (data_uri(IMAGES[0], "text/plain"), 400, "invalid_media_type"),
         ("data:image/png," + base64.b64encode(IMAGES[0]).decode(), 400, "invalid_media_type"),
         ("https://example.com/cat.png", 400, "url_fetch_disabled"),

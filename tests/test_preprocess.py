@@ -693,6 +693,20 @@ def test_probe_on_the_loop_is_bounded_whatever_the_bytes():
         assert time.perf_counter() - start < 0.05
 
 
+def test_a_file_that_ends_before_its_header_is_an_image_error():
+    """A JPEG's end of image or a GIF's trailer before any header: on the loop the worker is left to read it
+    (HeaderNotFound), in the worker the image is refused (UndecodableImage), never an AttributeError."""
+    from vitserve.encoder.headers import probe
+    from vitserve.encoder.image_errors import HeaderNotFound
+
+    for data in (b"\xff\xd8\xff\xd9", b"GIF89a\x01\x00\x01\x00\x00\x00\x00;"):
+        with pytest.raises(HeaderNotFound):
+            probe(data)
+        with pytest.raises(UndecodableImage, match="no image header") as error:
+            probe(data, whole=True)
+        assert not isinstance(error.value, HeaderNotFound)
+
+
 def test_scan_bombs_are_refused_before_pil_decodes_them():
     """A progressive JPEG with its last scan repeated: libjpeg makes a pass over every block per scan (~2 ns a
     pixel), only warning. At most MAX_JPEG_SCANS scans, and MAX_SCAN_PIXELS scans x pixels."""

@@ -14,7 +14,6 @@ import dataclasses
 import io
 import re
 import struct
-from typing import cast
 
 import numpy as np
 from PIL import TiffImagePlugin
@@ -501,9 +500,11 @@ def probe(data: bytes, formats: tuple[str, ...] | None = ALLOWED_FORMATS, whole:
             raise _refuse(fmt, str(stop)) from None
     except (struct.error, IndexError):  # a field that is not there
         raise _refuse(fmt, "a malformed header") from None
-    # FIXME: a walk that ends before any header (a JPEG's end of image, a GIF's trailer) leaves None here, which
-    # raises AttributeError below, not an ImageError; the cast keeps that as it was (typing only)
-    header = cast(ImageHeader, walk.header)
+    header = walk.header
+    if header is None:  # the walk ended before any header: a JPEG's end of image, a GIF's trailer
+        if not whole:
+            raise HeaderNotFound(f"no {fmt} header within {len(data)} bytes")
+        raise _refuse(fmt, "no image header")
     if header.width <= 0 or header.height <= 0:
         raise UndecodableImage(f"image has an empty size ({header.width}x{header.height})")
     return dataclasses.replace(header, end=walk.end)

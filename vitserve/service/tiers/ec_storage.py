@@ -24,7 +24,6 @@ import builtins
 import logging
 import os
 import secrets
-import shutil
 import stat
 import threading
 from collections import OrderedDict
@@ -284,6 +283,26 @@ class ECStorage:
         """Under the lock: remove the least recently written item's folder."""
         identifier, size = self._sizes.popitem(last=False)
         self._bytes -= size
-        # FIXME: rmtree's dir_fd is Python 3.11+ (requires-python says 3.10: a TypeError there)
-        shutil.rmtree(identifier, ignore_errors=True, dir_fd=self.fd)  # type: ignore[call-arg]
+        remove_folder(identifier, self.fd)
         self.evicted += 1
+
+
+def remove_folder(name: str, dir_fd: int) -> None:
+    """Remove the item folder `name` of the folder `dir_fd` and the files in it, relative to `dir_fd` and following no
+    link (shutil.rmtree's dir_fd needs Python 3.11); what cannot be removed (gone already, not a file) stays."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        for entry in os.listdir(fd):
+            try:
+                os.unlink(entry, dir_fd=fd)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        pass
