@@ -20,7 +20,9 @@ Parts (--parts, comma-separated; all by default), and the server each runs again
   processes (--http-requests).
 - handoff (server `plain`): the LLM-handoff load: /v1/encode, bfloat16 token features and deepstack as safetensors,
   the mix, --handoff-processes client processes of --handoff-concurrency connections in all (bench/loadgen.py);
-  images/s and MB/s of answers.
+  images/s and MB/s of answers; where the server's cores went (its own process, the core with several front ends;
+  the front ends and, of them, their event loops; the device processes; the decode workers), its batches over the
+  load and their p50 queue, inference and serialize times.
 - fast (server `fast`: --preprocess fast, the cache off): bench_http's 1-client load.
 `--engine` adds the runner alone on the same mix (bench_http.engine_throughput), for the HTTP and handoff shares.
 
@@ -52,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import numpy as np
 from PIL import Image
 
@@ -152,12 +155,40 @@ def tree_cpu(pid: int) -> dict[int, float]:
     return seconds
 
 
+def role(pid: int, server: int) -> str:
+    """What a process of the server's tree is: the server's own process (with several front ends, the core), a front
+    end (a spawned process with children: its decode pool), a device process (spawned, childless), or a decode
+    worker or fork server."""
+    if pid == server:
+        return "server"
+    try:
+        command = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return "decode"
+    if b"spawn_main" in command:
+        return "front end" if len(process_tree(pid)) > 1 else "device"
+    return "decode"
+
+
 def with_server_cores(proc, measure) -> dict:
-    """`measure()`'s result, with the cores the server's process tree used over its wall time."""
+    """`measure()`'s result, with the cores the server's process tree used over its wall time, in all and by role
+    (`role`), and of them the front ends' event loops (their main threads)."""
     before, t = tree_cpu(proc.pid), time.perf_counter()
+    roles = {p: role(p, proc.pid) for p in before}
+    fronts = [p for p, r in roles.items() if r == "front end"]
+    loops = {p: cpu_seconds(f"/proc/{p}/task/{p}/stat") for p in fronts}
     result = measure()
     wall, after = time.perf_counter() - t, tree_cpu(proc.pid)
-    result["server_cores"] = sum(v - before.get(p, 0.0) for p, v in after.items()) / wall
+    used = {p: v - before.get(p, 0.0) for p, v in after.items()}
+    result["server_cores"] = sum(used.values()) / wall
+    by_role: dict[str, float] = {}
+    for p, v in used.items():
+        by_role[roles.get(p, "decode")] = by_role.get(roles.get(p, "decode"), 0.0) + v / wall
+    try:
+        by_role["front-end loops"] = sum(cpu_seconds(f"/proc/{p}/task/{p}/stat") - loops[p] for p in fronts) / wall
+    except OSError:
+        pass
+    result["server_cores_by_role"] = by_role
     return result
 
 
@@ -277,14 +308,43 @@ def handoff(url: str, proc, uris: list[str], args) -> dict:
         for u in uris
     ]
     run_load(url, payloads, max(2 * len(payloads), 32), min(16, args.handoff_concurrency), 1)  # warm
-    return with_server_cores(
+    before = httpx.get(url + "/stats", timeout=30).json()
+    result = with_server_cores(
         proc, lambda: run_load(url, payloads, args.handoff_requests, args.handoff_concurrency, args.handoff_processes)
     )
+    result["batches"] = batches_between(before, httpx.get(url + "/stats", timeout=30).json())
+    return result
+
+
+def batches_between(before: dict, after: dict) -> dict:
+    """The server's batches between two /stats: how many and their mean size (/stats' batch_size_histogram), and its
+    recent latencies by phase (/stats' `latency`: decode, queue, inference, serialize, request)."""
+    sizes = {
+        int(k): v - before.get("batch_size_histogram", {}).get(k, 0)
+        for k, v in after.get("batch_size_histogram", {}).items()
+    }
+    count = sum(sizes.values())
+    return {
+        "batches": count,
+        "mean_size": sum(k * v for k, v in sizes.items()) / count if count else 0.0,
+        "latency": after.get("latency", {}),
+    }
 
 
 def fast_low(url: str, uris: list[str], args) -> dict:
     drive(url, uris, args.model, 16, 4)  # warm
     return dict(low_load=drive(url, uris, args.model, args.low_requests, 1))
+
+
+def cores_text(by_role: dict) -> str:
+    """Cores by role, short: s(erver) f(ront ends) l(oops) d(evices) w (decode workers)."""
+    short = {"server": "s", "front end": "f", "front-end loops": "l", "device": "d", "decode": "w"}
+    return " ".join(f"{short[k]}{v:.1f}" for k, v in by_role.items() if k in short)
+
+
+def phases_text(latency: dict) -> str:
+    """The p50 ms of the queue, inference and serialize phases (/stats' `latency`)."""
+    return " / ".join(f"{(latency.get(k) or {}).get('p50_ms') or 0:.1f}" for k in ("queue", "inference", "serialize"))
 
 
 # ---- the table -----------------------------------------------------------------------------------------------------
@@ -325,6 +385,13 @@ def figures(r: dict, engine: float | None) -> list[tuple[str, str]]:
         "handoff",
         lambda p: f"{p['failures']}, {p['server_cores']:.1f} / {p['client_cpu_busiest']:.2f}",
     )
+    row("LLM handoff: server cores by role", "handoff", lambda p: cores_text(p["server_cores_by_role"]))
+    row(
+        "LLM handoff: batches, mean size",
+        "handoff",
+        lambda p: f"{p['batches']['batches']}, {p['batches']['mean_size']:.1f}",
+    )
+    row("LLM handoff: p50 ms queue / inference / serialize", "handoff", lambda p: phases_text(p["batches"]["latency"]))
     row("front-end ceiling: images/s (steady)", "ceiling", rate)
     row("front-end ceiling: p50 / p99 ms", "ceiling", lambda p: f"{p['p50_ms']:.0f} / {p['p99_ms']:.0f}")
     row(
