@@ -25,18 +25,17 @@ def downloads_allowed() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("1", "true", "yes")
 
 
-def resolve_devices(device: str, devices: str | None, dtype: str) -> tuple[list[str], str]:
-    """The devices to serve on (`--devices`: a list or "all", else `--device`; auto: cuda:0 where CUDA is, else the
-    CPU) and the dtype (auto: bfloat16 on CUDA, float32 on the CPU)."""
+def resolve_devices(asked: list[str], dtype: str) -> tuple[list[str], str]:
+    """The devices to serve on: those `asked` for (`auto`: cuda:0 where CUDA is, else the CPU), every CUDA device
+    where none is (`--devices all`; the CPU without one); and the dtype (auto: bfloat16 on CUDA, float32 on the
+    CPU)."""
     import torch
 
-    if devices == "all":
+    if asked:
+        served = [("cuda:0" if torch.cuda.is_available() else "cpu") if d == "auto" else d for d in asked]
+    else:
         count = torch.cuda.device_count()
         served = [f"cuda:{i}" for i in range(count)] if count else ["cpu"]
-    elif devices:
-        served = [d.strip() for d in devices.split(",") if d.strip()]
-    else:
-        served = ["cuda:0" if torch.cuda.is_available() else "cpu"] if device == "auto" else [device]
     if dtype == "auto":
         dtype = "bfloat16" if served[0].startswith("cuda") else "float32"
     return served, dtype

@@ -154,12 +154,12 @@ class DeviceSettings:
         return [d.strip() for d in self.devices.split(",") if d.strip()]
 
     def asked(self) -> list[str]:
-        """The devices named explicitly (--devices' list, else --device; none for `all`), `auto` included."""
+        """The devices named explicitly (--devices' list, else --device, `auto` included; none for `all`)."""
         return [self.device] if not self.devices else self.listed() or []
 
     def resolve(self) -> tuple[list[str], str]:
         """The devices to serve on and the dtype, on this machine (machine.resolve_devices)."""
-        return resolve_devices(self.device, self.devices, self.dtype)
+        return resolve_devices(self.asked(), self.dtype)
 
     def budget_list(self) -> tuple[int, ...] | None:
         """`--budgets` as integers, each a positive multiple of the smallest frame (16 patches); None: built-in."""
