@@ -291,7 +291,7 @@ def remove_folder(name: str, dir_fd: int) -> None:
     """Remove the item folder `name` of the folder `dir_fd` and the files in it, relative to `dir_fd` and following no
     link (shutil.rmtree's dir_fd needs Python 3.11); what cannot be removed (gone already, not a file) stays."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return
     try:
