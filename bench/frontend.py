@@ -44,13 +44,14 @@ import base64
 import http.client
 import io
 import json
+import multiprocessing
 import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -81,6 +82,16 @@ SAFETENSORS = JSON | {"accept": "application/octet-stream"}
 
 
 # ---- the servers ---------------------------------------------------------------------------------------------------
+def engine_alone(model: str, device: str, images: int) -> float:
+    """The runner alone on the mix, images/s (bench_http.engine_throughput), in a spawned child process (`--engine`):
+    the load's client processes fork from the main process, which so holds no model and no CUDA context, as on the
+    side of an A/B that does not measure the engine."""
+    from vitserve.encoder import VisionEncoder
+
+    encoder = VisionEncoder.from_pretrained(model, device=device, dtype="bfloat16", load_format="dummy")
+    return engine_throughput(encoder, image_files(), images, 4096)
+
+
 def server_flags(name: str, args) -> list[str]:
     cut = f"/tmp/vitserve-frontend-{Path(args.model).name}-depth{args.ceiling_depth}"
     model = shallow_checkpoint(args.model, args.ceiling_depth, cut) if name == "cut" else args.model
@@ -481,15 +492,8 @@ def main():
     uris = [data_uri(d) for _, d in files]
     engine = None
     if args.engine:
-        import torch
-
-        from vitserve.encoder import VisionEncoder
-
-        enc = VisionEncoder.from_pretrained(args.model, device=args.device, dtype="bfloat16", load_format="dummy")
-        engine = engine_throughput(enc, files, args.engine_images, 4096)
-        del enc
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+            engine = child.submit(engine_alone, args.model, args.device, args.engine_images).result()
         print(f"engine only: {engine:.1f} images/s ({time.perf_counter() - begin:.1f} s)", flush=True)
     cwd = cache_bench.serve_from(args.server_tree)
     names = list(dict.fromkeys(SERVER_OF[p] for p in parts))
