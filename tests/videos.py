@@ -38,8 +38,10 @@ def make_video(
     container: str = "mp4",
     photo: str = "sample.jpg",
     rates: list[int] | None = None,
+    options: dict[str, str] | None = None,
 ) -> bytes:
-    """An encoded video of `count` frames. `rates`: per-frame durations in 1/1000 s (a variable frame rate)."""
+    """An encoded video of `count` frames. `rates`: per-frame durations in 1/1000 s (a variable frame rate);
+    `options`: the encoder's (e.g. {"g": "30", "bf": "0"}: keyframes every 30 frames, no B-frames)."""
     import av
 
     buf = io.BytesIO()
@@ -48,6 +50,7 @@ def make_video(
         stream = out.add_stream(codec, rate=rate)
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        stream.options = options or {}
         if rates is not None:
             stream.time_base = stream.codec_context.time_base = fractions.Fraction(1, 1000)
         pts = 0

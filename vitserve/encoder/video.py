@@ -2,7 +2,9 @@
 Qwen2/2.5-VL, `Qwen3VLVideoProcessor` for Qwen3-VL), decoded by PyAV (the `video` extra, imported lazily).
 
 * decode: PyAV, frames in decode order, a frame's index being its place in that order (transformers' pyav reader).
-  Only the sampled frames are converted (rgb24) and each is resized as it comes, so a video never sits decoded in
+  Only what the sampled frames need is decoded (video_decode.py: the frames nothing refers to and the groups of
+  pictures without a sampled frame are skipped; the same bytes as a decode of every frame). Only the sampled frames
+  are converted (rgb24) and each is resized as it comes, so a video never sits decoded in
   memory: the resized frames are what stays. `VideoConfig.decoder` "nvdec" decodes on the GPU's video engines
   (FFmpeg's CUDA hwaccel in PyAV's wheel; frames come back to host memory for the same conversion); a codec NVDEC
   lacks decodes in software, and a process where NVDEC cannot open (no GPU, no driver video library) decodes every
@@ -38,6 +40,7 @@ import torch
 from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VisionConfig
 from .preprocess import ImageTooLarge, UndecodableImage, as_triple, check_aspect_ratio, smart_resize
 from .preprocess_fast import fast_lut, resize
+from .video_decode import decode_sampled
 
 log = logging.getLogger("vitserve.video")
 DECODERS = ("cpu", "nvdec")  # FFmpeg's software decoders; the GPU's video engines (software where they cannot)
@@ -531,24 +534,29 @@ def _video_stream(container):
 
 
 def decode_frames(
-    container, indices: np.ndarray, size: tuple[int, int], threads: int = 0, max_work: int | None = None
-) -> Iterator[np.ndarray]:
-    """The frames at `indices` (ascending; a repeated index gives its frame once, as transformers' reader does),
-    each converted to RGB and resized to `size` as it is decoded; `threads`: FFmpeg's decoding threads (0: one per
-    core). `max_work`: the decode work (`decode_work`, counted on the frames as they come) past which the video is
-    refused (VideoTooCostly) before another frame is converted: frames larger than the header said stop there."""
+    container,
+    indices: np.ndarray,
+    size: tuple[int, int],
+    threads: int = 0,
+    max_work: int | None = None,
+    rewindable: bool = False,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(index, frame) for the frames at `indices` (a repeated index gives its frame once, as transformers' reader
+    does), each converted to RGB and resized to `size` as it is decoded. Where the container's input can be read
+    twice (`rewindable`), only what those frames need is decoded (`video_decode.decode_sampled`: the same frames as a
+    decode of every frame; a frame may come twice, the same, where its plan did not hold); otherwise every frame up to
+    the last one asked for. `threads`: FFmpeg's decoding threads (0: one per core). `max_work`: the decode
+    work (`decode_work`, counted on the frames as they come) past which the video is refused (VideoTooCostly)
+    before another frame is converted: frames larger than the header said stop there."""
     av = _av()
     wanted = set(int(i) for i in indices)
-    last = max(wanted)
     stream = _video_stream(container)
     stream.thread_type = "AUTO"
     stream.codec_context.thread_count = threads
     height, width = size
     work = 0
     try:
-        for i, frame in enumerate(container.decode(stream)):
-            if i > last:
-                return
+        for i, frame in decode_sampled(container, stream, wanted, rewindable):
             work += decode_work(frame.width, frame.height, 1, i in wanted)
             if max_work is not None and work > max_work:
                 raise VideoTooCostly(
@@ -557,9 +565,17 @@ def decode_frames(
                 )
             if i in wanted:
                 rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
-                yield resize(rgb, height, width).permute(1, 2, 0).numpy()
+                yield i, resize(rgb, height, width).permute(1, 2, 0).numpy()
     except av.error.FFmpegError as e:
         raise VideoError("the video could not be decoded", str(e)) from None
+
+
+def _rewindable(source: Any) -> bool:
+    """Whether PyAV can read `source` twice: bytes and paths can, a file object where it can seek."""
+    if isinstance(source, (bytes, bytearray, memoryview, str, os.PathLike)):
+        return True
+    seekable = getattr(source, "seekable", None)
+    return bool(seekable()) if callable(seekable) else False
 
 
 def _most_pixels(limits: VideoLimits) -> int:
@@ -620,13 +636,16 @@ def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
         info, kept, (height, width), cost = _plan(container, cfg, limits)
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
-        n = 0
+        slot = {int(i): n for n, i in enumerate(kept)}
+        filled = np.zeros(len(kept), dtype=bool)
         # a header that understates the work by over twice (frames larger than it says) is refused as it decodes
-        for n, frame in enumerate(decode_frames(container, kept, (height, width), threads, 2 * cost.work), 1):
-            frames[n - 1] = frame
-        if n < len(kept):
+        decoded = decode_frames(container, kept, (height, width), threads, 2 * cost.work, _rewindable(source))
+        for i, frame in decoded:
+            frames[slot[i]], filled[slot[i]] = frame, True
+        if not filled.all():
             raise VideoError(
-                f"the video declares {plural_frames(info.total_frames)} but ends before frame {int(kept[n])}"
+                f"the video declares {plural_frames(info.total_frames)} but ends before frame "
+                f"{int(kept[np.argmin(filled)])}"
             )
         return Video(frames, kept, info, cfg.temporal_patch_size, decoder_used(container))
     finally:

@@ -1,0 +1,169 @@
+"""Decoding only what a video's sampling needs (encoder.video_decode): the plan on packet lists, then the frames it
+decodes against a decode of every frame, on the streams whose references differ (B-frames, P-only, open GOPs, VP9's
+hidden frames, a variable frame rate, MPEG-4 part 2)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from videos import make_video
+
+from vitserve.encoder import video as V
+from vitserve.encoder.video_decode import NOTHING, REFERENCES, WHOLE, PacketInfo, decode_sampled, plan_decode
+
+
+def packets(order: str, keys: str) -> list[PacketInfo]:
+    """Packets in decode order: `order` gives each one's presentation position (one character a packet, 0-9 then
+    a-z), `keys` marks keyframes with K."""
+    return [PacketInfo(int(c, 36) * 100, k == "K") for c, k in zip(order, keys)]
+
+
+# 1. the plan
+
+
+def test_a_group_with_a_sampled_frame_decodes_its_references_and_a_group_without_one_nothing():
+    # I0 P3 B1 B2 | I4 P7 B5 B6 | I8 ...: frames 1 and 9 wanted
+    ps = packets("031247568b9a", "K...K...K...")
+    plan = plan_decode(ps, {1, 9})
+    assert plan is not None
+    assert plan.index_of == {100 * i: i for i in range(12)}
+    assert [plan.skips[p.pts] for p in ps if p.pts in plan.skips] == [
+        *(REFERENCES, REFERENCES, WHOLE, REFERENCES),
+        *(NOTHING, NOTHING, NOTHING, NOTHING),
+        *(REFERENCES, REFERENCES, WHOLE),
+    ]
+    assert plan.last == 900 and 1000 not in plan.skips  # the packets after frame 9's are not fed
+
+
+def test_leading_pictures_keep_the_group_before_them():
+    # the second keyframe (presentation 6) has two frames shown before it that follow it in decode order: they may
+    # refer to the group before, which is decoded although it holds no sampled frame
+    ps = packets("0312645", "K...K..")
+    plan = plan_decode(ps, {4})
+    assert plan is not None
+    assert [plan.skips.get(p.pts) for p in ps] == [REFERENCES] * 4 + [REFERENCES, WHOLE, None]
+    plan = plan_decode(packets("0312456", "K...K.."), {5})  # no leading pictures: the group before is skipped
+    assert plan is not None and [plan.skips[100 * i] for i in (0, 3, 1, 2)] == [NOTHING] * 4
+
+
+def test_a_discarded_packet_is_decoded_for_its_references_and_counts_no_index():
+    ps = [PacketInfo(-100, True, discard=True), *packets("0312", ".K..")[1:]]
+    ps.insert(1, PacketInfo(0, False))
+    plan = plan_decode(ps, {2})
+    assert plan is not None and plan.index_of == {0: 0, 100: 1, 200: 2, 300: 3}
+    assert plan.skips[-100] == REFERENCES
+
+
+@pytest.mark.parametrize(
+    "ps, why",
+    [
+        ([PacketInfo(0, True), PacketInfo(None, False)], "a packet without a time"),
+        ([PacketInfo(0, True), PacketInfo(0, False)], "two packets at one time"),
+        (packets("201", "K.."), "frames shown before the first keyframe (a decoder may drop them)"),
+        (packets("012", "..."), "no keyframe"),
+    ],
+)
+def test_a_stream_that_cannot_be_mapped_has_no_plan(ps, why):
+    assert plan_decode(ps, {0}) is None, why
+
+
+def test_a_wanted_index_past_the_stream_has_no_plan():
+    assert plan_decode(packets("0123", "K..."), {2, 7}) is None
+
+
+# 2. the frames
+
+
+def full_decode(data: bytes, last: int) -> list[np.ndarray]:
+    container = V._open(data)
+    stream = container.streams.video[0]
+    frames = []
+    for frame in container.decode(stream):
+        frames.append(frame.to_ndarray(format="yuv420p").copy())
+        if len(frames) > last:
+            break
+    container.close()
+    return frames
+
+
+def sparse_decode(data: bytes, wanted: set[int], threads: int) -> tuple[dict[int, np.ndarray], int]:
+    """The wanted frames (the planned decode) and how many frames the decoder gave in all."""
+    container = V._open(data)
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    stream.codec_context.thread_count = threads
+    got, given = {}, 0
+    for i, frame in decode_sampled(container, stream, wanted, rewindable=True):
+        given += 1
+        if i in wanted:
+            got[i] = frame.to_ndarray(format="yuv420p").copy()
+    container.close()
+    return got, given
+
+
+H264_B = dict(codec="libx264", options={"preset": "veryfast", "g": "250"})
+CLIPS = {
+    "h264 B-frames, one GOP": (H264_B, True),
+    "h264 P-only": (dict(codec="libx264", options={"preset": "veryfast", "g": "30", "bf": "0"}), False),
+    "h264 open GOP": (
+        dict(codec="libx264", options={"preset": "veryfast", "g": "24", "x264-params": "open-gop=1"}),
+        True,
+    ),
+    "hevc open GOP (CRA)": (
+        dict(codec="libx265", options={"preset": "veryfast", "x265-params": "keyint=24:open-gop=1:log-level=error"}),
+        True,
+    ),
+    "vp9": (dict(codec="libvpx-vp9", container="webm", options={"g": "30", "deadline": "realtime"}), False),
+    "variable frame rate": (dict(codec="libx264", options={"preset": "veryfast", "g": "40"}, rates=[33, 50, 17]), True),
+    "mpeg-4 part 2, B-frames": (dict(codec="mpeg4", container="avi", options={"g": "30", "bf": "2"}), True),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 0], ids=["one thread", "frame threads"])
+@pytest.mark.parametrize("clip", list(CLIPS))
+def test_the_sampled_frames_are_those_of_a_full_decode(clip, threads):
+    """Every 7th frame and the last but two (past the last keyframe) of 120 (12 fps, 10 s): the planned decode gives
+    each the same planes as a decode of every frame; where the stream has frames nothing refers to (B-frames), it
+    decodes fewer frames than that."""
+    kw, has_unreferenced = CLIPS[clip]
+    data = make_video(120, 12, 192, 108, **kw)
+    wanted = set(range(0, 118, 7)) | {117}
+    full = full_decode(data, 117)
+    got, given = sparse_decode(data, wanted, threads)
+    assert sorted(got) == sorted(wanted)
+    for i in sorted(wanted):
+        assert np.array_equal(got[i], full[i]), i
+    if has_unreferenced:
+        assert given < 118, given
+
+
+def test_groups_without_a_sampled_frame_are_not_decoded():
+    """4 frames of 240 with a keyframe every 12 (closed GOPs): the frames of the other groups are not decoded at all,
+    and the 4 are those of a full decode."""
+    data = make_video(240, 24, 160, 96, codec="libx264", options={"preset": "veryfast", "g": "12", "bf": "0"})
+    wanted = {0, 80, 160, 239}
+    got, given = sparse_decode(data, wanted, 1)
+    full = full_decode(data, 239)
+    assert all(np.array_equal(got[i], full[i]) for i in wanted)
+    assert given <= 4 * 12, given
+
+
+def test_load_video_decodes_sparsely_from_bytes_and_wholly_from_a_stream_that_cannot_rewind():
+    """The same frames from bytes (planned) and from a file object that cannot seek (decoded whole as it comes)."""
+
+    class Once(io.RawIOBase):
+        def __init__(self, data):
+            self.inner = io.BytesIO(data)
+
+        def readable(self):
+            return True
+
+        def readinto(self, buffer):
+            return self.inner.readinto(buffer)
+
+    data = make_video(90, 12, 192, 108, **H264_B)
+    cfg = V.VideoConfig("qwen3", 16, fps=2.0, do_sample_frames=True, min_pixels=32 * 32, max_pixels=64 * 64 * 16)
+    a, b = V.load_video(data, cfg), V.load_video(Once(data), cfg)
+    assert np.array_equal(a.indices, b.indices) and np.array_equal(a.frames, b.frames)

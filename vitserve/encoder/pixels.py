@@ -1,0 +1,178 @@
+"""Exact integer pixel arithmetic as plain tensor ops, on any device: a video frame's YUV planes to RGB as FFmpeg's
+swscale converts them for PyAV's `to_ndarray(format="rgb24")`, and a uint8 resize as torch's CPU kernel computes
+torchvision's `resize(BICUBIC, antialias=True)` (what transformers' video processors run). Both give the same bytes
+as those libraries, so the conversion and the resize can run on the GPU beside the tower.
+
+* conversion (`yuv_to_rgb`): swscale's unscaled yuv420p → rgb24 converter (x86's `yuv_2_rgb.asm`, the one FFmpeg
+  runs on every x86 host): the planes shifted left by 3 less their offsets, multiplied by 13-bit coefficients
+  keeping the high 16 bits (`pmulhw`: floor of the product / 2^16), summed and clamped to [0, 255]; the chroma of a
+  2x2 block shared by its four pixels. The coefficients come from the frame's colour matrix and range as
+  `ff_yuv2rgb_c_init_tables` computes them (`Conversion.of`). swscale takes that converter only for frames of even
+  height: a frame of odd height has no exact conversion here (`Conversion.of` gives None).
+* resize (`resize_plan`, `resize`): torch's separable uint8 antialias kernel: per output pixel of each axis, the
+  bicubic (a = -0.5) weights of its source span, computed in float64, normalized, and scaled to int16 by the axis'
+  precision (the most bits that keep twice the largest weight under 2^15); a horizontal pass into uint8, then a
+  vertical one, each `clamp((Σ w·x + 2^(p-1)) >> p, 0, 255)`; an axis whose size does not change is not resampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# ff_yuv2rgb_coeffs (libswscale/yuv2rgb.c) by the frame's colour matrix (AVColorSpace): Cr→R, Cb→B, Cb→G, Cr→G,
+# times 2^16; the matrices FFmpeg converts with BT.601's are listed as BT.601
+BT601 = (104597, 132201, 25675, 53279)
+COEFFICIENTS = {
+    0: BT601,  # (AVCOL_SPC_RGB: swscale's table gives BT.601 for a YUV frame tagged so)
+    1: (117489, 138438, 13975, 34925),  # BT.709
+    2: BT601,  # unspecified
+    3: BT601,  # reserved
+    4: (104448, 132798, 24759, 53109),  # FCC
+    5: BT601,  # BT.470 BG
+    6: BT601,  # SMPTE 170M
+    7: (117579, 136230, 16907, 35559),  # SMPTE 240M
+    9: (110013, 140363, 12277, 42626),  # BT.2020 non-constant
+    10: (110013, 140363, 12277, 42626),  # BT.2020 constant
+}
+
+
+def _round16(value: int) -> int:
+    """swscale's roundToInt16: value / 2^16 rounded, clipped to int16."""
+    return max(-32768, min(32767, (value + (1 << 15)) >> 16))
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """The integer coefficients of swscale's yuv420p → rgb24 converter for one colour matrix and range."""
+
+    y: int
+    y_offset: int
+    v_r: int
+    u_b: int
+    u_g: int
+    v_g: int
+
+    @classmethod
+    def of(cls, colorspace: int, full_range: bool, height: int) -> Conversion | None:
+        """The conversion of a yuv420p frame with this colour matrix (AVColorSpace), range (full: JPEG's, or a
+        yuvj420p frame) and height; None where swscale would not take this converter (odd height, a matrix it does
+        not know)."""
+        if height % 2 or colorspace not in COEFFICIENTS:
+            return None
+        crv, cbu, cgu, cgv = COEFFICIENTS[colorspace]
+        cgu, cgv = -cgu, -cgv
+        cy, oy = 1 << 16, 0
+        if full_range:  # (C's division, toward zero)
+            crv, cbu, cgu, cgv = (c * 224 // 255 if c >= 0 else -(-c * 224 // 255) for c in (crv, cbu, cgu, cgv))
+        else:
+            cy, oy = cy * 255 // 219, 16 << 16
+        return cls(*(_round16(c << s) for c, s in ((cy, 13), (oy, 3), (crv, 13), (cbu, 13), (cgu, 13), (cgv, 13))))
+
+
+def _mulhi(x: torch.Tensor, c: int) -> torch.Tensor:
+    return (x * c) >> 16
+
+
+def yuv_to_rgb(y: torch.Tensor, u: torch.Tensor, v: torch.Tensor, conversion: Conversion) -> torch.Tensor:
+    """uint8 RGB [..., 3, H, W] of uint8 planes y [..., H, W], u and v [..., ceil(H / 2), ceil(W / 2)]."""
+    h, w = y.shape[-2:]
+    c = conversion
+    u = (u.int() * 8 - 1024).repeat_interleave(2, -2).repeat_interleave(2, -1)[..., :h, :w]
+    v = (v.int() * 8 - 1024).repeat_interleave(2, -2).repeat_interleave(2, -1)[..., :h, :w]
+    luma = _mulhi(y.int() * 8 - c.y_offset, c.y)
+    r = luma + _mulhi(v, c.v_r)
+    g = luma + (_mulhi(u, c.u_g) + _mulhi(v, c.v_g))
+    b = luma + _mulhi(u, c.u_b)
+    return torch.stack([r, g, b], -3).clamp_(0, 255).to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class AxisResize:
+    """One axis of torch's uint8 antialias resize: per output pixel, the first source pixel of its span
+    (`first`) and its int16 weights over `taps` source pixels (`weights`, zero past the span), and the precision."""
+
+    first: torch.Tensor  # int64 [out]
+    weights: torch.Tensor  # int32 [out, taps]
+    precision: int
+
+    def to(self, device: torch.device | str) -> AxisResize:
+        return AxisResize(self.first.to(device), self.weights.to(device), self.precision)
+
+
+def _bicubic(x: float) -> float:
+    a, x = -0.5, abs(x)
+    if x < 1.0:
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+    if x < 2.0:
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return 0.0
+
+
+def axis_resize(size_in: int, size_out: int) -> AxisResize:
+    """torch's int16 antialias bicubic weights for one axis (UpSampleKernel.cpp's `_compute_weights_aa` and
+    `_compute_index_ranges_int16_weights`), in float64 as there."""
+    scale = size_in / size_out
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    spans = []
+    for i in range(size_out):
+        center = scale * (i + 0.5)
+        first = max(int(center - support + 0.5), 0)
+        size = min(int(center + support + 0.5), size_in) - first
+        ws = [_bicubic((j + first - center + 0.5) * invscale) for j in range(size)]
+        total = sum(ws)
+        spans.append((first, [w / total for w in ws] if total != 0.0 else ws))
+    taps = max(len(ws) for _, ws in spans)
+    largest = max(max(ws) for _, ws in spans)
+    precision = 0
+    while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    weights = torch.zeros(size_out, taps, dtype=torch.int32)
+    for i, (_, ws) in enumerate(spans):
+        for j, w in enumerate(ws):
+            v = w * (1 << precision)
+            weights[i, j] = int(-0.5 + v) if v < 0 else int(0.5 + v)
+    starts = torch.tensor([f for f, _ in spans], dtype=torch.int64)
+    return AxisResize(starts, weights, precision)
+
+
+def _pass(x: torch.Tensor, axis: AxisResize, dim: int) -> torch.Tensor:
+    """One axis resampled: uint8 in, uint8 out."""
+    size_in = x.shape[dim]
+    taps = axis.weights.shape[1]
+    shape = [1] * x.dim()
+    shape[dim] = -1
+    acc = torch.full((), 1 << (axis.precision - 1), dtype=torch.int32, device=x.device)
+    for k in range(taps):
+        index = (axis.first + k).clamp_(max=size_in - 1)
+        acc = acc + x.index_select(dim, index).int() * axis.weights[:, k].view(shape)
+    return (acc >> axis.precision).clamp_(0, 255).to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    """A resize of [..., H, W] images to (height, width): each axis that changes (None: it does not)."""
+
+    rows: AxisResize | None
+    columns: AxisResize | None
+
+    def to(self, device: torch.device | str) -> ResizePlan:
+        return ResizePlan(*(a.to(device) if a is not None else None for a in (self.rows, self.columns)))
+
+
+def resize_plan(height_in: int, width_in: int, height: int, width: int) -> ResizePlan:
+    return ResizePlan(
+        axis_resize(height_in, height) if height != height_in else None,
+        axis_resize(width_in, width) if width != width_in else None,
+    )
+
+
+def resize(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
+    """uint8 [..., H, W] resized as torch's CPU uint8 bicubic antialias kernel does: columns, then rows."""
+    if plan.columns is not None:
+        x = _pass(x, plan.columns, x.dim() - 1)
+    if plan.rows is not None:
+        x = _pass(x, plan.rows, x.dim() - 2)
+    return x
