@@ -83,8 +83,15 @@ def images_in(directory) -> list[str]:
 
 
 def children(pid: int) -> list[int]:
-    """A process's children, whichever of its threads started them."""
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    """A process's children, whichever of its threads started them (a thread that ends while they are read is
+    skipped: its children, if any, are its process's other threads')."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return out
 
 
 def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
