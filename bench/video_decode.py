@@ -1,0 +1,120 @@
+"""A video's decode stage, on one thread, per clip of bench/video.py's (the video processor settings of --model's
+published checkpoint, sampled at --fps): PyAV decoding every frame (the floor a full decode sets), the sampled
+decode (`video_decode.decode_sampled`: only what the sampled frames need, their YUV planes copied out), and
+`load_video` (the decode the library and the decode workers run: that, plus swscale's RGB conversion and torch's
+resize of each sampled frame on the CPU); each as a ratio of the full decode. With CUDA, the sampled frames' planes
+converted and resized on the GPU (encoder.pixels, the same bytes as load_video's, checked here). Medians of
+--repeats after a warm-up; prints a table, writes JSON (--out).
+
+    PYTHONPATH=$PWD python3 bench/video_decode.py --clip-dir build/video-clips --out video_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vitserve.encoder import video as V
+from vitserve.encoder.config import builtin_config
+from vitserve.encoder.pixels import Conversion, resize, resize_plan, yuv_to_rgb
+from vitserve.encoder.video_decode import decode_sampled
+
+
+def full_decode(data: bytes) -> int:
+    container = V._open(io.BytesIO(data))
+    stream = container.streams.video[0]
+    stream.thread_type, stream.codec_context.thread_count = "NONE", 1
+    frames = sum(1 for _ in container.decode(stream))
+    container.close()
+    return frames
+
+
+def sampled_planes(data: bytes, cfg: V.VideoConfig) -> list:
+    """(y, u, v, conversion) of each sampled frame, decoding only what they need."""
+    container = V._open(data)
+    kept = set(np.unique(V.sample_indices(V.probe(container), cfg)).tolist())
+    stream = container.streams.video[0]
+    stream.thread_type, stream.codec_context.thread_count = "NONE", 1
+    out = {}
+    for i, frame in decode_sampled(container, stream, kept, rewindable=True):
+        if i in kept:
+            h, w = frame.height, frame.width
+            flat = frame.to_ndarray(format="yuv420p").reshape(-1)
+            y, u = flat[: h * w].reshape(h, w), flat[h * w : h * w * 5 // 4].reshape(h // 2, w // 2)
+            v = flat[h * w * 5 // 4 :].reshape(h // 2, w // 2)
+            out[i] = (y, u, v, Conversion.of(frame.colorspace, frame.format.name == "yuvj420p", h))
+    container.close()
+    return [out[i] for i in sorted(out)]
+
+
+def on_device(planes: list, size: tuple[int, int], device: str) -> torch.Tensor:
+    """The planes uploaded, converted and resized: uint8 [F, h, w, 3] on `device`."""
+    y, u, v = (torch.from_numpy(np.stack([p[k] for p in planes])).to(device) for k in range(3))
+    rgb = yuv_to_rgb(y, u, v, planes[0][3])
+    frames = resize(rgb, resize_plan(*rgb.shape[-2:], *size).to(device)).permute(0, 2, 3, 1)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return frames
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="Qwen/Qwen3-VL-8B-Instruct")
+    ap.add_argument("--clip-dir", default="build/video-clips")
+    ap.add_argument("--fps", type=float, default=2.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--largest-mb", type=float, default=5.0, help="skip larger clips (the 10-minute one)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = builtin_config(args.model)
+    cfg = V.VideoConfig.for_model(model).from_hf(V.PUBLISHED[model.family]).with_request(fps=args.fps)
+    device = "cuda" if torch.cuda.is_available() else None
+    rows = []
+    clips = [p for p in Path(args.clip_dir).glob("*.mp4") if p.stat().st_size <= args.largest_mb * 1e6]
+    for clip in sorted(clips, key=lambda p: p.stat().st_size):
+        data = clip.read_bytes()
+        video = V.load_video(data, cfg, threads=1)
+        row = {
+            "clip": clip.name,
+            "frames": full_decode(data),
+            "sampled": len(video.indices),
+            "full_s": timed(lambda: full_decode(data), args.repeats),
+            "sampled_s": timed(lambda: sampled_planes(data, cfg), args.repeats),
+            "load_video_s": timed(lambda: V.load_video(data, cfg, threads=1), args.repeats),
+        }
+        if device:
+            planes, size = sampled_planes(data, cfg), video.frames.shape[1:3]
+            row["device_s"] = timed(lambda: on_device(planes, size, device), args.repeats)
+            row["device_equal"] = bool(np.array_equal(on_device(planes, size, device).cpu().numpy(), video.frames))
+        rows.append(row)
+        print(
+            f"{row['clip']:45s} {row['sampled']:4d}/{row['frames']:5d} frames  full {row['full_s']:.3f} s  "
+            f"sampled {row['sampled_s']:.3f} s ({row['sampled_s'] / row['full_s']:.2f}x)  "
+            f"load_video {row['load_video_s']:.3f} s ({row['load_video_s'] / row['full_s']:.2f}x)"
+            + (f"  on {device}: {row['device_s'] * 1e3:.1f} ms, equal {row['device_equal']}" if device else ""),
+            flush=True,
+        )
+    if args.out:
+        json.dump({"model": args.model, "fps": args.fps, "rows": rows}, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
