@@ -23,8 +23,9 @@ import torch
 
 from vitserve.encoder import video as V
 from vitserve.encoder.config import builtin_config
-from vitserve.encoder.pixels import Conversion, resize, resize_plan, yuv_to_rgb
+from vitserve.encoder.pixels import resize, resize_plan, yuv_to_rgb
 from vitserve.encoder.video_decode import decode_sampled
+from vitserve.encoder.video_planes import Conversion
 
 
 def full_decode(data: bytes) -> int:

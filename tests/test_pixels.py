@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vitserve.encoder.pixels import Conversion, resize, resize_plan, yuv_to_rgb
+from vitserve.encoder.pixels import resize, resize_plan, yuv_to_rgb
+from vitserve.encoder.video_planes import Conversion
 
 av = pytest.importorskip("av")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -202,6 +202,24 @@ def test_uint8_images_path_equals_float_rows(encoders):
         enc.runner.launch_images([np.zeros((32, 32, 3), np.float32)], lut)
 
 
+def test_a_batch_of_host_arrays_and_device_tensors_is_a_batch_of_host_arrays(encoders):
+    """An image still on the host beside a video slice already on the device (converted there from its planes):
+    the host one is uploaded, and the answers are those of the same pixels all on the host."""
+    import numpy as np
+
+    from vitserve.encoder.preprocess import normalize_lut
+
+    enc = encoders["qwen3_vl"]
+    rng = np.random.default_rng(1)
+    image = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    slice_ = rng.integers(0, 256, (2, 96, 64, 3), dtype=np.uint8)
+    lut = normalize_lut(enc.preprocess_config.image_mean, enc.preprocess_config.image_std)
+    host = enc.runner.collect(enc.runner.launch_images([image, slice_], lut))
+    mixed = enc.runner.collect(enc.runner.launch_images([image, torch.from_numpy(slice_).to(enc.device)], lut))
+    for (a, da), (b, db) in zip(host, mixed):
+        assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(da, db))
+
+
 def test_pooled_images_come_back_as_device_means(encoders):
     """`mean_pooling` images return the mean of exactly the tokens they would return, in float32, whether the whole
     replay is pooled (only means are copied back) or mixed with token requests; the others are unchanged."""

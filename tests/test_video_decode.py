@@ -167,3 +167,30 @@ def test_load_video_decodes_sparsely_from_bytes_and_wholly_from_a_stream_that_ca
     cfg = V.VideoConfig("qwen3", 16, fps=2.0, do_sample_frames=True, min_pixels=32 * 32, max_pixels=64 * 64 * 16)
     a, b = V.load_video(data, cfg), V.load_video(Once(data), cfg)
     assert np.array_equal(a.indices, b.indices) and np.array_equal(a.frames, b.frames)
+
+
+# 3. the frames as planes, converted where they run
+
+
+def test_planes_made_into_frames_are_load_videos_frames():
+    """load_video(planes=True) keeps the sampled frames' planes (H.264 and VP9 in BT.601's limited range, MJPEG's
+    full range, an odd chroma width); frames_from_planes makes of each slice the frames load_video makes on the host,
+    byte for byte. A 4:4:4 video has no exact conversion here: its frames come as RGB, the same."""
+    from vitserve.encoder.config import builtin_config
+    from vitserve.encoder.pixels import frames_from_planes
+
+    cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl")).with_request(fps=3)
+    clips = [
+        make_video(40, 10, 320, 180),
+        make_video(30, 10, 162, 96, codec="libvpx-vp9", container="webm"),
+        make_video(20, 10, 160, 120, codec="mjpeg", container="avi"),
+    ]
+    for data in clips:
+        rgb, planes = V.load_video(data, cfg), V.load_video(data, cfg, planes=True)
+        assert planes.layout is not None and planes.size == rgb.size
+        assert planes.frames.nbytes <= V.video_cost(data, cfg, planes=True).memory - 3 * planes.layout.row_bytes
+        made = [frames_from_planes(s, planes.layout, planes.size, "cpu").numpy() for s in planes.slices()]
+        assert np.array_equal(np.concatenate(made)[: len(rgb.frames)], rgb.frames)
+    data = make_video(20, 10, 160, 120, codec="libx264", pix_fmt="yuv444p")
+    video = V.load_video(data, cfg, planes=True)
+    assert video.layout is None and np.array_equal(video.frames, V.load_video(data, cfg).frames)

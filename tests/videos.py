@@ -39,9 +39,11 @@ def make_video(
     photo: str = "sample.jpg",
     rates: list[int] | None = None,
     options: dict[str, str] | None = None,
+    pix_fmt: str | None = None,
 ) -> bytes:
     """An encoded video of `count` frames. `rates`: per-frame durations in 1/1000 s (a variable frame rate);
-    `options`: the encoder's (e.g. {"g": "30", "bf": "0"}: keyframes every 30 frames, no B-frames)."""
+    `options`: the encoder's (e.g. {"g": "30", "bf": "0"}: keyframes every 30 frames, no B-frames); `pix_fmt`: the
+    stream's pixel format (default: yuv420p, MJPEG's yuvj420p)."""
     import av
 
     buf = io.BytesIO()
@@ -49,7 +51,7 @@ def make_video(
         rate = fractions.Fraction(fps).limit_denominator(1001)
         stream = out.add_stream(codec, rate=rate)
         stream.width, stream.height = width, height
-        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        stream.pix_fmt = pix_fmt or ("yuvj420p" if codec == "mjpeg" else "yuv420p")
         stream.options = options or {}
         if rates is not None:
             stream.time_base = stream.codec_context.time_base = fractions.Fraction(1, 1000)

@@ -7,68 +7,25 @@ as those libraries, so the conversion and the resize can run on the GPU beside t
   runs on every x86 host): the planes shifted left by 3 less their offsets, multiplied by 13-bit coefficients
   keeping the high 16 bits (`pmulhw`: floor of the product / 2^16), summed and clamped to [0, 255]; the chroma of a
   2x2 block shared by its four pixels. The coefficients come from the frame's colour matrix and range as
-  `ff_yuv2rgb_c_init_tables` computes them (`Conversion.of`). swscale takes that converter only for frames of even
-  height: a frame of odd height has no exact conversion here (`Conversion.of` gives None).
+  `ff_yuv2rgb_c_init_tables` computes them (`video_planes.Conversion.of`). swscale takes that converter only for
+  frames of even height: a frame of odd height has no exact conversion here (`Conversion.of` gives None).
 * resize (`resize_plan`, `resize`): torch's separable uint8 antialias kernel: per output pixel of each axis, the
   bicubic (a = -0.5) weights of its source span, computed in float64, normalized, and scaled to int16 by the axis'
   precision (the most bits that keep twice the largest weight under 2^15); a horizontal pass into uint8, then a
   vertical one, each `clamp((Σ w·x + 2^(p-1)) >> p, 0, 255)`; an axis whose size does not change is not resampled.
+* `frames_from_planes`: both, for a video slice's planes (video_planes.SlicePlanes) on the device that runs it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-# ff_yuv2rgb_coeffs (libswscale/yuv2rgb.c) by the frame's colour matrix (AVColorSpace): Cr→R, Cb→B, Cb→G, Cr→G,
-# times 2^16; the matrices FFmpeg converts with BT.601's are listed as BT.601
-BT601 = (104597, 132201, 25675, 53279)
-COEFFICIENTS = {
-    0: BT601,  # (AVCOL_SPC_RGB: swscale's table gives BT.601 for a YUV frame tagged so)
-    1: (117489, 138438, 13975, 34925),  # BT.709
-    2: BT601,  # unspecified
-    3: BT601,  # reserved
-    4: (104448, 132798, 24759, 53109),  # FCC
-    5: BT601,  # BT.470 BG
-    6: BT601,  # SMPTE 170M
-    7: (117579, 136230, 16907, 35559),  # SMPTE 240M
-    9: (110013, 140363, 12277, 42626),  # BT.2020 non-constant
-    10: (110013, 140363, 12277, 42626),  # BT.2020 constant
-}
-
-
-def _round16(value: int) -> int:
-    """swscale's roundToInt16: value / 2^16 rounded, clipped to int16."""
-    return max(-32768, min(32767, (value + (1 << 15)) >> 16))
-
-
-@dataclass(frozen=True)
-class Conversion:
-    """The integer coefficients of swscale's yuv420p → rgb24 converter for one colour matrix and range."""
-
-    y: int
-    y_offset: int
-    v_r: int
-    u_b: int
-    u_g: int
-    v_g: int
-
-    @classmethod
-    def of(cls, colorspace: int, full_range: bool, height: int) -> Conversion | None:
-        """The conversion of a yuv420p frame with this colour matrix (AVColorSpace), range (full: JPEG's, or a
-        yuvj420p frame) and height; None where swscale would not take this converter (odd height, a matrix it does
-        not know)."""
-        if height % 2 or colorspace not in COEFFICIENTS:
-            return None
-        crv, cbu, cgu, cgv = COEFFICIENTS[colorspace]
-        cgu, cgv = -cgu, -cgv
-        cy, oy = 1 << 16, 0
-        if full_range:  # (C's division, toward zero)
-            crv, cbu, cgu, cgv = (c * 224 // 255 if c >= 0 else -(-c * 224 // 255) for c in (crv, cbu, cgu, cgv))
-        else:
-            cy, oy = cy * 255 // 219, 16 << 16
-        return cls(*(_round16(c << s) for c, s in ((cy, 13), (oy, 3), (crv, 13), (cbu, 13), (cgu, 13), (cgv, 13))))
+from .preprocess_fast import upload
+from .video_planes import Conversion, PlanesLayout
 
 
 def _mulhi(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -176,3 +133,26 @@ def resize(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
     if plan.rows is not None:
         x = _pass(x, plan.rows, x.dim() - 2)
     return x
+
+
+@functools.lru_cache(maxsize=64)
+def _resize_plan(height_in: int, width_in: int, height: int, width: int, device: str) -> ResizePlan:
+    return resize_plan(height_in, width_in, height, width).to(device)
+
+
+def frames_from_planes(
+    rows: torch.Tensor | np.ndarray, layout: PlanesLayout, size: tuple[int, int], device
+) -> torch.Tensor:
+    """uint8 RGB frames [T, height, width, 3] on `device` from T frames' planes (host or device rows): converted as
+    swscale does and resized as torch's CPU kernel does (encoder.pixels), so equal to the frames `load_video` makes
+    on the host."""
+    device = torch.device(device)
+    x = rows.to(device, non_blocking=True) if torch.is_tensor(rows) else upload(np.asarray(rows), device)
+    h, w = layout.height, layout.width
+    ch, cw = layout.chroma
+    y = x[:, : h * w].view(-1, h, w)
+    u = x[:, h * w : h * w + ch * cw].view(-1, ch, cw)
+    v = x[:, h * w + ch * cw :].view(-1, ch, cw)
+    rgb = yuv_to_rgb(y, u, v, layout.conversion)
+    plan = _resize_plan(h, w, *size, str(device))
+    return resize(rgb, plan).permute(0, 2, 3, 1).contiguous()

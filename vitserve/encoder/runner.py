@@ -315,10 +315,9 @@ class GraphRunner:
         through the normalization tables (images through the first, slices through the second); an image's one
         frame stands for all T."""
         p, m, t = self.cfg.patch_size, self.cfg.spatial_merge_size, self.cfg.temporal_patch_size
-        if all(torch.is_tensor(a) for a in arrays):
-            raw_d = torch.cat([a.reshape(-1) for a in arrays])
-        elif any(torch.is_tensor(a) for a in arrays):
-            raise ValueError("a batch's images are either all on the device or all on the host")
+        if any(torch.is_tensor(a) for a in arrays):  # (the host ones uploaded: a batch of both)
+            on_device = [a if torch.is_tensor(a) else self._upload(torch.from_numpy(a)) for a in arrays]
+            raw_d = torch.cat([a.reshape(-1) for a in on_device])
         else:
             raw = torch.empty(sum(a.size for a in arrays), dtype=torch.uint8, pin_memory=self._pin)
             np.concatenate([a.reshape(-1) for a in arrays], out=raw.numpy())

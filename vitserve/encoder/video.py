@@ -41,6 +41,7 @@ from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VisionConfig
 from .preprocess import ImageTooLarge, UndecodableImage, as_triple, check_aspect_ratio, smart_resize
 from .preprocess_fast import fast_lut, resize
 from .video_decode import decode_sampled
+from .video_planes import PlanesLayout, planes_row
 
 log = logging.getLogger("vitserve.video")
 DECODERS = ("cpu", "nvdec")  # FFmpeg's software decoders; the GPU's video engines (software where they cannot)
@@ -385,14 +386,22 @@ def frame_size(num_frames: int, height: int, width: int, cfg: VideoConfig) -> tu
 
 @dataclass
 class Video:
-    """A decoded video: its sampled frames resized (uint8 [F, h, w, 3]), which frames they are, and the source's
-    frame rate."""
+    """A decoded video: its sampled frames resized (uint8 [F, h, w, 3]), or as their planes (uint8 [F, row_bytes],
+    `layout` set: `load_video(planes=True)`, resized to `resized` where they run), which frames they are, and the
+    source's frame rate."""
 
     frames: np.ndarray
     indices: np.ndarray
     info: VideoInfo
     temporal_patch_size: int
     decoder: str = "cpu"  # what decoded it: "nvdec" (the GPU's video engines) or "cpu"
+    layout: PlanesLayout | None = None
+    resized: tuple[int, int] | None = None  # (height, width) the planes become
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """The (height, width) of its frames once resized."""
+        return self.resized if self.resized is not None else (self.frames.shape[1], self.frames.shape[2])
 
     def slices(self) -> list[np.ndarray]:
         """uint8 [T, h, w, 3] per temporal patch, the last frame repeated to fill the last slice (views where the
@@ -533,27 +542,22 @@ def _video_stream(container):
     return container.streams.video[0]
 
 
-def decode_frames(
-    container,
-    indices: np.ndarray,
-    size: tuple[int, int],
-    threads: int = 0,
-    max_work: int | None = None,
-    rewindable: bool = False,
-) -> Iterator[tuple[int, np.ndarray]]:
-    """(index, frame) for the frames at `indices` (a repeated index gives its frame once, as transformers' reader
-    does), each converted to RGB and resized to `size` as it is decoded. Where the container's input can be read
-    twice (`rewindable`), only what those frames need is decoded (`video_decode.decode_sampled`: the same frames as a
-    decode of every frame; a frame may come twice, the same, where its plan did not hold); otherwise every frame up to
-    the last one asked for. `threads`: FFmpeg's decoding threads (0: one per core). `max_work`: the decode
-    work (`decode_work`, counted on the frames as they come) past which the video is refused (VideoTooCostly)
-    before another frame is converted: frames larger than the header said stop there."""
+def sampled_frames(
+    container, indices: np.ndarray, threads: int = 0, max_work: int | None = None, rewindable: bool = False
+) -> Iterator[tuple[int, Any]]:
+    """(index, PyAV frame) for the frames at `indices` (a repeated index gives its frame once, as transformers'
+    reader does). Where the container's input can be read twice (`rewindable`), only what those frames need is
+    decoded (`video_decode.decode_sampled`: the same frames as a decode of every frame; a frame may come twice, the
+    same, where its plan did not hold); otherwise every frame up to the last one asked for. `threads`: FFmpeg's
+    decoding threads (0: one per core). `max_work`: the decode work (`decode_work`, counted on the frames as they
+    come, each sampled one as converted too) past which the video is refused (VideoTooCostly) before another frame
+    is given: frames larger than the header said stop there."""
     av = _av()
     wanted = set(int(i) for i in indices)
     stream = _video_stream(container)
-    stream.thread_type = "AUTO"
-    stream.codec_context.thread_count = threads
-    height, width = size
+    if not stream.codec_context.is_open:  # (a second pass over the container keeps the first's threads)
+        stream.thread_type = "AUTO"
+        stream.codec_context.thread_count = threads
     work = 0
     try:
         for i, frame in decode_sampled(container, stream, wanted, rewindable):
@@ -564,10 +568,24 @@ def decode_frames(
                     f"{frame.width}x{frame.height} at frame {i})"
                 )
             if i in wanted:
-                rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
-                yield i, resize(rgb, height, width).permute(1, 2, 0).numpy()
+                yield i, frame
     except av.error.FFmpegError as e:
         raise VideoError("the video could not be decoded", str(e)) from None
+
+
+def decode_frames(
+    container,
+    indices: np.ndarray,
+    size: tuple[int, int],
+    threads: int = 0,
+    max_work: int | None = None,
+    rewindable: bool = False,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """`sampled_frames`, each converted to RGB (swscale) and resized to `size` (torch's kernel) as it comes."""
+    height, width = size
+    for i, frame in sampled_frames(container, indices, threads, max_work, rewindable):
+        rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
+        yield i, resize(rgb, height, width).permute(1, 2, 0).numpy()
 
 
 def _rewindable(source: Any) -> bool:
@@ -593,9 +611,11 @@ class VideoCost:
     work: int
 
 
-def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, np.ndarray, tuple[int, int], VideoCost]:
+def _plan(
+    container, cfg: VideoConfig, limits: VideoLimits, planes: bool = False
+) -> tuple[VideoInfo, np.ndarray, tuple[int, int], VideoCost]:
     """From the header, before any frame is kept: the video's info (its limits checked), the frames to keep, their
-    size, and what decoding it takes (its limits checked)."""
+    size, and what decoding it takes (its limits checked; `planes`: kept as planes where they fit, `load_video`)."""
     info = probe(container, limits)
     limits.check(info)
     indices = sample_indices(info, cfg)
@@ -614,42 +634,81 @@ def _plan(container, cfg: VideoConfig, limits: VideoLimits) -> tuple[VideoInfo, 
             f"converting {len(kept)} of them is {work / 1e9:.1f} G pixels of work; the limit is "
             f"{limits.max_work / 1e9:.1f} G (send a shorter or smaller video)"
         )
-    return info, kept, (height, width), VideoCost((len(kept) * height * width + info.height * info.width) * 3, work)
+    kept_bytes = len(kept) * height * width * 3
+    as_planes = len(kept) * PlanesLayout.bytes_for(info.height, info.width)
+    if planes and as_planes <= limits.max_bytes:
+        kept_bytes = max(kept_bytes, as_planes)
+    return info, kept, (height, width), VideoCost(kept_bytes + info.height * info.width * 3, work)
 
 
-def video_cost(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits()) -> VideoCost:
-    """What decoding this video takes (`load_video`'s frames and one decoded frame; its decode work), read from its
-    header with the same checks `load_video` makes first: what a server reserves before it decodes the video."""
+def video_cost(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), planes: bool = False) -> VideoCost:
+    """What decoding this video takes (`load_video`'s frames, as RGB or with `planes` as planes, whichever is
+    larger, and one decoded frame; its decode work), read from its header with the same checks `load_video` makes
+    first: what a server reserves before it decodes the video."""
     container = _open(source, _most_pixels(limits))
     try:
-        return _plan(container, cfg, limits)[3]
+        return _plan(container, cfg, limits, planes)[3]
     finally:
         container.close()
 
 
-def load_video(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), threads: int = 0) -> Video:
+def load_video(
+    source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), threads: int = 0, planes: bool = False
+) -> Video:
     """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize.
     `threads`: FFmpeg's decoding threads (0: one per core, for one video at a time; a server decoding many side by
-    side gives each a few)."""
+    side gives each a few). `planes`: keep the sampled frames' planes instead (`Video.layout`; a device converts and
+    resizes them, pixels.frames_from_planes) where every sampled frame has an exact conversion and their planes
+    fit `limits.max_bytes`; RGB frames otherwise."""
     container = _open(source, _most_pixels(limits), cfg.decoder)
     try:
-        info, kept, (height, width), cost = _plan(container, cfg, limits)
+        info, kept, (height, width), cost = _plan(container, cfg, limits, planes)
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
+        decoding = (container, kept, threads, 2 * cost.work, _rewindable(source))
+        fits = len(kept) * PlanesLayout.bytes_for(info.height, info.width) <= limits.max_bytes
+        if planes and fits and (video := _load_planes(*decoding, info, (height, width), cfg)) is not None:
+            return video
+        if planes and fits:  # a frame without an exact conversion: the frames are made here, from the start
+            container.seek(0)
+            _video_stream(container).codec_context.flush_buffers()
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
         slot = {int(i): n for n, i in enumerate(kept)}
         filled = np.zeros(len(kept), dtype=bool)
         # a header that understates the work by over twice (frames larger than it says) is refused as it decodes
-        decoded = decode_frames(container, kept, (height, width), threads, 2 * cost.work, _rewindable(source))
-        for i, frame in decoded:
+        for i, frame in decode_frames(container, kept, (height, width), *decoding[2:]):
             frames[slot[i]], filled[slot[i]] = frame, True
-        if not filled.all():
-            raise VideoError(
-                f"the video declares {plural_frames(info.total_frames)} but ends before frame "
-                f"{int(kept[np.argmin(filled)])}"
-            )
+        _check_filled(filled, kept, info)
         return Video(frames, kept, info, cfg.temporal_patch_size, decoder_used(container))
     finally:
         container.close()
+
+
+def _load_planes(container, kept, threads, max_work, rewindable, info, size, cfg: VideoConfig) -> Video | None:
+    """`load_video`'s frames as planes, or None at the first sampled frame whose layout differs from the first's or
+    has no exact conversion."""
+    layout, rows = None, np.empty((0, 0), dtype=np.uint8)
+    slot = {int(i): n for n, i in enumerate(kept)}
+    filled = np.zeros(len(kept), dtype=bool)
+    for i, frame in sampled_frames(container, kept, threads, max_work, rewindable):
+        if layout is None:
+            layout = PlanesLayout.of(frame)
+            if layout is None:
+                return None
+            rows = np.empty((len(kept), layout.row_bytes), dtype=np.uint8)
+        elif PlanesLayout.of(frame) != layout:
+            return None
+        planes_row(frame, layout, rows[slot[i]])
+        filled[slot[i]] = True
+    _check_filled(filled, kept, info)
+    return Video(rows, kept, info, cfg.temporal_patch_size, decoder_used(container), layout, size)
+
+
+def _check_filled(filled: np.ndarray, kept: np.ndarray, info: VideoInfo) -> None:
+    if not filled.all():
+        raise VideoError(
+            f"the video declares {plural_frames(info.total_frames)} but ends before frame "
+            f"{int(kept[np.argmin(filled)])}"
+        )
 
 
 def patchify(video: Video, cfg: VideoConfig) -> tuple[np.ndarray, tuple[int, int, int]]:

@@ -15,6 +15,7 @@ from PIL import Image
 from . import checkpoint, preprocess_fast, video
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
 from .features import Features
+from .pixels import frames_from_planes
 from .plan import Grid
 from .preprocess import (
     PREPROCESS_MODES,
@@ -28,6 +29,7 @@ from .preprocess import (
 )
 from .preprocess_fast import fast_lut
 from .runner import DEFAULT_BUDGETS, GraphRunner, Launch
+from .video_planes import SlicePlanes
 
 DTYPES = {
     "float32": torch.float32,
@@ -322,9 +324,16 @@ class VisionEncoder:
     ) -> Launched:
         """Start encoding images as the decode step leaves them, without waiting: exact preprocessing takes the
         resized host arrays (preprocess.resize_rgb); fast preprocessing full-size arrays or EncodedJpeg
-        (preprocess.load_for_device), resized on the device to `sizes` (default: smart_resize's). Images that
-        cannot be decoded there are left out, with their errors (`Launched.failed`); `outputs` gives the rest."""
+        (preprocess.load_for_device), resized on the device to `sizes` (default: smart_resize's). Video slices come
+        resized ([T, h, w, 3]) or as their frames' planes (video_planes.SlicePlanes: converted and resized here,
+        the same bytes). Images that cannot be decoded there are left out, with their errors (`Launched.failed`);
+        `outputs` gives the rest."""
         failed: dict[int, ImageError] = {}
+        if any(isinstance(x, SlicePlanes) for x in images):  # video slices as planes: their frames made here
+            images = [
+                frames_from_planes(x.rows, x.layout, x.size, self.device) if isinstance(x, SlicePlanes) else x
+                for x in images
+            ]
         if self.preprocess_mode == "fast":
             slices = {i for i, x in enumerate(images) if getattr(x, "ndim", 0) == 4}  # video slices: resized already
             todo = [i for i in range(len(images)) if i not in slices]

@@ -62,12 +62,12 @@ def decode_and_resize(
     return DecodedImage((spool_prefix and spool.put(spool_prefix, image)) or image, seconds)
 
 
-def measure_video(data, is_base64: bool, cfg, limits):
+def measure_video(data, is_base64: bool, cfg, limits, planes: bool = False):
     """Runs in a worker: what decoding a video takes (a VideoCost: memory and decode work), from its header
-    (encoder.video.video_cost: its limits checked first)."""
+    (encoder.video.video_cost: its limits checked first; `planes`: its frames kept as planes where they can)."""
     from ...encoder.video import video_cost
 
-    return video_cost(received(data, is_base64), cfg, limits)
+    return video_cost(received(data, is_base64), cfg, limits, planes)
 
 
 VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)
@@ -86,9 +86,10 @@ def _video_worker() -> None:
 
 @dataclass
 class DecodedVideo:
-    """A video decoded by a worker: its slices (uint8 [T, h, w, 3] each, or their spool files), its grid (slices,
-    h / p, w / p), its timing (frame_indices, fps, timestamps, second_per_grid_t: what its answer carries), the
-    decoder that decoded it, the seconds the worker took, and the video's declared duration in seconds."""
+    """A video decoded by a worker: its slices (uint8 [T, h, w, 3] each, or their spool files; or SlicePlanes), its
+    grid (slices, h / p, w / p), its timing (frame_indices, fps, timestamps, second_per_grid_t: what its answer
+    carries), the decoder that decoded it, the seconds the worker took, and the video's declared duration in
+    seconds."""
 
     slices: list
     grid: tuple
@@ -99,19 +100,31 @@ class DecodedVideo:
 
 
 def decode_video(
-    data, is_base64: bool, cfg, limits, spool_path: str | None = None, threads: int = VIDEO_DECODE_THREADS
+    data,
+    is_base64: bool,
+    cfg,
+    limits,
+    spool_path: str | None = None,
+    threads: int = VIDEO_DECODE_THREADS,
+    planes: bool = False,
 ) -> DecodedVideo:
     """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its DecodedVideo, the slices in
     spool files `spool_path`-0, -1, ... where given and it can (encoder.video.load_video: the limits are checked from
-    the header first, frames decoded one at a time and resized as they come)."""
+    the header first, frames decoded one at a time and resized as they come; with `planes`, their planes kept for
+    the device to convert and resize where that is exact: each slice a SlicePlanes)."""
     from ...encoder.video import load_video
+    from ...encoder.video_planes import SlicePlanes
 
     _video_worker()
     start = time.perf_counter()
-    video = load_video(received(data, is_base64), cfg, limits, threads)
+    video = load_video(received(data, is_base64), cfg, limits, threads, planes)
     slices = video.slices()
-    out = [(spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)]
-    _, h, w, _ = video.frames.shape
+    out: list = [
+        (spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)
+    ]
+    if video.layout is not None:
+        out = [SlicePlanes(x, video.layout, video.size) for x in out]
+    h, w = video.size
     timing = {
         "frame_indices": video.indices.tolist(),
         "fps": video.info.fps,

@@ -58,6 +58,7 @@ class Decoder(DecodeRunner):
         self.metrics = metrics
         self.fast = decoding.preprocess == "fast"  # the device resizes: images stay full size here
         self.jpeg_on_device = False  # fast, and nvJPEG on the devices: JPEGs stay encoded (set by the engine)
+        self.video_planes = False  # videos' frames go as planes, the devices convert them (set by the engine)
         self._names = itertools.count()
         self._videos = 0  # videos being decoded now
         self._cpus = decoding.worker_count()
@@ -165,7 +166,10 @@ class Decoder(DecodeRunner):
             max_work=s.video_decode_work_per_request,
         )
         costs = await self.run_all(
-            [self._video_job(measure_video, data, owner, cfg, limits) for data in videos], field, names, "video"
+            [self._video_job(measure_video, data, owner, cfg, limits, self.video_planes) for data in videos],
+            field,
+            names,
+            "video",
         )
         work, limit = sum(cost.work for cost in costs), s.video_decode_work_per_request
         if work > limit:
@@ -223,6 +227,7 @@ class Decoder(DecodeRunner):
                             limits,
                             path or None,
                             threads,
+                            self.video_planes,
                             timeout=self.decoding.video_decode_timeout,
                             lost=path and functools.partial(spool.clear, f"{path}-"),
                         )

@@ -11,6 +11,7 @@ remove what a killed one left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import glob
 import os
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...encoder.video_planes import SlicePlanes
 from ..ground.errors import ImageLost
 
 
@@ -43,6 +45,8 @@ def pixels(images: list) -> list[np.ndarray]:
     out, lost = [], None
     for image in images:
         try:
+            if isinstance(image, SlicePlanes) and isinstance(image.rows, Spooled):
+                image = dataclasses.replace(image, rows=image.rows.read())
             out.append(image.read() if isinstance(image, Spooled) else image)
         except OSError as e:
             lost = lost or e
@@ -53,6 +57,8 @@ def pixels(images: list) -> list[np.ndarray]:
 
 def discard(image) -> None:
     """Drop a decoded image nobody will run: a spooled one's file is removed (an array needs nothing)."""
+    if isinstance(image, SlicePlanes):
+        image = image.rows
     if isinstance(image, Spooled):
         remove(image.path)
 

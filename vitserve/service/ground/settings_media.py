@@ -116,6 +116,13 @@ class DecodingSettings:
         encode=True,
         choices=("cpu", "nvdec"),
     )
+    video_convert: str = setting(
+        "auto",
+        "where a video's sampled frames become RGB at their size: device (the devices "
+        "convert and resize the decoder's YUV planes: the same bytes, less host work), "
+        "worker (the decode workers); auto: device on CUDA devices, worker on the CPU",
+        choices=("auto", "device", "worker"),
+    )
     video_decode_timeout: float = setting(
         180.0,
         "seconds a decode worker may spend on one video (beyond, the "
@@ -169,6 +176,7 @@ class DecodingSettings:
                     f"--preprocess must be {' or '.join(PREPROCESS_MODES)}, got {self.preprocess!r}",
                 ),
                 (self.video_decoder in ("cpu", "nvdec"), "--video-decoder must be cpu or nvdec"),
+                (self.video_convert in ("auto", "device", "worker"), "--video-convert must be auto, device or worker"),
                 *positive(self, "decode_timeout", "video_decode_timeout"),
                 (self.video_fps is None or self.video_fps > 0, "--video-fps must be positive (frames a second)"),
                 (self.decode_workers >= 0, "--decode-workers must be >= 0"),
@@ -181,6 +189,12 @@ class DecodingSettings:
                 (None in pixels[2:] or pixels[2] <= pixels[3], "--video-min-pixels must not exceed --video-max-pixels"),
                 (None in pixels[:2] or pixels[0] <= pixels[1], "--min-pixels must not exceed --max-pixels"),
             ]
+        )
+
+    def video_planes(self, devices: list[str]) -> bool:
+        """Whether videos reach the devices as planes (`--video-convert` on these devices)."""
+        return self.video_convert == "device" or (
+            self.video_convert == "auto" and any(d.startswith("cuda") for d in devices)
         )
 
     def worker_count(self) -> int:

@@ -77,6 +77,7 @@ class Engine:
         if self.videos_unavailable:
             log.warning("videos cannot be decoded here: %s; video requests are answered 501", self.videos_unavailable)
         devices, self.dtype = settings.devices.resolve()
+        self.decoder.video_planes = settings.decoding.video_planes(devices)
         if settings.decoding.preprocess == "fast" and any(d.startswith("cuda") for d in devices):
             from ...encoder.preprocess_fast import nvjpeg_available
 
@@ -90,9 +91,8 @@ class Engine:
         self.in_flight = 0
         self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
         self.metrics.watch_tiers(self.tier_figures)
-        self.device_processes = settings.devices.device_processes  # default: on GPUs (faster for one and for two)
-        if self.device_processes is None:
-            self.device_processes = any(d.startswith("cuda") for d in devices)
+        processes = settings.devices.device_processes  # default: on GPUs (faster for one and for two)
+        self.device_processes = any(d.startswith("cuda") for d in devices) if processes is None else processes
         preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
         if core is not None:
             self.backend: LocalBackend | HubBackend = HubBackend(core, self.life, devices, self.collect)
