@@ -384,6 +384,54 @@ def frame_size(num_frames: int, height: int, width: int, cfg: VideoConfig) -> tu
     return h, w
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What a video's header decides before a frame is decoded: which frames it keeps (`indices`, ascending, each
+    once), the source's info, the temporal patch, and the (height, width) its frames are resized to; and from those
+    the timing an LLM places its tokens by."""
+
+    indices: np.ndarray
+    info: VideoInfo
+    temporal_patch_size: int
+    size: tuple[int, int]
+
+    def grid(self, patch_size: int) -> tuple[int, int, int]:
+        """(slices, h / p, w / p)."""
+        return -(-len(self.indices) // self.temporal_patch_size), self.size[0] // patch_size, self.size[1] // patch_size
+
+    def timing(self) -> dict:
+        """An answer's timing: frame_indices, fps, timestamps, second_per_grid_t."""
+        return {
+            "frame_indices": self.indices.tolist(),
+            "fps": self.info.fps,
+            "timestamps": self.timestamps,
+            "second_per_grid_t": self.second_per_grid_t,
+        }
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames kept per second of video (transformers' VideoMetadata.sampled_fps)."""
+        if not self.info.fps:
+            return 24.0
+        return len(self.indices) / self.info.total_frames * self.info.fps
+
+    @property
+    def second_per_grid_t(self) -> float:
+        """Seconds per temporal patch: Qwen2.5-VL's `second_per_grid_ts` entry for this video."""
+        return self.temporal_patch_size / self.sampled_fps
+
+    @property
+    def timestamps(self) -> list[float]:
+        """Seconds of each temporal patch (the mean of its first and last frame's times): what Qwen3-VL's processor
+        writes before each slice's tokens (`<{t:.1f} seconds>`)."""
+        fps = self.info.fps or 24.0
+        indices = self.indices.tolist()
+        t = self.temporal_patch_size
+        indices += indices[-1:] * (-len(indices) % t)
+        times = [i / fps for i in indices]
+        return [(times[i] + times[i + t - 1]) / 2 for i in range(0, len(times), t)]
+
+
 @dataclass
 class Video:
     """A decoded video: its sampled frames resized (uint8 [F, h, w, 3]), or as their planes (uint8 [F, row_bytes],
@@ -412,27 +460,20 @@ class Video:
         return [frames[i : i + t] for i in range(0, len(frames), t)]
 
     @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.indices, self.info, self.temporal_patch_size, self.size)
+
+    @property
     def sampled_fps(self) -> float:
-        """Frames kept per second of video (transformers' VideoMetadata.sampled_fps)."""
-        if not self.info.fps:
-            return 24.0
-        return len(self.indices) / self.info.total_frames * self.info.fps
+        return self.sampling.sampled_fps
 
     @property
     def second_per_grid_t(self) -> float:
-        """Seconds per temporal patch: Qwen2.5-VL's `second_per_grid_ts` entry for this video."""
-        return self.temporal_patch_size / self.sampled_fps
+        return self.sampling.second_per_grid_t
 
     @property
     def timestamps(self) -> list[float]:
-        """Seconds of each temporal patch (the mean of its first and last frame's times): what Qwen3-VL's processor
-        writes before each slice's tokens (`<{t:.1f} seconds>`)."""
-        fps = self.info.fps or 24.0
-        indices = self.indices.tolist()
-        t = self.temporal_patch_size
-        indices += indices[-1:] * (-len(indices) % t)
-        times = [i / fps for i in indices]
-        return [(times[i] + times[i + t - 1]) / 2 for i in range(0, len(times), t)]
+        return self.sampling.timestamps
 
 
 def unavailable() -> str | None:
@@ -641,15 +682,29 @@ def _plan(
     return info, kept, (height, width), VideoCost(kept_bytes + info.height * info.width * 3, work)
 
 
-def video_cost(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), planes: bool = False) -> VideoCost:
-    """What decoding this video takes (`load_video`'s frames, as RGB or with `planes` as planes, whichever is
-    larger, and one decoded frame; its decode work), read from its header with the same checks `load_video` makes
-    first: what a server reserves before it decodes the video."""
+@dataclass(frozen=True)
+class VideoPlan:
+    """A video's header read (`video_plan`): what it keeps and what decoding it takes."""
+
+    sampling: Sampling
+    cost: VideoCost
+
+
+def video_plan(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), planes: bool = False) -> VideoPlan:
+    """Which frames `load_video` keeps and at what size, and what decoding them takes (its frames, as RGB or with
+    `planes` as planes, whichever is larger, and one decoded frame; its decode work), read from the video's header
+    with the same checks `load_video` makes first: what a server knows and reserves before it decodes the video."""
     container = _open(source, _most_pixels(limits))
     try:
-        return _plan(container, cfg, limits, planes)[3]
+        info, kept, size, cost = _plan(container, cfg, limits, planes)
+        return VideoPlan(Sampling(kept, info, cfg.temporal_patch_size, size), cost)
     finally:
         container.close()
+
+
+def video_cost(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), planes: bool = False) -> VideoCost:
+    """`video_plan`'s cost."""
+    return video_plan(source, cfg, limits, planes).cost
 
 
 def load_video(

@@ -62,12 +62,12 @@ def decode_and_resize(
     return DecodedImage((spool_prefix and spool.put(spool_prefix, image)) or image, seconds)
 
 
-def measure_video(data, is_base64: bool, cfg, limits, planes: bool = False):
-    """Runs in a worker: what decoding a video takes (a VideoCost: memory and decode work), from its header
-    (encoder.video.video_cost: its limits checked first; `planes`: its frames kept as planes where they can)."""
-    from ...encoder.video import video_cost
+def plan_video(data, is_base64: bool, cfg, limits, planes: bool = False):
+    """Runs in a worker: what a video keeps and what decoding it takes (a VideoPlan), from its header
+    (encoder.video.video_plan: its limits checked first; `planes`: its frames kept as planes where they can)."""
+    from ...encoder.video import video_plan
 
-    return video_cost(received(data, is_base64), cfg, limits, planes)
+    return video_plan(received(data, is_base64), cfg, limits, planes)
 
 
 VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)
@@ -124,12 +124,6 @@ def decode_video(
     ]
     if video.layout is not None:
         out = [SlicePlanes(x, video.layout, video.size) for x in out]
-    h, w = video.size
-    timing = {
-        "frame_indices": video.indices.tolist(),
-        "fps": video.info.fps,
-        "timestamps": video.timestamps,
-        "second_per_grid_t": video.second_per_grid_t,
-    }
-    grid = (len(slices), h // cfg.patch_size, w // cfg.patch_size)
-    return DecodedVideo(out, grid, timing, video.decoder, time.perf_counter() - start, video.info.duration)
+    sampling, seconds = video.sampling, time.perf_counter() - start
+    grid = sampling.grid(cfg.patch_size)
+    return DecodedVideo(out, grid, sampling.timing(), video.decoder, seconds, video.info.duration)

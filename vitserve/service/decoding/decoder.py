@@ -36,7 +36,7 @@ from ..ground.metrics import Metrics
 from ..ground.settings_media import DecodingSettings, LimitSettings
 from . import spool
 from .budget import MemoryBudget
-from .decode import VIDEO_DECODE_THREADS, decode_and_resize, decode_video, measure_video, read_header
+from .decode import VIDEO_DECODE_THREADS, decode_and_resize, decode_video, plan_video, read_header
 from .decode_runner import DecodeRunner
 from .first_bytes import first_headers, head, head_or_error, looks_like_text  # noqa: F401 (head, looks_like_text: re-exported)
 from .rejection import rejection
@@ -135,15 +135,17 @@ class Decoder(DecodeRunner):
         return out
 
     async def decode_videos(self, videos: list, cfg, field: str = "videos", names: list[int] | None = None) -> list:
-        """Decode, sample and resize videos concurrently in the decode workers (decode.decode_video, under
-        `--video-decode-timeout`); per video its (slices, grid, timing). Each one's first bytes must be a video
-        container's (video.sniff: an image sent as a video is told so); each may keep at most the per-request decode
-        memory of resized frames, and takes what it keeps from the server's decode memory while it decodes. Their
-        decode work (encoder.video.decode_work), read from their headers first, is held to
-        --video-decode-work-per-request and taken from --video-decode-work while they decode; at most
-        --video-decode-workers workers hold videos at once (headers read or frames decoded), so that images always
-        find the others. The first bad video fails the request (only it)."""
-        from ...encoder.video import VideoLimits, sniff
+        """Decode, sample and resize videos concurrently in the decode workers: `plan_videos`, then `decode_planned`;
+        per video its (slices, grid, timing)."""
+        return await self.decode_planned(videos, await self.plan_videos(videos, cfg, field, names), cfg, field, names)
+
+    async def plan_videos(self, videos: list, cfg, field: str = "videos", names: list[int] | None = None) -> list:
+        """Each video's VideoPlan (which frames it keeps, at what size, and what decoding them takes), read from
+        its header by a decode worker (decode.plan_video, under `--video-decode-timeout`). Each one's first bytes
+        must be a video container's (video.sniff: an image sent as a video is told so); each may keep at most the
+        per-request decode memory of resized frames; their decode work (encoder.video.decode_work) together is held
+        to --video-decode-work-per-request. The first bad video fails the request (only it)."""
+        from ...encoder.video import sniff
 
         names = list(range(len(videos))) if names is None else names
         loop, owner = asyncio.get_running_loop(), object()
@@ -158,20 +160,14 @@ class Decoder(DecodeRunner):
                     "not_a_video",
                     param,
                 )
-        s = self.limits
-        limits = VideoLimits(
-            max_seconds=s.max_video_seconds,
-            max_frame_pixels=s.max_image_pixels,
-            max_bytes=s.decode_memory_per_request,
-            max_work=s.video_decode_work_per_request,
-        )
-        costs = await self.run_all(
-            [self._video_job(measure_video, data, owner, cfg, limits, self.video_planes) for data in videos],
+        limits = self._video_limits()
+        plans = await self.run_all(
+            [self._video_job(plan_video, data, owner, cfg, limits, self.video_planes) for data in videos],
             field,
             names,
             "video",
         )
-        work, limit = sum(cost.work for cost in costs), s.video_decode_work_per_request
+        work, limit = sum(plan.cost.work for plan in plans), self.limits.video_decode_work_per_request
         if work > limit:
             raise InputTooLarge(
                 f"decoding these {len(videos)} videos is {work / 1e9:.1f} G pixels of work; a request "
@@ -179,8 +175,19 @@ class Decoder(DecodeRunner):
                 "decode_work",
                 field,
             )
+        return plans
+
+    async def decode_planned(
+        self, videos: list, plans: list, cfg, field: str = "videos", names: list[int] | None = None
+    ) -> list:
+        """Decode videos whose `plan_videos` are `plans`, concurrently in the decode workers (decode.decode_video,
+        under `--video-decode-timeout`); per video its (slices, grid, timing). Each takes the memory and the decode
+        work its plan declares from the server's decode memory and --video-decode-work while it decodes; at most
+        --video-decode-workers workers hold videos at once, so that images always find the others."""
+        names = list(range(len(videos))) if names is None else names
+        limits, owner = self._video_limits(), object()
         results = await self.run_all(
-            [self._decode_video(data, cfg, limits, cost, owner) for data, cost in zip(videos, costs)],
+            [self._decode_video(data, cfg, limits, plan.cost, owner) for data, plan in zip(videos, plans)],
             field,
             names,
             "video",
@@ -194,6 +201,17 @@ class Decoder(DecodeRunner):
             m.record("decode", video.seconds)
             out.append((video.slices, video.grid, video.timing))
         return out
+
+    def _video_limits(self):
+        from ...encoder.video import VideoLimits
+
+        s = self.limits
+        return VideoLimits(
+            max_seconds=s.max_video_seconds,
+            max_frame_pixels=s.max_image_pixels,
+            max_bytes=s.decode_memory_per_request,
+            max_work=s.video_decode_work_per_request,
+        )
 
     async def _video_job(self, fn, data, owner, *args):
         """fn(video, *args) in a decode worker once one of the videos' workers (--video-decode-workers) is free,
