@@ -94,6 +94,14 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def running(pid: int) -> bool:
+    """Whether a process is there and not a zombie (one that exits while it is looked at is not running)."""
+    try:
+        return b") Z" not in Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:  # FileNotFoundError, or ProcessLookupError once it is gone
+        return False
+
+
 def wait_until(condition, timeout: float = 30.0, what: str = "the condition") -> None:
     """Block until `condition()` holds; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import assert_served, children, data_uri, png, wait_until
+from helpers import assert_served, children, data_uri, png, running, wait_until
 from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
 
 from vitserve.encoder import VisionEncoder
@@ -392,15 +392,7 @@ def test_front_ends_whose_core_is_killed_answer_503_and_exit():
             replies = [f.result() for f in futures]
         for r in replies:
             assert r.status_code == 503 and r.json()["error"]["code"] == "core_lost", r.text
-        wait_until(
-            lambda: (
-                not any(
-                    Path(f"/proc/{p}").exists() and b") Z" not in Path(f"/proc/{p}/stat").read_bytes() for p in everyone
-                )
-            ),
-            30,
-            "every process of the server gone",
-        )
+        wait_until(lambda: not any(running(p) for p in everyone), 30, "every process of the server gone")
         gone = True
         with pytest.raises(OSError):  # nobody listens any more
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2)

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import SERVED_REL_ERR, SERVER_ON_GPU, children, data_uri, png, rel_err, wait_until
+from helpers import SERVED_REL_ERR, SERVER_ON_GPU, children, data_uri, png, rel_err, running, wait_until
 from PIL import Image
 
 from vitserve.encoder import VisionEncoder
@@ -280,11 +280,7 @@ def test_second_sigterm_exits_promptly():
             pending.result()
         except httpx.HTTPError:
             pass
-    wait_until(
-        lambda: not Path(f"/proc/{device}").exists() or b") Z" in Path(f"/proc/{device}/stat").read_bytes(),
-        10,
-        "the held device process killed",
-    )
+    wait_until(lambda: not running(device), 10, "the held device process killed")
 
 
 def test_device_process_death_exits_nonzero():
