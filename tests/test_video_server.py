@@ -147,6 +147,62 @@ def test_embeddings_pool_a_video(server, library):
     assert_served(vector, library.encode_videos(CLIP, fps=2).embeddings.mean(0), exact=False)
 
 
+def series(url: str, name: str) -> float:
+    """The sum of a /metrics series over its labels."""
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+
+
+def test_a_video_sent_again_is_answered_from_the_cache(server):
+    """The same video with the same options is answered from its cached slices, without decoding (the decode count
+    stays, a cache hit is counted), bit for bit the same, and pooled from the same slices on /v1/embeddings; other
+    sampling options are another entry (decoded again)."""
+    _, url = server
+    clip = make_video(26, 10, 128, 96, photo="portrait.png")  # a video no other test sends
+    body = {"videos": [video_uri(clip)], "num_frames": 6}
+    before = [series(url, n) for n in ("vitserve_videos_decoded_total", "vitserve_cache_hits_total")]
+    first = httpx.post(url + "/v1/encode", json=body, timeout=120)
+    again = httpx.post(url + "/v1/encode", json=body, timeout=120)
+    pooled = httpx.post(
+        url + "/v1/embeddings", json={"input": [video_uri(clip)], "modality": "video", "num_frames": 6}, timeout=120
+    )
+    assert first.status_code == again.status_code == pooled.status_code == 200, (first.text, again.text)
+    tokens = tensor(first.json()["data"][0])
+    assert torch.equal(tensor(again.json()["data"][0]), tokens)
+    assert again.json()["data"][0]["frame_indices"] == first.json()["data"][0]["frame_indices"]
+    assert torch.equal(torch.tensor(pooled.json()["data"][0]["embedding"]), tokens.mean(0))
+    after = [series(url, n) for n in ("vitserve_videos_decoded_total", "vitserve_cache_hits_total")]
+    assert after == [before[0] + 1, before[1] + 2]  # decoded once; the second and the pooled one from the cache
+    other = httpx.post(url + "/v1/encode", json=body | {"num_frames": 4}, timeout=120)
+    assert other.status_code == 200 and series(url, "vitserve_videos_decoded_total") == before[0] + 2
+
+
+def test_without_the_cache_a_video_sent_again_is_decoded_again(library):
+    for _, url in serving("--model", MODEL, "--load-format", "dummy", "--cache-bytes", "0"):
+        body = {"videos": [video_uri(CLIP)], "num_frames": 6}
+        replies = [httpx.post(url + "/v1/encode", json=body, timeout=120) for _ in range(2)]
+        assert [r.status_code for r in replies] == [200, 200]
+        assert_served(tensor(replies[1].json()["data"][0]), library.encode_videos(CLIP, num_frames=6).embeddings)
+        assert series(url, "vitserve_videos_decoded_total") == 2 and series(url, "vitserve_cache_hits_total") == 0
+
+
+def test_one_video_sent_by_two_clients_at_once_is_decoded_once(library):
+    """Two front ends, the same video from two connections at once: the core's cache claims its slices for the
+    first request, the second waits for them (or finds them): one decode, the same answer for both."""
+    clip = make_video(30, 10, 160, 120, photo="portrait.png")
+    for _, url in serving(
+        "--model", MODEL, "--load-format", "dummy", "--api-servers", "2", "--device-processes", "true"
+    ):
+        body = {"videos": [video_uri(clip)], "num_frames": 6}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda _: httpx.post(url + "/v1/encode", json=body, timeout=120), range(2)))
+        assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+        a, b = (tensor(r.json()["data"][0]) for r in replies)
+        assert torch.equal(a, b)
+        assert_served(a, library.encode_videos(clip, num_frames=6).embeddings)
+        assert series(url, "vitserve_videos_decoded_total") == 1
+
+
 @pytest.mark.parametrize(
     "body, status, code",
     [

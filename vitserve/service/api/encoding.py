@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from ..ground.errors import Unsupported
 from ..ground.media import MediaItem
-from ..pipeline.engine import Encoded
+from ..pipeline.encoded import Encoded
 from ..pipeline.loader import ModelInfo
 from .outputs import OFF_LOOP_BYTES, answer_bytes
 from .served import Served

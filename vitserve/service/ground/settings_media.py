@@ -207,8 +207,8 @@ class CacheSettings:
     TITLE: ClassVar[str] = "cache"
     cache_bytes: int = setting(
         512 * 2**20,
-        "host memory for the embedding cache: an image sent again is answered "
-        "from it, without decoding or the device (0: off)",
+        "host memory for the embedding cache: an image or video sent again is "
+        "answered from it, without decoding or the device (0: off)",
         size=True,
     )
     cache_scope: str = setting(

@@ -15,6 +15,11 @@ encodings are stored. Identical images in flight at once are computed once (sing
 the key, the later ones register a waiter (a callback: an asyncio future's, or a front end's link record) that the
 claim's end calls with the entry, or None when it was not stored (the waiter then computes it itself).
 
+A video's slices are entries of their own, each under its video's key (its bytes as sent, the model, its
+preprocessing settings: sampling, sizes, normalization) and its place: a video sent again is answered from its
+slices without decoding (pipeline/videos.py). A slice's entry is its tokens whatever the request pools (the pooled
+mean is taken over the joined slices), so the key leaves pooling out.
+
 A hit answers at once, which tells a client that an image was sent before. `--cache-scope api-key` keys every entry
 by the client's API key too: a client learns only of its own images.
 """
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from ...encoder.media import MediaBytes
 from ...encoder.preprocess import PreprocessConfig
+from ...encoder.video import VideoConfig
 from ..ground.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -57,12 +63,26 @@ class CacheKeys:
 
     def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
         """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
+        return self._digest(data, f"{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}", client)
+
+    async def video_keys(
+        self, videos: list, cfg: VideoConfig, slices: list[int], client: int | None = None
+    ) -> list[list[bytes]]:
+        """The keys of each video's slices (`slices` of them), hashed in a thread: its `video_key` and each place."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None,
+            lambda: [
+                [key + j.to_bytes(4, "big") for j in range(n)]
+                for key, n in ((self._digest(data, f"video\0{cfg!r}", client), n) for data, n in zip(videos, slices))
+            ],
+        )
+
+    def _digest(self, data, settings: str, client: int | None) -> bytes:
         digest, media = hashlib.sha256(), MediaBytes.of(data)
-        base64 = media.base64
         digest.update(media.keyed())
         digest.update(
-            f"\0{'base64' if base64 else 'bytes'}\0{self.model}\0{cfg.min_pixels}\0{cfg.max_pixels}\0"
-            f"{int(mean_pooling)}\0{client if self.per_client else ''}".encode()
+            f"\0{'base64' if media.base64 else 'bytes'}\0{self.model}\0{settings}\0"
+            f"{client if self.per_client else ''}".encode()
         )
         return digest.digest()
 

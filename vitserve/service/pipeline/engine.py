@@ -21,7 +21,6 @@ import multiprocessing
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TypeAlias, cast
 
 from ...encoder import VisionEncoder
@@ -37,30 +36,19 @@ from ..ground.settings import Settings
 from . import fetch
 from .backend import LocalBackend
 from .cache import CacheKeys
+from .encoded import Encoded
 from .hub import HubBackend
 from .lifecycle import NOT_READY, Lifecycle, State
 from .loader import ModelInfo, serving_text
 from .options import checked_image_config, checked_video_config
 from .stats import front_stats
+from .videos import encode_videos as videos_through
 
 __all__ = ["NOT_READY", "Encoded", "Engine", "ModelInfo", "State", "serving_text"]
 log = logging.getLogger("vitserve.engine")
 Preloaded: TypeAlias = (
     VisionEncoder | list[VisionEncoder] | None
 )  # encoders already loaded, to serve instead of loading
-
-
-@dataclass
-class Encoded:
-    """A request's answer: per item its Features (encoder/features.py: tokens, or their mean with mean pooling, the
-    deepstack features, the grid, and a video's timing: frame_indices, fps, timestamps, second_per_grid_t); how long
-    decoding its items took, and the longest queue and inference times among them; the images the cache answered."""
-
-    outputs: list[Features]
-    decode_s: float
-    queue_s: float
-    inference_s: float
-    cache_hits: int = 0
 
 
 class Engine:
@@ -247,7 +235,7 @@ class Engine:
         took, and the longest queue and inference seconds among them. `keys`: the images' cache keys, under which
         the backend keeps their answers."""
         start = time.perf_counter()
-        decoded = await self._decoded(
+        decoded = await self.decoded(
             self.decoder.decode([images[i] for i in todo], cfg, field, todo), disconnected, len(todo)
         )
         decode_s = time.perf_counter() - start
@@ -256,11 +244,11 @@ class Engine:
             WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
             for i, (image, grid) in zip(todo, decoded)
         ]
-        for i, output in zip(todo, await self._run(items, disconnected)):
+        for i, output in zip(todo, await self.run_items(items, disconnected)):
             outputs[i] = output
         return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
 
-    async def _decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0):
+    async def decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0):
         """The result of a request's decoding; a client that leaves first frees its decode workers
         (ClientDisconnected; `dropped` images counted as dropped before they were queued)."""
         decoding = asyncio.ensure_future(decoding)
@@ -276,7 +264,7 @@ class Engine:
             raise
         return decoding.result()
 
-    async def _run(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list:
+    async def run_items(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list:
         """Submit decoded items to the backend and wait for their Features (each with its item's grid); when the
         client leaves first, they are taken out of the queue (ClientDisconnected)."""
         self.backend.submit(items)
@@ -305,37 +293,19 @@ class Engine:
         disconnected: asyncio.Future | None = None,
         field: str = "videos",
         max_pixels: int | None = None,
+        client: int | None = None,
     ) -> Encoded:
-        """Encode a request's videos (MediaBytes, bytes, or URLs when fetching is on): each is decoded, sampled
-        and resized by a decode worker into slices of T frames, and its slices join the image queue as items of
-        their own (they batch beside images and other videos, over as many replays as they need); the answer per
-        video is its Features: its slices' tokens in order (their mean with `mean_pooling`), its grid and timing.
-        `options`: the request's fps, num_frames and max_frames (`video_config`). Not cached."""
+        """Encode a request's videos (MediaBytes, bytes, or URLs when fetching is on): each is sampled and resized
+        by a decode worker into slices of T frames, which join the image queue as items of their own (they batch
+        beside images and other videos, over as many replays as they need) or come from the cache (videos.py); the
+        answer per video is its Features: its slices' tokens in order (their mean with `mean_pooling`), its grid and
+        timing. `options`: the request's fps, num_frames and max_frames (`video_config`); `client` as for images."""
         if self.model is None:
             raise NotReady(f"model is not ready yet ({self.state.value})")
         cfg = self.video_config(max_pixels=max_pixels, **options)
         if self.settings.server.allow_url_fetch:
             videos = await fetch.fetch_all(videos, self.settings, field, self.fetch_budget)
-        start = time.perf_counter()
-        decoded = await self._decoded(self.decoder.decode_videos(videos, cfg, field), disconnected)
-        decode_s = time.perf_counter() - start
-        loop, items, owners = asyncio.get_running_loop(), [], []
-        for j, (slices, (t, h, w), _) in enumerate(decoded):
-            items += [
-                WorkItem(s, (1, h, w), loop.create_future(), False, f"{field}[{j}]", modality="video") for s in slices
-            ]
-            owners += [j] * len(slices)
-        results = await self._run(items, disconnected)
-
-        def assemble() -> list[Features]:  # each video's slices joined: megabytes to copy, off the event loop
-            parts = [[output for owner, output in zip(owners, results) if owner == j] for j in range(len(decoded))]
-            return [
-                Features.join(p, list(grid), timing, mean=mean_pooling) for p, (_, grid, timing) in zip(parts, decoded)
-            ]
-
-        outputs = await asyncio.to_thread(assemble)
-        queue_s, inference_s = (max((getattr(i, t) for i in items), default=0.0) for t in ("queue_s", "inference_s"))
-        return Encoded(outputs, decode_s, queue_s, inference_s)
+        return await videos_through(self, videos, cfg, mean_pooling, disconnected, field, client)
 
     # ---- /stats and /metrics -------------------------------------------------------------------------------------
     def collect(self, kind: str):

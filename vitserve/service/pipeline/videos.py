@@ -1,0 +1,151 @@
+"""A request's videos through the pipeline: each video's header read by a decode worker (the frames it keeps, their
+size, its slices), its slices looked up in the embedding cache, the videos with a slice to compute decoded, those
+slices run as items of the image queue beside images, and each video's answer joined from its slices in order.
+
+A slice's cache key is its video's (the bytes as sent, the model, every sampling and size setting of the request,
+the client where the cache is per client) and its place; a slice's entry is its token features, whatever the request
+pools, so a video sent again (every turn of a chat resends it) is answered from the cache without decoding, and two
+requests for one video at once compute it once (the second waits for the first's slices)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+from ...encoder.features import Features
+from ...encoder.video import VideoConfig
+from ..decoding import spool
+from ..decoding.decoder import Decoder
+from ..devices.scheduler import WorkItem
+from ..ground.metrics import Metrics
+from ..ground.settings import Settings
+from .cache import CacheKeys
+from .encoded import Encoded
+
+
+class Pipeline(Protocol):
+    """What the video path takes from the engine."""
+
+    settings: Settings
+    metrics: Metrics
+    decoder: Decoder
+    cache_keys: CacheKeys
+    backend: Any  # LocalBackend or HubBackend: lookup, release
+
+    async def decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0) -> Any: ...
+
+    async def run_items(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list: ...
+
+
+async def encode_videos(
+    engine: Pipeline,
+    videos: list,
+    cfg: VideoConfig,
+    mean_pooling: bool,
+    disconnected: asyncio.Future | None,
+    field: str,
+    client: int | None,
+) -> Encoded:
+    """The request's videos' Features, in order (engine.encode_videos: its options checked, its URLs fetched)."""
+    start = time.perf_counter()
+    plans = await engine.decoded(engine.decoder.plan_videos(videos, cfg, field), disconnected)
+    plan_s = time.perf_counter() - start
+    grids = [plan.sampling.grid(cfg.patch_size) for plan in plans]
+    keys = (
+        await engine.cache_keys.video_keys(videos, cfg, [g[0] for g in grids], client)
+        if engine.settings.cache.cache_bytes > 0
+        else None
+    )
+    slices, waits, claimed = await looked_up(engine, keys, [g[0] for g in grids])
+    hits = sum(all(s is not None for s in video) for video in slices)
+    engine.metrics.cache_hits.inc(hits)
+    engine.metrics.cache_misses.inc(len(videos) - hits)
+    run = Runs(engine, videos, plans, cfg, field, disconnected)
+    try:
+        try:
+            await run.slices(claimed, slices, keys)
+        finally:  # a claim left unanswered is let go
+            if keys is not None and (unanswered := [keys[v][j] for v, j in claimed if slices[v][j] is None]):
+                engine.backend.release(unanswered)
+        again = []
+        for v, j, other in waits:
+            slices[v][j] = await other
+            if slices[v][j] is None:  # the other request failed: this one computes it itself
+                again.append((v, j))
+        await run.slices(again, slices, None)
+    finally:
+        run.discard_unrun()
+
+    def assemble() -> list[Features]:  # each video's slices joined: megabytes to copy, off the event loop
+        return [
+            Features.join(parts, list(grid), plan.sampling.timing(), mean=mean_pooling)
+            for parts, grid, plan in zip(slices, grids, plans)
+        ]
+
+    outputs = await asyncio.to_thread(assemble)
+    return Encoded(outputs, plan_s + run.decode_s, run.queue_s, run.inference_s, hits)
+
+
+async def looked_up(engine: Pipeline, keys: list[list[bytes]] | None, counts: list[int]) -> tuple[list, list, list]:
+    """Each video's slices (`counts` of them) in the cache: their Features where found (else None), the (video,
+    slice, future) of those another request computes, and the (video, slice) this one computes (claimed)."""
+    slices: list[list] = [[None] * n for n in counts]
+    places = [(v, j) for v, n in enumerate(counts) for j in range(n)]
+    if keys is None:
+        return slices, [], places
+    waits, claimed = [], []
+    for (v, j), entry in zip(places, await engine.backend.lookup([k for video in keys for k in video])):
+        if isinstance(entry, asyncio.Future):
+            waits.append((v, j, entry))
+        elif entry is not None:
+            slices[v][j] = entry
+        else:
+            claimed.append((v, j))
+    return slices, waits, claimed
+
+
+class Runs:
+    """The slices a request computes: their videos decoded once each (as they are first needed), the slices run;
+    the decoded slices not run (answered from the cache) discarded at the end."""
+
+    def __init__(self, engine: Pipeline, videos: list, plans: list, cfg: VideoConfig, field: str, disconnected):
+        self.engine, self.videos, self.plans, self.cfg = engine, videos, plans, cfg
+        self.field, self.disconnected = field, disconnected
+        self.decoded: dict[int, list] = {}  # video -> its slices (pixels, spooled or not)
+        self.ran: set[tuple[int, int]] = set()
+        self.decode_s = self.queue_s = self.inference_s = 0.0
+
+    async def slices(self, todo: list[tuple[int, int]], out: list[list], keys: list[list[bytes]] | None) -> None:
+        """Compute the slices `todo` ((video, slice) pairs) into `out`, under their `keys` where given (the backend
+        keeps their answers there)."""
+        if not todo:
+            return
+        need = sorted({v for v, _ in todo} - set(self.decoded))
+        if need:
+            start, engine = time.perf_counter(), self.engine
+            plans = [self.plans[v] for v in need]
+            decoding = engine.decoder.decode_planned([self.videos[v] for v in need], plans, self.cfg, self.field, need)
+            for v, (video_slices, _, _) in zip(need, await engine.decoded(decoding, self.disconnected)):
+                self.decoded[v] = video_slices
+            self.decode_s += time.perf_counter() - start
+        loop = asyncio.get_running_loop()
+        items = []
+        for v, j in todo:
+            _, h, w = self.plans[v].sampling.grid(self.cfg.patch_size)
+            key = keys[v][j] if keys is not None else None
+            future = loop.create_future()
+            items.append(
+                WorkItem(self.decoded[v][j], (1, h, w), future, False, f"{self.field}[{v}]", key, modality="video")
+            )
+            self.ran.add((v, j))
+        for (v, j), output in zip(todo, await self.engine.run_items(items, self.disconnected)):
+            out[v][j] = output
+        self.queue_s = max([self.queue_s, *(i.queue_s for i in items)])
+        self.inference_s = max([self.inference_s, *(i.inference_s for i in items)])
+
+    def discard_unrun(self) -> None:
+        for v, video_slices in self.decoded.items():
+            for j, pixels in enumerate(video_slices):
+                if (v, j) not in self.ran:
+                    spool.discard(pixels)
