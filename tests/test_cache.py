@@ -169,3 +169,20 @@ def test_the_cache_scope_keeps_clients_apart(encoders, scope, hit):
         assert theirs.json()["cache_hits"] == int(hit)
         assert c.post("/v1/encode", json={"images": [image]}, headers=alice).headers["x-cache-hits"] == "1"
         assert c.post("/v1/encode", json={"images": [image]}).status_code == 401
+
+
+@pytest.mark.parametrize("scope, hit", [("server", "1"), ("api-key", "0")])
+def test_the_cache_scope_keeps_clients_apart_for_videos_too(encoders, scope, hit):
+    """A video's slices are keyed by the client as an image is: with --cache-scope api-key another key's video is
+    decoded again; a repeat of one's own is a hit (x-cache-hits counts the videos answered from the cache)."""
+    pytest.importorskip("av")
+    from videos import make_video
+
+    video = "data:video/mp4;base64," + base64.b64encode(make_video(12, 6, 64, 48)).decode()
+    body = {"videos": [video], "num_frames": 4}
+    with client_for(encoders["tiny-qwen3-vl"], api_key="alice,bob", cache_scope=scope) as c:
+        alice, bob = ({"authorization": f"Bearer {key}"} for key in ("alice", "bob"))
+        assert c.post("/v1/encode", json=body, headers=alice).headers["x-cache-hits"] == "0"
+        theirs = c.post("/v1/encode", json=body, headers=bob)
+        assert theirs.status_code == 200 and theirs.headers["x-cache-hits"] == hit
+        assert c.post("/v1/encode", json=body, headers=alice).headers["x-cache-hits"] == "1"

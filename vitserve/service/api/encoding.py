@@ -80,9 +80,12 @@ async def encode_videos(
     if engine.videos_unavailable:  # the server's condition, not the request's fault
         raise Unsupported(f"this server cannot decode videos: {engine.videos_unavailable}", "videos_unavailable", field)
     served.limits.check_videos(len(videos), field)
+    client = request.scope["state"].get("client")
     return await while_connected(
         request,
-        lambda disconnected: engine.encode_videos(videos, options, mean_pooling, disconnected, field, max_pixels),
+        lambda disconnected: engine.encode_videos(
+            videos, options, mean_pooling, disconnected, field, max_pixels, client
+        ),
     )
 
 
@@ -123,7 +126,8 @@ async def encode_media(
 
 def merged(images: Encoded | None, videos: Encoded, order: list[bool]) -> Encoded:
     """The images' and the videos' answers as one, its items in the request's order (`order`: per item whether it
-    is a video). Phases: the longer of the two (they ran side by side); cache hits: the images'."""
+    is a video). Phases: the longer of the two (they ran side by side); cache hits: both's (items answered from the
+    cache)."""
     image_at, video_at = iter(range(len(images.outputs) if images else 0)), iter(range(len(videos.outputs)))
     where = [(videos, next(video_at)) if is_video else (images, next(image_at)) for is_video in order]
     parts = [part for part in (images, videos) if part is not None]
@@ -132,7 +136,7 @@ def merged(images: Encoded | None, videos: Encoded, order: list[bool]) -> Encode
         max(p.decode_s for p in parts),
         max(p.queue_s for p in parts),
         max(p.inference_s for p in parts),
-        images.cache_hits if images else 0,
+        sum(p.cache_hits for p in parts),
     )
 
 
