@@ -11,18 +11,20 @@ converted and resized on the GPU (encoder.pixels, the same bytes as load_video's
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vitserve.encoder import video as V
-from vitserve.encoder.config import builtin_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from video_decoders import clip_arguments, clips, published  # noqa: E402
+
+from vitserve.encoder import video as V  # noqa: E402
 from vitserve.encoder.pixels import resize, resize_plan, yuv_to_rgb
 from vitserve.encoder.video_decode import decode_sampled
 from vitserve.encoder.video_planes import Conversion
@@ -76,21 +78,12 @@ def timed(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="Qwen/Qwen3-VL-8B-Instruct")
-    ap.add_argument("--clip-dir", default="build/video-clips")
-    ap.add_argument("--fps", type=float, default=2.0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--largest-mb", type=float, default=5.0, help="skip larger clips (the 10-minute one)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = clip_arguments()
     torch.set_num_threads(1)
-    model = builtin_config(args.model)
-    cfg = V.VideoConfig.for_model(model).from_hf(V.PUBLISHED[model.family]).with_request(fps=args.fps)
+    cfg = published(args)
     device = "cuda" if torch.cuda.is_available() else None
     rows = []
-    clips = [p for p in Path(args.clip_dir).glob("*.mp4") if p.stat().st_size <= args.largest_mb * 1e6]
-    for clip in sorted(clips, key=lambda p: p.stat().st_size):
+    for clip in clips(args):
         data = clip.read_bytes()
         video = V.load_video(data, cfg, threads=1)
         row = {

@@ -24,7 +24,8 @@ from vitserve.encoder import video as V  # noqa: E402
 from vitserve.encoder.config import builtin_config  # noqa: E402
 
 
-def main():
+def clip_arguments() -> argparse.Namespace:
+    """The arguments of the per-clip video benches (this one, video_decode.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Qwen/Qwen3-VL-8B-Instruct")
     ap.add_argument("--clip-dir", default="build/video-clips")
@@ -32,12 +33,26 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--largest-mb", type=float, default=5.0, help="skip larger clips (the 10-minute one)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def published(args: argparse.Namespace) -> V.VideoConfig:
+    """--model's published video processor settings, sampled at --fps."""
     cfg = builtin_config(args.model)
-    base = V.VideoConfig.for_model(cfg).from_hf(V.PUBLISHED[cfg.family]).with_request(fps=args.fps)
+    return V.VideoConfig.for_model(cfg).from_hf(V.PUBLISHED[cfg.family]).with_request(fps=args.fps)
+
+
+def clips(args: argparse.Namespace) -> list[Path]:
+    """bench/video.py's MP4 clips in --clip-dir up to --largest-mb, smallest first."""
+    found = [p for p in Path(args.clip_dir).glob("*.mp4") if p.stat().st_size <= args.largest_mb * 1e6]
+    return sorted(found, key=lambda p: p.stat().st_size)
+
+
+def main():
+    args = clip_arguments()
+    base = published(args)
     rows = []
-    clips = [p for p in Path(args.clip_dir).glob("*.mp4") if p.stat().st_size <= args.largest_mb * 1e6]
-    for clip in sorted(clips, key=lambda p: p.stat().st_size):
+    for clip in clips(args):
         data = clip.read_bytes()
         row = {"clip": clip.name}
         frames = {}
