@@ -113,3 +113,21 @@ def test_the_same_ops_on_cuda_give_the_same_bytes():
     assert torch.equal(gpu.cpu(), cpu)
     plan = resize_plan(720, 1280, 480, 832)
     assert torch.equal(resize(gpu, plan.to("cuda")).cpu(), resize(cpu, plan))
+
+
+def test_slices_of_several_videos_are_made_together_and_each_is_its_own():
+    """Slices of two layouts and sizes, interleaved: each comes back as its own frames (those frames_from_planes
+    makes of it alone), in its place."""
+    from vitserve.encoder.pixels import frames_from_planes, slices_from_planes
+    from vitserve.encoder.video_planes import PlanesLayout, SlicePlanes
+
+    rng = np.random.default_rng(4)
+    a = PlanesLayout(48, 64, Conversion.of(2, False, 48))
+    b = PlanesLayout(36, 50, Conversion.of(1, True, 36))
+    slices = [
+        SlicePlanes(rng.integers(0, 256, (2, layout.row_bytes), dtype=np.uint8), layout, size)
+        for layout, size in [(a, (28, 56)), (b, (56, 84)), (a, (28, 56)), (a, (56, 56)), (b, (56, 84))]
+    ]
+    made = slices_from_planes(slices, "cpu")
+    for s, frames in zip(slices, made):
+        assert torch.equal(frames, frames_from_planes(s.rows, s.layout, s.size, "cpu"))

@@ -143,7 +143,7 @@ def _resize_plan(height_in: int, width_in: int, height: int, width: int, device:
 def frames_from_planes(
     rows: torch.Tensor | np.ndarray, layout: PlanesLayout, size: tuple[int, int], device
 ) -> torch.Tensor:
-    """uint8 RGB frames [T, height, width, 3] on `device` from T frames' planes (host or device rows): converted as
+    """uint8 RGB frames [F, height, width, 3] on `device` from F frames' planes (host or device rows): converted as
     swscale does and resized as torch's CPU kernel does (encoder.pixels), so equal to the frames `load_video` makes
     on the host."""
     device = torch.device(device)
@@ -156,3 +156,24 @@ def frames_from_planes(
     rgb = yuv_to_rgb(y, u, v, layout.conversion)
     plan = _resize_plan(h, w, *size, str(device))
     return resize(rgb, plan).permute(0, 2, 3, 1).contiguous()
+
+
+def slices_from_planes(slices: list, device) -> list[torch.Tensor]:
+    """Video slices (video_planes.SlicePlanes, rows on the host) -> their uint8 RGB frames [T, h, w, 3] on `device`:
+    the slices of one layout and size converted and resized together (one upload, one pass of each op), whichever
+    videos they come from."""
+    out: list = [None] * len(slices)
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(slices):
+        groups.setdefault((s.layout, s.size), []).append(i)
+    pinned = torch.device(device).type == "cuda"
+    for (layout, size), members in groups.items():
+        parts = [np.asarray(slices[i].rows) for i in members]
+        rows = torch.empty(sum(len(p) for p in parts), layout.row_bytes, dtype=torch.uint8, pin_memory=pinned)
+        np.concatenate(parts, out=rows.numpy())  # (the one copy from the spool files' pages)
+        frames = frames_from_planes(rows, layout, size, device)
+        start = 0
+        for i in members:
+            count = len(slices[i].rows)
+            out[i], start = frames[start : start + count], start + count
+    return out

@@ -15,7 +15,7 @@ from PIL import Image
 from . import checkpoint, preprocess_fast, video
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
 from .features import Features
-from .pixels import frames_from_planes
+from .pixels import frames_from_planes, slices_from_planes
 from .plan import Grid
 from .preprocess import (
     PREPROCESS_MODES,
@@ -329,11 +329,10 @@ class VisionEncoder:
         the same bytes). Images that cannot be decoded there are left out, with their errors (`Launched.failed`);
         `outputs` gives the rest."""
         failed: dict[int, ImageError] = {}
-        if any(isinstance(x, SlicePlanes) for x in images):  # video slices as planes: their frames made here
-            images = [
-                frames_from_planes(x.rows, x.layout, x.size, self.device) if isinstance(x, SlicePlanes) else x
-                for x in images
-            ]
+        if planes := [i for i, x in enumerate(images) if isinstance(x, SlicePlanes)]:  # their frames made here
+            images = list(images)
+            for i, frames in zip(planes, slices_from_planes([images[i] for i in planes], self.device)):
+                images[i] = frames
         if self.preprocess_mode == "fast":
             slices = {i for i, x in enumerate(images) if getattr(x, "ndim", 0) == 4}  # video slices: resized already
             todo = [i for i in range(len(images)) if i not in slices]
