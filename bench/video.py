@@ -20,7 +20,8 @@ default). Prints a table, writes JSON (--out).
   tree: front ends, device and decode processes; from /proc every 50 ms; shared pages count once per process) and
   the images' p50/p99 beside the long clip against without it (measured first, for --image-seconds).
 The server runs with the embedding cache off (the same image is sent over and over), a payload limit that fits the
-largest clip and --max-video-frames that fits the long clip, then --server-flags. Every phase is bounded
+largest clip and --max-video-frames that fits the long clip, then --server-flags (`--server-flags "--cache-bytes
+2G" --phases single`: the warm-up fills the cache, and single's figure is a cache hit's). Every phase is bounded
 (--request-timeout per request, a deadline per phase) so a hung server fails a phase instead of hanging the run.
 
 What the tower sees depends on the video processor settings. Dummy weights of a built-in hub id take the published
