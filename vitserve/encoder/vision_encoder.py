@@ -343,7 +343,10 @@ class VisionEncoder:
                     preprocess_fast.resize_on_device([images[i] for i in todo], [sizes[i] for i in todo], self.device),
                 )
             )
-            prepared |= {i: preprocess_fast.upload(images[i], self.device) for i in slices}
+            prepared |= {
+                i: images[i] if torch.is_tensor(images[i]) else preprocess_fast.upload(images[i], self.device)
+                for i in slices
+            }  # (a slice made from its planes is on the device already)
             failed = {i: x for i, x in prepared.items() if isinstance(x, ImageError)}
             images = [prepared[i] for i in range(len(images)) if i not in failed]
             if mean_pooling is not None:
