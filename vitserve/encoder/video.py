@@ -32,7 +32,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Generator, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -585,7 +585,7 @@ def _video_stream(container):
 
 def sampled_frames(
     container, indices: np.ndarray, threads: int = 0, max_work: int | None = None, rewindable: bool = False
-) -> Iterator[tuple[int, Any]]:
+) -> Generator[tuple[int, Any], None, None]:
     """(index, PyAV frame) for the frames at `indices` (a repeated index gives its frame once, as transformers'
     reader does). Where the container's input can be read twice (`rewindable`), only what those frames need is
     decoded (`video_decode.decode_sampled`: the same frames as a decode of every frame; a frame may come twice, the
@@ -652,9 +652,17 @@ class VideoCost:
     work: int
 
 
-def _plan(
-    container, cfg: VideoConfig, limits: VideoLimits, planes: bool = False
-) -> tuple[VideoInfo, np.ndarray, tuple[int, int], VideoCost]:
+@dataclass(frozen=True)
+class VideoPlan:
+    """A video's header read (`video_plan`): what it keeps, what decoding it takes, and whether its frames are kept
+    as planes where they can be (`load_video(planes=True)`, and they fit the frames' memory limit)."""
+
+    sampling: Sampling
+    cost: VideoCost
+    as_planes: bool = False
+
+
+def _plan(container, cfg: VideoConfig, limits: VideoLimits, planes: bool = False) -> VideoPlan:
     """From the header, before any frame is kept: the video's info (its limits checked), the frames to keep, their
     size, and what decoding it takes (its limits checked; `planes`: kept as planes where they fit, `load_video`)."""
     info = probe(container, limits)
@@ -676,18 +684,12 @@ def _plan(
             f"{limits.max_work / 1e9:.1f} G (send a shorter or smaller video)"
         )
     kept_bytes = len(kept) * height * width * 3
-    as_planes = len(kept) * PlanesLayout.bytes_for(info.height, info.width)
-    if planes and as_planes <= limits.max_bytes:
-        kept_bytes = max(kept_bytes, as_planes)
-    return info, kept, (height, width), VideoCost(kept_bytes + info.height * info.width * 3, work)
-
-
-@dataclass(frozen=True)
-class VideoPlan:
-    """A video's header read (`video_plan`): what it keeps and what decoding it takes."""
-
-    sampling: Sampling
-    cost: VideoCost
+    planes_bytes = len(kept) * PlanesLayout.bytes_for(info.height, info.width)
+    as_planes = planes and planes_bytes <= limits.max_bytes
+    if as_planes:
+        kept_bytes = max(kept_bytes, planes_bytes)
+    cost = VideoCost(kept_bytes + info.height * info.width * 3, work)
+    return VideoPlan(Sampling(kept, info, cfg.temporal_patch_size, (height, width)), cost, as_planes)
 
 
 def video_plan(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), planes: bool = False) -> VideoPlan:
@@ -696,8 +698,7 @@ def video_plan(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
     with the same checks `load_video` makes first: what a server knows and reserves before it decodes the video."""
     container = _open(source, _most_pixels(limits))
     try:
-        info, kept, size, cost = _plan(container, cfg, limits, planes)
-        return VideoPlan(Sampling(kept, info, cfg.temporal_patch_size, size), cost)
+        return _plan(container, cfg, limits, planes)
     finally:
         container.close()
 
@@ -717,13 +718,13 @@ def load_video(
     fit `limits.max_bytes`; RGB frames otherwise."""
     container = _open(source, _most_pixels(limits), cfg.decoder)
     try:
-        info, kept, (height, width), cost = _plan(container, cfg, limits, planes)
+        plan = _plan(container, cfg, limits, planes)
+        info, kept, (height, width) = plan.sampling.info, plan.sampling.indices, plan.sampling.size
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
-        decoding = (container, kept, threads, 2 * cost.work, _rewindable(source))
-        fits = len(kept) * PlanesLayout.bytes_for(info.height, info.width) <= limits.max_bytes
-        if planes and fits and (video := _load_planes(*decoding, info, (height, width), cfg)) is not None:
+        decoding = (container, kept, threads, 2 * plan.cost.work, _rewindable(source))
+        if plan.as_planes and (video := _load_planes(*decoding, info, (height, width), cfg)) is not None:
             return video
-        if planes and fits:  # a frame without an exact conversion: the frames are made here, from the start
+        if plan.as_planes:  # a frame without an exact conversion: the frames are made here, from the start
             container.seek(0)
             _video_stream(container).codec_context.flush_buffers()
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
@@ -744,16 +745,20 @@ def _load_planes(container, kept, threads, max_work, rewindable, info, size, cfg
     layout, rows = None, np.empty((0, 0), dtype=np.uint8)
     slot = {int(i): n for n, i in enumerate(kept)}
     filled = np.zeros(len(kept), dtype=bool)
-    for i, frame in sampled_frames(container, kept, threads, max_work, rewindable):
-        if layout is None:
-            layout = PlanesLayout.of(frame)
+    frames = sampled_frames(container, kept, threads, max_work, rewindable)
+    try:
+        for i, frame in frames:
             if layout is None:
+                layout = PlanesLayout.of(frame)
+                if layout is None:
+                    return None
+                rows = np.empty((len(kept), layout.row_bytes), dtype=np.uint8)
+            elif PlanesLayout.of(frame) != layout:
                 return None
-            rows = np.empty((len(kept), layout.row_bytes), dtype=np.uint8)
-        elif PlanesLayout.of(frame) != layout:
-            return None
-        planes_row(frame, layout, rows[slot[i]])
-        filled[slot[i]] = True
+            planes_row(frame, layout, rows[slot[i]])
+            filled[slot[i]] = True
+    finally:  # (a pass left here ends now, its decoder settings put back, before the container is read again)
+        frames.close()
     _check_filled(filled, kept, info)
     return Video(rows, kept, info, cfg.temporal_patch_size, decoder_used(container), layout, size)
 
