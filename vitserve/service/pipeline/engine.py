@@ -191,7 +191,11 @@ class Engine:
         keys = (
             await self.cache_keys.keys(images, cfg, mean_pooling, client) if self.settings.cache.cache_bytes > 0 else []
         )
-        todo, waits, hits = (await self._looked_up(keys, outputs)) if keys else (list(range(len(images))), [], 0)
+        todo, waits = (await self.looked_up(keys, outputs)) if keys else (list(range(len(images))), [])
+        hits = len(images) - len(todo) - len(waits)
+        if keys:
+            self.metrics.cache_hits.inc(hits)
+            self.metrics.cache_misses.inc(len(todo))
         times = (0.0, 0.0, 0.0)
         try:
             if todo:
@@ -205,20 +209,18 @@ class Engine:
                 times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected)
         return Encoded(cast("list[Features]", outputs), *times, hits)  # each one filled by now
 
-    async def _looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list, int]:
-        """The cache's answers filled into `outputs` (hits); the images to compute (claimed for this request), the
-        (index, future) of those another request computes, and the hits."""
-        todo, waits, hits = [], [], 0
+    async def looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list]:
+        """The cache's answers for `keys` filled into `outputs` (hits); the indices to compute (claimed for this
+        request), and the (index, future) of those another request computes."""
+        todo, waits = [], []
         for i, found in enumerate(await self.backend.lookup(keys)):
-            if isinstance(found, asyncio.Future):  # the same image is being encoded already
+            if isinstance(found, asyncio.Future):  # the same item is being encoded already
                 waits.append((i, found))
             elif found is not None:
-                outputs[i], hits = found, hits + 1
+                outputs[i] = found
             else:
                 todo.append(i)
-        self.metrics.cache_hits.inc(hits)
-        self.metrics.cache_misses.inc(len(todo))
-        return todo, waits, hits
+        return todo, waits
 
     async def _compute(
         self,

@@ -35,6 +35,8 @@ class Pipeline(Protocol):
 
     async def decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0) -> Any: ...
 
+    async def looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list]: ...
+
     async def run_items(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list: ...
 
 
@@ -52,12 +54,10 @@ async def encode_videos(
     plans = await engine.decoded(engine.decoder.plan_videos(videos, cfg, field), disconnected)
     plan_s = time.perf_counter() - start
     grids = [plan.sampling.grid(cfg.patch_size) for plan in plans]
-    keys = (
-        await engine.cache_keys.video_keys(videos, cfg, [g[0] for g in grids], client)
-        if engine.settings.cache.cache_bytes > 0
-        else None
-    )
-    slices, waits, claimed = await looked_up(engine, keys, [g[0] for g in grids])
+    counts = [g[0] for g in grids]
+    cached = engine.settings.cache.cache_bytes > 0
+    keys = await engine.cache_keys.video_keys(videos, cfg, counts, client) if cached else None
+    slices, waits, claimed = await looked_up(engine, keys, counts)
     hits = sum(all(s is not None for s in video) for video in slices)
     engine.metrics.cache_hits.inc(hits)
     engine.metrics.cache_misses.inc(len(videos) - hits)
@@ -90,19 +90,15 @@ async def encode_videos(
 async def looked_up(engine: Pipeline, keys: list[list[bytes]] | None, counts: list[int]) -> tuple[list, list, list]:
     """Each video's slices (`counts` of them) in the cache: their Features where found (else None), the (video,
     slice, future) of those another request computes, and the (video, slice) this one computes (claimed)."""
-    slices: list[list] = [[None] * n for n in counts]
     places = [(v, j) for v, n in enumerate(counts) for j in range(n)]
     if keys is None:
-        return slices, [], places
-    waits, claimed = [], []
-    for (v, j), entry in zip(places, await engine.backend.lookup([k for video in keys for k in video])):
-        if isinstance(entry, asyncio.Future):
-            waits.append((v, j, entry))
-        elif entry is not None:
-            slices[v][j] = entry
-        else:
-            claimed.append((v, j))
-    return slices, waits, claimed
+        return [[None] * n for n in counts], [], places
+    found: list = [None] * len(places)
+    todo, waits = await engine.looked_up([k for video in keys for k in video], found)
+    slices, flat = [], iter(found)
+    for n in counts:
+        slices.append([next(flat) for _ in range(n)])
+    return slices, [(*places[i], future) for i, future in waits], [places[i] for i in todo]
 
 
 class Runs:
