@@ -571,3 +571,16 @@ def test_the_decode_workers_default_to_the_cpus_available(monkeypatch):
         assert decoder.threads._max_workers == 3
     finally:
         decoder.threads.shutdown()
+
+
+def test_video_convert_names_where_video_frames_become_rgb():
+    """worker (the default): the decode workers; device: the devices, whatever they are; auto: the devices where
+    they are GPUs, the workers on the CPU."""
+    from vitserve.service.ground.settings_media import DecodingSettings
+
+    assert DecodingSettings().video_convert == "worker"
+    cases = {("worker", "cuda:0"): False, ("device", "cpu"): True, ("auto", "cuda:0"): True, ("auto", "cpu"): False}
+    for (convert, device), planes in cases.items():
+        assert DecodingSettings(video_convert=convert).video_planes([device]) is planes, (convert, device)
+    with pytest.raises(ValueError, match="--video-convert"):
+        DecodingSettings(video_convert="gpu")

@@ -392,15 +392,14 @@ class VisionEncoder:
         max_pixels: int | None = None,
     ) -> EncodedVideo | list[EncodedVideo]:
         """A video (a path, its bytes or a decoded video.Video) -> its EncodedVideo; a list -> one per video, in
-        order; options as for `preprocess_videos`. Each video is decoded and sampled on the host, its frames
-        converted to RGB and resized there or, on a CUDA device, on the device from their planes (the same bytes:
-        video.load_video's `planes`); its slices (T frames each) go to the device as uint8 and pack into the patch
+        order; options as for `preprocess_videos`. Each video is decoded, sampled and resized on the host (a
+        decoded video.Video kept as planes, `load_video(planes=True)`, is converted and resized on the device: the
+        same bytes); its slices (T frames each) go to the device as uint8 and pack into the patch
         budgets like images, so a long video spans several replays (the tower attends within a slice only). The
         first video that cannot be decoded raises its video.VideoError."""
         videos, single = videos_list(videos)
         cfg = self.video_config.with_request(fps, num_frames, max_frames, max_pixels)
-        planes = self.device.type == "cuda"
-        decoded = [v if isinstance(v, video.Video) else video.load_video(v, cfg, planes=planes) for v in videos]
+        decoded = [v if isinstance(v, video.Video) else video.load_video(v, cfg) for v in videos]
         slices = [
             [s if v.layout is None else frames_from_planes(s, v.layout, v.size, self.device) for s in v.slices()]
             for v in decoded

@@ -117,10 +117,10 @@ class DecodingSettings:
         choices=("cpu", "nvdec"),
     )
     video_convert: str = setting(
-        "auto",
-        "where a video's sampled frames become RGB at their size: device (the devices "
-        "convert and resize the decoder's YUV planes: the same bytes, less host work), "
-        "worker (the decode workers); auto: device on CUDA devices, worker on the CPU",
+        "worker",
+        "where a video's sampled frames become RGB at their size: worker (the decode "
+        "workers), device (the devices convert and resize the decoder's YUV planes: "
+        "the same bytes, less host work), auto (device on CUDA devices, worker on the CPU)",
         choices=("auto", "device", "worker"),
     )
     video_decode_timeout: float = setting(
