@@ -73,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 from bench_http import run_batches, server_batches  # noqa: E402
-from frontend import process_tree  # noqa: E402
+from frontend import cores_text, process_tree, with_server_cores  # noqa: E402
 from videos import frames_of  # noqa: E402
 
 PHASES = ("single", "throughput", "long")
@@ -245,6 +245,7 @@ class Connection:
     def __init__(self, url: str, timeout: float):
         parts = urlsplit(url)
         self.host, self.port, self.timeout, self.conn = parts.hostname, parts.port, timeout, None
+        self.headers_s = 0.0  # the last answer: seconds from its request's first byte to its headers
 
     def post(self, path: str, body: bytes, headers: dict) -> tuple[float, int, bytes, dict]:
         if self.conn is None:
@@ -253,6 +254,7 @@ class Connection:
         try:
             self.conn.request("POST", path, body=body, headers=headers)
             r = self.conn.getresponse()
+            self.headers_s = time.perf_counter() - start
             data = r.read()
         except Exception:
             self.close()
@@ -508,7 +510,8 @@ def http_single(url: str, path: Path, args) -> dict:
         for _ in range(args.repeats):
             seconds, status, data, headers = conn.post("/v1/encode", *body)
             assert status == 200, (status, data[:300])
-            runs.append((seconds, {h: float(headers.get(f"x-{h}-time", "nan")) / 1e3 for h in HEADERS}))
+            phases = {h: float(headers.get(f"x-{h}-time", "nan")) / 1e3 for h in HEADERS}
+            runs.append((seconds, phases | {"headers": conn.headers_s}))
     finally:
         conn.close()
     n = struct.unpack("<Q", data[:8])[0]
@@ -518,7 +521,10 @@ def http_single(url: str, path: Path, args) -> dict:
         frames=answer_frames(data),
         grid=json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["grid_thw"])[0],
         body_mb=len(body[0]) / 1e6,
+        answer_mb=len(data) / 1e6,
         median_by_header_s={h: statistics.median(p[h] for _, p in runs) for h in HEADERS},
+        # the request sent and the answer's headers back (the server's whole work); the rest is the answer's body
+        median_to_headers_s=statistics.median(p["headers"] for _, p in runs),
     )
 
 
@@ -714,6 +720,13 @@ def figures(r: dict) -> list[tuple[str, str]]:
         lambda: f"{single['median_by_header_s']['decode']:.3f} / {single['median_by_header_s']['inference']:.3f}",
     )
     row(
+        "single: vitserve to the answer's headers / its body, s (MB)",
+        lambda: (
+            f"{single['median_to_headers_s']:.3f} / {single['seconds'] - single['median_to_headers_s']:.3f} "
+            f"({single['answer_mb']:.1f})"
+        ),
+    )
+    row(
         "single: transformers processor + tower, s",
         lambda: (
             ("skipped: " + hf["skipped"][:60])
@@ -744,6 +757,10 @@ def figures(r: dict) -> list[tuple[str, str]]:
     row(
         "throughput: HTTP answers, failures, p50 / p99 ms",
         lambda: f"{tp['answered']}, {tp['failures']}, {ms(tp['latency']['p50_ms'])} / {ms(tp['latency']['p99_ms'])}",
+    )
+    row(
+        "throughput: server cores (by role)",
+        lambda: f"{tp['server_cores']:.1f} ({cores_text(tp['server_cores_by_role'])})",
     )
     row("throughput: engine only frames/s", lambda: eng.get("error") or f"{eng['frames_per_s']:.1f}")
     row("throughput: HTTP / engine", lambda: f"{tp['frames_per_s'] / eng['frames_per_s']:.1%}")
@@ -954,7 +971,7 @@ def main():
                 phase(
                     "throughput",
                     args.seconds + 2 * args.request_timeout + 30,
-                    lambda: http_throughput(url, mix_paths, args),
+                    lambda: with_server_cores(proc, lambda: http_throughput(url, mix_paths, args)),
                 )
             if "long" in phases:
                 phase(

@@ -3,7 +3,8 @@ published checkpoint, sampled at --fps): PyAV decoding every frame (the floor a 
 decode (`video_decode.decode_sampled`: only what the sampled frames need, their YUV planes copied out), and
 `load_video` (the decode the library and the decode workers run: that, plus swscale's RGB conversion and torch's
 resize of each sampled frame on the CPU); each as a ratio of the full decode. With CUDA, the sampled frames' planes
-converted and resized on the GPU (encoder.pixels, the same bytes as load_video's, checked here). Medians of
+converted and resized on the GPU (encoder.pixels: its fused kernels and its tensor ops, from pinned planes, the
+same bytes as load_video's, checked here). Medians of
 --repeats after a warm-up; prints a table, writes JSON (--out).
 
     PYTHONPATH=$PWD python3 bench/video_decode.py --clip-dir build/video-clips --out video_decode.json
@@ -11,6 +12,7 @@ converted and resized on the GPU (encoder.pixels, the same bytes as load_video's
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import statistics
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from video_decoders import clip_arguments, clips, published  # noqa: E402
 
 from vitserve.encoder import video as V  # noqa: E402
-from vitserve.encoder.pixels import resize, resize_plan, yuv_to_rgb
+from vitserve.encoder.pixels import frames_from_planes
 from vitserve.encoder.video_decode import decode_sampled
 from vitserve.encoder.video_planes import Conversion
 
@@ -57,13 +59,11 @@ def sampled_planes(data: bytes, cfg: V.VideoConfig) -> list:
     return [out[i] for i in sorted(out)]
 
 
-def on_device(planes: list, size: tuple[int, int], device: str) -> torch.Tensor:
-    """The planes uploaded, converted and resized: uint8 [F, h, w, 3] on `device`."""
-    y, u, v = (torch.from_numpy(np.stack([p[k] for p in planes])).to(device) for k in range(3))
-    rgb = yuv_to_rgb(y, u, v, planes[0][3])
-    frames = resize(rgb, resize_plan(*rgb.shape[-2:], *size).to(device)).permute(0, 2, 3, 1)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def on_device(rows: torch.Tensor, layout, size: tuple[int, int], device: str, fused: bool) -> torch.Tensor:
+    """The sampled frames' planes (pinned host rows) uploaded, converted and resized: uint8 [F, h, w, 3] on `device`
+    (`fused`: the Triton kernels; else the tensor ops they are checked against)."""
+    frames = frames_from_planes(rows, layout, size, device, fused=fused)
+    torch.cuda.synchronize()
     return frames
 
 
@@ -95,15 +95,23 @@ def main() -> None:
             "load_video_s": timed(lambda: V.load_video(data, cfg, threads=1), args.repeats),
         }
         if device:
-            planes, size = sampled_planes(data, cfg), video.frames.shape[1:3]
-            row["device_s"] = timed(lambda: on_device(planes, size, device), args.repeats)
-            row["device_equal"] = bool(np.array_equal(on_device(planes, size, device).cpu().numpy(), video.frames))
+            planes = V.load_video(data, cfg, threads=1, planes=True)
+            rows_ = torch.from_numpy(planes.frames).pin_memory()
+            for name, fused in (("device", True), ("device_ops", False)):
+                run = functools.partial(on_device, rows_, planes.layout, planes.size, device, fused)
+                row[f"{name}_s"] = timed(run, args.repeats)
+                row[f"{name}_equal"] = bool(np.array_equal(run().cpu().numpy(), video.frames))
         rows.append(row)
         print(
             f"{row['clip']:45s} {row['sampled']:4d}/{row['frames']:5d} frames  full {row['full_s']:.3f} s  "
             f"sampled {row['sampled_s']:.3f} s ({row['sampled_s'] / row['full_s']:.2f}x)  "
             f"load_video {row['load_video_s']:.3f} s ({row['load_video_s'] / row['full_s']:.2f}x)"
-            + (f"  on {device}: {row['device_s'] * 1e3:.1f} ms, equal {row['device_equal']}" if device else ""),
+            + (
+                f"  on {device}: fused {row['device_s'] * 1e3:.1f} ms (equal {row['device_equal']}), tensor ops "
+                f"{row['device_ops_s'] * 1e3:.1f} ms (equal {row['device_ops_equal']})"
+                if device
+                else ""
+            ),
             flush=True,
         )
     if args.out:

@@ -115,6 +115,28 @@ def test_the_same_ops_on_cuda_give_the_same_bytes():
     assert torch.equal(resize(gpu, plan.to("cuda")).cpu(), resize(cpu, plan))
 
 
+@cuda
+@pytest.mark.parametrize(
+    "shape",
+    [(720, 1280, 480, 832), (480, 854, 308, 560), (480, 853, 480, 853), (36, 54, 72, 80), (40, 62, 40, 30)],
+    ids=str,
+)
+def test_the_fused_kernels_give_the_tensor_ops_bytes(shape):
+    """kernels.triton_pixels against its reference (the tensor ops here, fused=False) on random planes: downscale
+    on both axes, an odd width kept, upscale, one axis only; BT.709 limited and BT.601 full range; three frames."""
+    from vitserve.encoder.pixels import frames_from_planes
+    from vitserve.encoder.video_planes import PlanesLayout
+
+    h, w, height, width = shape
+    for colorspace, full in ((1, False), (2, True)):
+        layout = PlanesLayout(h, w, Conversion.of(colorspace, full, h))
+        rows = torch.randint(0, 256, (3, layout.row_bytes), dtype=torch.uint8, device="cuda")
+        fused = frames_from_planes(rows, layout, (height, width), "cuda", fused=True)
+        reference = frames_from_planes(rows, layout, (height, width), "cuda", fused=False)
+        assert fused.shape == (3, height, width, 3) and torch.equal(fused, reference)
+        assert torch.equal(fused.cpu(), frames_from_planes(rows.cpu(), layout, (height, width), "cpu"))
+
+
 def test_slices_of_several_videos_are_made_together_and_each_is_its_own():
     """Slices of two layouts and sizes, interleaved: each comes back as its own frames (those frames_from_planes
     makes of it alone), in its place."""

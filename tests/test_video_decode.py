@@ -11,7 +11,15 @@ import pytest
 from videos import make_video
 
 from vitserve.encoder import video as V
-from vitserve.encoder.video_decode import NOTHING, REFERENCES, WHOLE, PacketInfo, decode_sampled, plan_decode
+from vitserve.encoder.video_decode import (
+    NOTHING,
+    REFERENCES,
+    WHOLE,
+    PacketInfo,
+    decode_sampled,
+    group_starts,
+    plan_decode,
+)
 
 
 def packets(order: str, keys: str) -> list[PacketInfo]:
@@ -169,7 +177,75 @@ def test_load_video_decodes_sparsely_from_bytes_and_wholly_from_a_stream_that_ca
     assert np.array_equal(a.indices, b.indices) and np.array_equal(a.frames, b.frames)
 
 
-# 3. the frames as planes, converted where they run
+# 3. a video split among decoders
+
+
+def test_group_starts_are_keyframes_in_presentation_order():
+    """B-frames reorder packets: a keyframe's index is its place among the shown frames, not its packet's; a stream
+    that cannot be mapped has none."""
+    assert group_starts(packets("0312645978", "K----K----")) == [0, 4]  # its packet is the 6th
+    assert group_starts(packets("0312", "----")) == []
+    assert group_starts([PacketInfo(None, True)]) is None
+
+
+def plan_of(kept: list[int], keyframes: tuple[int, ...], t: int = 2) -> V.VideoPlan:
+    info = V.VideoInfo(total_frames=kept[-1] + 1, fps=30.0, width=64, height=64, codec="h264")
+    return V.VideoPlan(V.Sampling(np.asarray(kept), info, t, (64, 64)), V.VideoCost(0, 0), keyframes=keyframes)
+
+
+def test_parts_cut_at_groups_and_balance_the_frames_decoded():
+    """Slices start every 30 frames, groups every 100: parts end where a slice starts a new group, their decode spans
+    (keyframe to last frame) as even as the cuts allow, never more parts than asked, and the parts cover every slice
+    once, in order."""
+    kept = list(range(0, 600, 15))  # 40 frames, 20 slices of 2; slice s starts at frame 30 s
+    plan = plan_of(kept, tuple(range(0, 600, 100)))
+    for most in (1, 2, 3, 4, 6, 20):
+        parts = plan.parts(most)
+        assert len(parts) <= most and parts[0][0] == 0 and parts[-1][1] == 20
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        for a, _ in parts[1:]:  # each cut starts a group
+            assert (30 * a) // 100 != (30 * (a - 1)) // 100
+    assert plan.parts(1) == [(0, 20)]
+    assert plan.parts(2) == [(0, 10), (10, 20)]  # frames 0-299 and 300-599
+    assert len(plan.parts(6)) == 6 and len(plan.parts(20)) == 6  # six groups: six parts at most
+    assert plan_of(kept, (0,)).parts(4) == [(0, 20)]  # one group: nothing to cut
+    assert plan_of(kept, ()).parts(4) == [(0, 20)]  # groups not read
+
+
+def test_parts_of_a_slice_spanning_two_groups_and_an_odd_frame_count():
+    """A slice whose frames lie in two groups goes with its first frame's; the last slice (one frame, repeated to
+    fill it) ends the last part."""
+    plan = plan_of([0, 40, 60, 90, 130], (0, 50, 100))  # slices (0, 40), (60, 90), (130,)
+    assert plan.parts(3) == [(0, 1), (1, 2), (2, 3)]
+    assert plan.parts(2) in ([(0, 1), (1, 3)], [(0, 2), (2, 3)])
+
+
+SPLIT_CLIPS = {k: CLIPS[k][0] for k in ("h264 P-only", "h264 open GOP", "hevc open GOP (CRA)", "vp9")} | {
+    "h264 B-frames, closed GOPs": dict(codec="libx264", options={"preset": "veryfast", "g": "20"}),
+    "variable frame rate": CLIPS["variable frame rate"][0],
+}
+
+
+@pytest.mark.parametrize("planes", [False, True], ids=["rgb", "planes"])
+@pytest.mark.parametrize("clip", list(SPLIT_CLIPS))
+def test_a_video_split_into_parts_is_the_whole_video(clip, planes):
+    """The server's split of a lone video (video_plan(groups=True), VideoPlan.parts, load_video(part=...)): the
+    parts' frames, in order, are the whole video's, byte for byte, and so are their slices (the last one padded as
+    the whole's); the plan found several groups to cut at."""
+    data = make_video(120, 12, 192, 108, **SPLIT_CLIPS[clip])
+    cfg = V.VideoConfig("qwen3", 16, fps=5.0, do_sample_frames=True, min_pixels=32 * 32, max_pixels=64 * 64 * 16)
+    plan = V.video_plan(data, cfg, groups=True, planes=planes)
+    whole = V.load_video(data, cfg, planes=planes)
+    parts = plan.parts(4)
+    assert len(plan.keyframes) >= 3 and len(parts) >= 2, (plan.keyframes, parts)
+    videos = [V.load_video(data, cfg, planes=planes, part=part) for part in parts]
+    assert np.array_equal(np.concatenate([v.indices for v in videos]), whole.indices)
+    assert np.array_equal(np.concatenate([v.frames for v in videos]), whole.frames)
+    split = [s for v in videos for s in v.slices()]
+    assert len(split) == len(whole.slices()) and all(np.array_equal(a, b) for a, b in zip(split, whole.slices()))
+
+
+# 4. the frames as planes, converted where they run
 
 
 def test_planes_made_into_frames_are_load_videos_frames():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 from corpus import encode, photo
 from helpers import until
@@ -18,7 +19,7 @@ from vitserve.encoder.config import builtin_config
 from vitserve.encoder.preprocess import PreprocessConfig
 from vitserve.service.decoding import decoder as decoder_module
 from vitserve.service.decoding.decoder import Decoder
-from vitserve.service.ground.errors import InputTooLarge
+from vitserve.service.ground.errors import InputRejected, InputTooLarge
 from vitserve.service.ground.metrics import Metrics
 from vitserve.service.ground.settings import Settings
 
@@ -33,13 +34,18 @@ class Held:
 
     def __init__(self):
         self.release, self.running, self.most, self._lock = threading.Event(), 0, 0, threading.Lock()
+        self.calls, self.fail_part = 0, None  # fail_part: the part whose decode raises, by its place
 
     def __call__(self, *args):
         with self._lock:
             self.running += 1
+            self.calls += 1
             self.most = max(self.most, self.running)
         try:
             assert self.release.wait(30), "never released"
+            part = args[7] if len(args) > 7 else None
+            if self.fail_part is not None and part is not None and part[0] > 0:
+                raise V.VideoError("the video could not be decoded", "a part failed")
             return decode_video(*args)
         finally:
             with self._lock:
@@ -125,3 +131,51 @@ async def run_n(decoder, held, n):
     with pytest.raises(InputTooLarge) as caught:
         await decoder.decode_videos([CLIP] * n, CFG)
     return caught.value, held.most
+
+
+LONG = make_video(120, 12, 192, 108, codec="libx264", options={"preset": "veryfast", "g": "20"})  # six groups
+LONG_CFG = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl")).with_request(fps=4)
+
+
+def test_a_video_is_split_among_the_free_video_workers(monkeypatch):
+    """Three video workers, one held by a video of one group of pictures (not split): a video of six groups decodes
+    in two parts at once, on the two free workers, and its joined answer is the library's whole decode (slices,
+    grid, timing)."""
+
+    async def run(decoder, held):
+        first = asyncio.ensure_future(decoder.decode_videos([CLIP], CFG))
+        await until(lambda: held.running == 1, what="the first video decoding")
+        second = asyncio.ensure_future(decoder.decode_videos([LONG], LONG_CFG))
+        await until(lambda: held.running == 3, what="the second video's parts decoding")
+        await asyncio.sleep(0.2)
+        running = held.running
+        held.release.set()
+        await first
+        return running, await second, held.calls
+
+    settings = Settings.of(model="m", decode_processes=False, decode_workers=8, video_decode_workers=3)
+    running, ((slices, grid, timing),), calls = scenario(monkeypatch, settings, run)
+    whole = V.load_video(LONG, LONG_CFG)
+    expected = whole.slices()
+    assert running == 3 and calls == 3  # the first video whole, the second in two parts
+    assert len(slices) == len(expected) and all(np.array_equal(a, b) for a, b in zip(slices, expected))
+    assert grid == whole.sampling.grid(LONG_CFG.patch_size) and timing == whole.sampling.timing()
+
+
+def test_a_part_that_fails_fails_its_video_only(monkeypatch):
+    """One part of a split video fails to decode: the request gets that video's error, and the next request for the
+    same video (split again) is answered whole."""
+
+    async def run(decoder, held):
+        held.release.set()
+        held.fail_part = 1
+        with pytest.raises(InputRejected) as caught:
+            await decoder.decode_videos([LONG], LONG_CFG)
+        held.fail_part = None
+        ((slices, _, _),) = await decoder.decode_videos([LONG], LONG_CFG)
+        return caught.value, len(slices)
+
+    settings = Settings.of(model="m", decode_processes=False, decode_workers=8, video_decode_workers=4)
+    error, slices = scenario(monkeypatch, settings, run)
+    assert isinstance(error, InputRejected) and error.param == "videos[0]" and "could not be decoded" in str(error)
+    assert slices == len(V.load_video(LONG, LONG_CFG).slices())

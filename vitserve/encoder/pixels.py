@@ -13,7 +13,8 @@ as those libraries, so the conversion and the resize can run on the GPU beside t
   bicubic (a = -0.5) weights of its source span, computed in float64, normalized, and scaled to int16 by the axis'
   precision (the most bits that keep twice the largest weight under 2^15); a horizontal pass into uint8, then a
   vertical one, each `clamp((Σ w·x + 2^(p-1)) >> p, 0, 255)`; an axis whose size does not change is not resampled.
-* `frames_from_planes`: both, for a video slice's planes (video_planes.SlicePlanes) on the device that runs it.
+* `frames_from_planes`: both, for a video slice's planes (video_planes.SlicePlanes) on the device that runs it
+  (on CUDA fused into two Triton kernels of the same arithmetic, kernels.triton_pixels).
 """
 
 from __future__ import annotations
@@ -135,19 +136,30 @@ def resize(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
     return x
 
 
+def _fuse(device: torch.device) -> bool:
+    from .kernels import triton_enabled
+
+    return device.type == "cuda" and triton_enabled()
+
+
 @functools.lru_cache(maxsize=64)
 def _resize_plan(height_in: int, width_in: int, height: int, width: int, device: str) -> ResizePlan:
     return resize_plan(height_in, width_in, height, width).to(device)
 
 
 def frames_from_planes(
-    rows: torch.Tensor | np.ndarray, layout: PlanesLayout, size: tuple[int, int], device
+    rows: torch.Tensor | np.ndarray, layout: PlanesLayout, size: tuple[int, int], device, fused: bool | None = None
 ) -> torch.Tensor:
     """uint8 RGB frames [F, height, width, 3] on `device` from F frames' planes (host or device rows): converted as
     swscale does and resized as torch's CPU kernel does (encoder.pixels), so equal to the frames `load_video` makes
-    on the host."""
+    on the host. On CUDA the same arithmetic runs fused in two Triton kernels (kernels.triton_pixels) unless
+    `fused` is False (the tensor ops here, their reference) or Triton is off (VITSERVE_DISABLE_TRITON=1)."""
     device = torch.device(device)
     x = rows.to(device, non_blocking=True) if torch.is_tensor(rows) else upload(np.asarray(rows), device)
+    if (fused if fused is not None else _fuse(device)) and device.type == "cuda":
+        from .kernels.triton_pixels import frames_from_rows
+
+        return frames_from_rows(x, layout, _resize_plan(layout.height, layout.width, *size, str(device)), size)
     h, w = layout.height, layout.width
     ch, cw = layout.chroma
     y = x[:, : h * w].view(-1, h, w)

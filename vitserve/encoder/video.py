@@ -40,7 +40,7 @@ import torch
 from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VisionConfig
 from .preprocess import ImageTooLarge, UndecodableImage, as_triple, check_aspect_ratio, smart_resize
 from .preprocess_fast import fast_lut, resize
-from .video_decode import decode_sampled
+from .video_decode import decode_sampled, group_starts, packet_infos
 from .video_planes import PlanesLayout, planes_row
 
 log = logging.getLogger("vitserve.video")
@@ -660,6 +660,41 @@ class VideoPlan:
     sampling: Sampling
     cost: VideoCost
     as_planes: bool = False
+    keyframes: tuple[int, ...] = ()  # where its groups of pictures start (frame indices), where read (`groups`)
+
+    def parts(self, most: int) -> list[tuple[int, int]]:
+        """Its slices split into at most `most` runs (first, end) that decoders can take side by side: cut only where
+        a slice starts a group of pictures other than its predecessor's, so that no part decodes much of another's
+        frames, and balanced by the frames each part decodes (from its first group's keyframe to its last frame)."""
+        t, kept = self.sampling.temporal_patch_size, self.sampling.indices
+        n = -(-len(kept) // t)
+        if most < 2 or len(self.keyframes) < 2 or n < 2:
+            return [(0, n)]
+        keys = np.asarray(self.keyframes)
+        group = np.maximum(np.searchsorted(keys, kept[::t], side="right") - 1, 0)
+        cuts = [s for s in range(1, n) if group[s] != group[s - 1]]
+        if not cuts:
+            return [(0, n)]
+        last = [int(kept[min(t * s + t, len(kept)) - 1]) for s in range(n)]  # each slice's last frame
+
+        def span(a: int, b: int) -> int:  # frames a part of slices [a, b) decodes
+            return last[b - 1] - int(keys[group[a]]) + 1
+
+        def split(most_frames: int) -> list[tuple[int, int]]:  # greedy: each part as long as it may be
+            out, a = [], 0
+            ends = [*cuts, n]
+            while a < n:
+                fits = [b for b in ends if b > a and span(a, b) <= most_frames]
+                b = fits[-1] if fits else next(b for b in ends if b > a)
+                out.append((a, b))
+                a = b
+            return out
+
+        low, high = 1, span(0, n)
+        while low < high:  # the least longest part that `most` parts allow
+            middle = (low + high) // 2
+            low, high = (low, middle) if len(split(middle)) <= most else (middle + 1, high)
+        return split(low)
 
 
 def _plan(container, cfg: VideoConfig, limits: VideoLimits, planes: bool = False) -> VideoPlan:
@@ -692,13 +727,24 @@ def _plan(container, cfg: VideoConfig, limits: VideoLimits, planes: bool = False
     return VideoPlan(Sampling(kept, info, cfg.temporal_patch_size, (height, width)), cost, as_planes)
 
 
-def video_plan(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), planes: bool = False) -> VideoPlan:
+def video_plan(
+    source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), planes: bool = False, groups: bool = False
+) -> VideoPlan:
     """Which frames `load_video` keeps and at what size, and what decoding them takes (its frames, as RGB or with
     `planes` as planes, whichever is larger, and one decoded frame; its decode work), read from the video's header
-    with the same checks `load_video` makes first: what a server knows and reserves before it decodes the video."""
+    with the same checks `load_video` makes first: what a server knows and reserves before it decodes the video.
+    `groups`: also where its groups of pictures start (one demux pass, no decoding; where the input can be read
+    twice), so that its slices can be split among decoders (`VideoPlan.parts`, `load_video(part=...)`)."""
     container = _open(source, _most_pixels(limits))
     try:
-        return _plan(container, cfg, limits, planes)
+        plan = _plan(container, cfg, limits, planes)
+        if groups and _rewindable(source):
+            stream = _video_stream(container)
+            most = 2 * max(int(stream.frames), int(plan.sampling.indices[-1]) + 1) + 64
+            packets = packet_infos(container, stream, most)
+            starts = group_starts(packets) if packets is not None else None
+            plan = dataclasses.replace(plan, keyframes=tuple(starts or ()))
+        return plan
     finally:
         container.close()
 
@@ -709,17 +755,28 @@ def video_cost(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(
 
 
 def load_video(
-    source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), threads: int = 0, planes: bool = False
+    source: Any,
+    cfg: VideoConfig,
+    limits: VideoLimits = VideoLimits(),
+    threads: int = 0,
+    planes: bool = False,
+    part: tuple[int, int] | None = None,
 ) -> Video:
     """Decode, sample and resize one video (bytes, a file object or a path): uint8 frames ready to normalize.
     `threads`: FFmpeg's decoding threads (0: one per core, for one video at a time; a server decoding many side by
     side gives each a few). `planes`: keep the sampled frames' planes instead (`Video.layout`; a device converts and
     resizes them, pixels.frames_from_planes) where every sampled frame has an exact conversion and their planes
-    fit `limits.max_bytes`; RGB frames otherwise."""
+    fit `limits.max_bytes`; RGB frames otherwise. `part`: only the frames of slices [first, end) (`VideoPlan.parts`;
+    the parts' slices in order are the whole video's)."""
     container = _open(source, _most_pixels(limits), cfg.decoder)
     try:
         plan = _plan(container, cfg, limits, planes)
         info, kept, (height, width) = plan.sampling.info, plan.sampling.indices, plan.sampling.size
+        if part is not None:
+            t = cfg.temporal_patch_size
+            kept = kept[t * part[0] : t * part[1]]
+            if not len(kept):
+                raise ValueError(f"part {part} of a video of {plan.sampling.grid(1)[0]} slices")
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
         decoding = (container, kept, threads, 2 * plan.cost.work, _rewindable(source))
         if plan.as_planes and (video := _load_planes(*decoding, info, (height, width), cfg)) is not None:

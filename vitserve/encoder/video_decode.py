@@ -88,6 +88,18 @@ def packet_infos(container: Any, stream: Any, most: int) -> list[PacketInfo] | N
     return packets if len(packets) <= most else None
 
 
+def group_starts(packets: list[PacketInfo]) -> list[int] | None:
+    """The index of each group's keyframe (where a group of pictures starts), ascending, or None where the stream
+    cannot be mapped (`plan_decode`'s rules): where a video's frames can be split among decoders at little cost,
+    since a decode of the frames from one group on needs nothing before it but leading pictures."""
+    times = [p.pts for p in packets]
+    if not packets or any(t is None for t in times) or len(set(times)) != len(times):
+        return None
+    shown = sorted(p.pts for p in packets if not p.discard)  # type: ignore[type-var]
+    index_of = {t: i for i, t in enumerate(shown)}
+    return sorted(index_of[p.pts] for p in packets if p.keyframe and not p.discard)
+
+
 class Unmapped(Exception):
     """The decoder gave a frame the plan did not expect, or not every wanted one: the stream is decoded whole."""
 

@@ -32,6 +32,17 @@ def _ops():
     return _triton
 
 
+def triton_enabled() -> bool:
+    """Triton kernels may run (VITSERVE_DISABLE_TRITON is not 1, Triton importable); CUDA is the caller's test."""
+    if _DISABLED:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def use_triton(x: torch.Tensor) -> bool:
     return not _DISABLED and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 

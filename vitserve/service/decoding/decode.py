@@ -62,12 +62,13 @@ def decode_and_resize(
     return DecodedImage((spool_prefix and spool.put(spool_prefix, image)) or image, seconds)
 
 
-def plan_video(data, is_base64: bool, cfg, limits, planes: bool = False):
+def plan_video(data, is_base64: bool, cfg, limits, planes: bool = False, groups: bool = False):
     """Runs in a worker: what a video keeps and what decoding it takes (a VideoPlan), from its header
-    (encoder.video.video_plan: its limits checked first; `planes`: its frames kept as planes where they can)."""
+    (encoder.video.video_plan: its limits checked first; `planes`: its frames kept as planes where they can;
+    `groups`: where its groups of pictures start, for splitting it among workers)."""
     from ...encoder.video import video_plan
 
-    return video_plan(received(data, is_base64), cfg, limits, planes)
+    return video_plan(received(data, is_base64), cfg, limits, planes, groups)
 
 
 VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)
@@ -98,6 +99,14 @@ class DecodedVideo:
     seconds: float
     duration: float
 
+    @staticmethod
+    def joined(parts: list[DecodedVideo], timing: dict) -> DecodedVideo:
+        """One video from its parts' (load_video(part=...)), in order; `timing`: the whole video's (its plan's)."""
+        first = parts[0]
+        grid = (sum(p.grid[0] for p in parts), *first.grid[1:])
+        slices = [s for p in parts for s in p.slices]
+        return DecodedVideo(slices, grid, timing, first.decoder, max(p.seconds for p in parts), first.duration)
+
 
 def decode_video(
     data,
@@ -107,17 +116,19 @@ def decode_video(
     spool_path: str | None = None,
     threads: int = VIDEO_DECODE_THREADS,
     planes: bool = False,
+    part: tuple[int, int] | None = None,
 ) -> DecodedVideo:
     """Runs in a worker: a video's encoded bytes (or base64, or where it lies) -> its DecodedVideo, the slices in
     spool files `spool_path`-0, -1, ... where given and it can (encoder.video.load_video: the limits are checked from
     the header first, frames decoded one at a time and resized as they come; with `planes`, their planes kept for
-    the device to convert and resize where that is exact: each slice a SlicePlanes)."""
+    the device to convert and resize where that is exact: each slice a SlicePlanes; `part`: only slices [first,
+    end), the video's timing then that part's)."""
     from ...encoder.video import load_video
     from ...encoder.video_planes import SlicePlanes
 
     _video_worker()
     start = time.perf_counter()
-    video = load_video(received(data, is_base64), cfg, limits, threads, planes)
+    video = load_video(received(data, is_base64), cfg, limits, threads, planes, part)
     slices = video.slices()
     out: list = [
         (spool_path and spool.put(f"{spool_path}-{j}", s)) or np.ascontiguousarray(s) for j, s in enumerate(slices)

@@ -36,7 +36,7 @@ from ..ground.metrics import Metrics
 from ..ground.settings_media import DecodingSettings, LimitSettings
 from . import spool
 from .budget import MemoryBudget
-from .decode import VIDEO_DECODE_THREADS, decode_and_resize, decode_video, plan_video, read_header
+from .decode import VIDEO_DECODE_THREADS, DecodedVideo, decode_and_resize, decode_video, plan_video, read_header
 from .decode_runner import DecodeRunner
 from .first_bytes import first_headers, head, head_or_error, looks_like_text  # noqa: F401 (head, looks_like_text: re-exported)
 from .rejection import rejection
@@ -65,7 +65,8 @@ class Decoder(DecodeRunner):
         self.budget = MemoryBudget(limits.decode_memory)
         self.video_work = MemoryBudget(limits.video_decode_work)  # decode work, not bytes: the same waiting rules
         # the workers videos may hold at once: the others stay for images, whatever videos come
-        self.video_slots = asyncio.Semaphore(decoding.video_decode_workers or max(1, self.workers // 2))
+        self.video_slot_count = decoding.video_decode_workers or max(1, self.workers // 2)
+        self.video_slots = asyncio.Semaphore(self.video_slot_count)
 
     async def headers(self, images: list, field: str, names: list[int], owner) -> list[ImageHeader]:
         """Each image's header (its size checked against the limits), read in a thread from its first bytes, else by
@@ -161,8 +162,9 @@ class Decoder(DecodeRunner):
                     param,
                 )
         limits = self._video_limits()
+        groups = self.video_slot_count > 1  # where a video may be split among workers
         plans = await self.run_all(
-            [self._video_job(plan_video, data, owner, cfg, limits, self.video_planes) for data in videos],
+            [self._video_job(plan_video, data, owner, cfg, limits, self.video_planes, groups) for data in videos],
             field,
             names,
             "video",
@@ -187,7 +189,7 @@ class Decoder(DecodeRunner):
         names = list(range(len(videos))) if names is None else names
         limits, owner = self._video_limits(), object()
         results = await self.run_all(
-            [self._decode_video(data, cfg, limits, plan.cost, owner) for data, plan in zip(videos, plans)],
+            [self._decode_video(data, cfg, limits, plan, owner) for data, plan in zip(videos, plans)],
             field,
             names,
             "video",
@@ -221,46 +223,71 @@ class Decoder(DecodeRunner):
                 lambda: self.run(fn, data, owner, *args, timeout=self.decoding.video_decode_timeout)
             )
 
-    async def _decode_video(self, data, cfg, limits, cost, owner):
-        """A video's decode, once the memory and the work its header declares (`cost`) are taken from the server's
-        budgets and one of the videos' workers is free; all given back when it is done. Its wall time from there to
-        its frames back is observed in vitserve_decode_seconds, as an image's."""
-        share = await self.budget.acquire(cost.memory, owner)
+    async def _decode_video(self, data, cfg, limits, plan, owner):
+        """A video's decode, once the memory and the decode work its header declares (`plan.cost`) are taken from
+        the server's budgets; all given back when it is done. Its slices are split among the videos' workers free
+        now, by its groups of pictures (`VideoPlan.parts`: a lone long video decodes on several cores at once,
+        under load each video on one worker). Its wall time from there to its frames back is observed in
+        vitserve_decode_seconds, as an image's."""
+        share = await self.budget.acquire(plan.cost.memory, owner)
         try:
-            work = await self.video_work.acquire(cost.work, owner)
+            work = await self.video_work.acquire(plan.cost.work, owner)
             try:
-                async with self.video_slots:
-                    # FFmpeg's threads for this video: the workers' cores shared among the videos decoding (a lone
-                    # video gets them all; many get VIDEO_DECODE_THREADS each, as the workers decode them side by side)
-                    threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
-                    self._videos += 1
-
-                    def run():
-                        path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
-                        return self.run(
-                            decode_video,
-                            data,
-                            owner,
-                            cfg,
-                            limits,
-                            path or None,
-                            threads,
-                            self.video_planes,
-                            timeout=self.decoding.video_decode_timeout,
-                            lost=path and functools.partial(spool.clear, f"{path}-"),
-                        )
-
-                    try:
-                        start = time.perf_counter()
-                        video = await self.tried_twice(run)
-                        self.metrics.decode_seconds.observe(time.perf_counter() - start)
-                        return video
-                    finally:
-                        self._videos -= 1
+                start = time.perf_counter()
+                free = self.video_slot_count - self._videos
+                parts = plan.parts(min(free, self._cpus // VIDEO_DECODE_THREADS))
+                if len(parts) == 1:
+                    decoded: list = [await self._decode_part(data, cfg, limits, owner, None, None)]
+                else:  # the parts share the cores the workers' others leave
+                    threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + len(parts)))
+                    decoded = await asyncio.gather(
+                        *(self._decode_part(data, cfg, limits, owner, part, threads) for part in parts),
+                        return_exceptions=True,
+                    )
+                if failed := [d for d in decoded if isinstance(d, BaseException)]:
+                    for d in decoded:  # the parts decoded: their spool files go
+                        if isinstance(d, DecodedVideo):
+                            for pixels in d.slices:
+                                spool.discard(pixels)
+                    raise failed[0]
+                video = decoded[0] if len(decoded) == 1 else DecodedVideo.joined(decoded, plan.sampling.timing())
+                self.metrics.decode_seconds.observe(time.perf_counter() - start)
+                return video
             finally:
                 self.video_work.release(work)
         finally:
             self.budget.release(share)
+
+    async def _decode_part(
+        self, data, cfg, limits, owner, part: tuple[int, int] | None, threads: int | None
+    ) -> DecodedVideo:
+        """A video's slices `part` (None: all) decoded by one of the videos' workers with FFmpeg's `threads` (None:
+        the workers' cores shared among the videos decoding: a lone one gets them all; many get
+        VIDEO_DECODE_THREADS each, as the workers decode them side by side)."""
+        async with self.video_slots:
+            threads = threads or max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + 1))
+            self._videos += 1
+
+            def run():
+                path = self.pool and self.spool_prefix and f"{self.spool_prefix}{next(self._names)}"
+                return self.run(
+                    decode_video,
+                    data,
+                    owner,
+                    cfg,
+                    limits,
+                    path or None,
+                    threads,
+                    self.video_planes,
+                    part,
+                    timeout=self.decoding.video_decode_timeout,
+                    lost=path and functools.partial(spool.clear, f"{path}-"),
+                )
+
+            try:
+                return await self.tried_twice(run)
+            finally:
+                self._videos -= 1
 
     async def _decode(self, data, end: int | None, cfg: PreprocessConfig, cost: int, owner):
         def run():
