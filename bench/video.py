@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 from bench_http import run_batches, server_batches  # noqa: E402
 from frontend import cores_text, process_tree, with_server_cores  # noqa: E402
+from video_decode import full_decode  # noqa: E402
 from videos import frames_of  # noqa: E402
 
 PHASES = ("single", "throughput", "long")
@@ -272,6 +273,12 @@ def answer_frames(data: bytes) -> int:
     n = struct.unpack("<Q", data[:8])[0]
     videos = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["videos"])
     return sum(len(v["frame_indices"]) for v in videos if v)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def percentiles(ms: list[float]) -> dict:
@@ -515,7 +522,11 @@ def http_single(url: str, path: Path, args) -> dict:
     finally:
         conn.close()
     n = struct.unpack("<Q", data[:8])[0]
+    clip = path.read_bytes()
+    full_decode(clip)
     return dict(
+        # the floor the decode stage is held to: PyAV decoding every frame of the clip on one thread, in this run
+        full_decode_s=statistics.median(timed(lambda: full_decode(clip)) for _ in range(3)),
         seconds=statistics.median(s for s, _ in runs),
         runs=[s for s, _ in runs],
         frames=answer_frames(data),
@@ -534,7 +545,7 @@ def http_throughput(url: str, paths: list[Path], args) -> dict:
     answers."""
     bodies = [video_body(p, args.fps) for p in paths]
     rows, failures, lock = [], [], threading.Lock()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     deadline = start + args.seconds
 
     def client(k):
@@ -544,7 +555,7 @@ def http_throughput(url: str, paths: list[Path], args) -> dict:
                 seconds, status, data, _ = conn.post("/v1/encode", *bodies[i % len(bodies)])
                 with lock:
                     if status == 200:
-                        rows.append((time.perf_counter(), seconds, answer_frames(data), i % len(bodies)))
+                        rows.append((time.perf_counter(), seconds, answer_frames(data), i % len(bodies), len(data)))
                     else:
                         failures.append(f"{status}: {data[:200]!r}")
             except Exception as e:  # noqa: BLE001
@@ -572,6 +583,9 @@ def http_throughput(url: str, paths: list[Path], args) -> dict:
         hung_clients=hung,
         frames=frames,
         wall_s=end - start,
+        # the clients' process (threads under one GIL): near 1 core, it is what bounds the answers read
+        client_cores=(time.process_time() - cpu) / (time.perf_counter() - start),
+        answer_mb_per_s=sum(r[4] for r in rows) / 1e6 / (end - start),
         frames_per_s=frames / (end - start),
         steady_frames_per_s=steady,
         latency=percentiles([r[1] * 1e3 for r in rows]),
@@ -720,6 +734,13 @@ def figures(r: dict) -> list[tuple[str, str]]:
         lambda: f"{single['median_by_header_s']['decode']:.3f} / {single['median_by_header_s']['inference']:.3f}",
     )
     row(
+        "single: decode stage / one-thread full decode of the clip",
+        lambda: (
+            f"{single['median_by_header_s']['decode']:.3f} / {single['full_decode_s']:.3f} s "
+            f"({single['median_by_header_s']['decode'] / single['full_decode_s']:.2f}x)"
+        ),
+    )
+    row(
         "single: vitserve to the answer's headers / its body, s (MB)",
         lambda: (
             f"{single['median_to_headers_s']:.3f} / {single['seconds'] - single['median_to_headers_s']:.3f} "
@@ -760,7 +781,10 @@ def figures(r: dict) -> list[tuple[str, str]]:
     )
     row(
         "throughput: server cores (by role)",
-        lambda: f"{tp['server_cores']:.1f} ({cores_text(tp['server_cores_by_role'])})",
+        lambda: (
+            f"{tp['server_cores']:.1f} ({cores_text(tp['server_cores_by_role'])}); clients {tp['client_cores']:.2f}, "
+            f"answers {tp['answer_mb_per_s']:.0f} MB/s"
+        ),
     )
     row("throughput: engine only frames/s", lambda: eng.get("error") or f"{eng['frames_per_s']:.1f}")
     row("throughput: HTTP / engine", lambda: f"{tp['frames_per_s'] / eng['frames_per_s']:.1%}")

@@ -574,11 +574,11 @@ def test_the_decode_workers_default_to_the_cpus_available(monkeypatch):
 
 
 def test_video_convert_names_where_video_frames_become_rgb():
-    """worker (the default): the decode workers; device: the devices, whatever they are; auto: the devices where
-    they are GPUs, the workers on the CPU."""
+    """auto (the default): the devices where they are GPUs, the workers on the CPU; worker: the decode workers;
+    device: the devices, whatever they are."""
     from vitserve.service.ground.settings_media import DecodingSettings
 
-    assert DecodingSettings().video_convert == "worker"
+    assert DecodingSettings().video_convert == "auto"
     cases = {("worker", "cuda:0"): False, ("device", "cpu"): True, ("auto", "cuda:0"): True, ("auto", "cpu"): False}
     for (convert, device), planes in cases.items():
         assert DecodingSettings(video_convert=convert).video_planes([device]) is planes, (convert, device)

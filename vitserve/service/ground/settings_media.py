@@ -117,7 +117,7 @@ class DecodingSettings:
         choices=("cpu", "nvdec"),
     )
     video_convert: str = setting(
-        "worker",
+        "auto",
         "where a video's sampled frames become RGB at their size: worker (the decode "
         "workers), device (the devices convert and resize the decoder's YUV planes: "
         "the same bytes, less host work), auto (device on CUDA devices, worker on the CPU)",
