@@ -738,15 +738,29 @@ def video_plan(
     container = _open(source, _most_pixels(limits))
     try:
         plan = _plan(container, cfg, limits, planes)
-        if groups and _rewindable(source):
-            stream = _video_stream(container)
-            most = 2 * max(int(stream.frames), int(plan.sampling.indices[-1]) + 1) + 64
-            packets = packet_infos(container, stream, most)
-            starts = group_starts(packets) if packets is not None else None
-            plan = dataclasses.replace(plan, keyframes=tuple(starts or ()))
-        return plan
+        return _with_groups(container, plan) if groups and _rewindable(source) else plan
     finally:
         container.close()
+
+
+def with_groups(source: Any, plan: VideoPlan, limits: VideoLimits = VideoLimits()) -> VideoPlan:
+    """`plan` (the video's `video_plan`) with where its groups of pictures start (`video_plan(groups=True)`), read
+    by one demux pass where the input can be read twice; else `plan` as it is."""
+    if not _rewindable(source):
+        return plan
+    container = _open(source, _most_pixels(limits))
+    try:
+        return _with_groups(container, plan)
+    finally:
+        container.close()
+
+
+def _with_groups(container, plan: VideoPlan) -> VideoPlan:
+    stream = _video_stream(container)
+    most = 2 * max(int(stream.frames), int(plan.sampling.indices[-1]) + 1) + 64
+    packets = packet_infos(container, stream, most)
+    starts = group_starts(packets) if packets is not None else None
+    return dataclasses.replace(plan, keyframes=tuple(starts or ()))
 
 
 def video_cost(source: Any, cfg: VideoConfig, limits: VideoLimits = VideoLimits(), planes: bool = False) -> VideoCost:

@@ -62,13 +62,20 @@ def decode_and_resize(
     return DecodedImage((spool_prefix and spool.put(spool_prefix, image)) or image, seconds)
 
 
-def plan_video(data, is_base64: bool, cfg, limits, planes: bool = False, groups: bool = False):
+def plan_video(data, is_base64: bool, cfg, limits, planes: bool = False):
     """Runs in a worker: what a video keeps and what decoding it takes (a VideoPlan), from its header
-    (encoder.video.video_plan: its limits checked first; `planes`: its frames kept as planes where they can;
-    `groups`: where its groups of pictures start, for splitting it among workers)."""
+    (encoder.video.video_plan: its limits checked first; `planes`: its frames kept as planes where they can)."""
     from ...encoder.video import video_plan
 
-    return video_plan(received(data, is_base64), cfg, limits, planes, groups)
+    return video_plan(received(data, is_base64), cfg, limits, planes)
+
+
+def plan_groups(data, is_base64: bool, plan, limits):
+    """Runs in a worker: a video's `plan` with where its groups of pictures start (encoder.video.with_groups: one
+    demux pass), for splitting it among workers."""
+    from ...encoder.video import with_groups
+
+    return with_groups(received(data, is_base64), plan, limits)
 
 
 VIDEO_DECODE_THREADS = 2  # FFmpeg threads per video at least (the decoder gives a lone video more)

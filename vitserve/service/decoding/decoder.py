@@ -36,7 +36,15 @@ from ..ground.metrics import Metrics
 from ..ground.settings_media import DecodingSettings, LimitSettings
 from . import spool
 from .budget import MemoryBudget
-from .decode import VIDEO_DECODE_THREADS, DecodedVideo, decode_and_resize, decode_video, plan_video, read_header
+from .decode import (
+    VIDEO_DECODE_THREADS,
+    DecodedVideo,
+    decode_and_resize,
+    decode_video,
+    plan_groups,
+    plan_video,
+    read_header,
+)
 from .decode_runner import DecodeRunner
 from .first_bytes import first_headers, head, head_or_error, looks_like_text  # noqa: F401 (head, looks_like_text: re-exported)
 from .rejection import rejection
@@ -162,9 +170,8 @@ class Decoder(DecodeRunner):
                     param,
                 )
         limits = self._video_limits()
-        groups = self.video_slot_count > 1  # where a video may be split among workers
         plans = await self.run_all(
-            [self._video_job(plan_video, data, owner, cfg, limits, self.video_planes, groups) for data in videos],
+            [self._video_job(plan_video, data, owner, cfg, limits, self.video_planes) for data in videos],
             field,
             names,
             "video",
@@ -227,15 +234,17 @@ class Decoder(DecodeRunner):
         """A video's decode, once the memory and the decode work its header declares (`plan.cost`) are taken from
         the server's budgets; all given back when it is done. Its slices are split among the videos' workers free
         now, by its groups of pictures (`VideoPlan.parts`: a lone long video decodes on several cores at once,
-        under load each video on one worker). Its wall time from there to its frames back is observed in
-        vitserve_decode_seconds, as an image's."""
+        under load each video on one worker; its groups are read, one demux pass in a worker, only where it may be
+        split, so that a cache hit never pays for them). Its wall time from there to its frames back is observed
+        in vitserve_decode_seconds, as an image's."""
         share = await self.budget.acquire(plan.cost.memory, owner)
         try:
             work = await self.video_work.acquire(plan.cost.work, owner)
             try:
                 start = time.perf_counter()
-                free = self.video_slot_count - self._videos
-                parts = plan.parts(min(free, self._cpus // VIDEO_DECODE_THREADS))
+                if self._split_into() > 1 and plan.sampling.grid(1)[0] > 1:
+                    plan = await self._video_job(plan_groups, data, owner, plan, limits)
+                parts = plan.parts(self._split_into())
                 if len(parts) == 1:
                     decoded: list = [await self._decode_part(data, cfg, limits, owner, None, None)]
                 else:  # the parts share the cores the workers' others leave
@@ -257,6 +266,11 @@ class Decoder(DecodeRunner):
                 self.video_work.release(work)
         finally:
             self.budget.release(share)
+
+    def _split_into(self) -> int:
+        """The parts a video starting to decode now may be split into: the video workers free, one part per
+        VIDEO_DECODE_THREADS cores at most."""
+        return min(self.video_slot_count - self._videos, self._cpus // VIDEO_DECODE_THREADS)
 
     async def _decode_part(
         self, data, cfg, limits, owner, part: tuple[int, int] | None, threads: int | None
