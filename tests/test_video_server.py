@@ -173,6 +173,7 @@ def test_a_video_sent_again_is_answered_from_the_cache(server):
     assert torch.equal(torch.tensor(pooled.json()["data"][0]["embedding"]), tokens.mean(0))
     after = [series(url, n) for n in ("vitserve_videos_decoded_total", "vitserve_cache_hits_total")]
     assert after == [before[0] + 1, before[1] + 2]  # decoded once; the second and the pooled one from the cache
+    assert float(again.headers["x-decode-time"]) == 0.0  # its header not read again (VideoPlans)
     other = httpx.post(url + "/v1/encode", json=body | {"num_frames": 4}, timeout=120)
     assert other.status_code == 200 and series(url, "vitserve_videos_decoded_total") == before[0] + 2
 

@@ -65,17 +65,17 @@ class CacheKeys:
         """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
         return self._digest(data, f"{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}", client)
 
-    async def video_keys(
-        self, videos: list, cfg: VideoConfig, slices: list[int], client: int | None = None
-    ) -> list[list[bytes]]:
-        """The keys of each video's slices (`slices` of them), hashed in a thread: its `video_key` and each place."""
+    async def video_keys(self, videos: list, cfg: VideoConfig, client: int | None = None) -> list[bytes]:
+        """Each video's key (its bytes, the model, every sampling and size setting, the client where per client),
+        hashed in a thread; its slices' keys are `slice_keys` of it."""
         return await asyncio.get_running_loop().run_in_executor(
-            None,
-            lambda: [
-                [key + j.to_bytes(4, "big") for j in range(n)]
-                for key, n in ((self._digest(data, f"video\0{cfg!r}", client), n) for data, n in zip(videos, slices))
-            ],
+            None, lambda: [self._digest(data, f"video\0{cfg!r}", client) for data in videos]
         )
+
+    @staticmethod
+    def slice_keys(video_key: bytes, slices: int) -> list[bytes]:
+        """The keys of a video's slices: its key and each place."""
+        return [video_key + j.to_bytes(4, "big") for j in range(slices)]
 
     def _digest(self, data, settings: str, client: int | None) -> bytes:
         digest, media = hashlib.sha256(), MediaBytes.of(data)
@@ -85,6 +85,27 @@ class CacheKeys:
             f"{client if self.per_client else ''}".encode()
         )
         return digest.digest()
+
+
+class VideoPlans:
+    """The header plans (encoder.video.VideoPlan) of the videos last seen, by video key (CacheKeys.video_keys), at
+    most `limit`: a video sent again (every turn of a chat) is looked up in the cache without a decode worker
+    reading its header again. A plan depends only on what its key holds and on the server's fixed limits."""
+
+    def __init__(self, limit: int = 1024):
+        self.limit, self.plans = limit, collections.OrderedDict[bytes, object]()
+
+    def get(self, key: bytes):
+        plan = self.plans.get(key)
+        if plan is not None:
+            self.plans.move_to_end(key)
+        return plan
+
+    def put(self, key: bytes, plan) -> None:
+        self.plans[key] = plan
+        self.plans.move_to_end(key)
+        while len(self.plans) > self.limit:
+            self.plans.popitem(last=False)
 
 
 class Cache:

@@ -1,6 +1,7 @@
 """A request's videos through the pipeline: each video's header read by a decode worker (the frames it keeps, their
-size, its slices), its slices looked up in the embedding cache, the videos with a slice to compute decoded, those
-slices run as items of the image queue beside images, and each video's answer joined from its slices in order.
+size, its slices; a video seen before keeps its plan, VideoPlans), its slices looked up in the embedding cache, the
+videos with a slice to compute decoded, those slices run as items of the image queue beside images, and each
+video's answer joined from its slices in order.
 
 A slice's cache key is its video's (the bytes as sent, the model, every sampling and size setting of the request,
 the client where the cache is per client) and its place; a slice's entry is its token features, whatever the request
@@ -20,7 +21,7 @@ from ..decoding.decoder import Decoder
 from ..devices.scheduler import WorkItem
 from ..ground.metrics import Metrics
 from ..ground.settings import Settings
-from .cache import CacheKeys
+from .cache import CacheKeys, VideoPlans
 from .encoded import Encoded
 
 
@@ -31,6 +32,7 @@ class Pipeline(Protocol):
     metrics: Metrics
     decoder: Decoder
     cache_keys: CacheKeys
+    video_plans: VideoPlans
     backend: Any  # LocalBackend or HubBackend: lookup, release
 
     async def decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0) -> Any: ...
@@ -50,13 +52,18 @@ async def encode_videos(
     client: int | None,
 ) -> Encoded:
     """The request's videos' Features, in order (engine.encode_videos: its options checked, its URLs fetched)."""
-    start = time.perf_counter()
-    plans = await engine.decoded(engine.decoder.plan_videos(videos, cfg, field), disconnected)
-    plan_s = time.perf_counter() - start
+    cached = engine.settings.cache.cache_bytes > 0
+    video_keys = await engine.cache_keys.video_keys(videos, cfg, client) if cached else None
+    plans, plan_s = known_plans(engine, video_keys), 0.0
+    if plans is None:
+        start = time.perf_counter()
+        plans = await engine.decoded(engine.decoder.plan_videos(videos, cfg, field), disconnected)
+        plan_s = time.perf_counter() - start
+        for key, plan in zip(video_keys or [], plans):
+            engine.video_plans.put(key, plan)
     grids = [plan.sampling.grid(cfg.patch_size) for plan in plans]
     counts = [g[0] for g in grids]
-    cached = engine.settings.cache.cache_bytes > 0
-    keys = await engine.cache_keys.video_keys(videos, cfg, counts, client) if cached else None
+    keys = [CacheKeys.slice_keys(k, n) for k, n in zip(video_keys, counts)] if video_keys is not None else None
     slices, waits, claimed = await looked_up(engine, keys, counts)
     hits = sum(all(s is not None for s in video) for video in slices)
     engine.metrics.cache_hits.inc(hits)
@@ -85,6 +92,20 @@ async def encode_videos(
 
     outputs = await asyncio.to_thread(assemble)
     return Encoded(outputs, plan_s + run.decode_s, run.queue_s, run.inference_s, hits)
+
+
+def known_plans(engine: Pipeline, video_keys: list[bytes] | None) -> list | None:
+    """The request's videos' plans where every one was read before (VideoPlans) and together they are within the
+    request's decode work (else the decode workers read them again, and refuse the request as they would); else
+    None."""
+    if video_keys is None:
+        return None
+    plans = [engine.video_plans.get(key) for key in video_keys]
+    if any(plan is None for plan in plans):
+        return None
+    if sum(plan.cost.work for plan in plans) > engine.settings.limits.video_decode_work_per_request:
+        return None
+    return plans
 
 
 async def looked_up(engine: Pipeline, keys: list[list[bytes]] | None, counts: list[int]) -> tuple[list, list, list]:
