@@ -35,6 +35,7 @@ class Held:
     def __init__(self):
         self.release, self.running, self.most, self._lock = threading.Event(), 0, 0, threading.Lock()
         self.calls, self.fail_part = 0, None  # fail_part: the part whose decode raises, by its place
+        self.parts: dict[int, threading.Event] = {}  # a part (by its first slice) held by its own event
 
     def __call__(self, *args):
         with self._lock:
@@ -42,8 +43,9 @@ class Held:
             self.calls += 1
             self.most = max(self.most, self.running)
         try:
-            assert self.release.wait(30), "never released"
             part = args[7] if len(args) > 7 else None
+            held = self.parts.get(part[0]) if part is not None else None
+            assert (held or self.release).wait(30), "never released"
             if self.fail_part is not None and part is not None and part[0] > 0:
                 raise V.VideoError("the video could not be decoded", "a part failed")
             return decode_video(*args)
@@ -179,3 +181,33 @@ def test_a_part_that_fails_fails_its_video_only(monkeypatch):
     error, slices = scenario(monkeypatch, settings, run)
     assert isinstance(error, InputRejected) and error.param == "videos[0]" and "could not be decoded" in str(error)
     assert slices == len(V.load_video(LONG, LONG_CFG).slices())
+
+
+def test_each_part_is_handed_on_as_it_is_decoded(monkeypatch):
+    """decode_planned's on_part: a split video's first part is handed on (its slices, its first slice's place)
+    while its second is still decoding, then the second; the whole answer is the library's."""
+
+    async def run(decoder, held):
+        held.parts[0] = threading.Event()
+        handed = []
+        plans = await decoder.plan_videos([LONG], LONG_CFG)
+        decoding = asyncio.ensure_future(
+            decoder.decode_planned([LONG], plans, LONG_CFG, on_part=lambda k, first, s: handed.append((k, first, s)))
+        )
+        await until(lambda: held.running == 2, what="two parts decoding")
+        held.release.set()  # every part but the first
+        await until(lambda: len(handed) == 1, what="the second part handed on")
+        first_handed, running = handed[0][1], held.running
+        held.parts[0].set()
+        ((slices, _, _),) = await decoding
+        return first_handed, running, handed, slices
+
+    settings = Settings.of(model="m", decode_processes=False, decode_workers=8, video_decode_workers=2)
+    first_handed, running, handed, slices = scenario(monkeypatch, settings, run)
+    expected = V.load_video(LONG, LONG_CFG).slices()
+    assert first_handed > 0 and running == 1  # the later part first, while the first still decodes
+    assert sorted(first for _, first, _ in handed) == [0, first_handed] and all(k == 0 for k, _, _ in handed)
+    parts = sorted((first, s) for _, first, s in handed)
+    joined = [x for _, s in parts for x in s]
+    assert all(np.array_equal(a, b) for a, b in zip(joined, expected)) and len(joined) == len(expected)
+    assert all(np.array_equal(a, b) for a, b in zip(slices, expected))

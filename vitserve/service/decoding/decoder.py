@@ -187,16 +187,29 @@ class Decoder(DecodeRunner):
         return plans
 
     async def decode_planned(
-        self, videos: list, plans: list, cfg, field: str = "videos", names: list[int] | None = None
+        self,
+        videos: list,
+        plans: list,
+        cfg,
+        field: str = "videos",
+        names: list[int] | None = None,
+        on_part: Callable[[int, int, list], None] | None = None,
     ) -> list:
         """Decode videos whose `plan_videos` are `plans`, concurrently in the decode workers (decode.decode_video,
         under `--video-decode-timeout`); per video its (slices, grid, timing). Each takes the memory and the decode
         work its plan declares from the server's decode memory and --video-decode-work while it decodes; at most
-        --video-decode-workers workers hold videos at once, so that images always find the others."""
+        --video-decode-workers workers hold videos at once, so that images always find the others.
+        `on_part(video, first, slices)`, where given, is called on the event loop as each part of a video is
+        decoded (`video` its place in `videos`, `first` its first slice's; a video not split is one part), so that
+        its slices can run before the rest are decoded: they are the caller's from then on, whatever happens to the
+        rest of their video."""
         names = list(range(len(videos))) if names is None else names
         limits, owner = self._video_limits(), object()
         results = await self.run_all(
-            [self._decode_video(data, cfg, limits, plan, owner) for data, plan in zip(videos, plans)],
+            [
+                self._decode_video(data, cfg, limits, plan, owner, on_part and functools.partial(on_part, k))
+                for k, (data, plan) in enumerate(zip(videos, plans))
+            ],
             field,
             names,
             "video",
@@ -230,13 +243,14 @@ class Decoder(DecodeRunner):
                 lambda: self.run(fn, data, owner, *args, timeout=self.decoding.video_decode_timeout)
             )
 
-    async def _decode_video(self, data, cfg, limits, plan, owner):
+    async def _decode_video(self, data, cfg, limits, plan, owner, on_part=None):
         """A video's decode, once the memory and the decode work its header declares (`plan.cost`) are taken from
         the server's budgets; all given back when it is done. Its slices are split among the videos' workers free
         now, by its groups of pictures (`VideoPlan.parts`: a lone long video decodes on several cores at once,
         under load each video on one worker; its groups are read, one demux pass in a worker, only where it may be
-        split, so that a cache hit never pays for them). Its wall time from there to its frames back is observed
-        in vitserve_decode_seconds, as an image's."""
+        split, so that a cache hit never pays for them; `on_part(first, slices)` as each part is decoded:
+        decode_planned). Its wall time from there to its frames back is observed in vitserve_decode_seconds, as an
+        image's."""
         share = await self.budget.acquire(plan.cost.memory, owner)
         try:
             work = await self.video_work.acquire(plan.cost.work, owner)
@@ -245,19 +259,22 @@ class Decoder(DecodeRunner):
                 if self._split_into() > 1 and plan.sampling.grid(1)[0] > 1:
                     plan = await self._video_job(plan_groups, data, owner, plan, limits)
                 parts = plan.parts(self._split_into())
-                if len(parts) == 1:
-                    decoded: list = [await self._decode_part(data, cfg, limits, owner, None, None)]
-                else:  # the parts share the cores the workers' others leave
-                    threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + len(parts)))
-                    decoded = await asyncio.gather(
-                        *(self._decode_part(data, cfg, limits, owner, part, threads) for part in parts),
-                        return_exceptions=True,
-                    )
+                # the parts share the cores the workers' others leave (a video not split: as it starts)
+                threads = max(VIDEO_DECODE_THREADS, self._cpus // (self._videos + len(parts))) if parts[1:] else None
+
+                async def decode(part: tuple[int, int]) -> DecodedVideo:
+                    video = await self._decode_part(data, cfg, limits, owner, part if parts[1:] else None, threads)
+                    if on_part is not None:
+                        on_part(part[0], video.slices)
+                    return video
+
+                decoded = await asyncio.gather(*(decode(part) for part in parts), return_exceptions=True)
                 if failed := [d for d in decoded if isinstance(d, BaseException)]:
-                    for d in decoded:  # the parts decoded: their spool files go
-                        if isinstance(d, DecodedVideo):
-                            for pixels in d.slices:
-                                spool.discard(pixels)
+                    if on_part is None:  # the parts decoded: their spool files go (else they are the caller's)
+                        for d in decoded:
+                            if isinstance(d, DecodedVideo):
+                                for pixels in d.slices:
+                                    spool.discard(pixels)
                     raise failed[0]
                 video = decoded[0] if len(decoded) == 1 else DecodedVideo.joined(decoded, plan.sampling.timing())
                 self.metrics.decode_seconds.observe(time.perf_counter() - start)

@@ -270,17 +270,33 @@ class Engine:
     async def run_items(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list:
         """Submit decoded items to the backend and wait for their Features (each with its item's grid); when the
         client leaves first, they are taken out of the queue (ClientDisconnected)."""
+        self.submit_items(items)
+        return await self.finish_items(items, disconnected)
+
+    def submit_items(self, items: list[WorkItem]) -> None:
+        """Decoded items into the backend's queue (`finish_items` waits for them)."""
         self.backend.submit(items)
+
+    async def finish_items(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list:
+        """The Features of submitted items, in order; when the client leaves first, they are abandoned
+        (ClientDisconnected)."""
         results = asyncio.gather(*(cast(asyncio.Future, item.future) for item in items))  # (this process's items)
         await asyncio.wait(
             {results} if disconnected is None else {results, disconnected}, return_when=asyncio.FIRST_COMPLETED
         )
         if not results.done():
-            self.backend.drop(items)
-            results.cancel()
-            results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
+            self.abandon_items(items)
             raise ClientDisconnected("the client went away")
         return results.result()
+
+    def abandon_items(self, items: list[WorkItem]) -> None:
+        """Submitted items no answer waits for any more: taken out of the queue where they still are, their futures
+        cancelled (an answer that comes is dropped)."""
+        self.backend.drop(items)
+        for item in items:
+            future = cast(asyncio.Future, item.future)
+            future.cancel()
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
 
     def video_config(self, **request) -> VideoConfig:
         """The model's video preprocessing with a request's sampling (options.checked_video_config)."""

@@ -39,7 +39,11 @@ class Pipeline(Protocol):
 
     async def looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list]: ...
 
-    async def run_items(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list: ...
+    def submit_items(self, items: list[WorkItem]) -> None: ...
+
+    async def finish_items(self, items: list[WorkItem], disconnected: asyncio.Future | None) -> list: ...
+
+    def abandon_items(self, items: list[WorkItem]) -> None: ...
 
 
 async def encode_videos(
@@ -123,13 +127,14 @@ async def looked_up(engine: Pipeline, keys: list[list[bytes]] | None, counts: li
 
 
 class Runs:
-    """The slices a request computes: their videos decoded once each (as they are first needed), the slices run;
+    """The slices a request computes: their videos decoded once each (as they are first needed), each part's slices
+    queued as soon as the part is decoded (a split video's first slices run while the rest decode), the slices run;
     the decoded slices not run (answered from the cache) discarded at the end."""
 
     def __init__(self, engine: Pipeline, videos: list, plans: list, cfg: VideoConfig, field: str, disconnected):
         self.engine, self.videos, self.plans, self.cfg = engine, videos, plans, cfg
         self.field, self.disconnected = field, disconnected
-        self.decoded: dict[int, list] = {}  # video -> its slices (pixels, spooled or not)
+        self.decoded: dict[int, list] = {}  # video -> its slices (pixels, spooled or not; None until decoded)
         self.ran: set[tuple[int, int]] = set()
         self.decode_s = self.queue_s = self.inference_s = 0.0
 
@@ -138,31 +143,59 @@ class Runs:
         keeps their answers there)."""
         if not todo:
             return
+        engine, wanted, items = self.engine, set(todo), {}
+        loop = asyncio.get_running_loop()
+
+        def submit(places: list[tuple[int, int]]) -> None:  # the decoded slices at `places` that `todo` wants
+            new = []
+            for v, j in places:
+                if (v, j) in wanted and (v, j) not in items:
+                    _, h, w = self.plans[v].sampling.grid(self.cfg.patch_size)
+                    key = keys[v][j] if keys is not None else None
+                    items[v, j] = WorkItem(
+                        self.decoded[v][j],
+                        (1, h, w),
+                        loop.create_future(),
+                        False,
+                        f"{self.field}[{v}]",
+                        key,
+                        modality="video",
+                    )
+                    new.append(items[v, j])
+                    self.ran.add((v, j))
+            if new:
+                engine.submit_items(new)
+
         need = sorted({v for v, _ in todo} - set(self.decoded))
         if need:
-            start, engine = time.perf_counter(), self.engine
+            start = time.perf_counter()
+            for v in need:
+                self.decoded[v] = [None] * self.plans[v].sampling.grid(self.cfg.patch_size)[0]
+
+            def on_part(k: int, first: int, part: list) -> None:
+                v = need[k]
+                self.decoded[v][first : first + len(part)] = part
+                submit([(v, first + j) for j in range(len(part))])
+
             plans = [self.plans[v] for v in need]
-            decoding = engine.decoder.decode_planned([self.videos[v] for v in need], plans, self.cfg, self.field, need)
-            for v, (video_slices, _, _) in zip(need, await engine.decoded(decoding, self.disconnected)):
-                self.decoded[v] = video_slices
-            self.decode_s += time.perf_counter() - start
-        loop = asyncio.get_running_loop()
-        items = []
-        for v, j in todo:
-            _, h, w = self.plans[v].sampling.grid(self.cfg.patch_size)
-            key = keys[v][j] if keys is not None else None
-            future = loop.create_future()
-            items.append(
-                WorkItem(self.decoded[v][j], (1, h, w), future, False, f"{self.field}[{v}]", key, modality="video")
+            decoding = engine.decoder.decode_planned(
+                [self.videos[v] for v in need], plans, self.cfg, self.field, need, on_part
             )
-            self.ran.add((v, j))
-        for (v, j), output in zip(todo, await self.engine.run_items(items, self.disconnected)):
+            try:
+                await engine.decoded(decoding, self.disconnected)
+            except BaseException:  # the parts queued already wait for no one
+                engine.abandon_items(list(items.values()))
+                raise
+            self.decode_s += time.perf_counter() - start
+        submit(todo)  # (slices decoded for an earlier call)
+        ordered = [items[place] for place in todo]
+        for (v, j), output in zip(todo, await engine.finish_items(ordered, self.disconnected)):
             out[v][j] = output
-        self.queue_s = max([self.queue_s, *(i.queue_s for i in items)])
-        self.inference_s = max([self.inference_s, *(i.inference_s for i in items)])
+        self.queue_s = max([self.queue_s, *(i.queue_s for i in ordered)])
+        self.inference_s = max([self.inference_s, *(i.inference_s for i in ordered)])
 
     def discard_unrun(self) -> None:
         for v, video_slices in self.decoded.items():
             for j, pixels in enumerate(video_slices):
-                if (v, j) not in self.ran:
+                if (v, j) not in self.ran and pixels is not None:
                     spool.discard(pixels)
