@@ -273,6 +273,28 @@ def test_videos_converted_on_the_devices_are_answered_the_same(library, preproce
             assert_served(tensor(item), library.encode_videos(clip, num_frames=6).embeddings)
 
 
+@pytest.mark.parametrize("convert", ["worker", "device"])
+def test_a_video_split_among_decode_workers_is_answered_the_same(library, convert):
+    """Four decode workers, all of them for videos: a video of six groups of pictures is split among them, its
+    parts' slices cross as spool files and go to the device as each part is decoded; the answer is the library's
+    whole decode (the timing too), with the frames made in the workers or converted on the device."""
+    from vitserve.encoder.config import builtin_config
+    from vitserve.encoder.video import VideoConfig, video_plan
+
+    clip = make_video(120, 12, 192, 108, options={"preset": "veryfast", "g": "20"}, photo="portrait.png")
+    cfg = VideoConfig.for_model(builtin_config(MODEL)).with_request(fps=4)
+    assert len(video_plan(clip, cfg, groups=True).parts(2)) == 2  # four workers: two parts (one per two of them)
+    flags = ("--decode-workers", "4", "--video-decode-workers", "4", "--video-convert", convert)
+    for _, url in serving("--model", MODEL, "--load-format", "dummy", *flags):
+        before = series(url, "vitserve_videos_decoded_total")
+        r = httpx.post(url + "/v1/encode", json={"videos": [video_uri(clip)], "fps": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        expected = library.encode_videos(clip, fps=4)
+        assert_served(tensor(r.json()["data"][0]), expected.embeddings)
+        assert r.json()["data"][0]["frame_indices"] == expected.frame_indices
+        assert series(url, "vitserve_videos_decoded_total") == before + 1  # one video, however many parts
+
+
 def test_a_checkpoint_served_matches_transformers_tower(checkpoints):
     """A Qwen2.5-VL checkpoint written by save_pretrained, served: its video tokens are transformers' tower's on
     the same pixel_values_videos, within 1e-5 (the bf16 bound where the server runs on a GPU)."""
