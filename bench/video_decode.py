@@ -4,7 +4,8 @@ decode (`video_decode.decode_sampled`: only what the sampled frames need, their 
 `load_video` (the decode the library and the decode workers run: that, plus swscale's RGB conversion and torch's
 resize of each sampled frame on the CPU); each as a ratio of the full decode. With CUDA, the sampled frames' planes
 converted and resized on the GPU (encoder.pixels: its fused kernels and its tensor ops, from pinned planes, the
-same bytes as load_video's, checked here). Medians of
+same bytes as load_video's, checked here); with PyNvVideoCodec too, the sampled frames decoded by NVDEC
+(encoder.video_nvdec: seconds, and whether its planes are the software decoder's). Medians of
 --repeats after a warm-up; prints a table, writes JSON (--out).
 
     PYTHONPATH=$PWD python3 bench/video_decode.py --clip-dir build/video-clips --out video_decode.json
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from video_decoders import clip_arguments, clips, published  # noqa: E402
 
 from vitserve.encoder import video as V  # noqa: E402
+from vitserve.encoder import video_nvdec  # noqa: E402
 from vitserve.encoder.pixels import frames_from_planes
 from vitserve.encoder.video_decode import decode_sampled
 from vitserve.encoder.video_planes import Conversion
@@ -67,6 +69,15 @@ def on_device(rows: torch.Tensor, layout, size: tuple[int, int], device: str, fu
     return frames
 
 
+def nvdec_planes(data: bytes, kept: np.ndarray):
+    """The sampled frames' planes decoded by NVDEC (video_nvdec.load_planes)."""
+    container = V._open(data)
+    try:
+        return video_nvdec.load_planes(container, kept)
+    finally:
+        container.close()
+
+
 def timed(fn, repeats: int) -> float:
     fn()
     times = []
@@ -101,6 +112,13 @@ def main() -> None:
                 run = functools.partial(on_device, rows_, planes.layout, planes.size, device, fused)
                 row[f"{name}_s"] = timed(run, args.repeats)
                 row[f"{name}_equal"] = bool(np.array_equal(run().cpu().numpy(), video.frames))
+            if video_nvdec.unavailable() is None:
+                try:
+                    row["nvdec_s"] = timed(lambda: nvdec_planes(data, planes.indices), args.repeats)
+                    got = nvdec_planes(data, planes.indices)
+                    row["nvdec_equal"] = got is not None and bool(np.array_equal(got[0], planes.frames))
+                except video_nvdec.NvdecError as e:
+                    row["nvdec_error"] = str(e)
         rows.append(row)
         print(
             f"{row['clip']:45s} {row['sampled']:4d}/{row['frames']:5d} frames  full {row['full_s']:.3f} s  "
@@ -109,6 +127,11 @@ def main() -> None:
             + (
                 f"  on {device}: fused {row['device_s'] * 1e3:.1f} ms (equal {row['device_equal']}), tensor ops "
                 f"{row['device_ops_s'] * 1e3:.1f} ms (equal {row['device_ops_equal']})"
+                + (
+                    f"  nvdec sampled {row['nvdec_s']:.3f} s (equal {row['nvdec_equal']})"
+                    if "nvdec_s" in row
+                    else f"  nvdec: {row.get('nvdec_error', 'unavailable')[:60]}"
+                )
                 if device
                 else ""
             ),
