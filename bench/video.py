@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 from bench_http import run_batches, server_batches  # noqa: E402
 from frontend import cores_text, process_tree, with_server_cores  # noqa: E402
-from video_decode import full_decode  # noqa: E402
+from video_decode import full_decode, timed  # noqa: E402
 from videos import frames_of  # noqa: E402
 
 PHASES = ("single", "throughput", "long")
@@ -273,12 +273,6 @@ def answer_frames(data: bytes) -> int:
     n = struct.unpack("<Q", data[:8])[0]
     videos = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["videos"])
     return sum(len(v["frame_indices"]) for v in videos if v)
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def percentiles(ms: list[float]) -> dict:
@@ -523,10 +517,9 @@ def http_single(url: str, path: Path, args) -> dict:
         conn.close()
     n = struct.unpack("<Q", data[:8])[0]
     clip = path.read_bytes()
-    full_decode(clip)
     return dict(
         # the floor the decode stage is held to: PyAV decoding every frame of the clip on one thread, in this run
-        full_decode_s=statistics.median(timed(lambda: full_decode(clip)) for _ in range(3)),
+        full_decode_s=timed(lambda: full_decode(clip), 3),
         seconds=statistics.median(s for s, _ in runs),
         runs=[s for s, _ in runs],
         frames=answer_frames(data),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .kernels import triton_enabled
 from .preprocess_fast import upload
 from .video_planes import Conversion, PlanesLayout
 
@@ -136,12 +137,6 @@ def resize(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
     return x
 
 
-def _fuse(device: torch.device) -> bool:
-    from .kernels import triton_enabled
-
-    return device.type == "cuda" and triton_enabled()
-
-
 @functools.lru_cache(maxsize=64)
 def _resize_plan(height_in: int, width_in: int, height: int, width: int, device: str) -> ResizePlan:
     return resize_plan(height_in, width_in, height, width).to(device)
@@ -156,7 +151,7 @@ def frames_from_planes(
     `fused` is False (the tensor ops here, their reference) or Triton is off (VITSERVE_DISABLE_TRITON=1)."""
     device = torch.device(device)
     x = rows.to(device, non_blocking=True) if torch.is_tensor(rows) else upload(np.asarray(rows), device)
-    if (fused if fused is not None else _fuse(device)) and device.type == "cuda":
+    if device.type == "cuda" and (triton_enabled() if fused is None else fused):
         from .kernels.triton_pixels import frames_from_rows
 
         return frames_from_rows(x, layout, _resize_plan(layout.height, layout.width, *size, str(device)), size)

@@ -49,11 +49,10 @@ class DecodePlan:
 def plan_decode(packets: list[PacketInfo], wanted: set[int]) -> DecodePlan | None:
     """The packets to decode for the frames at indices `wanted`, or None where the stream cannot be mapped (decode
     it whole)."""
-    times = [p.pts for p in packets]
-    if not wanted or not packets or any(t is None for t in times) or len(set(times)) != len(times):
+    index_of = _shown_indices(packets)
+    if not wanted or index_of is None:
         return None
-    pts: list[int] = times  # type: ignore[assignment]
-    index_of = {t: i for i, t in enumerate(sorted(t for t, p in zip(pts, packets) if not p.discard))}
+    pts: list[int] = [p.pts for p in packets]  # type: ignore[misc]
     starts = [j for j, p in enumerate(packets) if p.keyframe]
     if not starts or any(t < pts[starts[0]] for t, p in zip(pts, packets) if not p.discard):
         return None  # leading pictures before the first keyframe: a decoder may drop them, shifting every index
@@ -88,16 +87,23 @@ def packet_infos(container: Any, stream: Any, most: int) -> list[PacketInfo] | N
     return packets if len(packets) <= most else None
 
 
+def _shown_indices(packets: list[PacketInfo]) -> dict[int, int] | None:
+    """Each shown frame's index by its packet's presentation time (its rank among them), or None where the packets
+    cannot be mapped (none, one without a time, two with the same)."""
+    times = [p.pts for p in packets]
+    if not packets or any(t is None for t in times) or len(set(times)) != len(times):
+        return None
+    return {t: i for i, t in enumerate(sorted(p.pts for p in packets if not p.discard))}  # type: ignore[type-var, misc]
+
+
 def group_starts(packets: list[PacketInfo]) -> list[int] | None:
     """The index of each group's keyframe (where a group of pictures starts), ascending, or None where the stream
     cannot be mapped (`plan_decode`'s rules): where a video's frames can be split among decoders at little cost,
     since a decode of the frames from one group on needs nothing before it but leading pictures."""
-    times = [p.pts for p in packets]
-    if not packets or any(t is None for t in times) or len(set(times)) != len(times):
+    index_of = _shown_indices(packets)
+    if index_of is None:
         return None
-    shown = sorted(p.pts for p in packets if not p.discard)  # type: ignore[type-var]
-    index_of = {t: i for i, t in enumerate(shown)}
-    return sorted(index_of[p.pts] for p in packets if p.keyframe and not p.discard)
+    return sorted(index_of[p.pts] for p in packets if p.keyframe and not p.discard)  # type: ignore[index]
 
 
 class Unmapped(Exception):
@@ -129,21 +135,28 @@ def decode_sampled(container: Any, stream: Any, wanted: set[int], rewindable: bo
             return
 
 
+def planned_packets(container: Any, stream: Any, plan: DecodePlan) -> Iterator[tuple[Any, str]]:
+    """(packet, how much of it to decode) for the stream's packets up to the plan's last one; Unmapped at a packet
+    the demux pass did not see."""
+    for packet in container.demux(stream):
+        if not packet.size:
+            continue
+        skip = plan.skips.get(packet.pts)
+        if skip is None:
+            raise Unmapped
+        yield packet, skip
+        if packet.pts == plan.last:
+            return
+
+
 def _planned(container: Any, stream: Any, plan: DecodePlan) -> Generator[tuple[int, Any], None, set[int]]:
     """The plan's frames, in order; returns the indices given."""
     context, given = stream.codec_context, [-1]
     try:
-        for packet in container.demux(stream):
-            if not packet.size:
-                continue
-            skip = plan.skips.get(packet.pts)
-            if skip is None:  # a packet the demux pass did not see
-                raise Unmapped
+        for packet, skip in planned_packets(container, stream, plan):
             context.skip_frame = skip
             for frame in context.decode(packet):
                 yield _indexed(frame, plan, given)
-            if packet.pts == plan.last:
-                break
         context.skip_frame = WHOLE
         for frame in context.decode(None):
             yield _indexed(frame, plan, given)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .video_decode import NOTHING, packet_infos, plan_decode
+from .video_decode import NOTHING, Unmapped, packet_infos, plan_decode, planned_packets
 from .video_planes import FORMATS, Conversion, PlanesLayout
 
 # PyAV's codec name -> (PyNvVideoCodec's cudaVideoCodec member, the bitstream filter its packets need, if any)
@@ -115,21 +115,16 @@ def load_planes(container: Any, kept: np.ndarray) -> tuple[np.ndarray, PlanesLay
         take(decoder.Decode(packet))
 
     try:
-        for packet in container.demux(stream):
-            if not packet.size:
-                continue
-            skip = plan.skips.get(packet.pts)
-            if skip is None:
-                raise NvdecError("a packet the demux pass did not see")
+        for packet, skip in planned_packets(container, stream, plan):
             if skip != NOTHING:
                 for part in bsf.filter(packet) if bsf is not None else [packet]:
                     feed(bytes(part), part.pts or 0)
-            if packet.pts == plan.last:
-                break
         if bsf is not None:
             for part in bsf.filter(None):
                 feed(bytes(part), part.pts or 0)
         feed(b"", 0)  # the end of the stream: the frames NVDEC holds for reordering come out
+    except Unmapped:
+        raise NvdecError("a packet the demux pass did not see") from None
     except (av.error.FFmpegError, RuntimeError) as e:
         raise NvdecError(f"NVDEC failed on this video: {e}") from None
     if not filled.all():

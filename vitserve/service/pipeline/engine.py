@@ -286,6 +286,7 @@ class Engine:
         )
         if not results.done():
             self.abandon_items(items)
+            results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
             raise ClientDisconnected("the client went away")
         return results.result()
 
