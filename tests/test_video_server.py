@@ -189,7 +189,9 @@ def test_without_the_cache_a_video_sent_again_is_decoded_again(library):
 
 def test_one_video_sent_by_two_clients_at_once_is_decoded_once(library):
     """Two front ends, the same video from two connections at once: the core's cache claims its slices for the
-    first request, the second waits for them (or finds them): one decode, the same answer for both."""
+    first request, the second waits for them (or finds them): one decode, the same answer for both. A video sent
+    again, on new connections that reach either front end, is answered without its header read again (the plans
+    are the core's, not one front end's) and without a decode."""
     clip = make_video(30, 10, 160, 120, photo="portrait.png")
     for _, url in serving(
         "--model", MODEL, "--load-format", "dummy", "--api-servers", "2", "--device-processes", "true"
@@ -202,6 +204,14 @@ def test_one_video_sent_by_two_clients_at_once_is_decoded_once(library):
         assert torch.equal(a, b)
         assert_served(a, library.encode_videos(clip, num_frames=6).embeddings)
         assert series(url, "vitserve_videos_decoded_total") == 1
+        other = body | {"num_frames": 4}  # another key: its plan read once, by one front end
+        first = httpx.post(url + "/v1/encode", json=other, timeout=120)
+        assert first.status_code == 200, first.text
+        for _ in range(8):  # each on a connection of its own: the kernel spreads them over both front ends
+            again = httpx.post(url + "/v1/encode", json=other, timeout=120)
+            assert again.status_code == 200 and float(again.headers["x-decode-time"]) == 0.0, again.headers
+            assert again.json()["data"] == first.json()["data"]
+        assert series(url, "vitserve_videos_decoded_total") == 2
 
 
 @pytest.mark.parametrize(

@@ -141,11 +141,12 @@ def planned_packets(container: Any, stream: Any, plan: DecodePlan) -> Iterator[t
     for packet in container.demux(stream):
         if not packet.size:
             continue
-        skip = plan.skips.get(packet.pts)
+        pts = packet.pts  # (read first: a bitstream filter the caller sends the packet through empties it)
+        skip = plan.skips.get(pts)
         if skip is None:
             raise Unmapped
         yield packet, skip
-        if packet.pts == plan.last:
+        if pts == plan.last:
             return
 
 

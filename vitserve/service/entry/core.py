@@ -46,8 +46,11 @@ from ..pipeline.core_link import (
     Collected,
     Done,
     Drop,
+    KeepPlans,
     Looked,
     Lookup,
+    Plans,
+    PlansLookup,
     Release,
     Scrape,
     Scraped,
@@ -218,6 +221,10 @@ class Core:
                 self.backend.queue.drop(dropped)
             case Release(keys):
                 self.backend.cache.release(keys)
+            case PlansLookup(lookup, keys):
+                link.send(Plans(lookup, self.backend.plans.get_all(keys)))
+            case KeepPlans(keys, plans):
+                self.backend.plans.put_all(keys, plans)
             case Up():
                 link.up = True
             case Scrape(scrape, kind):

@@ -5,6 +5,8 @@
     submit(items)  decoded items for the devices; each item's future is resolved with its Features (with its grid)
     drop(items)    a gone client's items leave the queue
     release(keys)  claims the caller let go unanswered (their waiters compute them)
+    video_plans(keys), keep_video_plans(keys, plans)
+                   the header plans of the videos seen before, by video key (cache.VideoPlans), for every front end
     scrape(kind)   the whole server's /stats dict or /metrics text
     model, devices, life (the server's Lifecycle), start(), stop(), abandon()
 
@@ -36,7 +38,7 @@ from ..devices.worker import DeviceWorker, LocalDevice, workers_stats
 from ..ground.errors import EngineError, ErrorRecord
 from ..ground.metrics import Metrics, count_items, merged_metrics
 from ..ground.settings import Settings
-from .cache import WAIT, Cache
+from .cache import WAIT, Cache, VideoPlans
 from .lifecycle import Lifecycle
 from .loader import ModelInfo, load_here, load_processes
 from .stats import server_stats
@@ -113,6 +115,7 @@ class LocalBackend:
         self._loading: asyncio.Task | None = None
         self.queue = ImageQueue(metrics)
         self.cache = Cache(settings.cache.cache_bytes, metrics)
+        self.plans = VideoPlans()  # the headers of videos seen before (with the cache on)
         self.model: ModelInfo | None = None
         self.workers: list[DeviceWorker] = []
         self.batch_sizes: collections.Counter[int] = collections.Counter()
@@ -216,6 +219,12 @@ class LocalBackend:
 
     def release(self, keys: list[bytes]) -> None:
         self.cache.release(keys)
+
+    async def video_plans(self, keys: list[bytes]) -> list:
+        return self.plans.get_all(keys)
+
+    def keep_video_plans(self, keys: list[bytes], plans: list) -> None:
+        self.plans.put_all(keys, plans)
 
     async def scrape(self, kind: str):
         """/stats or /metrics of this process (its front part, `collect`, and this part)."""

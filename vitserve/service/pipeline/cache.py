@@ -90,22 +90,29 @@ class CacheKeys:
 class VideoPlans:
     """The header plans (encoder.video.VideoPlan) of the videos last seen, by video key (CacheKeys.video_keys), at
     most `limit`: a video sent again (every turn of a chat) is looked up in the cache without a decode worker
-    reading its header again. A plan depends only on what its key holds and on the server's fixed limits."""
+    reading its header again, whichever front end it reaches (the backend holds them: the core's, with several).
+    A plan depends only on what its key holds and on the server's fixed limits."""
 
     def __init__(self, limit: int = 1024):
         self.limit, self.plans = limit, collections.OrderedDict[bytes, object]()
+        self.lock = threading.Lock()  # (the core's front end links each read on a thread of their own)
 
-    def get(self, key: bytes):
-        plan = self.plans.get(key)
-        if plan is not None:
-            self.plans.move_to_end(key)
-        return plan
+    def get_all(self, keys: list[bytes]) -> list:
+        """Per key its plan, or None."""
+        with self.lock:
+            plans = [self.plans.get(key) for key in keys]
+            for key, plan in zip(keys, plans):
+                if plan is not None:
+                    self.plans.move_to_end(key)
+        return plans
 
-    def put(self, key: bytes, plan) -> None:
-        self.plans[key] = plan
-        self.plans.move_to_end(key)
-        while len(self.plans) > self.limit:
-            self.plans.popitem(last=False)
+    def put_all(self, keys: list[bytes], plans: list) -> None:
+        with self.lock:
+            for key, plan in zip(keys, plans):
+                self.plans[key] = plan
+                self.plans.move_to_end(key)
+            while len(self.plans) > self.limit:
+                self.plans.popitem(last=False)
 
 
 class Cache:

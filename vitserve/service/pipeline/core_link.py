@@ -104,6 +104,30 @@ class Release:
 
 
 @dataclass
+class PlansLookup:
+    """Front end -> core: video keys whose header plans (encoder.video.VideoPlan) any front end has read."""
+
+    id: int
+    keys: list[bytes]
+
+
+@dataclass
+class Plans:
+    """Core -> front end: per key of a PlansLookup, its plan or None."""
+
+    id: int
+    plans: list
+
+
+@dataclass
+class KeepPlans:
+    """Front end -> core: videos' header plans just read, by video key, for every front end."""
+
+    keys: list[bytes]
+    plans: list
+
+
+@dataclass
 class Up:
     """Front end -> core: it has started (a death from now on is restarted at once)."""
 

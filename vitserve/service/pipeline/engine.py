@@ -35,7 +35,7 @@ from ..ground.metrics import Metrics
 from ..ground.settings import Settings
 from . import fetch
 from .backend import LocalBackend
-from .cache import CacheKeys, VideoPlans
+from .cache import CacheKeys
 from .encoded import Encoded
 from .hub import HubBackend
 from .lifecycle import NOT_READY, Lifecycle, State
@@ -76,7 +76,6 @@ class Engine:
         self.metrics.memory_held.labels("bodies").set_function(lambda: self.bodies.used)  # on a large one
         self.metrics.memory_held.labels("decode").set_function(lambda: self.decoder.budget.used)
         self.cache_keys = CacheKeys(settings.model.name or "", per_client=settings.cache.cache_scope == "api-key")
-        self.video_plans = VideoPlans()  # the headers of videos seen before (with the cache on)
         self.in_flight = 0
         self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
         self.metrics.watch_tiers(self.tier_figures)

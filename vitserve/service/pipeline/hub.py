@@ -24,8 +24,11 @@ from .core_link import (
     Collected,
     Drop,
     Item,
+    KeepPlans,
     Looked,
     Lookup,
+    Plans,
+    PlansLookup,
     Release,
     Scrape,
     Scraped,
@@ -60,6 +63,7 @@ class HubBackend:
         self.items: dict[int, WorkItem] = {}  # item id -> its WorkItem, until its answer
         self.lookups: dict[int, tuple] = {}  # lookup id -> (its future, the waits it holds by index)
         self.scrapes: dict[int, asyncio.Future] = {}
+        self.plans: dict[int, asyncio.Future] = {}  # plans lookup id -> its future
         self._loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._read, name="vitserve-core-link", daemon=True)
 
@@ -115,6 +119,18 @@ class HubBackend:
     def release(self, keys: list[bytes]) -> None:
         self.send(Release(keys))
 
+    async def video_plans(self, keys: list[bytes]) -> list:
+        lookup = next(self.ids)
+        future = self.plans[lookup] = self.loop.create_future()
+        try:
+            self.send(PlansLookup(lookup, keys))
+            return await future
+        finally:
+            self.plans.pop(lookup, None)
+
+    def keep_video_plans(self, keys: list[bytes], plans: list) -> None:
+        self.send(KeepPlans(keys, plans))
+
     async def scrape(self, kind: str):
         """The whole server's /stats dict or /metrics text, gathered by the core."""
         scrape = next(self.ids)
@@ -165,6 +181,8 @@ class HubBackend:
                 threading.Thread(target=lambda: self.send(Collected(scrape, self.collect(kind))), daemon=True).start()
             case Scraped(scrape, answer):
                 call(self._scraped, scrape, answer)
+            case Plans(lookup, plans):
+                call(self._planned, lookup, plans)
 
     @staticmethod
     def _features(output: Output, keep: bool) -> Features | None:
@@ -186,7 +204,7 @@ class HubBackend:
         """The core is gone: what waits on it (images, cache lookups and waits, scrapes) gets a 503 `core_lost` now,
         so that this front end's requests end and it exits, failed, instead of waiting for answers that never come."""
         error = self.lost_error()
-        futures = [item.future for item in self.items.values()] + list(self.scrapes.values())
+        futures = [item.future for item in self.items.values()] + [*self.scrapes.values(), *self.plans.values()]
         for answered, waits in self.lookups.values():
             futures += [answered, *waits.values()]
         self.items.clear()
@@ -237,3 +255,8 @@ class HubBackend:
         future = self.scrapes.get(scrape)
         if future is not None and not future.done():
             future.set_result(answer)
+
+    def _planned(self, lookup: int, plans: list) -> None:
+        future = self.plans.get(lookup)
+        if future is not None and not future.done():
+            future.set_result(plans)

@@ -1,7 +1,7 @@
 """A request's videos through the pipeline: each video's header read by a decode worker (the frames it keeps, their
-size, its slices; a video seen before keeps its plan, VideoPlans), its slices looked up in the embedding cache, the
-videos with a slice to compute decoded, those slices run as items of the image queue beside images, and each
-video's answer joined from its slices in order.
+size, its slices; a video seen before keeps its plan in the backend, for every front end), its slices looked up in
+the embedding cache, the videos with a slice to compute decoded, those slices run as items of the image queue beside
+images, and each video's answer joined from its slices in order.
 
 A slice's cache key is its video's (the bytes as sent, the model, every sampling and size setting of the request,
 the client where the cache is per client) and its place; a slice's entry is its token features, whatever the request
@@ -21,7 +21,7 @@ from ..decoding.decoder import Decoder
 from ..devices.scheduler import WorkItem
 from ..ground.metrics import Metrics
 from ..ground.settings import Settings
-from .cache import CacheKeys, VideoPlans
+from .cache import CacheKeys
 from .encoded import Encoded
 
 
@@ -32,8 +32,7 @@ class Pipeline(Protocol):
     metrics: Metrics
     decoder: Decoder
     cache_keys: CacheKeys
-    video_plans: VideoPlans
-    backend: Any  # LocalBackend or HubBackend: lookup, release
+    backend: Any  # LocalBackend or HubBackend: lookup, release, video_plans, keep_video_plans
 
     async def decoded(self, decoding, disconnected: asyncio.Future | None, dropped: int = 0) -> Any: ...
 
@@ -58,13 +57,13 @@ async def encode_videos(
     """The request's videos' Features, in order (engine.encode_videos: its options checked, its URLs fetched)."""
     cached = engine.settings.cache.cache_bytes > 0
     video_keys = await engine.cache_keys.video_keys(videos, cfg, client) if cached else None
-    plans, plan_s = known_plans(engine, video_keys), 0.0
+    plans, plan_s = await known_plans(engine, video_keys), 0.0
     if plans is None:
         start = time.perf_counter()
         plans = await engine.decoded(engine.decoder.plan_videos(videos, cfg, field), disconnected)
         plan_s = time.perf_counter() - start
-        for key, plan in zip(video_keys or [], plans):
-            engine.video_plans.put(key, plan)
+        if video_keys is not None:
+            engine.backend.keep_video_plans(video_keys, plans)
     grids = [plan.sampling.grid(cfg.patch_size) for plan in plans]
     counts = [g[0] for g in grids]
     keys = [CacheKeys.slice_keys(k, n) for k, n in zip(video_keys, counts)] if video_keys is not None else None
@@ -98,13 +97,13 @@ async def encode_videos(
     return Encoded(outputs, plan_s + run.decode_s, run.queue_s, run.inference_s, hits)
 
 
-def known_plans(engine: Pipeline, video_keys: list[bytes] | None) -> list | None:
-    """The request's videos' plans where every one was read before (VideoPlans) and together they are within the
-    request's decode work (else the decode workers read them again, and refuse the request as they would); else
-    None."""
+async def known_plans(engine: Pipeline, video_keys: list[bytes] | None) -> list | None:
+    """The request's videos' plans where every one was read before (the backend's VideoPlans, whichever front end
+    read it) and together they are within the request's decode work (else the decode workers read them again, and
+    refuse the request as they would); else None."""
     if video_keys is None:
         return None
-    plans = [engine.video_plans.get(key) for key in video_keys]
+    plans = await engine.backend.video_plans(video_keys)
     if any(plan is None for plan in plans):
         return None
     if sum(plan.cost.work for plan in plans) > engine.settings.limits.video_decode_work_per_request:
