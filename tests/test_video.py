@@ -15,7 +15,7 @@ from conftest import FAMILIES
 from helpers import rel_err
 from videos import make_video
 
-from vitserve.encoder import EncodedVideo, VisionEncoder
+from vitserve.encoder import EncodedVideo, VisionEncoder, video_nvdec
 from vitserve.encoder import video as V
 from vitserve.encoder.config import builtin_config
 
@@ -298,13 +298,14 @@ def test_the_memory_a_video_takes_is_known_from_its_header():
 def nvdec_untried(monkeypatch):
     """This process as if NVDEC had not been tried yet (a refusal is remembered for the process)."""
     monkeypatch.setattr(V, "_nvdec_refused", None)
+    monkeypatch.setattr(V, "_nvdec_tried", False)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback: a machine where NVDEC cannot open")
+@pytest.mark.skipif(video_nvdec.unavailable() is None, reason="the fallback: a machine where NVDEC cannot run")
 def test_nvdec_falls_back_to_software_with_the_same_frames(nvdec_untried):
-    """decoder "nvdec" where no GPU opens: the video decodes in software (the same frames, said so), NVDEC's refusal
-    is remembered with its reason, and a file that no decoder opens is still the file's error (a VideoError), not
-    taken as NVDEC's."""
+    """decoder "nvdec" where NVDEC cannot run (no PyNvVideoCodec or no GPU): the video decodes in software (the same
+    frames, said so), NVDEC's refusal is remembered with its reason, and a file that no decoder opens is still the
+    file's error (a VideoError), not taken as NVDEC's."""
     clip = make_video(30, 10, 160, 120)
     cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen3-vl")).with_request(num_frames=6)
     nvdec = dataclasses.replace(cfg, decoder="nvdec")
@@ -318,21 +319,23 @@ def test_nvdec_falls_back_to_software_with_the_same_frames(nvdec_untried):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("codec", ["h264", "hevc", "libvpx-vp9"])
-def test_nvdec_decodes_the_frames_software_does(nvdec_untried, codec):
-    """On a GPU: NVDEC decodes H.264, HEVC and VP9 (said so by `decoder`) to frames within about a level of FFmpeg's
-    software decoders' (the same sampling and sizes; its frames reach RGB through another path: docs/video.md)."""
-    container = "webm" if codec == "libvpx-vp9" else "mp4"
+@pytest.mark.skipif(video_nvdec.unavailable() is not None, reason=f"needs NVDEC: {video_nvdec.unavailable()}")
+@pytest.mark.parametrize("codec", ["h264", "hevc", "libvpx-vp9", "mjpeg"])
+@pytest.mark.parametrize("planes", [False, True], ids=["rgb", "planes"])
+def test_nvdec_decodes_the_frames_software_does(nvdec_untried, codec, planes):
+    """On a GPU: NVDEC decodes H.264, HEVC and VP9 (said so by `decoder`) to the software decoder's frames, byte for
+    byte, as RGB frames made in the process or as planes for the devices (the same planes), a whole video and a part
+    of it; a codec it does not take (MJPEG) decodes in software, the same frames."""
+    container = {"libvpx-vp9": "webm", "mjpeg": "avi"}.get(codec, "mp4")
     clip = make_video(40, 10, 320, 240, codec=codec, container=container)
     cfg = V.VideoConfig.for_model(builtin_config("tiny-qwen2.5-vl")).with_request(fps=4)
-    video = V.load_video(clip, dataclasses.replace(cfg, decoder="nvdec"))
-    if V.nvdec_refused():
-        pytest.skip(f"NVDEC does not open on this machine: {V.nvdec_refused()}")
-    assert video.decoder == "nvdec"
-    software = V.load_video(clip, cfg)
-    assert video.frames.shape == software.frames.shape and np.array_equal(video.indices, software.indices)
-    assert np.abs(video.frames.astype(np.int16) - software.frames).mean() <= 1.5
+    nvdec = dataclasses.replace(cfg, decoder="nvdec")
+    for part in (None, (1, 3)):
+        video = V.load_video(clip, nvdec, planes=planes, part=part)
+        assert video.decoder == ("cpu" if codec == "mjpeg" else "nvdec")
+        software = V.load_video(clip, cfg, planes=planes, part=part)
+        assert video.layout == software.layout and video.resized == software.resized
+        assert np.array_equal(video.indices, software.indices) and np.array_equal(video.frames, software.frames)
 
 
 def test_the_video_decoder_is_chosen():

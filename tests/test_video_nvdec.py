@@ -5,6 +5,8 @@ reads from each frame (everywhere)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from test_video_decode import CLIPS
@@ -58,3 +60,62 @@ def test_nvdec_planes_are_the_software_decoders(clip):
     rows, layout = got
     assert layout == software.layout
     assert np.array_equal(rows, software.frames)
+
+
+def test_the_planned_packets_survive_a_bitstream_filter():
+    """The packets walked for a plan stop at its last one though each is sent through the Annex B filter on the way
+    (as NVDEC's feed does; the filter empties the packet it takes): no packet past the plan is read."""
+    import av
+
+    from vitserve.encoder.video_decode import packet_infos, plan_decode, planned_packets
+
+    container = V._open(make_video(120, 12, 192, 108))
+    stream = container.streams.video[0]
+    plan = plan_decode(packet_infos(container, stream, 1000), {5, 30})
+    assert plan is not None and plan.last < max(plan.index_of)  # the stream goes on past the plan
+    bsf = av.bitstream.BitStreamFilterContext("h264_mp4toannexb", stream)
+    walked = []
+    for packet, _ in planned_packets(container, stream, plan):
+        walked.append(packet.pts)
+        bsf.filter(packet)
+    assert walked == list(plan.skips) and walked[-1] == plan.last
+    container.close()
+
+
+@pytest.fixture
+def nvdec_here(monkeypatch):
+    """This process as if NVDEC could run (its decode replaced by each test)."""
+    monkeypatch.setattr(V, "_nvdec_refused", None)
+    monkeypatch.setattr(V, "_nvdec_tried", True)
+
+
+@pytest.mark.parametrize("planes", [False, True], ids=["rgb", "planes"])
+def test_load_video_takes_nvdecs_planes_or_falls_back(nvdec_here, monkeypatch, planes):
+    """load_video with decoder "nvdec": the planes NVDEC gives (here the software decoder's, which the GPU test holds
+    NVDEC's to) become the video, said so: as planes for the devices, or made into RGB frames here by the devices'
+    arithmetic, the software path's frames either way; where NVDEC fails on the video, or cannot take the stream,
+    the software decoder decodes it from the start, the same frames, said so."""
+    clip = make_video(60, 12, 192, 108)
+    nvdec_cfg = dataclasses.replace(CFG, decoder="nvdec")
+    software = V.load_video(clip, CFG, planes=planes)
+    reference = V.load_video(clip, CFG, planes=True)
+    asked = []
+
+    def decoded(container, kept):
+        asked.append(list(kept))
+        next(container.decode(container.streams.video[0]))  # (read some: the fallback must start over)
+        return reference.frames[np.searchsorted(reference.indices, kept)], reference.layout
+
+    monkeypatch.setattr(video_nvdec, "load_planes", decoded)
+    video = V.load_video(clip, nvdec_cfg, planes=planes)
+    assert video.decoder == "nvdec" and asked == [list(software.indices)]
+    assert video.layout == software.layout and np.array_equal(video.frames, software.frames)
+
+    def failing(container, kept):
+        next(container.decode(container.streams.video[0]))
+        raise video_nvdec.NvdecError("NVDEC gave 3 of the 4 frames asked for")
+
+    for fails in (failing, lambda container, kept: None):
+        monkeypatch.setattr(video_nvdec, "load_planes", fails)
+        video = V.load_video(clip, nvdec_cfg, planes=planes)
+        assert video.decoder == "cpu" and np.array_equal(video.frames, software.frames)

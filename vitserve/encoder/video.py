@@ -5,11 +5,11 @@ Qwen2/2.5-VL, `Qwen3VLVideoProcessor` for Qwen3-VL), decoded by PyAV (the `video
   Only what the sampled frames need is decoded (video_decode.py: the frames nothing refers to and the groups of
   pictures without a sampled frame are skipped; the same bytes as a decode of every frame). Only the sampled frames
   are converted (rgb24) and each is resized as it comes, so a video never sits decoded in
-  memory: the resized frames are what stays. `VideoConfig.decoder` "nvdec" decodes on the GPU's video engines
-  (FFmpeg's CUDA hwaccel in PyAV's wheel; frames come back to host memory for the same conversion); a codec NVDEC
-  lacks decodes in software, and a process where NVDEC cannot open (no GPU, no driver video library) decodes every
-  video in software, which `decoder_used` reports. NVDEC's frames reach RGB through another conversion (NV12
-  downloaded, then converted): they are within about a level of the software decoder's, not equal to them.
+  memory: the resized frames are what stays. `VideoConfig.decoder` "nvdec" decodes the same sampled frames on the
+  GPU's video engines (video_nvdec: PyNvVideoCodec, the `nvdec` extra), whose planes are the software decoder's
+  bytes, converted by the same integer arithmetic (pixels.py): the same frames. A stream NVDEC or the exact
+  conversion cannot take, or a video it fails on, decodes in software; a process where NVDEC cannot run (no
+  PyNvVideoCodec, no CUDA) decodes every video in software (`nvdec_refused`). `Video.decoder` says which decoded it.
 * sample (`sample_indices`): the family's `sample_frames` (Qwen2: `fps` frames a second between `min_frames` and
   `max_frames`, floored to the temporal patch, `arange` steps; Qwen3: the same bounds, `linspace`).
 * resize (`frame_size`): the family's smart_resize (Qwen2: per frame, as for images; Qwen3: the pixels of every frame
@@ -493,7 +493,8 @@ def _av():
     return av
 
 
-_nvdec_refused: str | None = None  # why NVDEC could not open in this process; it is not tried again
+_nvdec_refused: str | None = None  # why NVDEC cannot run in this process (found on its first use)
+_nvdec_tried = False
 
 
 def nvdec_refused() -> str | None:
@@ -501,45 +502,32 @@ def nvdec_refused() -> str | None:
     return _nvdec_refused
 
 
-def _open(source: Any, max_pixels: int | None = None, decoder: str = "cpu"):
+def _nvdec_ready() -> bool:
+    """Whether NVDEC can run in this process; the first call finds out (and logs a refusal once)."""
+    global _nvdec_refused, _nvdec_tried
+    if not _nvdec_tried:
+        from .video_nvdec import unavailable
+
+        _nvdec_tried, _nvdec_refused = True, unavailable()
+        if _nvdec_refused is not None:
+            log.warning("NVDEC cannot run here (%s): videos decode in software", _nvdec_refused)
+    return _nvdec_refused is None
+
+
+def _open(source: Any, max_pixels: int | None = None):
     """A PyAV input container for bytes, a file object or a path. `max_pixels`: the largest frame FFmpeg decodes
     while it reads the streams' parameters (it decodes a first frame at the size the headers declare, before any
-    limit sees them). `decoder` "nvdec" opens with FFmpeg's CUDA hwaccel (software for codecs NVDEC lacks); where
-    that fails and software opens the same file, NVDEC is refused for the rest of the process."""
-    global _nvdec_refused
+    limit sees them)."""
     av = _av()
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     elif isinstance(source, os.PathLike):
         source = os.fspath(source)
     options = {"max_pixels": str(max_pixels)} if max_pixels else None
-    refused = None
-    if decoder == "nvdec" and _nvdec_refused is None:
-        from av.codec.hwaccel import HWAccel
-
-        start = source.tell() if hasattr(source, "tell") else None
-        try:
-            return av.open(
-                source, mode="r", options=options, hwaccel=HWAccel(device_type="cuda", allow_software_fallback=True)
-            )
-        except (av.error.FFmpegError, ValueError, OSError) as e:
-            refused = f"{type(e).__name__}: {e}"
-            if start is not None:
-                source.seek(start)
     try:
-        container = av.open(source, mode="r", options=options)
+        return av.open(source, mode="r", options=options)
     except (av.error.FFmpegError, ValueError, OSError) as e:
         raise VideoError("not a video that can be opened", str(e)) from None
-    if refused is not None:  # software opened what NVDEC did not: NVDEC, not the file, is what failed
-        _nvdec_refused = refused
-        log.warning("NVDEC cannot open here (%s): videos decode in software", refused)
-    return container
-
-
-def decoder_used(container) -> str:
-    """ "nvdec" where the container's video stream decodes on NVDEC, else "cpu"."""
-    stream = container.streams.video[0] if container.streams.video else None
-    return "nvdec" if stream is not None and getattr(stream.codec_context, "is_hwaccel", False) else "cpu"
 
 
 def probe(container, limits: VideoLimits | None = None) -> VideoInfo:
@@ -782,7 +770,7 @@ def load_video(
     resizes them, pixels.frames_from_planes) where every sampled frame has an exact conversion and their planes
     fit `limits.max_bytes`; RGB frames otherwise. `part`: only the frames of slices [first, end) (`VideoPlan.parts`;
     the parts' slices in order are the whole video's)."""
-    container = _open(source, _most_pixels(limits), cfg.decoder)
+    container = _open(source, _most_pixels(limits))
     try:
         plan = _plan(container, cfg, limits, planes)
         info, kept, (height, width) = plan.sampling.info, plan.sampling.indices, plan.sampling.size
@@ -793,6 +781,8 @@ def load_video(
                 raise ValueError(f"part {part} of a video of {plan.sampling.grid(1)[0]} slices")
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
         decoding = (container, kept, threads, 2 * plan.cost.work, _rewindable(source))
+        if cfg.decoder == "nvdec" and decoding[-1] and (video := _load_nvdec(container, kept, plan, limits)):
+            return video
         if plan.as_planes and (video := _load_planes(*decoding, info, (height, width), cfg)) is not None:
             return video
         if plan.as_planes:  # a frame without an exact conversion: the frames are made here, from the start
@@ -805,9 +795,36 @@ def load_video(
         for i, frame in decode_frames(container, kept, (height, width), *decoding[2:]):
             frames[slot[i]], filled[slot[i]] = frame, True
         _check_filled(filled, kept, info)
-        return Video(frames, kept, info, cfg.temporal_patch_size, decoder_used(container))
+        return Video(frames, kept, info, cfg.temporal_patch_size)
     finally:
         container.close()
+
+
+def _load_nvdec(container, kept: np.ndarray, plan: VideoPlan, limits: VideoLimits) -> Video | None:
+    """`load_video`'s frames decoded by NVDEC (video_nvdec), as planes where the plan keeps planes, else made into
+    RGB frames here by the devices' exact arithmetic on CPU tensors; None where NVDEC cannot take them (not in this
+    process, not this stream, their planes over the frames' memory limit, or it failed on the video: the software
+    decoder decodes it then, from the start)."""
+    from . import video_nvdec
+    from .pixels import frames_from_planes
+
+    info, size = plan.sampling.info, plan.sampling.size
+    if not _nvdec_ready() or len(kept) * PlanesLayout.bytes_for(info.height, info.width) > limits.max_bytes:
+        return None
+    try:
+        decoded = video_nvdec.load_planes(container, kept)
+    except video_nvdec.NvdecError as e:
+        log.warning("NVDEC failed on a video (%s): it decodes in software", e)
+        decoded = None
+    container.seek(0)
+    _video_stream(container).codec_context.flush_buffers()
+    if decoded is None:
+        return None
+    rows, layout = decoded
+    if plan.as_planes:
+        return Video(rows, kept, info, plan.sampling.temporal_patch_size, "nvdec", layout, size)
+    frames = frames_from_planes(torch.from_numpy(rows), layout, size, "cpu").numpy()
+    return Video(frames, kept, info, plan.sampling.temporal_patch_size, "nvdec")
 
 
 def _load_planes(container, kept, threads, max_work, rewindable, info, size, cfg: VideoConfig) -> Video | None:
@@ -831,7 +848,7 @@ def _load_planes(container, kept, threads, max_work, rewindable, info, size, cfg
     finally:  # (a pass left here ends now, its decoder settings put back, before the container is read again)
         frames.close()
     _check_filled(filled, kept, info)
-    return Video(rows, kept, info, cfg.temporal_patch_size, decoder_used(container), layout, size)
+    return Video(rows, kept, info, cfg.temporal_patch_size, layout=layout, resized=size)
 
 
 def _check_filled(filled: np.ndarray, kept: np.ndarray, info: VideoInfo) -> None:

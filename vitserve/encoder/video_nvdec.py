@@ -6,8 +6,9 @@ for H.264, HEVC and VP9: docs/decisions.md), ready for the devices' exact conver
 The packets are PyAV's, fed as the sampled decode plans them (video_decode.plan_decode): a group of pictures that
 no sampled frame needs is not fed at all; a group that is fed is fed whole up to the last packet needed (NVDEC
 decodes every frame it is given). H.264 and HEVC stored length-prefixed (MP4, MKV) pass FFmpeg's Annex B filters
-first. Frames are placed by their presentation time, as in the software path. Not yet wired into the server: this
-is what `bench/video_decode.py` and tests/test_video_nvdec.py measure on a GPU first.
+first. Frames are placed by their presentation time, as in the software path. `load_video` (VideoConfig.decoder
+"nvdec", `--video-decoder nvdec`) decodes through it, the software decoder its fallback; a process that decodes
+here holds a CUDA context on its current device.
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def _copy_out(frame: Any, layout: PlanesLayout, row: np.ndarray) -> None:
     h, w = layout.height, layout.width
     ch, cw = layout.chroma
     y, uv = (torch.as_tensor(plane, device="cuda") for plane in frame.cuda())
+    if tuple(y.shape[:2]) != (h, w) or tuple(uv.shape[:2]) != (ch, cw):
+        raise NvdecError(f"a frame of {y.shape[1]}x{y.shape[0]}, not the header's {w}x{h}")
     out = torch.from_numpy(row)
     out[: h * w].view(h, w).copy_(y[:h, :w, 0])
     out[h * w : h * w + ch * cw].view(ch, cw).copy_(uv[:ch, :cw, 0])

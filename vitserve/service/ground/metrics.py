@@ -62,7 +62,7 @@ class Metrics:
         self.videos = Counter(
             "vitserve_videos_decoded",
             "Videos decoded, by the decoder that decoded them (cpu, or "
-            "nvdec with --preprocess fast where the GPU's video engines open)",
+            "nvdec with --video-decoder nvdec where the GPU's video engines took the video)",
             ["decoder"],
             registry=r,
         )

@@ -111,8 +111,8 @@ class DecodingSettings:
     video_decoder: str = setting(
         "cpu",
         "cpu: FFmpeg's software decoders (transformers' frames); nvdec: the GPU's "
-        "video engines where they open, software elsewhere (frames within about a "
-        "level of the software ones: docs/video.md)",
+        "video engines (PyNvVideoCodec: the nvdec extra) where they take the stream, "
+        "the same frames; software elsewhere (docs/video.md)",
         encode=True,
         choices=("cpu", "nvdec"),
     )
