@@ -10,12 +10,14 @@ RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${BASE}
 # torch comes with the base image; the rest from the wheel's declared dependencies, with the attention kernels,
-# video decoding and the encoder tiers (vLLM's identifiers, SGLang's ZMQ)
+# video decoding (PyAV, and PyNvVideoCodec for --video-decoder nvdec) and the encoder tiers (vLLM's identifiers,
+# SGLang's ZMQ)
 COPY --from=build /wheels /wheels
-RUN python -m pip install --no-cache-dir "$(echo /wheels/vitserve-*.whl)[gpu,video,ec,sglang]" && rm -rf /wheels \
+RUN python -m pip install --no-cache-dir "$(echo /wheels/vitserve-*.whl)[gpu,video,nvdec,ec,sglang]" && rm -rf /wheels \
     && useradd --create-home --uid 1000 --shell /usr/sbin/nologin vitserve \
     && mkdir -p /data && chown 1000:1000 /data
 ENV HF_HOME=/data \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility,video \
     VITSERVE_HOST=0.0.0.0 \
     VITSERVE_PORT=8000 \
     PYTHONUNBUFFERED=1

@@ -44,10 +44,11 @@ def test_the_header_layout_is_each_frames(kw):
 @NVDEC
 @pytest.mark.parametrize("clip", list(CLIPS))
 def test_nvdec_planes_are_the_software_decoders(clip):
-    """Every codec NVDEC takes among the clips: its sampled planes are load_video(planes=True)'s (the software
-    decoder's, sparsely decoded), with the same layout; a codec it does not take gives None (software then)."""
+    """Every codec NVDEC takes among the clips (at a size every codec's NVDEC takes): its sampled planes are
+    load_video(planes=True)'s (the software decoder's, sparsely decoded), with the same layout; a codec it does not
+    take gives None (software then)."""
     kw, _ = CLIPS[clip]
-    data = make_video(120, 12, 192, 108, **kw)
+    data = make_video(120, 12, 256, 144, **kw)
     software = V.load_video(data, CFG, planes=True)
     container = V._open(data)
     got = video_nvdec.load_planes(container, software.indices)
@@ -119,3 +120,20 @@ def test_load_video_takes_nvdecs_planes_or_falls_back(nvdec_here, monkeypatch, p
         monkeypatch.setattr(video_nvdec, "load_planes", fails)
         video = V.load_video(clip, nvdec_cfg, planes=planes)
         assert video.decoder == "cpu" and np.array_equal(video.frames, software.frames)
+
+
+@pytest.mark.parametrize(
+    "kw, size",
+    [
+        (dict(codec="libx265", options={"x265-params": "log-level=error"}), (192, 108)),
+        (dict(codec="libvpx-vp9", container="webm"), (160, 120)),
+        (dict(codec="libx264"), (40, 16)),
+    ],
+    ids=["hevc under 144 high", "vp9 under 128 high", "h264 under 48 wide"],
+)
+def test_a_stream_smaller_than_nvdec_takes_is_left_to_software(kw, size):
+    """A stream under its codec's smallest NVDEC size is not given to NVDEC (None: the software decoder decodes
+    it), before NVDEC is opened (so on any machine)."""
+    container = V._open(make_video(12, 12, *size, **kw))
+    assert video_nvdec.load_planes(container, np.arange(4)) is None
+    container.close()

@@ -21,12 +21,13 @@ import numpy as np
 from .video_decode import NOTHING, Unmapped, packet_infos, plan_decode, planned_packets
 from .video_planes import FORMATS, Conversion, PlanesLayout
 
-# PyAV's codec name -> (PyNvVideoCodec's cudaVideoCodec member, the bitstream filter its packets need, if any)
+# PyAV's codec name -> (PyNvVideoCodec's cudaVideoCodec member, the bitstream filter its packets need, if any,
+# the smallest and the largest (width, height) NVDEC decodes: NVIDIA's NVDEC support matrix, Ampere and later)
 CODECS = {
-    "h264": ("H264", "h264_mp4toannexb"),
-    "hevc": ("HEVC", "hevc_mp4toannexb"),
-    "vp9": ("VP9", None),
-    "av1": ("AV1", None),
+    "h264": ("H264", "h264_mp4toannexb", (48, 16), (4096, 4096)),
+    "hevc": ("HEVC", "hevc_mp4toannexb", (144, 144), (8192, 8192)),
+    "vp9": ("VP9", None, (128, 128), (8192, 8192)),
+    "av1": ("AV1", None, (128, 128), (8192, 8192)),
 }
 
 
@@ -72,16 +73,20 @@ def _current_context() -> tuple[int, int]:
 def load_planes(container: Any, kept: np.ndarray) -> tuple[np.ndarray, PlanesLayout] | None:
     """The planes rows (uint8 [len(kept), row_bytes], in `kept`'s order) of the frames at indices `kept` of an
     open PyAV container whose input can be read twice, decoded by NVDEC, and their layout; None where NVDEC or
-    the exact conversion cannot take this stream (its codec, pixel format, or a stream the plan cannot map).
-    NvdecError where NVDEC fails on it or does not give every frame asked for."""
+    the exact conversion cannot take this stream (its codec, its size, its pixel format, or a stream the plan cannot
+    map). NvdecError where NVDEC fails on it or does not give every frame asked for."""
     import av
-    import PyNvVideoCodec as nvc
-    import torch
 
     stream = container.streams.video[0]
     codec, layout = CODECS.get(stream.codec_context.name), layout_of(stream)
     if codec is None or layout is None:
         return None
+    (least_w, least_h), (most_w, most_h) = codec[2], codec[3]
+    if not (least_w <= layout.width <= most_w and least_h <= layout.height <= most_h):
+        return None
+    import PyNvVideoCodec as nvc
+    import torch
+
     wanted = {int(i): n for n, i in enumerate(kept)}
     packets = packet_infos(container, stream, 2 * max(int(stream.frames), int(kept[-1]) + 1) + 64)
     plan = plan_decode(packets, set(wanted)) if packets is not None else None
