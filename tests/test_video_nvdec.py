@@ -45,8 +45,8 @@ def test_the_header_layout_is_each_frames(kw):
 @pytest.mark.parametrize("clip", list(CLIPS))
 def test_nvdec_planes_are_the_software_decoders(clip):
     """Every codec NVDEC takes among the clips (at a size every codec's NVDEC takes): its sampled planes are
-    load_video(planes=True)'s (the software decoder's, sparsely decoded), with the same layout; a codec it does not
-    take gives None (software then)."""
+    load_video(planes=True)'s (the software decoder's, sparsely decoded), with the same layout, for the whole video
+    and for a part of it that starts at a later keyframe; a codec it does not take gives None (software then)."""
     kw, _ = CLIPS[clip]
     data = make_video(120, 12, 256, 144, **kw)
     software = V.load_video(data, CFG, planes=True)
@@ -61,6 +61,11 @@ def test_nvdec_planes_are_the_software_decoders(clip):
     rows, layout = got
     assert layout == software.layout
     assert np.array_equal(rows, software.frames)
+    later = software.indices >= 60  # a part of the video: its decode starts at a later keyframe (open GOPs: no IDR)
+    container = V._open(data)
+    got = video_nvdec.load_planes(container, software.indices[later])
+    container.close()
+    assert got is not None and np.array_equal(got[0], software.frames[later])
 
 
 def test_the_planned_packets_survive_a_bitstream_filter():
@@ -136,4 +141,36 @@ def test_a_stream_smaller_than_nvdec_takes_is_left_to_software(kw, size):
     it), before NVDEC is opened (so on any machine)."""
     container = V._open(make_video(12, 12, *size, **kw))
     assert video_nvdec.load_planes(container, np.arange(4)) is None
+    container.close()
+
+
+def _nal_units(annexb: bytes) -> list[bytes]:
+    """The NAL units of an Annex B byte stream (split at its start codes, trailing zeros dropped)."""
+    parts = annexb.replace(b"\x00\x00\x00\x01", b"\x00\x00\x01").split(b"\x00\x00\x01")
+    return [part.rstrip(b"\x00") for part in parts if part]
+
+
+@pytest.mark.parametrize(
+    "codec, kinds",
+    [("libx264", lambda nal: nal[0] & 0x1F in (7, 8)), ("libx265", lambda nal: (nal[0] >> 1) & 0x3F in (32, 33, 34))],
+    ids=["h264: SPS, PPS", "hevc: VPS, SPS, PPS"],
+)
+def test_the_parameter_sets_are_the_streams(codec, kinds):
+    """The parameter sets read from the MP4's extradata (fed with NVDEC's first packet, so that a part starting at
+    an open GOP's keyframe decodes) are the ones FFmpeg's Annex B filter puts before the stream's first picture,
+    and nothing the stream does not carry; extradata already in Annex B or cut short gives none."""
+    import av
+
+    options = {"preset": "veryfast", "x265-params": "log-level=error"} if codec == "libx265" else None
+    container = V._open(make_video(24, 12, 256, 144, codec=codec, options=options))
+    stream = container.streams.video[0]
+    name = stream.codec_context.name
+    bsf = av.bitstream.BitStreamFilterContext(f"{name}_mp4toannexb", stream)
+    first = next(p for p in container.demux(stream) if p.size)
+    filtered = b"".join(bytes(p) for p in bsf.filter(first))
+    ours, theirs = _nal_units(video_nvdec.parameter_sets(name, stream.codec_context.extradata)), _nal_units(filtered)
+    assert [nal for nal in ours if kinds(nal)] == [nal for nal in theirs if kinds(nal)] != []
+    assert all(nal in theirs for nal in ours)  # (x265's extradata carries an SEI too, which the filter passes on)
+    assert video_nvdec.parameter_sets(name, b"\x00\x00\x00\x01" + ours[0]) == b""  # Annex B already
+    assert video_nvdec.parameter_sets(name, bytes(stream.codec_context.extradata)[:9]) == b""  # cut short
     container.close()

@@ -6,7 +6,8 @@ for H.264, HEVC and VP9: docs/decisions.md), ready for the devices' exact conver
 The packets are PyAV's, fed as the sampled decode plans them (video_decode.plan_decode): a group of pictures that
 no sampled frame needs is not fed at all; a group that is fed is fed whole up to the last packet needed (NVDEC
 decodes every frame it is given). H.264 and HEVC stored length-prefixed (MP4, MKV) pass FFmpeg's Annex B filters
-first. Frames are placed by their presentation time, as in the software path. `load_video` (VideoConfig.decoder
+first, and the stream's parameter sets go with the first packet (a part of an open-GOP video starts at a keyframe
+that carries none). Frames are placed by their presentation time, as in the software path. `load_video` (VideoConfig.decoder
 "nvdec", `--video-decoder nvdec`) decodes through it, the software decoder its fallback; a process that decodes
 here holds a CUDA context on its current device.
 """
@@ -58,6 +59,41 @@ def layout_of(stream: Any) -> PlanesLayout | None:
     return None if conversion is None else PlanesLayout(context.height, context.width, conversion)
 
 
+def parameter_sets(codec: str, extradata: bytes | None) -> bytes:
+    """The parameter sets of an H.264 stream (SPS, PPS) or an HEVC one (VPS, SPS, PPS) from its MP4/MKV extradata
+    (avcC, hvcC), in Annex B: fed with the first packet, since a decode that starts at a keyframe other than an IDR
+    picture (a part of an open-GOP video) carries none of its own (FFmpeg's Annex B filters add them before IDR
+    pictures only). b"" where the extradata holds none in those forms (absent, or Annex B already)."""
+    data = bytes(extradata or b"")
+    if codec not in ("h264", "hevc") or data[:1] != b"\x01":
+        return b""
+    nals, at = [], 0
+
+    def take(count: int) -> None:  # `count` length-prefixed NAL units from `at`
+        nonlocal at
+        for _ in range(count):
+            size = int.from_bytes(data[at : at + 2], "big")
+            nals.append(data[at + 2 : at + 2 + size])
+            at += 2 + size
+
+    try:
+        if codec == "h264":
+            at = 6
+            take(data[5] & 0x1F)  # the SPSs
+            at += 1
+            take(data[at - 1])  # the PPSs
+        else:
+            at = 23
+            for _ in range(data[22]):  # arrays of one NAL unit type each (VPS, SPS, PPS, SEI)
+                at += 3
+                take(int.from_bytes(data[at - 2 : at], "big"))
+    except IndexError:
+        return b""
+    if at > len(data) or not all(nals):
+        return b""
+    return b"".join(b"\x00\x00\x00\x01" + nal for nal in nals)
+
+
 def _current_context() -> tuple[int, int]:
     """(CUDA context, stream) torch uses on this thread: the decoder decodes on torch's stream, so that the copies
     torch makes of its frames follow the decode."""
@@ -104,6 +140,7 @@ def load_planes(container: Any, kept: np.ndarray) -> tuple[np.ndarray, PlanesLay
     except Exception as e:  # noqa: BLE001  (PyNvVideoCodec raises its own types, and RuntimeError)
         raise NvdecError(f"NVDEC does not open {stream.codec_context.name}: {e}") from None
     bsf = av.bitstream.BitStreamFilterContext(codec[1], stream) if codec[1] else None
+    first = [parameter_sets(stream.codec_context.name, stream.codec_context.extradata)]  # (with the first packet)
     rows = np.empty((len(kept), layout.row_bytes), dtype=np.uint8)
     filled = np.zeros(len(kept), dtype=bool)
 
@@ -115,6 +152,8 @@ def load_planes(container: Any, kept: np.ndarray) -> tuple[np.ndarray, PlanesLay
                 filled[wanted[index]] = True
 
     def feed(data: bytes, pts: int) -> None:
+        if first and data:
+            data = first.pop() + data
         packet = nvc.PacketData()
         buffer = np.frombuffer(data, dtype=np.uint8)  # (held until Decode returns: NVDEC parses it there)
         packet.bsl_data, packet.bsl, packet.pts = buffer.ctypes.data if len(buffer) else 0, len(buffer), pts
