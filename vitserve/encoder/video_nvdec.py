@@ -7,9 +7,9 @@ The packets are PyAV's, fed as the sampled decode plans them (video_decode.plan_
 no sampled frame needs is not fed at all; a group that is fed is fed whole up to the last packet needed (NVDEC
 decodes every frame it is given). H.264 and HEVC stored length-prefixed (MP4, MKV) pass FFmpeg's Annex B filters
 first, and the stream's parameter sets go with the first packet (a part of an open-GOP video starts at a keyframe
-that carries none). Frames are placed by their presentation time, as in the software path. `load_video` (VideoConfig.decoder
-"nvdec", `--video-decoder nvdec`) decodes through it, the software decoder its fallback; a process that decodes
-here holds a CUDA context on its current device.
+that carries none). Frames are placed by their presentation time, as in the software path. `load_video`
+(VideoConfig.decoder "nvdec", `--video-decoder nvdec`) decodes through it, the software decoder its fallback; a
+process that decodes here holds a CUDA context on its current device.
 """
 
 from __future__ import annotations
