@@ -40,7 +40,7 @@ import torch
 from .config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, VisionConfig
 from .preprocess import ImageTooLarge, UndecodableImage, as_triple, check_aspect_ratio, smart_resize
 from .preprocess_fast import fast_lut, resize
-from .video_decode import decode_sampled, group_starts, packet_infos
+from .video_decode import decode_sampled, group_starts, packet_infos, rewind
 from .video_planes import PlanesLayout, planes_row
 
 log = logging.getLogger("vitserve.video")
@@ -780,14 +780,14 @@ def load_video(
             if not len(kept):
                 raise ValueError(f"part {part} of a video of {plan.sampling.grid(1)[0]} slices")
         _video_stream(container).codec_context.options = {"max_pixels": str(_most_pixels(limits))}
-        decoding = (container, kept, threads, 2 * plan.cost.work, _rewindable(source))
-        if cfg.decoder == "nvdec" and decoding[-1] and (video := _load_nvdec(container, kept, plan, limits)):
+        rewindable = _rewindable(source)
+        decoding = (container, kept, threads, 2 * plan.cost.work, rewindable)
+        if cfg.decoder == "nvdec" and rewindable and (video := _load_nvdec(container, kept, plan, limits)):
             return video
         if plan.as_planes and (video := _load_planes(*decoding, info, (height, width), cfg)) is not None:
             return video
         if plan.as_planes:  # a frame without an exact conversion: the frames are made here, from the start
-            container.seek(0)
-            _video_stream(container).codec_context.flush_buffers()
+            rewind(container, _video_stream(container))
         frames = np.empty((len(kept), height, width, 3), dtype=np.uint8)
         slot = {int(i): n for n, i in enumerate(kept)}
         filled = np.zeros(len(kept), dtype=bool)
@@ -816,8 +816,7 @@ def _load_nvdec(container, kept: np.ndarray, plan: VideoPlan, limits: VideoLimit
     except video_nvdec.NvdecError as e:
         log.warning("NVDEC failed on a video (%s): it decodes in software", e)
         decoded = None
-    container.seek(0)
-    _video_stream(container).codec_context.flush_buffers()
+    rewind(container, _video_stream(container))
     if decoded is None:
         return None
     rows, layout = decoded

@@ -127,12 +127,17 @@ def decode_sampled(container: Any, stream: Any, wanted: set[int], rewindable: bo
                 return
         except Unmapped:
             pass
-        container.seek(0)
-        stream.codec_context.flush_buffers()
+        rewind(container, stream)
     for i, frame in enumerate(container.decode(stream)):
         yield i, frame
         if i >= last:
             return
+
+
+def rewind(container: Any, stream: Any) -> None:
+    """The container read again from its start, its decoder holding nothing of an earlier pass."""
+    container.seek(0)
+    stream.codec_context.flush_buffers()
 
 
 def planned_packets(container: Any, stream: Any, plan: DecodePlan) -> Iterator[tuple[Any, str]]:
