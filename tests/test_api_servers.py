@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import assert_served, children, data_uri, png, running, wait_until
+from helpers import assert_served, b64_tensor, children, data_uri, png, running, serving, wait_until
 from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
 
 from vitserve.encoder import VisionEncoder
@@ -421,3 +421,17 @@ def test_api_servers_default_and_checks(monkeypatch):
     monkeypatch.setattr(settings_module, "available_cpus", lambda: 2)
     assert Settings.of(model=MODEL).api_server_count() == 2
     assert Settings.of(model=MODEL, device_processes=False).api_server_count() == 1
+
+
+def test_images_resized_on_the_devices_are_answered_the_same(direct):
+    """--image-resize device behind two front ends and a device process: the decode workers hand the images on full
+    size through spool files, the device process resizes them with Pillow's arithmetic (CPU tensors here, CUDA's
+    where it runs); each answer is the library's, whose PIL resizes them (one image shrinks in height by more than
+    twice what its width grows: the installed Pillow resizes it rows first)."""
+    images = [png(250, 335, 1), png(97, 61, 2), png(64, 64, 3), png(300, 200, 4)]
+    flags = ("--api-servers", "2", "--device-processes", "true", "--image-resize", "device", "--cache-bytes", "0")
+    for _, url in serving("--model", MODEL, "--load-format", "dummy", *flags):
+        r = httpx.post(url + "/v1/encode", json={"images": [data_uri(x) for x in images]}, timeout=60)
+        assert r.status_code == 200, r.text
+        for item, want in zip(r.json()["data"], direct.encode(images)):
+            assert_served(b64_tensor(item["embeddings"], item["shape"]), want.embeddings)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import os
 import signal
 import subprocess
@@ -12,7 +13,9 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from helpers import IMAGES, images_in, png, until
+from PIL import Image
 
 from vitserve.encoder.media import MediaBytes
 from vitserve.service.api.http_errors import ServiceError
@@ -696,3 +699,39 @@ def test_a_video_whose_worker_dies_is_tried_again_then_refused_as_the_videos_fau
     error, replaced = asyncio.run(scenario(2))
     assert isinstance(error, InputRejected) and replaced == 2
     assert (error.code, error.param) == ("undecodable_video", "videos[0]") and "video crashed" in error.message
+
+
+def test_images_are_resized_where_image_resize_says_with_the_same_answer(encoders):
+    """--image-resize device: the decode workers hand each image on full size, its grid the size the device resizes
+    it to (with Pillow's arithmetic, encoder.pixels); worker: PIL resizes it in the worker. The answers are the same
+    values either way, and the library's. Among the images, one whose height shrinks by more than twice its width
+    grows, which the installed Pillow resizes rows first."""
+    from vitserve.encoder.preprocess import target_size
+
+    enc = encoders["tiny-qwen3-vl"]
+    images = [png(250, 335, 4), png(97, 61, 5), png(64, 64, 6), *IMAGES]
+    sizes = [Image.open(io.BytesIO(x)).size for x in images]
+
+    async def scenario(resize):
+        engine = Engine(Settings.of(model=enc.name, decode_workers=2, image_resize=resize), encoders=enc)
+        await engine.start()
+        try:
+            assert engine.decoder.full_size is (resize == "device")
+            cfg = engine.model.preprocess_config
+            decoded = await engine.decoder.decode([b64(x) for x in images], cfg)
+            pixels = spool.pixels([image for image, _ in decoded])
+            encoded = await engine.encode([b64(x) for x in images])
+            return pixels, [grid for _, grid in decoded], [o.tokens for o in encoded.outputs]
+        finally:
+            await engine.stop()
+
+    full, grids, on_device = asyncio.run(scenario("device"))
+    resized, grids_worker, in_worker = asyncio.run(scenario("worker"))
+    p = enc.preprocess_config.patch_size
+    assert [a.shape[:2] for a in full] == [(h, w) for w, h in sizes]  # full size
+    assert [a.shape[:2] for a in resized] == [target_size(a, enc.preprocess_config) for a in full]
+    assert grids == grids_worker == [(1, a.shape[0] // p, a.shape[1] // p) for a in resized]
+    library = enc.encode(images)
+    for a, b, c in zip(on_device, in_worker, library):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, c.embeddings, rtol=1e-5, atol=1e-6)

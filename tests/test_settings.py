@@ -584,3 +584,17 @@ def test_video_convert_names_where_video_frames_become_rgb():
         assert DecodingSettings(video_convert=convert).video_planes([device]) is planes, (convert, device)
     with pytest.raises(ValueError, match="--video-convert"):
         DecodingSettings(video_convert="gpu")
+
+
+def test_image_resize_names_where_images_are_resized():
+    """auto (the default): the devices where they are GPUs, the workers on the CPU; worker: the decode workers;
+    device: the devices, whatever they are; the fast preprocessing resizes on the devices whatever it says."""
+    from vitserve.service.ground.settings_media import DecodingSettings
+
+    assert DecodingSettings().image_resize == "auto"
+    cases = {("worker", "cuda:0"): False, ("device", "cpu"): True, ("auto", "cuda:0"): True, ("auto", "cpu"): False}
+    for (resize, device), full_size in cases.items():
+        assert DecodingSettings(image_resize=resize).images_full_size([device]) is full_size, (resize, device)
+    assert DecodingSettings(image_resize="worker", preprocess="fast").images_full_size(["cpu"])
+    with pytest.raises(ValueError, match="--image-resize"):
+        DecodingSettings(image_resize="gpu")

@@ -15,6 +15,11 @@ as those libraries, so the conversion and the resize can run on the GPU beside t
   vertical one, each `clamp((Σ w·x + 2^(p-1)) >> p, 0, 255)`; an axis whose size does not change is not resampled.
 * `frames_from_planes`: both, for a video slice's planes (video_planes.SlicePlanes) on the device that runs it
   (on CUDA fused into two Triton kernels of the same arithmetic, kernels.triton_pixels).
+* Pillow's resize (`pillow_resize_plan`, then `resize`): `Image.resize(BICUBIC)` of a uint8 image, what
+  transformers' PIL image processor runs (Pillow's `libImaging/Resample.c`): the same separable scheme with Pillow's
+  own bicubic expression, weights scaled by 2^22 (rounded half away from zero), each pass
+  `clamp((Σ w·x + 2^21) >> 22, 0, 255)` in 32-bit integers; the rows' pass runs first where the installed Pillow
+  runs it first (`pillow_rows_first`), since each pass rounds to uint8 and the order changes the bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import numpy as np
 import torch
 
 from .kernels import triton_enabled
-from .preprocess_fast import upload
 from .video_planes import Conversion, PlanesLayout
 
 
@@ -49,52 +53,83 @@ def yuv_to_rgb(y: torch.Tensor, u: torch.Tensor, v: torch.Tensor, conversion: Co
 
 @dataclass(frozen=True)
 class AxisResize:
-    """One axis of torch's uint8 antialias resize: per output pixel, the first source pixel of its span
-    (`first`) and its int16 weights over `taps` source pixels (`weights`, zero past the span), and the precision."""
+    """One axis of a uint8 antialias resize (torch's or Pillow's): per output pixel, the first source pixel of its
+    span (`first`) and its integer weights over `taps` source pixels (`weights`, zero past the span), scaled by
+    2^precision."""
 
     first: torch.Tensor  # int64 [out]
     weights: torch.Tensor  # int32 [out, taps]
     precision: int
 
     def to(self, device: torch.device | str) -> AxisResize:
-        return AxisResize(self.first.to(device), self.weights.to(device), self.precision)
+        return AxisResize(_to(self.first, device), _to(self.weights, device), self.precision)
 
 
-def _bicubic(x: float) -> float:
-    a, x = -0.5, abs(x)
-    if x < 1.0:
-        return ((a + 2) * x - (a + 3)) * x * x + 1
-    if x < 2.0:
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return 0.0
+def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A host array on the device, same shape and dtype: on CUDA copied once into pinned memory and from there
+    without blocking, so that the host never waits for the work already queued on the device."""
+    pinned = torch.device(device).type == "cuda"
+    t = torch.empty(array.shape, dtype=torch.from_numpy(np.empty(0, array.dtype)).dtype, pin_memory=pinned)
+    t.numpy()[...] = array
+    return t.to(device, non_blocking=True) if pinned else t
 
 
-def axis_resize(size_in: int, size_out: int) -> AxisResize:
-    """torch's int16 antialias bicubic weights for one axis (UpSampleKernel.cpp's `_compute_weights_aa` and
-    `_compute_index_ranges_int16_weights`), in float64 as there."""
+def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    return upload(t.numpy(), device) if t.device.type == "cpu" and torch.device(device).type == "cuda" else t.to(device)
+
+
+def _bicubic(x: np.ndarray) -> np.ndarray:
+    """torch's bicubic (a = -0.5), as its `aa_filter` writes it."""
+    a, x = -0.5, np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+def _bicubic_pillow(x: np.ndarray) -> np.ndarray:
+    """Pillow's `bicubic_filter` (a = -0.5), its expression as written: float64 rounds it apart from torch's."""
+    a, x = -0.5, np.abs(x)
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+PILLOW_PRECISION = 22  # Resample.c's PRECISION_BITS
+
+
+def axis_resize(size_in: int, size_out: int, pillow: bool = False) -> AxisResize:
+    """The antialias bicubic weights for one axis, each float64 operation as there (vectorized over the output
+    pixels; the sums run in order): torch's int16 ones (UpSampleKernel.cpp's `_compute_weights_aa` and
+    `_compute_index_ranges_int16_weights`: the precision is the most bits that keep twice the largest weight under
+    2^15) or, with `pillow`, Pillow's (Resample.c's `precompute_coeffs` and `normalize_coeffs_8bpc`: 22 bits)."""
     scale = size_in / size_out
     support = 2.0 * scale if scale >= 1.0 else 2.0
     invscale = 1.0 / scale if scale >= 1.0 else 1.0
-    spans = []
-    for i in range(size_out):
-        center = scale * (i + 0.5)
-        first = max(int(center - support + 0.5), 0)
-        size = min(int(center + support + 0.5), size_in) - first
-        ws = [_bicubic((j + first - center + 0.5) * invscale) for j in range(size)]
-        total = sum(ws)
-        spans.append((first, [w / total for w in ws] if total != 0.0 else ws))
-    taps = max(len(ws) for _, ws in spans)
-    largest = max(max(ws) for _, ws in spans)
-    precision = 0
-    while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
-        precision += 1
-    weights = torch.zeros(size_out, taps, dtype=torch.int32)
-    for i, (_, ws) in enumerate(spans):
-        for j, w in enumerate(ws):
-            v = w * (1 << precision)
-            weights[i, j] = int(-0.5 + v) if v < 0 else int(0.5 + v)
-    starts = torch.tensor([f for f, _ in spans], dtype=torch.int64)
-    return AxisResize(starts, weights, precision)
+    center = scale * (np.arange(size_out, dtype=np.float64) + 0.5)
+    first = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)  # (C's int(): toward zero)
+    size = np.minimum(np.trunc(center + support + 0.5).astype(np.int64), size_in) - first
+    taps = int(size.max())
+    tap = np.arange(taps)
+    within = tap[None, :] < size[:, None]
+    ws = np.where(
+        within,
+        (_bicubic_pillow if pillow else _bicubic)(((tap + first[:, None]) - center[:, None] + 0.5) * invscale),
+        0.0,
+    )
+    total = np.zeros(size_out)
+    for k in range(taps):  # in order, as both sum
+        total = total + ws[:, k]
+    ws = np.where(total[:, None] != 0.0, ws / np.where(total == 0.0, 1.0, total)[:, None], ws)
+    if pillow:
+        precision = PILLOW_PRECISION
+    else:
+        largest = float(ws.max())
+        precision = 0
+        while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
+            precision += 1
+    scaled = ws * (1 << precision)
+    weights = np.where(scaled < 0, np.trunc(-0.5 + scaled), np.trunc(0.5 + scaled)).astype(np.int32)
+    return AxisResize(torch.from_numpy(first), torch.from_numpy(weights), precision)
 
 
 def _pass(x: torch.Tensor, axis: AxisResize, dim: int) -> torch.Tensor:
@@ -112,28 +147,79 @@ def _pass(x: torch.Tensor, axis: AxisResize, dim: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ResizePlan:
-    """A resize of [..., H, W] images to (height, width): each axis that changes (None: it does not)."""
+    """A resize of [..., H, W] images to (height, width): each axis that changes (None: it does not), and whether
+    the rows' (vertical) pass runs before the columns' one."""
 
     rows: AxisResize | None
     columns: AxisResize | None
+    rows_first: bool = False
 
     def to(self, device: torch.device | str) -> ResizePlan:
-        return ResizePlan(*(a.to(device) if a is not None else None for a in (self.rows, self.columns)))
+        rows, columns = (a.to(device) if a is not None else None for a in (self.rows, self.columns))
+        return ResizePlan(rows, columns, self.rows_first)
 
 
 def resize_plan(height_in: int, width_in: int, height: int, width: int) -> ResizePlan:
+    """torch's CPU uint8 bicubic antialias resize (torchvision's `resize(BICUBIC, antialias=True)`): columns, then
+    rows."""
     return ResizePlan(
         axis_resize(height_in, height) if height != height_in else None,
         axis_resize(width_in, width) if width != width_in else None,
     )
 
 
+@functools.cache
+def _pillow_version() -> tuple[int, int]:
+    import PIL
+
+    major, minor = PIL.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def pillow_rows_first(height_in: int, width_in: int, height: int, width: int) -> bool:
+    """Whether the installed Pillow resamples the rows first (the order changes the bytes): from 13.0 where the
+    height shrinks by more than twice what the width does (Resample.c, `horizontal_first`); in 12.2-12.x where the
+    image is over 100 times taller than wide and its height shrinks (`Image.resize`, two calls); before, never."""
+    version = _pillow_version()
+    if version >= (13, 0):
+        return height_in - height > 0 and height_in - height > (width_in - width) * 2
+    if version >= (12, 2):
+        return height_in > width_in * 100 and height < height_in
+    return False
+
+
+def pillow_resize_plan(height_in: int, width_in: int, height: int, width: int) -> ResizePlan:
+    """Pillow's `Image.resize((width, height), BICUBIC)` of a uint8 image (no box, no reducing gap), as the
+    installed Pillow computes it."""
+    return ResizePlan(
+        axis_resize(height_in, height, pillow=True) if height != height_in else None,
+        axis_resize(width_in, width, pillow=True) if width != width_in else None,
+        pillow_rows_first(height_in, width_in, height, width),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _pillow_plan(height_in: int, width_in: int, height: int, width: int, device: str) -> ResizePlan:
+    return pillow_resize_plan(height_in, width_in, height, width).to(device)
+
+
+def pillow_resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 [..., H, W] resized to (height, width) on its device, the bytes of the installed Pillow's
+    `Image.resize((width, height), BICUBIC)` (transformers' PIL image processor); the same size is not filtered, as
+    Pillow returns a copy."""
+    h, w = image.shape[-2:]
+    if (h, w) == (height, width):
+        return image
+    return resize(image, _pillow_plan(h, w, height, width, str(image.device)))
+
+
 def resize(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
-    """uint8 [..., H, W] resized as torch's CPU uint8 bicubic antialias kernel does: columns, then rows."""
-    if plan.columns is not None:
-        x = _pass(x, plan.columns, x.dim() - 1)
-    if plan.rows is not None:
-        x = _pass(x, plan.rows, x.dim() - 2)
+    """uint8 [..., H, W] resized as the plan's kernel does it: a pass per axis that changes, each into uint8, in the
+    plan's order."""
+    passes = [(plan.columns, x.dim() - 1), (plan.rows, x.dim() - 2)]
+    for axis, dim in reversed(passes) if plan.rows_first else passes:
+        if axis is not None:
+            x = _pass(x, axis, dim)
     return x
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .pixels import pillow_resize, upload
 from .preprocess import EncodedJpeg, ImageError, PreprocessConfig, load_for_device, load_image, target_size
 
 
@@ -102,14 +103,6 @@ def _nvjpeg(jpegs: list[EncodedJpeg], device: torch.device) -> list[torch.Tensor
         return out
 
 
-def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host uint8 array on the device, same shape (copied once, into pinned memory on CUDA)."""
-    pinned = torch.device(device).type == "cuda"
-    t = torch.empty(array.shape, dtype=torch.uint8, pin_memory=pinned)
-    t.numpy()[...] = array
-    return t.to(device, non_blocking=True) if pinned else t
-
-
 def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host uint8 [H, W, 3] image as [3, H, W] on the device."""
     return upload(array, device).permute(2, 0, 1)
@@ -123,11 +116,12 @@ def load(images: list, device: torch.device) -> list[np.ndarray | EncodedJpeg]:
 
 
 def resize_on_device(
-    images: list, sizes: list[tuple[int, int]], device: torch.device
+    images: list, sizes: list[tuple[int, int]], device: torch.device, exact: bool = False
 ) -> list[torch.Tensor | ImageError]:
     """Decoded (uint8 [H, W, 3] host arrays, full size) or still encoded (EncodedJpeg) images -> each resized on
-    `device` to its (height, width) in `sizes`, uint8 [h, w, 3]; an ImageError in place of an image that cannot be
-    decoded (a JPEG neither nvJPEG nor PIL reads), so that only it fails."""
+    `device` to its (height, width) in `sizes`, uint8 [h, w, 3], by the fast processor's arithmetic (`resize`) or,
+    `exact`, by Pillow's (encoder.pixels: the PIL processor's bytes); an ImageError in place of an image that cannot
+    be decoded (a JPEG neither nvJPEG nor PIL reads), so that only it fails."""
     device = torch.device(device)
     chw: list = [None] * len(images)
     jpegs = [i for i, x in enumerate(images) if isinstance(x, EncodedJpeg)]
@@ -146,7 +140,9 @@ def resize_on_device(
     out: list = []
     for i, (image, (h, w)) in enumerate(zip(images, sizes)):
         x = chw[i] if chw[i] is not None else _upload(image, device)
-        out.append(x if isinstance(x, ImageError) else resize(x, h, w).permute(1, 2, 0).contiguous())
+        if not isinstance(x, ImageError):
+            x = (pillow_resize(x, h, w) if exact else resize(x, h, w)).permute(1, 2, 0).contiguous()
+        out.append(x)
     return out
 
 

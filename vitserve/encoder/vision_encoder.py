@@ -15,12 +15,13 @@ from PIL import Image
 from . import checkpoint, preprocess_fast, video
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
 from .features import Features
-from .pixels import frames_from_planes, slices_from_planes
+from .pixels import frames_from_planes, slices_from_planes, upload
 from .plan import Grid
 from .preprocess import (
     PREPROCESS_MODES,
     ImageError,
     PreprocessConfig,
+    load_for_device,
     load_image,
     normalize_lut,
     preprocess,
@@ -41,6 +42,7 @@ DTYPES = {
     "half": torch.float16,
 }
 IMAGE_TYPES = (str, os.PathLike, bytes, bytearray, memoryview, Image.Image)  # one image: a path, its bytes, PIL
+IMAGE_RESIZES = ("auto", "device", "host")  # where exact preprocessing resizes an image (VisionEncoder.encode)
 
 
 @dataclass
@@ -208,6 +210,7 @@ class VisionEncoder:
         budgets=DEFAULT_BUDGETS,
         preprocess: str = "exact",
         video_config: video.VideoConfig | None = None,
+        image_resize: str = "auto",
     ):
         self.tower, self.config, self.preprocess_config = tower, config, preprocess_config
         self.video_config = video_config or video.VideoConfig.for_model(config)
@@ -215,6 +218,12 @@ class VisionEncoder:
         if preprocess not in PREPROCESS_MODES:
             raise ValueError(f"unknown preprocess {preprocess!r}; use {' or '.join(PREPROCESS_MODES)}")
         self.preprocess_mode = preprocess
+        if image_resize not in IMAGE_RESIZES:
+            raise ValueError(f"unknown image_resize {image_resize!r}; use {', '.join(IMAGE_RESIZES)}")
+        # exact preprocessing resizes on the device (Pillow's arithmetic there: the same bytes) on CUDA, or when asked
+        self.resize_on_device = (
+            preprocess == "fast" or image_resize == "device" or (image_resize == "auto" and device.type == "cuda")
+        )
         self.runner = GraphRunner(tower, config, device, dtype, budgets)
 
     @property
@@ -258,12 +267,15 @@ class VisionEncoder:
         video_decoder: str = "cpu",
         video_min_pixels: int | None = None,
         video_max_pixels: int | None = None,
+        image_resize: str = "auto",
     ) -> VisionEncoder:
         """`model`: a checkpoint directory, a hub id (from the local HF cache, or downloaded when allowed), or with
         `load_format="dummy"` any built-in config name (hub id or `tiny-*`): seeded random weights, no file read.
         `attention_backend`: one of encoder.attention.BACKENDS; `auto` takes the fastest that runs on this device and
         dtype (exact SDPA on the CPU and in float32). `preprocess`: "exact" (bit-identical to transformers' PIL
-        image processor, on the host) or "fast" (transformers' torchvision processor, on the device: preprocess_fast).
+        image processor) or "fast" (transformers' torchvision processor, on the device: preprocess_fast).
+        `image_resize`: where exact preprocessing resizes an image: "host" (PIL), "device" (Pillow's integer
+        arithmetic as tensor ops on the device: the same bytes, encoder.pixels), "auto" (device on CUDA).
         `video_decoder`: "cpu" (FFmpeg's software decoders, as transformers decodes) or "nvdec" (video.DECODERS).
         `min_pixels` / `max_pixels` override the images' resize bounds, `video_min_pixels` / `video_max_pixels` the
         videos' (as the family's video processor counts them).
@@ -285,6 +297,7 @@ class VisionEncoder:
             budgets,
             preprocess,
             video_config_of(cfg, ckpt, video_decoder, model, video_min_pixels, video_max_pixels),
+            image_resize,
         )
         if capture:
             encoder.capture()
@@ -293,7 +306,7 @@ class VisionEncoder:
     def preprocess(self, images) -> tuple[torch.Tensor, torch.Tensor]:
         """An image or a list of them (PIL images, encoded bytes or paths) -> (pixel_values [rows, patch_dim]
         float32, grid_thw [n, 3] int64), the layout of transformers' Qwen2-VL image processor, batched for one
-        image too (n = 1), as its processor is: decode where needed, then normalize + patchify on the host
+        image too (n = 1), as its processor is: decode where needed, then resize + normalize + patchify on the host
         (preprocess.preprocess), or with "fast" preprocessing all of it on the device (preprocess_fast)."""
         images, _ = as_list(images)
         if self.preprocess_mode == "fast":
@@ -302,13 +315,16 @@ class VisionEncoder:
 
     def encode(self, images) -> EncodedImage | list[EncodedImage]:
         """An image (a PIL image, encoded bytes or a path) -> its EncodedImage; a list of them -> one result per
-        image, in order. Exact preprocessing decodes and resizes on the host (load_image, resize_rgb); fast
-        preprocessing decodes JPEGs and resizes on the device (preprocess_fast). Normalize + patchify run where the
-        model does (the server's path too). The first image that cannot be decoded raises its ImageError."""
+        image, in order. Exact preprocessing decodes on the host (load_image) and resizes there (resize_rgb) or on
+        the device (`resize_on_device`); fast preprocessing decodes JPEGs and resizes on the device
+        (preprocess_fast). Normalize + patchify run where the model does (the server's path too). The first image
+        that cannot be decoded raises its ImageError."""
         images, single = as_list(images)
         cfg = self.preprocess_config
         if self.preprocess_mode == "fast":
             decoded = preprocess_fast.load(images, self.device)
+        elif self.resize_on_device:
+            decoded = [load_for_device(x, jpeg_on_device=False) for x in images]
         else:
             decoded = [resize_rgb(load_image(x) if not isinstance(x, Image.Image) else x, cfg) for x in images]
         launched = self.launch(decoded)
@@ -322,31 +338,32 @@ class VisionEncoder:
     def launch(
         self, images: list, sizes: list[tuple[int, int]] | None = None, mean_pooling: list[bool] | None = None
     ) -> Launched:
-        """Start encoding images as the decode step leaves them, without waiting: exact preprocessing takes the
-        resized host arrays (preprocess.resize_rgb); fast preprocessing full-size arrays or EncodedJpeg
-        (preprocess.load_for_device), resized on the device to `sizes` (default: smart_resize's). Video slices come
-        resized ([T, h, w, 3]) or as their frames' planes (video_planes.SlicePlanes: converted and resized here,
-        the same bytes). Images that cannot be decoded there are left out, with their errors (`Launched.failed`);
-        `outputs` gives the rest."""
+        """Start encoding images as the decode step leaves them, without waiting, each resized on the device to its
+        size in `sizes` (default: smart_resize's) unless it has it: exact preprocessing takes host arrays, resized
+        (preprocess.resize_rgb) or full size (preprocess.load_for_device: Pillow's arithmetic resizes them here, the
+        same bytes); fast preprocessing full-size arrays or EncodedJpeg, all resized here by its own arithmetic.
+        Video slices come resized ([T, h, w, 3]) or as their frames' planes (video_planes.SlicePlanes: converted and
+        resized here, the same bytes). Images that cannot be decoded there are left out, with their errors
+        (`Launched.failed`); `outputs` gives the rest."""
         failed: dict[int, ImageError] = {}
         if planes := [i for i, x in enumerate(images) if isinstance(x, SlicePlanes)]:  # their frames made here
             images = list(images)
             for i, frames in zip(planes, slices_from_planes([images[i] for i in planes], self.device)):
                 images[i] = frames
-        if self.preprocess_mode == "fast":
-            slices = {i for i, x in enumerate(images) if getattr(x, "ndim", 0) == 4}  # video slices: resized already
-            todo = [i for i in range(len(images)) if i not in slices]
-            sizes = sizes or [target_size(x, self.preprocess_config) for x in images]
-            prepared = dict(
-                zip(
-                    todo,
-                    preprocess_fast.resize_on_device([images[i] for i in todo], [sizes[i] for i in todo], self.device),
-                )
+        fast = self.preprocess_mode == "fast"
+        slices = {i for i, x in enumerate(images) if getattr(x, "ndim", 0) == 4}  # video slices: resized already
+        if not sizes:
+            sizes = [(0, 0) if i in slices else target_size(x, self.preprocess_config) for i, x in enumerate(images)]
+        todo = [i for i, x in enumerate(images) if i not in slices and (fast or tuple(x.shape[:2]) != tuple(sizes[i]))]
+        if todo:
+            resized = preprocess_fast.resize_on_device(
+                [images[i] for i in todo], [sizes[i] for i in todo], self.device, exact=not fast
             )
-            prepared |= {
-                i: images[i] if torch.is_tensor(images[i]) else preprocess_fast.upload(images[i], self.device)
-                for i in slices
-            }  # (a slice made from its planes is on the device already)
+            prepared = dict(enumerate(images)) | dict(zip(todo, resized))
+            if fast:  # (a slice made from its planes is on the device already)
+                prepared |= {
+                    i: x if torch.is_tensor(x) else upload(x, self.device) for i, x in prepared.items() if i in slices
+                }
             failed = {i: x for i, x in prepared.items() if isinstance(x, ImageError)}
             images = [prepared[i] for i in range(len(images)) if i not in failed]
             if mean_pooling is not None:

@@ -24,8 +24,8 @@ def read_header(data, is_base64: bool) -> ImageHeader:
 
 @dataclass
 class DecodedImage:
-    """An image decoded by a worker: its pixels (a resized uint8 (H, W, 3) array, or its spool file; with the fast
-    preprocessing full size, or a JPEG left encoded for the device), and the seconds the worker took."""
+    """An image decoded by a worker: its pixels (a uint8 (H, W, 3) array, resized or, where the devices resize,
+    full size; or its spool file; or a JPEG left encoded for nvJPEG), and the seconds the worker took."""
 
     image: np.ndarray | spool.Spooled | EncodedJpeg
     seconds: float
@@ -37,22 +37,23 @@ def decode_and_resize(
     max_image_pixels: int,
     cfg: PreprocessConfig,
     spool_prefix: str | None = None,
-    fast: bool = False,
+    full_size: bool = False,
     jpeg_on_device: bool = False,
 ) -> DecodedImage:
     """Runs in a worker: encoded bytes (or their base64 text, or where it lies: MediaHandle) -> the resized (H, W, 3)
     uint8 image, in a spool file when `spool_prefix` is given and it can, and the seconds it took (a DecodedImage).
     Before PIL reads it, the image's structure is walked whole (`probe`): what breaks its limits (a JPEG's scans, a
     PNG's chunks, a TIFF's arrays, its declared size) is refused, and the bytes after its end (a phone's motion
-    video, junk) are left out. `fast` (preprocess_fast): the device resizes, so the image stays full size, and with
-    `jpeg_on_device` a JPEG stays encoded (an EncodedJpeg, read from its header only) for nvJPEG to decode there."""
+    video, junk) are left out. `full_size`: the device resizes (fast preprocessing, or the exact one's resize on the
+    devices), so the image stays full size, and with `jpeg_on_device` (fast) a JPEG stays encoded (an EncodedJpeg,
+    read from its header only) for nvJPEG to decode there."""
     start = time.perf_counter()
     data = received(data, is_base64)
     header = probe(data, whole=True)
     header.check(max_image_pixels)
     if header.end is not None and header.end < len(data):
         data = data[: header.end]
-    if fast:
+    if full_size:
         image = load_for_device(data, jpeg_on_device, max_image_pixels)
         if isinstance(image, EncodedJpeg):
             return DecodedImage(image, time.perf_counter() - start)

@@ -64,7 +64,7 @@ class Decoder(DecodeRunner):
         super().__init__(decoding, on_broken)
         self.limits = limits
         self.metrics = metrics
-        self.fast = decoding.preprocess == "fast"  # the device resizes: images stay full size here
+        self.full_size = False  # the devices resize: images stay full size here (set by the engine)
         self.jpeg_on_device = False  # fast, and nvJPEG on the devices: JPEGs stay encoded (set by the engine)
         self.video_planes = False  # videos' frames go as planes, the devices convert them (set by the engine)
         self._names = itertools.count()
@@ -139,7 +139,7 @@ class Decoder(DecodeRunner):
             image = decoded.image
             self.metrics.preprocess_seconds.observe(decoded.seconds)
             self.metrics.record("decode", decoded.seconds)
-            h, w = target_size(image, cfg) if self.fast else image.shape[:2]  # fast: the size the device resizes to
+            h, w = target_size(image, cfg) if self.full_size else image.shape[:2]  # (the size the device resizes to)
             out.append((image, (1, h // p, w // p)))
         return out
 
@@ -330,7 +330,7 @@ class Decoder(DecodeRunner):
                 self.limits.max_image_pixels,
                 cfg,
                 path or None,
-                self.fast,
+                self.full_size,
                 self.jpeg_on_device,
                 end=end,
                 lost=path and functools.partial(spool.remove, path),

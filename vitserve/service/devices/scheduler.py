@@ -34,9 +34,9 @@ class Origin(Protocol):
 class WorkItem:
     """One image waiting for (or in) a batch."""
 
-    image: np.ndarray | spool.Spooled | EncodedJpeg | SlicePlanes  # uint8 [H, W, 3] (resized, or full size for the
-    # fast preprocessing, which resizes on the device), maybe still in its spool file; a JPEG nvJPEG decodes there;
-    # a video slice ([T, h, w, 3], or its frames' planes that the device converts and resizes)
+    image: np.ndarray | spool.Spooled | EncodedJpeg | SlicePlanes  # uint8 [H, W, 3] (resized, or full size where
+    # the device resizes: --image-resize, fast preprocessing), maybe still in its spool file; a JPEG nvJPEG decodes
+    # there; a video slice ([T, h, w, 3], or its frames' planes that the device converts and resizes)
     grid: tuple[int, int, int]  # (t, h, w) in patches
     future: asyncio.Future | None  # resolved on the event loop with (tokens, deepstack) or (mean vector, []); in
     # the core (several front ends), None: its answer goes back to its front end's link

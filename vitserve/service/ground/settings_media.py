@@ -97,6 +97,14 @@ class DecodingSettings:
         encode=True,
         choices=PREPROCESS_MODES,
     )
+    image_resize: str = setting(
+        "auto",
+        "where the exact preprocessing resizes an image: worker (PIL in the decode "
+        "workers), device (the devices, with Pillow's integer arithmetic: the same "
+        "bytes, less host work), auto (device on CUDA devices, worker on the CPU); "
+        "the fast preprocessing always resizes on the device",
+        choices=("auto", "device", "worker"),
+    )
     decode_timeout: float = setting(
         10.0,
         "seconds a decode worker may spend on one image (beyond, the worker is "
@@ -177,6 +185,7 @@ class DecodingSettings:
                 ),
                 (self.video_decoder in ("cpu", "nvdec"), "--video-decoder must be cpu or nvdec"),
                 (self.video_convert in ("auto", "device", "worker"), "--video-convert must be auto, device or worker"),
+                (self.image_resize in ("auto", "device", "worker"), "--image-resize must be auto, device or worker"),
                 *positive(self, "decode_timeout", "video_decode_timeout"),
                 (self.video_fps is None or self.video_fps > 0, "--video-fps must be positive (frames a second)"),
                 (self.decode_workers >= 0, "--decode-workers must be >= 0"),
@@ -195,6 +204,15 @@ class DecodingSettings:
         """Whether videos reach the devices as planes (`--video-convert` on these devices)."""
         return self.video_convert == "device" or (
             self.video_convert == "auto" and any(d.startswith("cuda") for d in devices)
+        )
+
+    def images_full_size(self, devices: list[str]) -> bool:
+        """Whether images reach the devices full size, resized there (fast preprocessing, or `--image-resize` on
+        these devices)."""
+        return (
+            self.preprocess == "fast"
+            or self.image_resize == "device"
+            or (self.image_resize == "auto" and any(d.startswith("cuda") for d in devices))
         )
 
     def worker_count(self) -> int:

@@ -66,6 +66,7 @@ class Engine:
             log.warning("videos cannot be decoded here: %s; video requests are answered 501", self.videos_unavailable)
         devices, self.dtype = settings.devices.resolve()
         self.decoder.video_planes = settings.decoding.video_planes(devices)
+        self.decoder.full_size = settings.decoding.images_full_size(devices)
         if settings.decoding.preprocess == "fast" and any(d.startswith("cuda") for d in devices):
             from ...encoder.preprocess_fast import nvjpeg_available
 
