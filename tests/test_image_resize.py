@@ -104,6 +104,15 @@ def test_each_pillow_version_has_its_order(monkeypatch, version, rows_first):
     assert [pillow_rows_first(*case) for case in cases] == rows_first
 
 
+def test_a_pass_taken_in_steps_is_the_same(monkeypatch):
+    """A large downscale gathers its taps in steps of output pixels (GATHERED_BYTES): forced to many small steps,
+    the bytes are still Pillow's, for both axes."""
+    monkeypatch.setattr(pixels, "GATHERED_BYTES", 3 * 64 * 4 * 7)
+    for source, target in [((640, 480), (448, 448)), ((97, 61), (40, 140))]:
+        image = photo(*source, seed=11)
+        assert np.array_equal(ours(image, target), pil(image, target)), (source, target)
+
+
 def test_the_same_size_is_not_filtered():
     x = torch.from_numpy(photo(56, 84, 1)).permute(2, 0, 1)
     assert pillow_resize(x, 84, 56) is x

@@ -54,15 +54,17 @@ def yuv_to_rgb(y: torch.Tensor, u: torch.Tensor, v: torch.Tensor, conversion: Co
 @dataclass(frozen=True)
 class AxisResize:
     """One axis of a uint8 antialias resize (torch's or Pillow's): per output pixel, the first source pixel of its
-    span (`first`) and its integer weights over `taps` source pixels (`weights`, zero past the span), scaled by
-    2^precision."""
+    span (`first`), the source pixels of its `taps` (`index`: from `first` on, held at the last source pixel) and
+    their integer weights (`weights`, zero past the span), scaled by 2^precision."""
 
     first: torch.Tensor  # int64 [out]
+    index: torch.Tensor  # int64 [out, taps]
     weights: torch.Tensor  # int32 [out, taps]
     precision: int
 
     def to(self, device: torch.device | str) -> AxisResize:
-        return AxisResize(_to(self.first, device), _to(self.weights, device), self.precision)
+        first, index, weights = (_to(t, device) for t in (self.first, self.index, self.weights))
+        return AxisResize(first, index, weights, self.precision)
 
 
 def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -129,20 +131,29 @@ def axis_resize(size_in: int, size_out: int, pillow: bool = False) -> AxisResize
             precision += 1
     scaled = ws * (1 << precision)
     weights = np.where(scaled < 0, np.trunc(-0.5 + scaled), np.trunc(0.5 + scaled)).astype(np.int32)
-    return AxisResize(torch.from_numpy(first), torch.from_numpy(weights), precision)
+    index = np.minimum(first[:, None] + tap, size_in - 1)
+    return AxisResize(torch.from_numpy(first), torch.from_numpy(index), torch.from_numpy(weights), precision)
+
+
+GATHERED_BYTES = 1 << 26  # the int32 taps one step of a pass gathers at most
 
 
 def _pass(x: torch.Tensor, axis: AxisResize, dim: int) -> torch.Tensor:
-    """One axis resampled: uint8 in, uint8 out."""
-    size_in = x.shape[dim]
-    taps = axis.weights.shape[1]
-    shape = [1] * x.dim()
-    shape[dim] = -1
-    acc = torch.full((), 1 << (axis.precision - 1), dtype=torch.int32, device=x.device)
-    for k in range(taps):
-        index = (axis.first + k).clamp_(max=size_in - 1)
-        acc = acc + x.index_select(dim, index).int() * axis.weights[:, k].view(shape)
-    return (acc >> axis.precision).clamp_(0, 255).to(torch.uint8)
+    """One axis resampled, uint8 in and out: every output pixel's taps gathered at once, weighted and summed (integer
+    sums, the same in any order), `(sum + 2^(p-1)) >> p` clamped; in steps of output pixels whose gathered taps stay
+    under GATHERED_BYTES (a large downscale has tens of taps), so a few kernels per pass whatever the taps."""
+    size_out, taps = axis.weights.shape
+    step = max(1, GATHERED_BYTES // max(1, x.numel() // x.shape[dim] * taps * 4))
+    parts = []
+    for start in range(0, size_out, step):
+        index, weights = axis.index[start : start + step], axis.weights[start : start + step]
+        count = index.shape[0]
+        shape = [*x.shape[:dim], count, taps, *x.shape[dim + 1 :]]
+        taken = x.index_select(dim, index.reshape(-1)).view(shape).int()
+        weights = weights.view([count, taps] + [1] * (x.dim() - dim - 1))
+        total = (taken * weights).sum(dim + 1)  # (int64: no int32 sum of these taps overflows, as in the C code)
+        parts.append(((total + (1 << (axis.precision - 1))) >> axis.precision).clamp_(0, 255).to(torch.uint8))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 @dataclass(frozen=True)
