@@ -6,6 +6,7 @@ as on the CPU; and a library encoder that resizes on the device gives the featur
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import numpy as np
 import pytest
@@ -122,6 +123,11 @@ def test_an_encoder_resizing_on_the_device_gives_the_hosts_features():
     """image_resize="device" (Pillow's arithmetic on the device, CPU tensors here) against "host" (PIL): the same
     pixels, so the same float32 features; a bad value is refused."""
     images = [Image.fromarray(photo(w, h, w)) for w, h in [(250, 335), (97, 61), (64, 64), (30, 500)]]
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: a PIL image is taken as it is (no EXIF turn), as the host path and transformers do
+    buffer = io.BytesIO()
+    Image.fromarray(photo(90, 60, 2)[..., 0]).save(buffer, "JPEG", exif=exif.tobytes())
+    images += [Image.open(buffer), Image.fromarray(photo(70, 50, 3)).convert("P")]  # grayscale, palette
     host = VisionEncoder.from_pretrained("tiny-qwen3-vl", load_format="dummy", image_resize="host")
     device = VisionEncoder.from_pretrained("tiny-qwen3-vl", load_format="dummy", image_resize="device")
     assert device.resize_on_device and not host.resize_on_device

@@ -439,18 +439,20 @@ def target_size(image, cfg: PreprocessConfig) -> tuple[int, int]:
 def load_for_device(
     source: Any, jpeg_on_device: bool, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
 ) -> np.ndarray | EncodedJpeg:
-    """An image for the fast preprocessing (preprocess_fast.resize_on_device), which resizes on the device: a JPEG's
-    bytes left encoded when `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the
-    uint8 [H, W, 3] array of its RGB pixels (load_image)."""
+    """An image for a resize on the device (preprocess_fast.resize_on_device): a JPEG's bytes left encoded when
+    `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the uint8 [H, W, 3] array
+    of its RGB pixels (load_image; a PIL image taken as it is, made RGB as `resize_rgb` makes it)."""
     if jpeg_on_device and isinstance(source, (bytes, bytearray, memoryview)) and len(source):
         if (jpeg := jpeg_for_device(bytes(source), max_image_pixels)) is not None:
             return jpeg
-    image = (
-        source
-        if isinstance(source, Image.Image) and source.mode == "RGB" and source.info.get("transparency") is None
-        else load_image(source, max_image_pixels=max_image_pixels)
-    )
+    image = as_rgb(source) if isinstance(source, Image.Image) else load_image(source, max_image_pixels=max_image_pixels)
     return np.asarray(image)
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """A PIL image as the preprocessing takes one given as an image: as it is (no EXIF orientation, its current
+    frame, as transformers' processors take it), made RGB with transparency on white where it is not RGB already."""
+    return _to_rgb(image) if image.mode != "RGB" or image.info.get("transparency") is not None else image
 
 
 @functools.lru_cache(maxsize=32)
@@ -504,8 +506,7 @@ def resize_rgb(image: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
     these, 8x smaller than float patch rows, and normalizes + patchifies on the device (runner.launch_images)."""
     if not isinstance(image, Image.Image):
         raise TypeError(f"expected a PIL.Image.Image, got {type(image).__name__}")
-    if image.mode != "RGB" or image.info.get("transparency") is not None:
-        image = _to_rgb(image)
+    image = as_rgb(image)
     h, w = smart_resize(image.height, image.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     if (w, h) != image.size:  # same size: PIL would return an unfiltered copy anyway
         image = image.resize((w, h), resample=Image.Resampling.BICUBIC)
