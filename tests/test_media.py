@@ -1,11 +1,13 @@
 """MediaBytes (encoder/media.py): an item's input bytes wherever they lie (a str, a view of a request body, a body
 file other processes map) and however they are sent (base64 or raw): its first bytes, all of them, what a decode
-worker is sent and reads back, and what a cache key hashes (the same bytes as before the type existed)."""
+worker is sent and reads back, and what a cache key hashes (its pieces, as cache.py documents)."""
 
+import asyncio
 import base64
 import hashlib
 import pickle
 
+import numpy as np
 import pytest
 
 from vitserve.encoder.image_errors import InvalidBase64
@@ -19,13 +21,17 @@ TEXT = base64.b64encode(DATA).decode()
 PREFIX = "data:image/png;base64,"
 
 
-def old_key(given, base64_: bool, start: int = 0) -> bytes:
-    """The cache key as it was computed before MediaBytes: the base64's ASCII bytes, or the raw bytes as given."""
-    digest = hashlib.sha256()
-    if base64_:
-        digest.update(given[start:].encode("ascii", "replace") if isinstance(given, str) else bytes(given[start:]))
-    else:
-        digest.update(given)
+def expected_key(given, base64_: bool, start: int = 0) -> bytes:
+    """The cache key as cache.py documents it, computed from the item as given: the base64's ASCII bytes, or the raw
+    bytes: their length, each 512 KiB piece's SHA-256, then how it was sent and the settings."""
+    keyed = (
+        (given[start:].encode("ascii", "replace") if isinstance(given, str) else bytes(given[start:]))
+        if base64_
+        else bytes(given)
+    )
+    digest = hashlib.sha256(len(keyed).to_bytes(8, "big"))
+    for at in range(0, max(len(keyed), 1), 512 * 2**10):
+        digest.update(hashlib.sha256(keyed[at : at + 512 * 2**10]).digest())
     digest.update(
         f"\0{'base64' if base64_ else 'bytes'}\0m\0{PreprocessConfig().min_pixels}\0"
         f"{PreprocessConfig().max_pixels}\0{0}\0".encode()
@@ -67,7 +73,7 @@ def test_every_location_and_encoding_gives_the_same_bytes_head_and_key(body_file
             head = media.head(n)  # at least the first n bytes, a bounded prefix (base64: whole quads past them)
             assert head[:n] == DATA[:n] and min(n, len(DATA)) <= len(head) <= n + 192, (name, n)
         assert bytes(media.keyed()) == (TEXT.encode() if is_base64 else DATA), name
-        assert keys.key(media, PreprocessConfig(), False) == old_key(given, is_base64, start), name
+        assert keys.key(media, PreprocessConfig(), False) == expected_key(given, is_base64, start), name
         assert media.prefix(4) == (TEXT[:4] if is_base64 else DATA[:4]), name
 
 
@@ -125,3 +131,19 @@ def test_of_takes_a_json_string_as_base64_and_bytes_as_raw():
     assert not MediaBytes.of(DATA).base64 and MediaBytes.of(DATA).decode() is DATA  # no copy of bytes
     media = MediaBytes(TEXT)
     assert MediaBytes.of(media) is media
+
+
+def test_a_key_covers_every_piece_and_each_item_of_a_request_gets_its_own():
+    """The pieces of several items are hashed together: each item's digests must come back to it, in order, and a
+    byte changed in any piece must change the key."""
+    keys, cfg, piece = CacheKeys("m"), PreprocessConfig(), 512 * 2**10
+    rng = np.random.default_rng(0)
+    items = [rng.bytes(n) for n in (0, 1, piece - 1, piece, piece + 1, 3 * piece + 5)]
+    got = asyncio.run(keys.keys([MediaBytes(d, 0, False) for d in items], cfg, False))
+    for data, key in zip(items, got):
+        assert key == expected_key(data, False) == keys.key(MediaBytes(data, 0, False), cfg, False), len(data)
+        for at in {0, len(data) // 2, len(data) - 1} if data else ():
+            changed = bytearray(data)
+            changed[at] ^= 1
+            assert keys.key(MediaBytes(bytes(changed), 0, False), cfg, False) != key, (len(data), at)
+    assert len(set(got)) == len(got)

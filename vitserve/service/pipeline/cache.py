@@ -2,7 +2,9 @@
 or touching the device.
 
 The key is a SHA-256 digest (server CPUs compute it in hardware) of the image as sent (the base64 text, or the bytes
-of a file part or a fetched URL), told apart by how it was sent (base64 text sent as a file is not an image, whatever
+of a file part or a fetched URL: their length, then the digest of each `PIECE_BYTES` piece, the pieces hashed side by
+side on the key threads, so that a 6 MB body costs one piece's time where there are cores for its pieces), told
+apart by how it was sent (base64 text sent as a file is not an image, whatever
 the same text sent as base64 is), and of everything that changes the engine's output for it: the model, the resize
 bounds, and whether the tokens or their mean are wanted. The output dtype and layout are applied to the cached
 float32 tensors after the cache, so they need no key: a cached answer is bit-identical to a computed one.
@@ -29,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ...encoder.media import MediaBytes
@@ -44,6 +48,33 @@ if TYPE_CHECKING:
 
 WAIT = "wait"  # a lookup's answer for a key another caller computes: its waiter is called when that one ends
 Waiter = Callable[["Features | Output | None"], None]  # called with the entry, or None
+PIECE_BYTES = 512 * 2**10  # an item's bytes are hashed in pieces of this size, side by side where there are several
+_pieces_pool: ThreadPoolExecutor | None = None
+_pieces_lock = threading.Lock()
+
+
+def pieces_pool() -> ThreadPoolExecutor:
+    """The threads that hash pieces (one per CPU this process may use; hashlib lets go of the GIL while it hashes).
+    Only pieces run there, and they wait for nothing, so a request's job that waits for its pieces never starves."""
+    global _pieces_pool
+    with _pieces_lock:
+        if _pieces_pool is None:
+            _pieces_pool = ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="vitserve-hash")
+        return _pieces_pool
+
+
+def _piece_digest(piece) -> bytes:
+    return hashlib.sha256(piece).digest()
+
+
+def pieces_digests(items: list) -> list[list[bytes]]:
+    """Per item (bytes-like), the SHA-256 digest of each PIECE_BYTES piece in order (one, empty, for no bytes); the
+    pieces of all the items hashed side by side when there are several."""
+    views = [memoryview(item).cast("B") for item in items]
+    pieces = [[v[at : at + PIECE_BYTES] for at in range(0, max(len(v), 1), PIECE_BYTES)] for v in views]
+    flat = [p for item in pieces for p in item]
+    digests = iter(list(pieces_pool().map(_piece_digest, flat)) if len(flat) > 1 else map(_piece_digest, flat))
+    return [[next(digests) for _ in item] for item in pieces]
 
 
 class CacheKeys:
@@ -57,19 +88,24 @@ class CacheKeys:
     ) -> list[bytes]:
         """`key` of each image, all of them in one go in a thread (hashlib lets go of the GIL while it hashes): no
         byte of an image is hashed on the event loop."""
+        settings = self._settings(cfg, mean_pooling)
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [self.key(data, cfg, mean_pooling, client) for data in images]
+            None, lambda: self._digests(images, settings, client)
         )
 
     def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
         """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
-        return self._digest(data, f"{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}", client)
+        return self._digests([data], self._settings(cfg, mean_pooling), client)[0]
+
+    @staticmethod
+    def _settings(cfg: PreprocessConfig, mean_pooling: bool) -> str:
+        return f"{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}"
 
     async def video_keys(self, videos: list, cfg: VideoConfig, client: int | None = None) -> list[bytes]:
         """Each video's key (its bytes, the model, every sampling and size setting, the client where per client),
         hashed in a thread; its slices' keys are `slice_keys` of it."""
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: [self._digest(data, f"video\0{cfg!r}", client) for data in videos]
+            None, lambda: self._digests(videos, f"video\0{cfg!r}", client)
         )
 
     @staticmethod
@@ -77,14 +113,23 @@ class CacheKeys:
         """The keys of a video's slices: its key and each place."""
         return [video_key + j.to_bytes(4, "big") for j in range(slices)]
 
-    def _digest(self, data, settings: str, client: int | None) -> bytes:
-        digest, media = hashlib.sha256(), MediaBytes.of(data)
-        digest.update(media.keyed())
-        digest.update(
-            f"\0{'base64' if media.base64 else 'bytes'}\0{self.model}\0{settings}\0"
-            f"{client if self.per_client else ''}".encode()
-        )
-        return digest.digest()
+    def _digests(self, items: list, settings: str, client: int | None) -> list[bytes]:
+        """Each item's key: SHA-256 of its length (8 bytes), its pieces' digests, how it was sent, the model, the
+        settings and the client where per client (a layout of fixed-size fields up to the text, so no two items'
+        share one)."""
+        media = [MediaBytes.of(data) for data in items]
+        keyed = [m.keyed() for m in media]
+        keys = []
+        for m, data, digests in zip(media, keyed, pieces_digests(keyed)):
+            digest = hashlib.sha256(len(memoryview(data).cast("B")).to_bytes(8, "big"))
+            for piece in digests:
+                digest.update(piece)
+            digest.update(
+                f"\0{'base64' if m.base64 else 'bytes'}\0{self.model}\0{settings}\0"
+                f"{client if self.per_client else ''}".encode()
+            )
+            keys.append(digest.digest())
+        return keys
 
 
 class VideoPlans:
