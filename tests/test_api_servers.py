@@ -117,6 +117,16 @@ def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct
             raise AssertionError("no other front end answered the image from the cache")
         assert metric(url, images_total) == before[1] + 1
 
+        # a hit on an entry a front end has seen before is answered from its file, without asking the core
+        known = metric(url, "vitserve_cache_known_hits_total")
+        with httpx.Client(base_url=url, timeout=60) as one:  # one connection: one front end
+            for _ in range(4):
+                r = one.post("/v1/embeddings", json={"input": [data_uri(IMAGES[3])]})
+                assert r.status_code == 200 and r.headers["x-cache-hits"] == "1", r.text
+                assert_served(torch.tensor(r.json()["data"][0]["embedding"]), expected[3], exact=False)
+        assert metric(url, "vitserve_cache_known_hits_total") >= known + 3
+        assert metric(url, images_total) == before[1] + 1
+
         # the same image twice in one request, and one claimed by a concurrent request: one answer each
         twice = posts(url, [{"input": [data_uri(IMAGES[5]), data_uri(IMAGES[5])]}] * 3, connections=3)
         for r in twice:
@@ -131,6 +141,7 @@ def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct
         assert text.count("vitserve_ready 1.0") == 1 and text.count("# TYPE vitserve_requests_total counter") == 1
         stats = httpx.get(url + "/stats").json()
         assert stats["cache"]["hits"] == metric(url, "vitserve_cache_hits_total")
+        assert stats["cache"]["known_hits"] == metric(url, "vitserve_cache_known_hits_total") >= 3
         assert stats["latency"]["request"]["count"] >= 32 and stats["latency"]["inference"]["count"] >= 1
 
         # a bad image fails its own request, in either front end, and never its neighbours
@@ -435,3 +446,39 @@ def test_images_resized_on_the_devices_are_answered_the_same(direct):
         assert r.status_code == 200, r.text
         for item, want in zip(r.json()["data"], direct.encode(images)):
             assert_served(b64_tensor(item["embeddings"], item["shape"]), want.embeddings)
+
+
+def test_a_bfloat16_server_widens_float32_answers_on_its_device_and_the_cache_gives_either_dtype():
+    """A bfloat16 tower behind two front ends and a device process: a float32 request's tokens are widened by the
+    device (WorkItem.float32, through the core, to the device process's batch), so its cache entry, which is the
+    device's answer as written, holds 4 bytes a value (a lost flag leaves 2, the host widening each answer); a
+    bfloat16 request for the same image (a hit) narrows them back to the same bits. A bfloat16 request's entry holds
+    2 bytes a value and answers a float32 request widened on the host, exactly."""
+    from safetensors.torch import load as safetensors_load
+
+    flags = ("--api-servers", "2", "--device-processes", "true", "--dtype", "bfloat16")
+    accept = {"accept": "application/octet-stream"}
+    for _, url in serving("--model", "tiny-qwen3-vl", "--load-format", "dummy", *flags):
+
+        def encode(image: bytes, dtype: str) -> dict:
+            r = httpx.post(
+                url + "/v1/encode", json={"images": [data_uri(image)], "dtype": dtype}, headers=accept, timeout=120
+            )
+            assert r.status_code == 200, r.text
+            return safetensors_load(r.content) | {"hits": r.headers["x-cache-hits"]}
+
+        def cached() -> int:
+            return httpx.get(url + "/stats", timeout=30).json()["cache"]["bytes"]
+
+        wide, narrow = encode(IMAGES[0], "float32"), encode(IMAGES[0], "bfloat16")
+        values = sum(t.numel() for name, t in wide.items() if name != "hits")
+        assert (wide["hits"], narrow["hits"]) == ("0", "1") and cached() == 4 * values
+        assert len(wide) == len(narrow) >= 3  # the tokens and the deepstack features
+        for name, t in wide.items():
+            if name != "hits":
+                assert t.dtype == torch.float32 and narrow[name].dtype == torch.bfloat16
+                assert torch.equal(t, narrow[name].float())  # exact both ways: bfloat16 values
+        narrow, wide = encode(IMAGES[1], "bfloat16"), encode(IMAGES[1], "float32")
+        more = sum(t.numel() for name, t in narrow.items() if name != "hits")
+        assert (narrow["hits"], wide["hits"]) == ("0", "1") and cached() == 4 * values + 2 * more
+        assert torch.equal(wide["images.0.embeddings"], narrow["images.0.embeddings"].float())

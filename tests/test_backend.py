@@ -145,3 +145,52 @@ def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it(tmp_path):
     core._handle(link, Lookup(7, [b"k"]))
     settlers[0].join(5)
     assert sent == ["Looked", "Settled"]
+
+
+def test_a_front_end_answers_an_entry_it_knows_from_its_file_and_asks_the_core_once_the_file_is_gone(tmp_path):
+    """A front end's lookups (HubBackend) against a scripted core on a real pipe. The first lookup of a key goes to
+    the core; a hit's record is remembered, so the next lookup of that key is answered from the entry's file with no
+    Lookup sent (the core is told with Touched); once the core has evicted it (its file removed), the key is asked
+    for again. Missing any of these would send a Lookup for every hit, or answer from a removed file."""
+    import asyncio
+    import multiprocessing
+
+    from vitserve.service.decoding import spool
+    from vitserve.service.devices.device_protocol import Output, packed
+    from vitserve.service.pipeline.core_link import Looked, Lookup, Touched
+    from vitserve.service.pipeline.hub import HubBackend
+
+    tokens = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    record = packed((tokens, [tokens + 1]), str(tmp_path / "entry"))
+    assert isinstance(record, Output) and record.path is not None
+    record.grid = (1, 2, 6)
+    core_end, front_end = multiprocessing.Pipe()
+    metrics = Metrics()
+    hub = HubBackend(front_end, Lifecycle(metrics), ["cpu"], lambda kind: {}, metrics)
+
+    async def next_record():  # (in a thread: the event loop goes on sending)
+        assert await asyncio.to_thread(core_end.poll, 5), "the front end sent nothing"
+        return core_end.recv()
+
+    async def main():
+        await hub.start()
+        assert type(await next_record()).__name__ == "Up"
+        first = asyncio.ensure_future(hub.lookup([b"k", b"other"]))
+        asked = await next_record()
+        assert isinstance(asked, Lookup) and asked.keys == [b"k", b"other"]
+        core_end.send(Looked(asked.id, [record, None]))
+        hit, miss = await first
+        assert torch.equal(hit.tokens, tokens) and torch.equal(hit.deepstack[0], tokens + 1) and miss is None
+        again = await hub.lookup([b"k"])  # known: no Lookup, a Touched
+        assert torch.equal(again[0].tokens, tokens) and again[0].grid == [1, 2, 6]
+        told = await next_record()
+        assert isinstance(told, Touched) and told.keys == [b"k"] and not core_end.poll(0.2)
+        spool.remove(record.path)  # the core evicted it
+        gone = asyncio.ensure_future(hub.lookup([b"k"]))
+        asked = await next_record()
+        assert isinstance(asked, Lookup) and asked.keys == [b"k"]
+        core_end.send(Looked(asked.id, [None]))
+        assert await gone == [None] and b"k" not in hub.known
+
+    asyncio.run(main())
+    assert metrics.registry.get_sample_value("vitserve_cache_known_hits_total") == 1

@@ -34,13 +34,13 @@ def test_bad_request_does_not_fail_its_batch_neighbours(encoders, monkeypatch):
     direct = enc.encode(IMAGES)
     real_launch, calls = enc.runner.launch_images, []
 
-    def slow_first(images, lut, mean_pooling=None, slice_lut=None):
+    def slow_first(images, lut, mean_pooling=None, slice_lut=None, float32=None):
         calls.append(len(images))
         if len(calls) == 1:  # the device is busy until every good image is in this batch or waits for it
             wait_until(
                 lambda: len(images) + len(c.app.state.engine.backend.queue) >= len(IMAGES), 30, "the good images queued"
             )
-        return real_launch(images, lut, mean_pooling, slice_lut)
+        return real_launch(images, lut, mean_pooling, slice_lut, float32)
 
     monkeypatch.setattr(enc.runner, "launch_images", slow_first)
     with client_for(enc, max_batch_wait_ms=300) as c:
@@ -63,11 +63,11 @@ def test_batch_failure_fails_only_that_batch(encoders, monkeypatch, caplog):
         real_launch = enc.runner.launch_images
         calls = []
 
-        def faulty(images, lut, mean_pooling=None, slice_lut=None):
+        def faulty(images, lut, mean_pooling=None, slice_lut=None, float32=None):
             calls.append(len(images))
             if len(calls) == 1:
                 raise RuntimeError("injected fault")
-            return real_launch(images, lut, mean_pooling, slice_lut)
+            return real_launch(images, lut, mean_pooling, slice_lut, float32)
 
         monkeypatch.setattr(enc.runner, "launch_images", faulty)
         with caplog.at_level(logging.ERROR, logger="vitserve.worker"):

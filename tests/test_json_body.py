@@ -11,6 +11,7 @@ import time
 import pytest
 from fastapi.exceptions import RequestValidationError
 
+from vitserve.service.api.http import LAND
 from vitserve.service.api.http_errors import ServiceError
 from vitserve.service.api.json_body import LONG, Scan, Text, parse_body
 from vitserve.service.api.schemas import EmbeddingRequest, EncodeRequest
@@ -121,19 +122,34 @@ def test_long_strings_in_a_dict_come_back_as_sent():
 
 
 class Arriving:
-    """A request whose body arrives in chunks (what read_json reads: its headers and stream)."""
+    """A request whose body arrives in chunks (what read_json reads: its headers, scope and stream); `landing`: as
+    the HTTP protocol does with a buffer handed over (`vitserve.land`), the chunks after that are written into it and
+    come as views of it where they lie."""
 
-    def __init__(self, body: bytes, chunk: int, declared: bool = True):
+    def __init__(self, body: bytes, chunk: int, declared: bool = True, landing: bool = False):
         self.headers = {"content-length": str(len(body))} if declared else {}
         self.pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)]
+        self.scope = {"extensions": {LAND: self.land}} if landing else {}
+        self.buffer, self.landed = None, 0
+
+    def land(self, buffer) -> bool:
+        self.buffer = memoryview(buffer).cast("B")
+        return True
 
     async def stream(self):
+        at = 0
         for piece in self.pieces:
-            yield piece
+            if self.buffer is None:
+                yield piece
+            else:
+                self.buffer[at : at + len(piece)] = piece
+                self.landed += len(piece)
+                yield self.buffer[at : at + len(piece)]
+            at += len(piece)
 
 
-@pytest.mark.parametrize("declared", [True, False])
-def test_a_large_body_read_as_it_arrives_gives_what_the_parser_gives(declared):
+@pytest.mark.parametrize("declared,landing", [(True, False), (False, False), (True, True)])
+def test_a_large_body_read_as_it_arrives_gives_what_the_parser_gives(declared, landing):
     """A declared body of a MiB or more is read into a mapping, a chunked one into a growing buffer: either way its
     images are views of it equal to the parsed strings, and its other values are the parser's."""
     from vitserve.service.api.json_body import read_json
@@ -142,8 +158,10 @@ def test_a_large_body_read_as_it_arrives_gives_what_the_parser_gives(declared):
     images = ["data:image/png;base64," + "QUJD" * (MAPPED // 3), "QUJD" * 3000, "QUJD"]
     body = json.dumps({"images": images, "dtype": "bf16", "model": "m"}).encode()
     assert len(body) > MAPPED
-    parsed = asyncio.run(read_json(Arriving(body, 65536 + 7, declared), EncodeRequest, 64, ("images",)))
+    arriving = Arriving(body, 65536 + 7, declared, landing)
+    parsed = asyncio.run(read_json(arriving, EncodeRequest, 64, ("images",)))
     assert [str(x) for x in parsed.images] == images and isinstance(parsed.images[0], Text)
+    assert arriving.landed == (len(body) if landing else 0)  # a declared body's buffer is handed over at once
     assert parsed.dtype == "bfloat16" and parsed.model == "m"
     bomb = b'{"images": [' + b",".join([b"0"] * 200_000) + b"]}"
     request = Arriving(bomb, 65536, declared)

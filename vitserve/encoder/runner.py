@@ -217,7 +217,14 @@ class GraphRunner:
         return self._launch(grids, rows_for)
 
     @torch.inference_mode()
-    def launch_images(self, images: list, pixel_lut, mean_pooling: list[bool] | None = None, slice_lut=None) -> Launch:
+    def launch_images(
+        self,
+        images: list,
+        pixel_lut,
+        mean_pooling: list[bool] | None = None,
+        slice_lut=None,
+        float32: list[bool] | None = None,
+    ) -> Launch:
         """`launch` for resized uint8 RGB images ([H, W, 3], sides multiples of the patch size; host arrays from
         preprocess.resize_rgb, or tensors on this device from preprocess_fast.resize_on_device): 8x fewer bytes to
         copy than float rows, and normalize + patchify run on the device through `pixel_lut` ([3, 256] float32,
@@ -227,7 +234,10 @@ class GraphRunner:
         `pixel_lut`.
 
         Images flagged in `mean_pooling` come back as (mean of their tokens [D] in float32, []): the mean is taken on
-        the device, and a replay whose images are all pooled copies only the means back."""
+        the device, and a replay whose images are all pooled copies only the means back. A replay that holds an
+        image flagged in `float32` copies its tokens and deepstack back in float32, widened on the device where it
+        computes in a narrower dtype (exact: every bfloat16 or float16 value is a float32 one), so that no host
+        converts them; the replay's other images come back so too."""
         arrays = [
             a if torch.is_tensor(a) and a.device.type != "cpu" else a.numpy() if torch.is_tensor(a) else np.asarray(a)
             for a in images
@@ -253,7 +263,7 @@ class GraphRunner:
             np.concatenate([np.reshape(pixel_lut, -1), np.reshape(pixel_lut if slice_lut is None else slice_lut, -1)])
         )
         return self._launch(
-            grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut), mean_pooling
+            grids, lambda indices, n: self._device_rows([arrays[i] for i in indices], n, lut), mean_pooling, float32
         )
 
     def _device_lut(self, pixel_lut) -> torch.Tensor:
@@ -265,10 +275,15 @@ class GraphRunner:
             self._luts[key] = torch.tensor(table, device=self.device)
         return self._luts[key]
 
-    def _launch(self, grids, rows_for, mean_pooling: list[bool] | None = None) -> Launch:
+    def _launch(
+        self, grids, rows_for, mean_pooling: list[bool] | None = None, float32: list[bool] | None = None
+    ) -> Launch:
         mean_pooling = list(mean_pooling) if mean_pooling is not None else [False] * len(grids)
-        if len(mean_pooling) != len(grids):
-            raise ValueError(f"mean_pooling has {len(mean_pooling)} flags for {len(grids)} images")
+        float32 = list(float32) if float32 is not None else [False] * len(grids)
+        if len(mean_pooling) != len(grids) or len(float32) != len(grids):
+            raise ValueError(
+                f"{len(mean_pooling)} mean_pooling and {len(float32)} float32 flags for {len(grids)} images"
+            )
         self._enter()
         try:
             parts = []
@@ -280,7 +295,13 @@ class GraphRunner:
                 pooled = [mean_pooling[i] for i in batch.indices]
                 tokens = ds = means = None
                 if not all(pooled):
-                    tokens, ds = self._to_host(merged, plan), [self._to_host(d, plan) for d in deepstack]
+                    wide = (
+                        torch.float32
+                        if any(float32[i] and not pooled[j] for j, i in enumerate(batch.indices))
+                        else None
+                    )
+                    tokens = self._to_host(merged, plan, wide)
+                    ds = [self._to_host(d, plan, wide) for d in deepstack]
                 if any(pooled):
                     means = self._to_host(self._segment_means(merged, plan.token_offsets))
                 parts.append((batch.indices, plan, tokens, ds, means))
@@ -368,10 +389,14 @@ class GraphRunner:
         """Copy without blocking the host: from pinned memory on CUDA (a pageable source would wait for the GPU)."""
         dst.copy_(src.pin_memory() if self._pin and not src.is_pinned() else src, non_blocking=True)
 
-    def _to_host(self, out: torch.Tensor, plan: BatchPlan | None = None) -> torch.Tensor:
-        """The real rows, copied to (pinned) host memory in stream order, before the next replay reuses the graph
-        memory pool."""
+    def _to_host(
+        self, out: torch.Tensor, plan: BatchPlan | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The real rows (in `dtype` where given), copied to (pinned) host memory in stream order, before the next
+        replay reuses the graph memory pool."""
         rows = out[: plan.num_tokens] if plan is not None else out
+        if dtype is not None:
+            rows = rows.to(dtype)
         if not self._pin:
             return rows
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)

@@ -336,7 +336,11 @@ class VisionEncoder:
         return results[0] if single else results
 
     def launch(
-        self, images: list, sizes: list[tuple[int, int]] | None = None, mean_pooling: list[bool] | None = None
+        self,
+        images: list,
+        sizes: list[tuple[int, int]] | None = None,
+        mean_pooling: list[bool] | None = None,
+        float32: list[bool] | None = None,
     ) -> Launched:
         """Start encoding images as the decode step leaves them, without waiting, each resized on the device to its
         size in `sizes` (default: smart_resize's) unless it has it: exact preprocessing takes host arrays, resized
@@ -344,7 +348,8 @@ class VisionEncoder:
         same bytes); fast preprocessing full-size arrays or EncodedJpeg, all resized here by its own arithmetic.
         Video slices come resized ([T, h, w, 3]) or as their frames' planes (video_planes.SlicePlanes: converted and
         resized here, the same bytes). Images that cannot be decoded there are left out, with their errors
-        (`Launched.failed`); `outputs` gives the rest."""
+        (`Launched.failed`); `outputs` gives the rest. `mean_pooling` and `float32`: per image, as the runner's
+        `launch_images` takes them."""
         failed: dict[int, ImageError] = {}
         if planes := [i for i, x in enumerate(images) if isinstance(x, SlicePlanes)]:  # their frames made here
             images = list(images)
@@ -368,7 +373,11 @@ class VisionEncoder:
             images = [prepared[i] for i in range(len(images)) if i not in failed]
             if mean_pooling is not None:
                 mean_pooling = [m for i, m in enumerate(mean_pooling) if i not in failed]
-        launch = self.runner.launch_images(images, self.pixel_lut, mean_pooling, self.video_lut) if images else None
+            if float32 is not None:
+                float32 = [w for i, w in enumerate(float32) if i not in failed]
+        launch = (
+            self.runner.launch_images(images, self.pixel_lut, mean_pooling, self.video_lut, float32) if images else None
+        )
         return Launched(launch, failed, len(images) + len(failed))
 
     def outputs(self, launched: Launched) -> list:

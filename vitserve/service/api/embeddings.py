@@ -30,10 +30,13 @@ async def embeddings(request: Request) -> Response:
     kind = body.modality or "image"
     items = [decode_input(item, i, api.settings.server.allow_url_fetch, "input", kind) for i, item in enumerate(inputs)]
     mean = body.pooling == "mean"  # taken on the device: only the vectors come back
+    # the tokens' embeddings are float32 (as the means are): widened on the device
     if kind == "video":
-        result = await encode_media(api, request, [], items, body, mean_pooling=mean, video_field="input")
+        result = await encode_media(
+            api, request, [], items, body, mean_pooling=mean, video_field="input", float32=not mean
+        )
     else:
-        result = await encode_images(api, request, items, "input", mean, body.max_pixels)
+        result = await encode_images(api, request, items, "input", mean, body.max_pixels, float32=not mean)
 
     def build() -> Response:
         tokens = request.state.tokens

@@ -105,7 +105,11 @@ async def encode(request: Request) -> Response:
     body = given.body
     api.check_model(body.model)
     result, ids = await encode_with_identifiers(
-        api, tier_items(given), lambda: encode_media(api, request, given.images, given.videos, body, given.order)
+        api,
+        tier_items(given),
+        lambda: encode_media(
+            api, request, given.images, given.videos, body, given.order, float32=body.dtype == "float32"
+        ),
     )
 
     def build() -> Response:

@@ -53,8 +53,10 @@ async def encode_images(
     field: str,
     mean_pooling: bool = False,
     max_pixels: int | None = None,
+    float32: bool = False,
 ) -> Encoded:
-    """A request's images encoded, its counts and phases noted."""
+    """A request's images encoded, its counts and phases noted; `float32`: its tokens answered in float32 (the
+    devices widen them: engine.encode)."""
     served.limits.check_images(len(images), field)
     client = request.scope["state"].get("client")
     return noted(
@@ -62,7 +64,9 @@ async def encode_images(
         request,
         await while_connected(
             request,
-            lambda disconnected: served.engine.encode(images, mean_pooling, disconnected, field, max_pixels, client),
+            lambda disconnected: served.engine.encode(
+                images, mean_pooling, disconnected, field, max_pixels, client, float32
+            ),
         ),
     )
 
@@ -75,6 +79,7 @@ async def encode_videos(
     options: dict,
     mean_pooling: bool = False,
     max_pixels: int | None = None,
+    float32: bool = False,
 ) -> Encoded:
     engine = served.engine
     if engine.videos_unavailable:  # the server's condition, not the request's fault
@@ -84,7 +89,7 @@ async def encode_videos(
     return await while_connected(
         request,
         lambda disconnected: engine.encode_videos(
-            videos, options, mean_pooling, disconnected, field, max_pixels, client
+            videos, options, mean_pooling, disconnected, field, max_pixels, client, float32
         ),
     )
 
@@ -99,16 +104,19 @@ async def encode_media(
     mean_pooling: bool = False,
     image_field: str = "images",
     video_field: str = "videos",
+    float32: bool = False,
 ) -> Encoded:
     """A request's images and videos encoded side by side; one answer of both, its items in the request's `order`
     (per item whether it is a video; None: the images, then the videos); its counts and phases noted. `body` gives
-    `max_pixels` and the videos' sampling options."""
+    `max_pixels` and the videos' sampling options; `float32` as for `encode_images`."""
     jobs = []
     if images:
-        jobs.append(encode_images(served, request, images, image_field, mean_pooling, body.max_pixels))
+        jobs.append(encode_images(served, request, images, image_field, mean_pooling, body.max_pixels, float32))
     if videos:
         jobs.append(
-            encode_videos(served, request, videos, video_field, body.video_options(), mean_pooling, body.max_pixels)
+            encode_videos(
+                served, request, videos, video_field, body.video_options(), mean_pooling, body.max_pixels, float32
+            )
         )
     tasks = [asyncio.ensure_future(job) for job in jobs]
     try:

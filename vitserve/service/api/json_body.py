@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from ...encoder.media import MediaBytes
 from ..decoding.bodies import SHARED, Body, SharedBodies, anonymous
+from .http import LAND
 from .http_errors import ServiceError
 
 LONG = 4096  # bytes of a string beyond which it stays in the body, unparsed
@@ -126,9 +127,12 @@ async def read_json(
     buffer, a chunk's copy at a time, and is never joined from pieces afterwards. A large one of declared length
     (`SHARED` bytes or more) goes into a mapping of that size whose pages are allocated and mapped in a thread
     before it arrives: a body file of `bodies` where given, which the decode workers read in place (its images'
-    `Text` say where), else an anonymous mapping. The event loop then only copies the chunks in: no page first
-    touched there, no buffer regrown and copied again as it fills. The body file is given back when the request
-    ends, whatever its outcome (the gate calls what the request's state holds under `on_end`)."""
+    `Text` say where), else an anonymous mapping, and is handed to the HTTP protocol (its `vitserve.land`
+    extension: service/api/http.py), which receives the rest of the body from the socket straight into it: the
+    chunks that come are then views of it where they landed, not copied again. A chunk that came before (or where the
+    protocol cannot) is copied in: no page first touched on the event loop, no buffer regrown and copied again as it
+    fills. The body file is given back when the request ends, whatever its outcome (the gate calls what the
+    request's state holds under `on_end`)."""
     length = request.headers.get("content-length")
     size, scan = 0, Scan(2 * (max_images + 32))
     shared: Body | None = None
@@ -142,6 +146,9 @@ async def read_json(
             body = await asyncio.get_running_loop().run_in_executor(None, anonymous, int(length))
         if len(body) < int(length):
             raise AssertionError("a body buffer smaller than its body")
+        land = request.scope.get("extensions", {}).get(LAND)  # (the HTTP protocol's: api/http.py)
+        if land is not None:
+            land(body)
     else:
         body = bytearray()
     mapped = not isinstance(body, bytearray)
@@ -149,7 +156,8 @@ async def read_json(
         if mapped:
             if size + len(chunk) > int(length):  # (the HTTP layer frames by the declared length)
                 raise ServiceError(400, "the body is longer than its Content-Length", "invalid_request")
-            body[size : size + len(chunk)] = chunk
+            if not (isinstance(chunk, memoryview) and chunk.obj is body):  # (one that landed lies there already)
+                body[size : size + len(chunk)] = chunk
         else:
             body += chunk
         size += len(chunk)

@@ -113,7 +113,7 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
 
     def launch(batch: Batch):
         try:
-            return encoder.launch(spool.pixels(batch.images), batch.sizes, batch.mean_pooling)
+            return encoder.launch(spool.pixels(batch.images), batch.sizes, batch.mean_pooling, batch.float32)
         except Exception as e:
             ran.put(_Ran(batch.job, error=ErrorRecord.of(e)))
             return None
@@ -185,7 +185,11 @@ class ProcessDevice:
         try:
             self.conn.send(
                 Batch(
-                    job, images, [item.size(self.patch_size) for item in batch], [item.mean_pooling for item in batch]
+                    job,
+                    images,
+                    [item.size(self.patch_size) for item in batch],
+                    [item.mean_pooling for item in batch],
+                    [item.float32 for item in batch],
                 )
             )
         except OSError:  # BrokenPipeError: the process is gone

@@ -35,12 +35,14 @@ class LoadFailed:
 @dataclass
 class Batch:
     """Server -> device process: a batch to run (spooled images by name, others as arrays or EncodedJpeg), each
-    image's (height, width) to run at, and which are mean-pooled; `job` numbers it for its answer."""
+    image's (height, width) to run at, which are mean-pooled and which are answered in float32 (widened on the
+    device); `job` numbers it for its answer."""
 
     job: int
     images: list
     sizes: list[tuple[int, int]]
     mean_pooling: list[bool]
+    float32: list[bool]
 
 
 @dataclass

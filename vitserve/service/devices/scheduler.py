@@ -50,6 +50,7 @@ class WorkItem:
     inference_s: float = 0.0
     cancelled: bool = False  # its client went away (`ImageQueue.drop`): a batch taking it drops it
     modality: str = "image"  # or "video": a video's slice (counted apart in the metrics)
+    float32: bool = False  # its tokens are answered in float32: widened on the device (runner.launch_images)
 
     @property
     def patches(self) -> int:

@@ -74,7 +74,10 @@ class LocalDevice:
     def launch(self, batch: list[WorkItem]):
         p = self.encoder.config.patch_size
         return self.encoder.launch(
-            spool.pixels([i.image for i in batch]), [i.size(p) for i in batch], [i.mean_pooling for i in batch]
+            spool.pixels([i.image for i in batch]),
+            [i.size(p) for i in batch],
+            [i.mean_pooling for i in batch],
+            [i.float32 for i in batch],
         )
 
     def collect(self, launch) -> list:

@@ -57,6 +57,7 @@ from ..pipeline.core_link import (
     Settled,
     Status,
     Submit,
+    Touched,
     Up,
 )
 from ..pipeline.lifecycle import Lifecycle, State
@@ -221,6 +222,8 @@ class Core:
                 self.backend.queue.drop(dropped)
             case Release(keys):
                 self.backend.cache.release(keys)
+            case Touched(keys):
+                self.backend.cache.touch(keys)
             case PlansLookup(lookup, keys):
                 link.send(Plans(lookup, self.backend.plans.get_all(keys)))
             case KeepPlans(keys, plans):
@@ -238,7 +241,18 @@ class Core:
         from ..devices.scheduler import WorkItem
 
         items = [
-            WorkItem(r.image, r.grid, None, r.mean_pooling, r.param, r.key, origin=link, id=r.id, modality=r.modality)
+            WorkItem(
+                r.image,
+                r.grid,
+                None,
+                r.mean_pooling,
+                r.param,
+                r.key,
+                origin=link,
+                id=r.id,
+                modality=r.modality,
+                float32=r.float32,
+            )
             for r in records
         ]
         with link.items_lock:

@@ -136,6 +136,11 @@ class Metrics:
         )
         self.cache_hits = Counter("vitserve_cache_hits", "Images answered from the embedding cache", registry=r)
         self.cache_misses = Counter("vitserve_cache_misses", "Images encoded while the cache is on", registry=r)
+        self.cache_known_hits = Counter(
+            "vitserve_cache_known_hits",
+            "Cache hits a front end answered from an entry it knew, without asking the core (several front ends)",
+            registry=r,
+        )
         self.cache_evictions = Counter("vitserve_cache_evictions", "Cache entries dropped for room", registry=r)
         self.cache_bytes = Gauge("vitserve_cache_bytes", "Bytes held by the embedding cache", registry=r)
         self.cache_entries = Gauge("vitserve_cache_entries", "Images held by the embedding cache", registry=r)

@@ -6,8 +6,10 @@ of a file part or a fetched URL: their length, then the digest of each `PIECE_BY
 side on the key threads, so that a 6 MB body costs one piece's time where there are cores for its pieces), told
 apart by how it was sent (base64 text sent as a file is not an image, whatever
 the same text sent as base64 is), and of everything that changes the engine's output for it: the model, the resize
-bounds, and whether the tokens or their mean are wanted. The output dtype and layout are applied to the cached
-float32 tensors after the cache, so they need no key: a cached answer is bit-identical to a computed one.
+bounds, and whether the tokens or their mean are wanted. An entry holds the devices' answer as it came: float32
+where its request asked for float32 (widened on the device, WorkItem.float32), else the tower's dtype. The output
+dtype and layout are applied after the cache, so they need no key: every value is one of the tower's, which both
+float32 and the tower's dtype hold exactly, so a cached answer in either is bit-identical to a computed one.
 
 `Cache` is an LRU bounded in bytes (`--cache-bytes`, 0: off) over entries that have `nbytes` and `discard()`: an
 image's `Features` (encoder/features.py: tensors in this process's memory, with the grid) where the devices answer
@@ -89,9 +91,7 @@ class CacheKeys:
         """`key` of each image, all of them in one go in a thread (hashlib lets go of the GIL while it hashes): no
         byte of an image is hashed on the event loop."""
         settings = self._settings(cfg, mean_pooling)
-        return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self._digests(images, settings, client)
-        )
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: self._digests(images, settings, client))
 
     def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
         """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
@@ -194,6 +194,13 @@ class Cache:
     def get(self, key: bytes):
         with self.lock:
             return self._get(key)
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Count hits answered elsewhere (a front end's known entries): each held key becomes the most recently
+        used."""
+        with self.lock:
+            for key in keys:
+                self._get(key)
 
     def _get(self, key: bytes):
         entry = self.entries.get(key)

@@ -40,6 +40,7 @@ class Item:
     param: str
     key: bytes | None
     modality: str = "image"  # or "video": a video's slice
+    float32: bool = False  # answered in float32 (WorkItem.float32)
 
 
 @dataclass
@@ -87,6 +88,14 @@ class Settled:
     id: int
     index: int
     output: Features | Output | None = None  # an Output record, as Done's
+
+
+@dataclass
+class Touched:
+    """Front end -> core: cache keys this front end answered from entries it knew (`HubBackend.known`), so that the
+    core's LRU counts those hits as its own lookups would; nothing is answered."""
+
+    keys: list[bytes]
 
 
 @dataclass

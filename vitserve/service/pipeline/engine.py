@@ -84,7 +84,7 @@ class Engine:
         self.device_processes = any(d.startswith("cuda") for d in devices) if processes is None else processes
         preloaded = [] if encoders is None else encoders if isinstance(encoders, list) else [encoders]
         if core is not None:
-            self.backend: LocalBackend | HubBackend = HubBackend(core, self.life, devices, self.collect)
+            self.backend: LocalBackend | HubBackend = HubBackend(core, self.life, devices, self.collect, self.metrics)
         else:
             own = (self.dtype, self.decoder.spool_prefix, self.process_each())
             collect, ready = self.collect, self.ready_text
@@ -179,12 +179,14 @@ class Engine:
         field: str = "input",
         max_pixels: int | None = None,
         client: int | None = None,
+        float32: bool = False,
     ) -> Encoded:
         """Encode a request's images (MediaBytes, bytes, or URLs when fetching is on): decoding, then batching.
         If `disconnected` resolves first, its images are dropped from the queue (ClientDisconnected). `field`
         names the images in errors (`input[2]`); `max_pixels` caps their resized size below the server's; `client`
-        is the API key the request came with (the cache's scope). Admission (`admitted`) is the caller's: the gate
-        admits a request from its first byte."""
+        is the API key the request came with (the cache's scope); `float32`: the tokens are wanted in float32, so
+        the devices widen them before their copy to the host (WorkItem.float32). Admission (`admitted`) is the
+        caller's: the gate admits a request from its first byte."""
         cfg = self.preprocess_config(max_pixels)
         if self.settings.server.allow_url_fetch:
             images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
@@ -200,14 +202,16 @@ class Engine:
         times = (0.0, 0.0, 0.0)
         try:
             if todo:
-                times = await self._compute(images, todo, outputs, cfg, field, mean_pooling, disconnected, keys)
+                times = await self._compute(
+                    images, todo, outputs, cfg, field, mean_pooling, disconnected, keys, float32
+                )
         finally:  # the backend keeps what its devices answer; a claim left unanswered is let go
             if unanswered := [keys[i] for i in todo if keys and outputs[i] is None]:
                 self.backend.release(unanswered)
         for i, other in waits:
             outputs[i] = await other
             if outputs[i] is None:  # the other request failed: this one encodes it itself
-                times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected)
+                times = await self._compute(images, [i], outputs, cfg, field, mean_pooling, disconnected, None, float32)
         return Encoded(cast("list[Features]", outputs), *times, hits)  # each one filled by now
 
     async def looked_up(self, keys: list[bytes], outputs: list) -> tuple[list[int], list]:
@@ -233,6 +237,7 @@ class Engine:
         mean_pooling: bool,
         disconnected: asyncio.Future | None,
         keys: list | None = None,
+        float32: bool = False,
     ) -> tuple[float, float, float]:
         """Decode and run the images at `todo` (indices of `images`), filling `outputs`; the seconds their decoding
         took, and the longest queue and inference seconds among them. `keys`: the images' cache keys, under which
@@ -244,7 +249,15 @@ class Engine:
         decode_s = time.perf_counter() - start
         loop = asyncio.get_running_loop()
         items = [
-            WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
+            WorkItem(
+                image,
+                grid,
+                loop.create_future(),
+                mean_pooling,
+                f"{field}[{i}]",
+                keys[i] if keys else None,
+                float32=float32 and not mean_pooling,
+            )
             for i, (image, grid) in zip(todo, decoded)
         ]
         for i, output in zip(todo, await self.run_items(items, disconnected)):
@@ -314,18 +327,20 @@ class Engine:
         field: str = "videos",
         max_pixels: int | None = None,
         client: int | None = None,
+        float32: bool = False,
     ) -> Encoded:
         """Encode a request's videos (MediaBytes, bytes, or URLs when fetching is on): each is sampled and resized
         by a decode worker into slices of T frames, which join the image queue as items of their own (they batch
         beside images and other videos, over as many replays as they need) or come from the cache (videos.py); the
         answer per video is its Features: its slices' tokens in order (their mean with `mean_pooling`), its grid and
-        timing. `options`: the request's fps, num_frames and max_frames (`video_config`); `client` as for images."""
+        timing. `options`: the request's fps, num_frames and max_frames (`video_config`); `client` and `float32` as
+        for images."""
         if self.model is None:
             raise NotReady(f"model is not ready yet ({self.state.value})")
         cfg = self.video_config(max_pixels=max_pixels, **options)
         if self.settings.server.allow_url_fetch:
             videos = await fetch.fetch_all(videos, self.settings, field, self.fetch_budget)
-        return await videos_through(self, videos, cfg, mean_pooling, disconnected, field, client)
+        return await videos_through(self, videos, cfg, mean_pooling, disconnected, field, client, float32)
 
     # ---- /stats and /metrics -------------------------------------------------------------------------------------
     def collect(self, kind: str):

@@ -1,13 +1,19 @@
 """A front end's backend: the core's (service/core.py) queue, devices and cache, over the front end's pipe.
 
 Records go out from the event loop, one reader thread takes the core's in. Answers are mapped from their spool files
-on the reader thread, and their futures resolved on the event loop. The front end's lifecycle mirrors the core's
-(its Status records); once the core is gone, whatever waits on it gets a 503 `core_lost` and the front end fails.
+on the reader thread, and their futures resolved on the event loop. The cache entries the core has named to this
+front end (its lookups' hits, the answers it keeps) are remembered by key (`known`): a key looked up again is
+answered from its file here, without a round trip to the core, which is told afterwards (`Touched`) so that its LRU
+stays right. An entry the core has evicted since has no file: that key is asked for as before.
+
+The front end's lifecycle mirrors the core's (its Status records); once the core is gone, whatever waits on it gets a
+503 `core_lost` and the front end fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
@@ -35,15 +41,18 @@ from .core_link import (
     Settled,
     Status,
     Submit,
+    Touched,
     Up,
 )
 from .lifecycle import Lifecycle
 
 if TYPE_CHECKING:
     from ..devices.scheduler import WorkItem
+    from ..ground.metrics import Metrics
     from .loader import ModelInfo
 
 log = logging.getLogger("vitserve.core")
+KNOWN_ENTRIES = 16384  # cache entries a front end remembers by key (a record each: a file name and a layout)
 
 
 def _future(item: WorkItem) -> asyncio.Future:
@@ -55,13 +64,14 @@ class HubBackend:
 
     takes_signals = False  # the core drains its front ends (a Status record)
 
-    def __init__(self, conn, life: Lifecycle, devices: list[str], collect):
-        self.conn, self.life, self.devices, self.collect = conn, life, devices, collect
+    def __init__(self, conn, life: Lifecycle, devices: list[str], collect, metrics: Metrics | None = None):
+        self.conn, self.life, self.devices, self.collect, self.metrics = conn, life, devices, collect, metrics
         self.model: ModelInfo | None = None
         self.lock = threading.Lock()
         self.ids = itertools.count()
         self.items: dict[int, WorkItem] = {}  # item id -> its WorkItem, until its answer
-        self.lookups: dict[int, tuple] = {}  # lookup id -> (its future, the waits it holds by index)
+        self.lookups: dict[int, tuple] = {}  # lookup id -> (its future, the waits it holds by index, its keys)
+        self.known: collections.OrderedDict[bytes, Output] = collections.OrderedDict()  # on the event loop
         self.scrapes: dict[int, asyncio.Future] = {}
         self.plans: dict[int, asyncio.Future] = {}  # plans lookup id -> its future
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,18 +107,57 @@ class HubBackend:
 
     # -- the engine's calls, on its event loop
     async def lookup(self, keys: list[bytes]) -> list:
-        lookup = next(self.ids)
-        answered = self.loop.create_future()
-        self.lookups[lookup] = (answered, {})
-        self.send(Lookup(lookup, keys))
-        return await answered
+        """Per key a hit's Features, a future (another computes it), or None (claimed: compute it); the known
+        entries answered here, the rest by the core."""
+        answers: list = [self._known_hit(key) for key in keys]
+        if hits := [key for key, found in zip(keys, answers) if found is not None]:
+            self.send(Touched(hits))
+            if self.metrics is not None:
+                self.metrics.cache_known_hits.inc(len(hits))
+        asked = [i for i, found in enumerate(answers) if found is None]
+        if asked:
+            lookup = next(self.ids)
+            answered = self.loop.create_future()
+            self.lookups[lookup] = (answered, {}, [keys[i] for i in asked])
+            self.send(Lookup(lookup, [keys[i] for i in asked]))
+            for i, found in zip(asked, await answered):
+                answers[i] = found
+        return answers
+
+    def _known_hit(self, key: bytes) -> Features | None:
+        """The entry the core named for `key` before, mapped from its file; None where none was named, or its file
+        is gone (evicted: forgotten here)."""
+        record = self.known.get(key)
+        if record is None:
+            return None
+        try:
+            features = record.features(keep=True)
+        except OSError:
+            del self.known[key]
+            return None
+        self.known.move_to_end(key)
+        return features
+
+    def _know(self, key: bytes | None, record) -> None:
+        """Remember a cache entry the core holds (its file's record; one whose bytes came through the pipe is not
+        kept: it would hold them)."""
+        if key is None or not isinstance(record, Output) or record.path is None:
+            return
+        self.known[key] = record
+        self.known.move_to_end(key)
+        if len(self.known) > KNOWN_ENTRIES:
+            self.known.popitem(last=False)
 
     def submit(self, items: list) -> None:
         records = []
         for item in items:
             item.id = next(self.ids)
             self.items[item.id] = item
-            records.append(Item(item.id, item.image, item.grid, item.mean_pooling, item.param, item.key, item.modality))
+            records.append(
+                Item(
+                    item.id, item.image, item.grid, item.mean_pooling, item.param, item.key, item.modality, item.float32
+                )
+            )
         self.send(Submit(records))
 
     def drop(self, items: list) -> None:
@@ -174,9 +223,11 @@ class HubBackend:
                     [done for done in answers if done.error is not None],
                 )
             case Looked(lookup, found):
-                call(self._looked, lookup, [self._features(a, True) if a not in (None, WAIT) else a for a in found])
+                features = [self._features(a, True) if a not in (None, WAIT) else a for a in found]
+                call(self._looked, lookup, features, found)
             case Settled(lookup, i, output):
-                call(self._settled, lookup, i, None if output is None else self._features(cast(Output, output), True))
+                settled = None if output is None else self._features(cast(Output, output), True)
+                call(self._settled, lookup, i, settled, output)
             case Collect(scrape, kind):  # answered from a thread of its own: this one keeps reading
                 threading.Thread(target=lambda: self.send(Collected(scrape, self.collect(kind))), daemon=True).start()
             case Scraped(scrape, answer):
@@ -205,7 +256,7 @@ class HubBackend:
         so that this front end's requests end and it exits, failed, instead of waiting for answers that never come."""
         error = self.lost_error()
         futures = [item.future for item in self.items.values()] + [*self.scrapes.values(), *self.plans.values()]
-        for answered, waits in self.lookups.values():
+        for answered, waits, _ in self.lookups.values():
             futures += [answered, *waits.values()]
         self.items.clear()
         self.lookups.clear()
@@ -220,6 +271,8 @@ class HubBackend:
             if item is None or _future(item).done():
                 continue
             item.queue_s, item.inference_s = done.queue_s, done.inference_s
+            if done.keep:
+                self._know(item.key, done.output)
             if output is None:
                 _future(item).set_exception(InferenceFailed(f"{item.param}: its answer was lost", "internal_error"))
             else:
@@ -230,8 +283,10 @@ class HubBackend:
                 item.queue_s, item.inference_s = done.queue_s, done.inference_s
                 _future(item).set_exception(done.error.error())
 
-    def _looked(self, lookup: int, answers: list) -> None:
-        answered, waits = self.lookups[lookup]
+    def _looked(self, lookup: int, answers: list, records: list) -> None:
+        answered, waits, keys = self.lookups[lookup]
+        for key, record in zip(keys, records):
+            self._know(key, record)
         out = []
         for i, answer in enumerate(answers):
             if answer == WAIT:
@@ -243,8 +298,10 @@ class HubBackend:
         if not answered.done():
             answered.set_result(out)
 
-    def _settled(self, lookup: int, i: int, output) -> None:
-        answered, waits = self.lookups.get(lookup, (None, {}))
+    def _settled(self, lookup: int, i: int, output, record) -> None:
+        answered, waits, keys = self.lookups.get(lookup, (None, {}, []))
+        if i < len(keys):
+            self._know(keys[i], record)
         future = waits.pop(i, None)
         if not waits:
             self.lookups.pop(lookup, None)

@@ -23,7 +23,11 @@ def front_stats(engine) -> dict:
             "bodies": {"limit_bytes": engine.bodies.limit, "bytes": engine.bodies.used},
             "decode": {"limit_bytes": engine.decoder.budget.limit, "bytes": engine.decoder.budget.used},
         },
-        "counters": {"hits": count("vitserve_cache_hits_total"), "misses": count("vitserve_cache_misses_total")},
+        "counters": {
+            "hits": count("vitserve_cache_hits_total"),
+            "misses": count("vitserve_cache_misses_total"),
+            "known_hits": count("vitserve_cache_known_hits_total"),
+        },
         "videos": {"available": engine.videos_unavailable is None, "reason": engine.videos_unavailable},
     }
 
@@ -60,8 +64,11 @@ def server_stats(
         }
         for use in ("bodies", "decode")
     }
-    cache = backend["cache"] | {"hits": count("hits"), "misses": count("misses")}
-    cache = {key: cache[key] for key in ("enabled", "limit_bytes", "bytes", "entries", "hits", "misses", "evictions")}
+    cache = backend["cache"] | {"hits": count("hits"), "misses": count("misses"), "known_hits": count("known_hits")}
+    cache = {
+        key: cache[key]
+        for key in ("enabled", "limit_bytes", "bytes", "entries", "hits", "misses", "known_hits", "evictions")
+    }
     batching = settings.batching_stats(front_total(fronts, "decode_workers"))
     topology = {}
     if api_servers is not None:

@@ -53,8 +53,10 @@ async def encode_videos(
     disconnected: asyncio.Future | None,
     field: str,
     client: int | None,
+    float32: bool = False,
 ) -> Encoded:
-    """The request's videos' Features, in order (engine.encode_videos: its options checked, its URLs fetched)."""
+    """The request's videos' Features, in order (engine.encode_videos: its options checked, its URLs fetched);
+    `float32`: their slices answered in float32 (WorkItem.float32)."""
     cached = engine.settings.cache.cache_bytes > 0
     video_keys = await engine.cache_keys.video_keys(videos, cfg, client) if cached else None
     plans, plan_s = await known_plans(engine, video_keys), 0.0
@@ -71,7 +73,7 @@ async def encode_videos(
     hits = sum(all(s is not None for s in video) for video in slices)
     engine.metrics.cache_hits.inc(hits)
     engine.metrics.cache_misses.inc(len(videos) - hits)
-    run = Runs(engine, videos, plans, cfg, field, disconnected)
+    run = Runs(engine, videos, plans, cfg, field, disconnected, float32)
     try:
         try:
             await run.slices(claimed, slices, keys)
@@ -130,9 +132,18 @@ class Runs:
     queued as soon as the part is decoded (a split video's first slices run while the rest decode), the slices run;
     the decoded slices not run (answered from the cache) discarded at the end."""
 
-    def __init__(self, engine: Pipeline, videos: list, plans: list, cfg: VideoConfig, field: str, disconnected):
+    def __init__(
+        self,
+        engine: Pipeline,
+        videos: list,
+        plans: list,
+        cfg: VideoConfig,
+        field: str,
+        disconnected,
+        float32: bool = False,
+    ):
         self.engine, self.videos, self.plans, self.cfg = engine, videos, plans, cfg
-        self.field, self.disconnected = field, disconnected
+        self.field, self.disconnected, self.float32 = field, disconnected, float32
         self.decoded: dict[int, list] = {}  # video -> its slices (pixels, spooled or not; None until decoded)
         self.ran: set[tuple[int, int]] = set()
         self.decode_s = self.queue_s = self.inference_s = 0.0
@@ -159,6 +170,7 @@ class Runs:
                         f"{self.field}[{v}]",
                         key,
                         modality="video",
+                        float32=self.float32,
                     )
                     new.append(items[v, j])
                     self.ran.add((v, j))
