@@ -420,6 +420,11 @@ def figures(r: dict, engine: float | None) -> list[tuple[str, str]]:
             lambda p, d=dtype: f"{p[d]['median_ms']:.2f} ({p[d]['answer_bytes'] / 1e6:.1f})",
         )
     row("bench/cache.py 448²: hit / miss p50 ms", "cache", lambda p: f"{p['hit_p50_ms']:.2f} / {p['miss_p50_ms']:.2f}")
+    row(
+        "the same, lean client: hit / miss p50 ms",
+        "cache",
+        lambda p: f"{p['lean_hit_p50_ms']:.2f} / {p['lean_miss_p50_ms']:.2f}" if "lean_hit_p50_ms" in p else "–",
+    )
     row("1 client p50 ms, exact", "http", lambda p: f"{p['low_load']['p50_ms']:.1f}")
     row("1 client p50 ms, fast", "fast", lambda p: f"{p['low_load']['p50_ms']:.1f}")
     return rows
