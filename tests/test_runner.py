@@ -246,12 +246,19 @@ def test_pooled_images_come_back_as_device_means(encoders):
         runner.launch_images(images, lut, [True])
 
 
-def test_images_wanted_in_float32_come_back_widened_from_a_bfloat16_runner(checkpoints):
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_images_wanted_in_float32_come_back_widened_from_a_bfloat16_runner(checkpoints, device):
     """A replay holding an image flagged `float32` copies its tokens and deepstack back in float32, every value the
     runner's bfloat16 one exactly (so no host converts them, and the cache keeps values a bfloat16 answer narrows
-    back to the same bits); a replay without one stays in the runner's dtype; pooled means are float32 either way.
-    The same planning as on a GPU, where the widening runs on the device before the copy."""
-    enc = padded(VisionEncoder.from_pretrained(checkpoints["qwen3_vl"][0], dtype="bfloat16", budgets=(256, 1024)))
+    back to the same bits); a replay without one stays in the runner's dtype, the graphs' outputs too (CUDA: graph
+    replays, widened on the GPU into pinned memory); pooled means are float32 either way."""
+    enc = VisionEncoder.from_pretrained(
+        checkpoints["qwen3_vl"][0], device=device, dtype="bfloat16", budgets=(256, 1024)
+    )
+    enc = padded(enc) if device == "cpu" else enc
     rng = np.random.default_rng(1)
     p = enc.config.patch_size
     images = [rng.integers(0, 256, (h * p, w * p, 3), dtype=np.uint8) for h, w in [(4, 6), (8, 8), (2, 2)]]
@@ -260,10 +267,11 @@ def test_images_wanted_in_float32_come_back_widened_from_a_bfloat16_runner(check
     narrow = runner.collect(runner.launch_images(images, lut))
     wide = runner.collect(runner.launch_images(images, lut, None, None, [False, True, False]))
     pooled = runner.collect(runner.launch_images(images, lut, [True, False, True], None, [False, True, False]))
-    for (t, ds), (w, wds), (m, _) in zip(narrow, wide, pooled):
+    again = runner.collect(runner.launch_images(images, lut))
+    for (t, ds), (w, wds), (m, _), (r, _) in zip(narrow, wide, pooled, again):
         assert t.dtype == torch.bfloat16 and w.dtype == torch.float32 and all(d.dtype == torch.float32 for d in wds)
         assert torch.equal(w, t.float()) and all(torch.equal(a, b.float()) for a, b in zip(wds, ds))
-        assert m.dtype == torch.float32
+        assert m.dtype == torch.float32 and torch.equal(r, t) and w.is_pinned() == (device == "cuda")
     assert torch.equal(pooled[1][0], wide[1][0])
     with pytest.raises(ValueError, match="float32"):
         runner.launch_images(images, lut, None, None, [True])

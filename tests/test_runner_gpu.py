@@ -96,27 +96,3 @@ def test_pooled_means_are_the_same_run_after_run():
         assert all(torch.equal(a, b) for a, b in zip(means, first))
         tokens = [t for t, _ in enc.outputs(enc.launch(images))]
         assert all(torch.allclose(m, t.float().mean(0), rtol=1e-4, atol=1e-5) for m, t in zip(first, tokens))
-
-
-def test_float32_images_come_back_widened_by_the_device_from_graph_replays():
-    """A replay holding an image flagged float32 copies its rows back widened on the GPU (pinned float32 host
-    tensors), each value exactly the bfloat16 replay's; the graphs' own outputs stay bfloat16 for the next replay."""
-    import numpy as np
-
-    from vitserve.encoder.preprocess import normalize_lut
-
-    enc = VisionEncoder.from_pretrained(
-        "tiny-qwen3-vl", device="cuda", dtype="bfloat16", load_format="dummy", budgets=(256, 1024, 4096)
-    )
-    rng = np.random.default_rng(3)
-    p = enc.config.patch_size
-    images = [rng.integers(0, 256, (h * p, w * p, 3), dtype=np.uint8) for h, w in [(4, 6), (16, 20), (2, 2)]]
-    lut = normalize_lut(enc.preprocess_config.image_mean, enc.preprocess_config.image_std)
-    runner = enc.runner
-    narrow = runner.collect(runner.launch_images(images, lut))
-    wide = runner.collect(runner.launch_images(images, lut, None, None, [True, False, False]))
-    again = runner.collect(runner.launch_images(images, lut))
-    for (t, ds), (w, wds), (a, _) in zip(narrow, wide, again):
-        assert t.dtype == torch.bfloat16 and w.dtype == torch.float32 and w.is_pinned()
-        assert torch.equal(w, t.float()) and all(torch.equal(x, y.float()) for x, y in zip(wds, ds))
-        assert torch.equal(a, t)
