@@ -46,7 +46,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 try:  # h11's Content-Length reader, told the bytes that land in place (private: where it is not as known, none land)
     from h11._readers import ContentLengthReader
 
-    _LANDS = all(hasattr(ContentLengthReader(0), name) for name in ("_length", "_remaining"))
+    _LANDS = all(hasattr(ContentLengthReader(0), name) for name in ("_length", "_remaining")) and all(
+        hasattr(h11.Connection(h11.SERVER), name) for name in ("_reader", "_receive_buffer")
+    )
 except ImportError:  # pragma: no cover
     ContentLengthReader, _LANDS = type(None), False  # type: ignore[misc, assignment]
 
@@ -197,9 +199,9 @@ class GuardedH11Protocol(H11Protocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         """Where the next read goes: the rest of the request's body buffer when it lands there (`_lands_now`), else
         the shared read buffer."""
-        reader = self._counted._conn._reader
         self._landing = self._lands_now()
         if self._landing:
+            reader = self._counted._conn._reader
             assert self._land is not None and isinstance(reader, ContentLengthReader)  # (_lands_now)
             at = reader._length - reader._remaining  # the body's bytes given to h11 or landed before
             return self._land[at : at + reader._remaining]
@@ -234,9 +236,11 @@ class GuardedH11Protocol(H11Protocol):
     def _hand_over(self, buffer) -> bool:
         """The app's `vitserve.land`: the rest of this request's body goes into `buffer` (writable, at least the
         body's length; byte i of the body at buffer[i]); False where it cannot (the app then reads as before)."""
+        if not _LANDS:
+            return False
         reader = self._counted._conn._reader
         view = memoryview(buffer).cast("B")
-        if not _LANDS or view.readonly or not isinstance(reader, ContentLengthReader) or len(view) < reader._length:
+        if view.readonly or not isinstance(reader, ContentLengthReader) or len(view) < reader._length:
             return False
         self._land = view
         self._given = self._landed = reader._length - reader._remaining
