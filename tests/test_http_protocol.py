@@ -1,6 +1,7 @@
-"""The guarded h11 protocol (service/api/http.py) fed by hand, read by read as a transport feeds it (`get_buffer`,
-then `buffer_updated`): one read that holds two requests, so that what h11 has not parsed yet is in the connection's
-buffer when the first request's body is checked; and bodies received in place, into the buffer an app hands over."""
+"""The guarded h11 protocol (service/api/http.py, landing.py) fed by hand, read by read as a transport feeds it
+(`get_buffer`, then `buffer_updated`): one read that holds two requests, so that what h11 has not parsed yet is in the
+connection's buffer when the first request's body is checked; and bodies received in place, into the buffer an app
+hands over."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import asyncio
 import uvicorn
 from uvicorn.server import ServerState
 
-from vitserve.service.api import http
-from vitserve.service.api.http import LAND, guarded_h11
+from vitserve.service.api import landing
+from vitserve.service.api.http import guarded_h11
+from vitserve.service.api.landing import LAND
 
 
 class Transport(asyncio.Transport):
@@ -171,7 +173,7 @@ def test_a_body_lands_in_the_apps_buffer_after_what_came_before_and_the_next_req
 def test_without_the_readers_count_nothing_lands_and_the_body_is_the_same(monkeypatch):
     """Where h11's Content-Length reader is not as the protocol knows it, the hand-over says no and the app copies
     the body in itself."""
-    monkeypatch.setattr(http, "_LANDS", False)
+    monkeypatch.setattr(landing, "_LANDS", False)
     body = bytes(range(251)) * 4000
     app = LandingApp()
 

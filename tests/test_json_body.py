@@ -11,9 +11,9 @@ import time
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from vitserve.service.api.http import LAND
 from vitserve.service.api.http_errors import ServiceError
 from vitserve.service.api.json_body import LONG, Scan, Text, parse_body
+from vitserve.service.api.landing import LAND
 from vitserve.service.api.schemas import EmbeddingRequest, EncodeRequest
 
 

@@ -10,14 +10,8 @@
   its size, so a body may come in at most `FREE_PIECES` pieces plus one per `PIECE_BYTES` of data, and its framing
   may add at most `FRAMING_BYTES` plus an eighth of the data on the wire (chunk-size lines and their extensions):
   a body sent one byte per chunk is refused after a few dozen chunks (400 `body_pieces`) and its connection closed.
-- Bodies in place: an app that has a buffer for a request's body of known length (a body file's mapping:
-  json_body.read_json) hands it over through the scope's `vitserve.land` extension, and from then on the socket's
-  bytes are received straight into it (a buffered protocol's `get_buffer` is that buffer, bounded to what is left of
-  the body); the app's messages are views of the buffer where they landed. The bytes take no other copy: not h11's
-  receive buffer, not its events, not uvicorn's body buffer, not the app's copy into its buffer (five copies of a
-  6 MB body otherwise), and the event loop steps once per read, not per event. What arrived before the buffer was
-  handed over comes as usual, first; h11 is told the landed bytes (its Content-Length reader's count), so it ends the
-  request as it would have. Where h11 lacks that reader, the protocol reads as before.
+- Bodies in place: a request's body of known length lands from the socket in the buffer its app hands over
+  (landing.py: the protocol is read through `get_buffer`).
 - Answers: a body of known length goes to the socket as the pieces the app sends, never copied (h11 joins what it
   frames into new bytes: for a memoryview of a tensor, a full copy), and the whole of it may wait in the transport's
   buffer (its pieces are in memory already, views of the answer's tensors) rather than each piece waiting for the
@@ -43,17 +37,9 @@ from typing import cast
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-try:  # h11's Content-Length reader, told the bytes that land in place (private: where it is not as known, none land)
-    from h11._readers import ContentLengthReader
-
-    _LANDS = all(hasattr(ContentLengthReader(0), name) for name in ("_length", "_remaining")) and all(
-        hasattr(h11.Connection(h11.SERVER), name) for name in ("_reader", "_receive_buffer")
-    )
-except ImportError:  # pragma: no cover
-    ContentLengthReader, _LANDS = type(None), False  # type: ignore[misc, assignment]
-
 from .gate import OPEN_PATHS
 from .http_errors import envelope
+from .landing import Landing, Reads
 
 log = logging.getLogger("vitserve.http")
 
@@ -62,9 +48,6 @@ PIECE_BYTES = 512  # of data per piece beyond those
 FRAMING_BYTES = 64 * 2**10  # bytes of chunk framing any body may add on the wire
 RESERVED_FILES = 64  # descriptors the server keeps for itself: listening socket, logs, workers, spool files
 HIGH_WATER = 64 * 2**10  # the transports' default write-buffer limit (asyncio's and uvloop's), in bytes
-READ_BYTES = 256 * 2**10  # a read that lands nowhere in place goes into one buffer of this size, shared by the
-_read_buffer = bytearray(READ_BYTES)  # connections of the process: each read's bytes are taken out before the next
-LAND = "vitserve.land"  # the scope's extension through which an app hands over its body's buffer
 
 
 def error_bytes(conn: h11.Connection, status: int, message: str, code: str, headers=()) -> bytes:
@@ -122,9 +105,7 @@ class GuardedH11Protocol(H11Protocol):
         self.conn = CountedConnection(self.conn, self)
         self._pieces = self._data = 0  # of the request being read: its body's pieces and data bytes
         self._received = self._start = 0  # bytes received on the connection; where the request being read began
-        self._land: memoryview | None = None  # the request's body buffer, where the app handed one over
-        self._landing = False  # whether the read under way lands in it
-        self._given = self._landed = 0  # the body's bytes given to the app; those in the buffer or given to h11
+        self.landing = Landing(self)  # its bodies landing in their apps' buffers (landing.py)
 
     # ---- connections ---------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
@@ -187,80 +168,20 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is not self._headers_of:  # its headers are in: the app has the request
             self._disarm()
 
-    # ---- bodies in place ------------------------------------------------------------------------------------------
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle and self.cycle is not None:  # a request has begun: offer it the extension
-            self._land, self._landing = None, False
-            self.cycle.scope.setdefault("extensions", {})[LAND] = self._hand_over
-            self.cycle.receive = self._landed_receive(self.cycle.receive)  # type: ignore[method-assign]
+        if self.cycle is not cycle and self.cycle is not None:  # a request has begun
+            self.landing.begin()
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        """Where the next read goes: the rest of the request's body buffer when it lands there (`_lands_now`), else
-        the shared read buffer."""
-        self._landing = self._lands_now()
-        if self._landing:
-            reader = self._counted._conn._reader
-            assert self._land is not None and isinstance(reader, ContentLengthReader)  # (_lands_now)
-            at = reader._length - reader._remaining  # the body's bytes given to h11 or landed before
-            return self._land[at : at + reader._remaining]
-        return memoryview(_read_buffer)
+    @property
+    def parser(self) -> h11.Connection:
+        """uvicorn's h11 connection itself (what CountedConnection wraps)."""
+        return self._counted._conn
 
-    def buffer_updated(self, nbytes: int) -> None:
-        if not self._landing:
-            self.data_received(bytes(_read_buffer[:nbytes]))
-            return
-        reader = cast(ContentLengthReader, self._counted._conn._reader)
-        reader._remaining -= nbytes
-        self._landed = reader._length - reader._remaining
+    def received(self, nbytes: int) -> None:
+        """Bytes of the connection received other than through `data_received` (landed in place)."""
         self._received += nbytes
-        if self._counted_piece(nbytes) is h11.PAUSED:
-            return
-        self.cycle.message_event.set()
-        if reader._remaining == 0:  # h11 ends the request: its EndOfMessage, as for bytes it read itself
-            self.handle_events()
-
-    def _lands_now(self) -> bool:
-        """A read lands in the body's buffer while the body of known length is being read, once nothing received
-        waits in h11 or in uvicorn's body buffer (those bytes come first); then the rest of the body lands too, also
-        after an answer (the app's buffer stays valid while this view of it lives: see bodies.Body.release)."""
-        conn = self._counted._conn
-        return (
-            self._land is not None
-            and isinstance(conn._reader, ContentLengthReader)
-            and conn._reader._remaining > 0
-            and (self._landed > self._given or (not conn._receive_buffer and not self.cycle.body))
-        )
-
-    def _hand_over(self, buffer) -> bool:
-        """The app's `vitserve.land`: the rest of this request's body goes into `buffer` (writable, at least the
-        body's length; byte i of the body at buffer[i]); False where it cannot (the app then reads as before)."""
-        if not _LANDS:
-            return False
-        reader = self._counted._conn._reader
-        view = memoryview(buffer).cast("B")
-        if view.readonly or not isinstance(reader, ContentLengthReader) or len(view) < reader._length:
-            return False
-        self._land = view
-        self._given = self._landed = reader._length - reader._remaining
-        return True
-
-    def _landed_receive(self, receive):
-        """The cycle's `receive`, where the landed bytes not yet given come as the view of the buffer that holds
-        them (what uvicorn's own buffer held comes first: nothing lands while it holds anything)."""
-
-        async def landed_receive():
-            message = await receive()
-            if self._land is None or message["type"] != "http.request" or message["body"]:
-                return message
-            if self._landed > self._given:
-                message["body"], self._given = self._land[self._given : self._landed], self._landed
-            if not message["more_body"]:
-                self._land = None  # the whole body is given: the app's buffer is its own again
-            return message
-
-        return landed_receive
 
     def checked(self, event):
         """Every h11 event passes here before uvicorn acts on it: a request with ambiguous framing, or a body in
@@ -275,10 +196,10 @@ class GuardedH11Protocol(H11Protocol):
                     400, "a request may not have both Content-Length and Transfer-Encoding", "invalid_framing"
                 )
         elif isinstance(event, h11.Data):
-            return self._counted_piece(len(event.data), event)
+            return self.counted_piece(len(event.data), event)
         return event
 
-    def _counted_piece(self, nbytes: int, event=None):
+    def counted_piece(self, nbytes: int, event=None):
         """A piece of the body (an h11 Data event, or a read that landed in place): refused where the body has come
         in too many pieces or too much framing (see the module's docstring)."""
         self._pieces += 1
@@ -330,7 +251,6 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self._land = None
         super().connection_lost(exc)
 
 
@@ -386,37 +306,6 @@ def connection_limit(max_connections: int) -> int:
         )
         return fit
     return max_connections
-
-
-class Reads(asyncio.BufferedProtocol):
-    """What the transport drives for a connection: its GuardedH11Protocol, reading through `get_buffer` (uvloop reads
-    into a protocol's buffer only where the protocol is no asyncio.Protocol, which uvicorn's is)."""
-
-    __slots__ = ("protocol",)
-
-    def __init__(self, protocol: GuardedH11Protocol):
-        self.protocol = protocol
-
-    def connection_made(self, transport) -> None:
-        self.protocol.connection_made(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.protocol.connection_lost(exc)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.protocol.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.protocol.buffer_updated(nbytes)
-
-    def eof_received(self) -> None:
-        self.protocol.eof_received()
-
-    def pause_writing(self) -> None:
-        self.protocol.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.protocol.resume_writing()
 
 
 def guarded_h11(header_timeout: float, max_connections: int = 1024):

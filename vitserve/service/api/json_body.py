@@ -25,8 +25,8 @@ from pydantic import BaseModel, ValidationError
 
 from ...encoder.media import MediaBytes
 from ..decoding.bodies import SHARED, Body, SharedBodies, anonymous
-from .http import LAND
 from .http_errors import ServiceError
+from .landing import LAND
 
 LONG = 4096  # bytes of a string beyond which it stays in the body, unparsed
 _MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder's prefix: no client can write one
