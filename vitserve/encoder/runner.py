@@ -295,11 +295,7 @@ class GraphRunner:
                 pooled = [mean_pooling[i] for i in batch.indices]
                 tokens = ds = means = None
                 if not all(pooled):
-                    wide = (
-                        torch.float32
-                        if any(float32[i] and not pooled[j] for j, i in enumerate(batch.indices))
-                        else None
-                    )
+                    wide = torch.float32 if any(float32[i] and not mean_pooling[i] for i in batch.indices) else None
                     tokens = self._to_host(merged, plan, wide)
                     ds = [self._to_host(d, plan, wide) for d in deepstack]
                 if any(pooled):

@@ -4,9 +4,9 @@ or touching the device.
 The key is a SHA-256 digest (server CPUs compute it in hardware) of the image as sent (the base64 text, or the bytes
 of a file part or a fetched URL: their length, then the digest of each `PIECE_BYTES` piece, the pieces hashed side by
 side on the key threads, so that a 6 MB body costs one piece's time where there are cores for its pieces), told
-apart by how it was sent (base64 text sent as a file is not an image, whatever
-the same text sent as base64 is), and of everything that changes the engine's output for it: the model, the resize
-bounds, and whether the tokens or their mean are wanted. An entry holds the devices' answer as it came: float32
+apart by how it was sent (base64 text sent as a file is not an image, whatever the same text sent as base64 is), and
+of everything that changes the engine's output for it: the model, the resize bounds, and whether the tokens or their
+mean are wanted. An entry holds the devices' answer as it came: float32
 where its request asked for float32 (widened on the device, WorkItem.float32), else the tower's dtype. The output
 dtype and layout are applied after the cache, so they need no key: every value is one of the tower's, which both
 float32 and the tower's dtype hold exactly, so a cached answer in either is bit-identical to a computed one.

@@ -247,13 +247,13 @@ class Engine:
             self.decoder.decode([images[i] for i in todo], cfg, field, todo), disconnected, len(todo)
         )
         decode_s = time.perf_counter() - start
-        loop = asyncio.get_running_loop()
+        new_future = asyncio.get_running_loop().create_future
         items = [
-            WorkItem(image, grid, loop.create_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None)
+            WorkItem(
+                image, grid, new_future(), mean_pooling, f"{field}[{i}]", keys[i] if keys else None, float32=float32
+            )
             for i, (image, grid) in zip(todo, decoded)
         ]
-        for item in items:  # its tokens wanted in float32: widened on the device
-            item.float32 = float32 and not mean_pooling
         for i, output in zip(todo, await self.run_items(items, disconnected)):
             outputs[i] = output
         return decode_s, max(i.queue_s for i in items), max(i.inference_s for i in items)
