@@ -218,6 +218,20 @@ def drive(
     )
 
 
+def py_spy(pid: int, output: str, *flags: str, duration: float | None = None) -> subprocess.Popen:
+    """py-spy recording a raw profile of the busy threads of process `pid` into `output`, for `duration` seconds or
+    until it is sent SIGINT (it writes the profile then); `flags`: more of its options (`--subprocesses`, `--gil`).
+    It attaches within the second it is given before the load starts."""
+    import shutil
+
+    exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"  # (bench/gpu_env.sh installs it there on the device)
+    command = [exe, "record", "--pid", str(pid), "--format", "raw", "--output", output, "--nonblocking", "--threads"]
+    command += [*flags] + (["--duration", str(duration)] if duration else [])
+    spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    return spy
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Qwen/Qwen2.5-VL-7B-Instruct")
@@ -283,27 +297,7 @@ def main():
         uris = ["data:image/png;base64," + base64.b64encode(d).decode() for _, d in files]
         drive(url, uris, args.model, 32, 8)  # warm-up
         low = drive(url, uris, args.model, 64, 1)
-        spy = None
-        if args.profile:
-            import shutil
-
-            exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
-            spy = subprocess.Popen(
-                [
-                    exe,
-                    "record",
-                    "--pid",
-                    str(server.pid),
-                    "--duration",
-                    "6",
-                    "--format",
-                    "raw",
-                    "--output",
-                    args.profile,
-                    "--nonblocking",
-                    "--threads",
-                ]
-            )
+        spy = py_spy(server.pid, args.profile, duration=6) if args.profile else None
         high = drive(url, uris, args.model, args.requests, args.concurrency, args.client_processes)
         if spy is not None:
             spy.wait(timeout=60)

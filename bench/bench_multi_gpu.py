@@ -24,9 +24,7 @@ import base64
 import dataclasses
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -36,7 +34,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_http import drive, engine_throughput, image_files  # noqa: E402
+from bench_http import drive, engine_throughput, image_files, py_spy  # noqa: E402
 from hf_reference import vision_config  # noqa: E402
 
 from vitserve.encoder import VisionEncoder  # noqa: E402
@@ -167,27 +165,9 @@ def main():
             spy = None
             if args.profile:
                 os.makedirs(args.profile, exist_ok=True)
-                exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
                 name = devices.replace(",", "_").replace(":", "")
                 spy = [
-                    subprocess.Popen(
-                        [
-                            exe,
-                            "record",
-                            "--pid",
-                            str(proc.pid),
-                            "--duration",
-                            "4",
-                            "--format",
-                            "raw",
-                            "--output",
-                            f"{args.profile}/{name}{suffix}.txt",
-                            "--nonblocking",
-                            "--threads",
-                            "--subprocesses",
-                            *flags,
-                        ]
-                    )
+                    py_spy(proc.pid, f"{args.profile}/{name}{suffix}.txt", "--subprocesses", *flags, duration=4)
                     for suffix, flags in (("", []), ("-gil", ["--gil"]))
                 ]
             sums = histogram_sums(url)

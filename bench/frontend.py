@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import http.client
 import io
 import json
 import multiprocessing
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -61,7 +63,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cache as cache_bench  # noqa: E402
-from bench_http import drive, engine_throughput, image_files  # noqa: E402
+from bench_http import drive, engine_throughput, image_files, py_spy  # noqa: E402
 from bench_multi_gpu import cpu_seconds, shallow_checkpoint  # noqa: E402
 from loadgen import request_bytes, run_load  # noqa: E402
 
@@ -181,15 +183,21 @@ def role(pid: int, server: int) -> str:
     return "decode"
 
 
-def with_server_cores(proc, measure) -> dict:
+def with_server_cores(proc, measure, profile: str | None = None) -> dict:
     """`measure()`'s result, with the cores the server's process tree used over its wall time, in all and by role
-    (`role`), and of them the front ends' event loops (their main threads)."""
+    (`role`), and of them the front ends' event loops (their main threads). `profile`: a py-spy raw profile of the
+    whole tree over the measure written there, and its summary (`profile_summary`) in the result."""
     before, t = tree_cpu(proc.pid), time.perf_counter()
     roles = {p: role(p, proc.pid) for p in before}
     fronts = [p for p, r in roles.items() if r == "front end"]
     loops = {p: cpu_seconds(f"/proc/{p}/task/{p}/stat") for p in fronts}
+    spy = py_spy(proc.pid, profile, "--subprocesses", "--rate", str(SPY_RATE)) if profile else None
     result = measure()
     wall, after = time.perf_counter() - t, tree_cpu(proc.pid)
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its profile when interrupted
+        spy.wait(timeout=120)
+        result["profile"] = profile_summary(profile, roles, wall)
     used = {p: v - before.get(p, 0.0) for p, v in after.items()}
     result["server_cores"] = sum(used.values()) / wall
     by_role: dict[str, float] = {}
@@ -201,6 +209,39 @@ def with_server_cores(proc, measure) -> dict:
         pass
     result["server_cores_by_role"] = by_role
     return result
+
+
+SPY_RATE = 100  # py-spy's samples per second of each thread
+
+
+def profile_summary(path: str, roles: dict[int, str], wall: float, top: int = 12) -> dict:
+    """A raw py-spy profile of the server's tree read as cores: per role (`role`), the cores its threads were
+    sampled busy, and the functions where they were (the innermost frame, its file, no line), the busiest first."""
+    busy: dict[str, float] = collections.Counter()
+    where: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in open(path, errors="replace"):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        pids = [int(m.group(1)) for f in frames if (m := re.match(r"process (\d+):", f))]  # the tree, root first
+        if not count.isdigit() or not pids:
+            continue
+        name = roles.get(pids[-1], "decode")
+        leaf = re.sub(r":\d+\)$", ")", frames[-1].strip())
+        cores = int(count) / SPY_RATE / wall
+        busy[name] += cores
+        where[name][leaf] += cores
+    return {
+        name: dict(cores=round(busy[name], 3), functions={f: round(c, 3) for f, c in where[name].most_common(top)})
+        for name in sorted(busy, key=busy.get, reverse=True)
+    }
+
+
+def profile_text(summary: dict, top: int = 8) -> str:
+    lines = []
+    for name, part in summary.items():
+        lines.append(f"  {name}: {part['cores']:.2f} cores sampled busy")
+        lines += [f"    {c:6.2f}  {f[:100]}" for f, c in list(part["functions"].items())[:top]]
+    return "\n".join(lines)
 
 
 # ---- the requests --------------------------------------------------------------------------------------------------
@@ -273,7 +314,9 @@ def ceiling(url: str, proc, uris: list[str], args) -> dict:
         args.ceiling_processes,
     )  # warm: every image, every connection
     return with_server_cores(
-        proc, lambda: run_load(url, payloads, args.ceiling_requests, args.ceiling_concurrency, args.ceiling_processes)
+        proc,
+        lambda: run_load(url, payloads, args.ceiling_requests, args.ceiling_concurrency, args.ceiling_processes),
+        args.profile and os.path.join(args.profile, "ceiling.txt"),
     )
 
 
@@ -321,7 +364,9 @@ def handoff(url: str, proc, uris: list[str], args) -> dict:
     run_load(url, payloads, max(2 * len(payloads), 32), min(16, args.handoff_concurrency), 1)  # warm
     before = httpx.get(url + "/stats", timeout=30).json()
     result = with_server_cores(
-        proc, lambda: run_load(url, payloads, args.handoff_requests, args.handoff_concurrency, args.handoff_processes)
+        proc,
+        lambda: run_load(url, payloads, args.handoff_requests, args.handoff_concurrency, args.handoff_processes),
+        args.profile and os.path.join(args.profile, "handoff.txt"),
     )
     result["batches"] = batches_between(before, httpx.get(url + "/stats", timeout=30).json())
     return result
@@ -486,8 +531,11 @@ def main():
     ap.add_argument("--handoff-concurrency", type=int, default=128, help="connections, all processes together")
     ap.add_argument("--handoff-processes", type=int, default=8)
     ap.add_argument("--combine", nargs="+", metavar="NAME=FILE", help="only print these runs side by side")
+    ap.add_argument("--profile", default=None, help="a folder: py-spy profiles of the server's tree (ceiling, handoff)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     if args.combine:
         return combine(args.combine, args.out)
     parts = [p for p in PARTS if p in args.parts.split(",")]
@@ -553,6 +601,9 @@ def main():
         + (f", served from {args.server_tree}" if args.server_tree else "")
     )
     print_table({"": figures(result, engine)})
+    for part in ("ceiling", "handoff"):
+        if "profile" in results.get(part, {}):
+            print(f"{part}, where the server's cores went (py-spy):\n" + profile_text(results[part]["profile"]))
     if args.out:
         json.dump(result, open(args.out, "w"), indent=1)
 

@@ -120,7 +120,7 @@ async def until(condition, timeout: float = 30.0, what: str = "the condition") -
         await asyncio.sleep(0.002)
 
 
-def serving(*flags: str, timeout: float = 60):
+def serving(*flags: str, timeout: float = 180):
     """A fixture's body: a `vitserve serve` subprocess (proc, url) while the tests use it; stopped after, and its log
     free of tracebacks."""
     from vitserve.service.entry.launch import start_server

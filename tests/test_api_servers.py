@@ -448,12 +448,12 @@ def test_images_resized_on_the_devices_are_answered_the_same(direct):
             assert_served(b64_tensor(item["embeddings"], item["shape"]), want.embeddings)
 
 
-def test_a_bfloat16_server_widens_float32_answers_on_its_device_and_the_cache_gives_either_dtype():
+def test_a_bfloat16_server_widens_float32_answers_on_its_device_and_caches_each_dtype_as_answered():
     """A bfloat16 tower behind two front ends and a device process: a float32 request's tokens are widened by the
     device (WorkItem.float32, through the core, to the device process's batch), so its cache entry, which is the
-    device's answer as written, holds 4 bytes a value (a lost flag leaves 2, the host widening each answer); a
-    bfloat16 request for the same image (a hit) narrows them back to the same bits. A bfloat16 request's entry holds
-    2 bytes a value and answers a float32 request widened on the host, exactly."""
+    device's answer as written, holds 4 bytes a value (a lost flag leaves 2, the host widening each answer). A
+    bfloat16 request for the same image has an entry of its own (2 bytes a value: a hit sends its bytes as they lie,
+    converting nothing), whose values are the same bits; a hit answers each dtype from its own entry."""
     from safetensors.torch import load as safetensors_load
 
     flags = ("--api-servers", "2", "--device-processes", "true", "--dtype", "bfloat16")
@@ -470,15 +470,18 @@ def test_a_bfloat16_server_widens_float32_answers_on_its_device_and_the_cache_gi
         def cached() -> int:
             return httpx.get(url + "/stats", timeout=30).json()["cache"]["bytes"]
 
-        wide, narrow = encode(IMAGES[0], "float32"), encode(IMAGES[0], "bfloat16")
+        wide = encode(IMAGES[0], "float32")
         values = sum(t.numel() for name, t in wide.items() if name != "hits")
-        assert (wide["hits"], narrow["hits"]) == ("0", "1") and cached() == 4 * values
+        assert wide["hits"] == "0" and cached() == 4 * values
+        narrow = encode(IMAGES[0], "bfloat16")
+        assert narrow["hits"] == "0" and cached() == 6 * values  # an entry of its own, 2 bytes a value
         assert len(wide) == len(narrow) >= 3  # the tokens and the deepstack features
         for name, t in wide.items():
             if name != "hits":
                 assert t.dtype == torch.float32 and narrow[name].dtype == torch.bfloat16
-                assert torch.equal(t, narrow[name].float())  # exact both ways: bfloat16 values
-        narrow, wide = encode(IMAGES[1], "bfloat16"), encode(IMAGES[1], "float32")
-        more = sum(t.numel() for name, t in narrow.items() if name != "hits")
-        assert (narrow["hits"], wide["hits"]) == ("0", "1") and cached() == 4 * values + 2 * more
-        assert torch.equal(wide["images.0.embeddings"], narrow["images.0.embeddings"].float())
+                assert torch.equal(t, narrow[name].float())  # exact: bfloat16 values either way
+        again_wide, again_narrow = encode(IMAGES[0], "float32"), encode(IMAGES[0], "bfloat16")
+        assert (again_wide["hits"], again_narrow["hits"]) == ("1", "1") and cached() == 6 * values
+        for name, t in wide.items():
+            if name != "hits":
+                assert torch.equal(again_wide[name], t) and torch.equal(again_narrow[name], narrow[name])

@@ -90,7 +90,8 @@ def test_a_large_body_reaches_its_decode_worker_in_place(encoders, tmp_path, mon
             again.end()
             await until(lambda: body_files(tmp_path) == [], what="the file of a body still viewed removed")
             assert bytes(kept.view[:22]) == b"data:image/png;base64,"  # the mapping itself lives while viewed
-            alone = resize_rgb(load_image(small), cfg)  # the PNG without what follows it
+            alone = load_image(small)  # the PNG without what follows it; full size where the devices resize (GPU)
+            alone = np.asarray(alone) if decoder.full_size else resize_rgb(alone, cfg)
             return shared, plain, sent_shared, files, reused, bodies.made, alone
         finally:
             await engine.stop()

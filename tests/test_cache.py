@@ -68,8 +68,12 @@ def test_different_preprocessing_never_shares_an_entry(client):
         cache_a.key(data, cfg, True),
         cache_b.key(data, cfg, False),
         cache_a.key(MediaBytes("aGVsbG9=="), cfg, False),
+        cache_a.key(data, cfg, False, float32=True),  # the tokens widened on the device: another answer
     }
-    assert len(keys) == 5 and cache_a.key(data, cfg, False) == cache_a.key(MediaBytes("aGVsbG8="), cfg, False)
+    assert cache_a.key(data, cfg, True, float32=True) == cache_a.key(data, cfg, True)  # a mean is one answer
+    wide = CacheKeys("model-a", dtype="float32")  # a float32 tower answers every request alike: one entry
+    assert wide.key(data, cfg, False, float32=True) == wide.key(data, cfg, False) == cache_a.key(data, cfg, False)
+    assert len(keys) == 6 and cache_a.key(data, cfg, False) == cache_a.key(MediaBytes("aGVsbG8="), cfg, False)
 
 
 def test_eviction_keeps_the_bound_least_recently_used_first():

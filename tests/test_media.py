@@ -34,7 +34,7 @@ def expected_key(given, base64_: bool, start: int = 0) -> bytes:
         digest.update(hashlib.sha256(keyed[at : at + 512 * 2**10]).digest())
     digest.update(
         f"\0{'base64' if base64_ else 'bytes'}\0m\0{PreprocessConfig().min_pixels}\0"
-        f"{PreprocessConfig().max_pixels}\0{0}\0".encode()
+        f"{PreprocessConfig().max_pixels}\0{0}\0{0}\0".encode()  # the tokens, not widened
     )
     return digest.digest()
 

@@ -33,7 +33,7 @@ def smooth_png(side: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def server():
-    yield from serving("--model", "tiny-qwen3-vl", "--load-format", "dummy", timeout=120)
+    yield from serving("--model", "tiny-qwen3-vl", "--load-format", "dummy")
 
 
 def answered(url: str) -> int:

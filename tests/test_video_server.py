@@ -178,6 +178,34 @@ def test_a_video_sent_again_is_answered_from_the_cache(server):
     assert other.status_code == 200 and series(url, "vitserve_videos_decoded_total") == before[0] + 2
 
 
+def test_a_bfloat16_servers_video_slices_are_cached_by_the_dtype_they_are_answered_in():
+    """A bfloat16 tower: float32 tokens (widened on the device) and a pooled mean (taken over the float32 slices)
+    share one decode and one set of slices; bfloat16 tokens are slices of their own (decoded again), the same values
+    narrower, and a second bfloat16 request is a hit."""
+    clip = make_video(26, 10, 128, 96, photo="portrait.png")
+    for _, url in serving("--model", MODEL, "--load-format", "dummy", "--dtype", "bfloat16"):
+        body = {"videos": [video_uri(clip)], "num_frames": 6}
+        wide = httpx.post(url + "/v1/encode", json=body, timeout=120)
+        pooled = httpx.post(
+            url + "/v1/embeddings", json={"input": [video_uri(clip)], "modality": "video", "num_frames": 6}, timeout=120
+        )
+        assert wide.status_code == pooled.status_code == 200, (wide.text, pooled.text)
+        tokens = tensor(wide.json()["data"][0])
+        assert torch.equal(torch.tensor(pooled.json()["data"][0]["embedding"]), tokens.mean(0))
+        assert [series(url, "vitserve_videos_decoded_total"), series(url, "vitserve_cache_hits_total")] == [1, 1]
+        accept = {"accept": "application/octet-stream"}
+        narrow = [
+            httpx.post(url + "/v1/encode", json=body | {"dtype": "bfloat16"}, headers=accept, timeout=120)
+            for _ in range(2)
+        ]
+        assert [r.headers["x-cache-hits"] for r in narrow] == ["0", "1"]
+        answers = [load_safetensors(r.content) for r in narrow]
+        [name] = [name for name in answers[0] if name.endswith("embeddings")]
+        assert answers[0][name].dtype == torch.bfloat16 and torch.equal(answers[1][name], answers[0][name])
+        assert torch.equal(answers[0][name].float(), tokens)  # bfloat16 values either way
+        assert series(url, "vitserve_videos_decoded_total") == 2
+
+
 def test_without_the_cache_a_video_sent_again_is_decoded_again(library):
     for _, url in serving("--model", MODEL, "--load-format", "dummy", "--cache-bytes", "0"):
         body = {"videos": [video_uri(CLIP)], "num_frames": 6}

@@ -30,11 +30,10 @@ async def embeddings(request: Request) -> Response:
     kind = body.modality or "image"
     items = [decode_input(item, i, api.settings.server.allow_url_fetch, "input", kind) for i, item in enumerate(inputs)]
     mean = body.pooling == "mean"  # taken on the device: only the vectors come back
-    # the tokens' embeddings are float32 (as the means are): widened on the device
+    # the tokens' embeddings are float32 (as the means are): widened on the device. A video's mean is taken over its
+    # slices' tokens in float32 (Features.join), so it takes the float32 slices too: one entry with token requests
     if kind == "video":
-        result = await encode_media(
-            api, request, [], items, body, mean_pooling=mean, video_field="input", float32=not mean
-        )
+        result = await encode_media(api, request, [], items, body, mean_pooling=mean, video_field="input", float32=True)
     else:
         result = await encode_images(api, request, items, "input", mean, body.max_pixels, float32=not mean)
 

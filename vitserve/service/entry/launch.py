@@ -62,4 +62,6 @@ def start_server(
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"the server was not ready within {timeout} s")
+    proc.wait()
+    proc.log_reader.join(5)  # (what it logged so far says where its start-up stood)
+    raise RuntimeError(f"the server was not ready within {timeout} s:\n" + "".join(proc.log[-40:]))

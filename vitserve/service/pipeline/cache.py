@@ -5,11 +5,11 @@ The key is a SHA-256 digest (server CPUs compute it in hardware) of the image as
 of a file part or a fetched URL: their length, then the digest of each `PIECE_BYTES` piece, the pieces hashed side by
 side on the key threads, so that a 6 MB body costs one piece's time where there are cores for its pieces), told
 apart by how it was sent (base64 text sent as a file is not an image, whatever the same text sent as base64 is), and
-of everything that changes the engine's output for it: the model, the resize bounds, and whether the tokens or their
-mean are wanted. An entry holds the devices' answer as it came: float32
-where its request asked for float32 (widened on the device, WorkItem.float32), else the tower's dtype. The output
-dtype and layout are applied after the cache, so they need no key: every value is one of the tower's, which both
-float32 and the tower's dtype hold exactly, so a cached answer in either is bit-identical to a computed one.
+of everything that changes the devices' answer for it: the model, the resize bounds, whether the tokens or their
+mean are wanted, and whether the tokens are widened to float32 on the device (WorkItem.float32, asked by a float32
+request). An entry holds the devices' answer as it came, so a hit is its bytes sent as they lie in the wanted dtype,
+with no conversion: a client that asks in float32 and one that asks in the tower's dtype each have their own entry.
+Other dtypes (float16 from a bfloat16 tower) and the layouts are applied after the cache.
 
 `Cache` is an LRU bounded in bytes (`--cache-bytes`, 0: off) over entries that have `nbytes` and `discard()`: an
 image's `Features` (encoder/features.py: tensors in this process's memory, with the grid) where the devices answer
@@ -39,9 +39,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import torch
+
 from ...encoder.media import MediaBytes
 from ...encoder.preprocess import PreprocessConfig
 from ...encoder.video import VideoConfig
+from ...encoder.vision_encoder import DTYPES
 from ..ground.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -82,24 +85,29 @@ def pieces_digests(items: list) -> list[list[bytes]]:
 class CacheKeys:
     """The cache key of an image of a request (see the module docstring)."""
 
-    def __init__(self, model: str, per_client: bool = False):
-        self.model, self.per_client = model, per_client
+    def __init__(self, model: str, per_client: bool = False, dtype: str = "bfloat16"):
+        """`dtype`: the tower's. Where it is narrower than float32, a float32 request's answer is another (its tokens
+        widened on the device); a float32 tower's answer is the same for every request."""
+        self.model, self.per_client, self.widens = model, per_client, DTYPES[dtype] != torch.float32
 
     async def keys(
-        self, images: list, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None
+        self, images: list, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None, float32: bool = False
     ) -> list[bytes]:
         """`key` of each image, all of them in one go in a thread (hashlib lets go of the GIL while it hashes): no
         byte of an image is hashed on the event loop."""
-        settings = self._settings(cfg, mean_pooling)
+        settings = self._settings(cfg, mean_pooling, float32)
         return await asyncio.get_running_loop().run_in_executor(None, lambda: self._digests(images, settings, client))
 
-    def key(self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None) -> bytes:
-        """`client`: the API key the request came with (its index), which scopes the entry when per_client."""
-        return self._digests([data], self._settings(cfg, mean_pooling), client)[0]
+    def key(
+        self, data, cfg: PreprocessConfig, mean_pooling: bool, client: int | None = None, float32: bool = False
+    ) -> bytes:
+        """`client`: the API key the request came with (its index), which scopes the entry when per_client;
+        `float32`: the tokens widened on the device (a pooled mean is one answer whatever the request's dtype)."""
+        return self._digests([data], self._settings(cfg, mean_pooling, float32), client)[0]
 
-    @staticmethod
-    def _settings(cfg: PreprocessConfig, mean_pooling: bool) -> str:
-        return f"{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}"
+    def _settings(self, cfg: PreprocessConfig, mean_pooling: bool, float32: bool) -> str:
+        widened = float32 and self.widens and not mean_pooling
+        return f"{cfg.min_pixels}\0{cfg.max_pixels}\0{int(mean_pooling)}\0{int(widened)}"
 
     async def video_keys(self, videos: list, cfg: VideoConfig, client: int | None = None) -> list[bytes]:
         """Each video's key (its bytes, the model, every sampling and size setting, the client where per client),
@@ -108,10 +116,10 @@ class CacheKeys:
             None, lambda: self._digests(videos, f"video\0{cfg!r}", client)
         )
 
-    @staticmethod
-    def slice_keys(video_key: bytes, slices: int) -> list[bytes]:
-        """The keys of a video's slices: its key and each place."""
-        return [video_key + j.to_bytes(4, "big") for j in range(slices)]
+    def slice_keys(self, video_key: bytes, slices: int, float32: bool = False) -> list[bytes]:
+        """The keys of a video's slices: its key, each place, and whether the slice's tokens are widened to float32
+        on the device (the video's key alone also keys its plan, which no dtype changes)."""
+        return [video_key + j.to_bytes(4, "big") + bytes([float32 and self.widens]) for j in range(slices)]
 
     def _digests(self, items: list, settings: str, client: int | None) -> list[bytes]:
         """Each item's key: SHA-256 of its length (8 bytes), its pieces' digests, how it was sent, the model, the

@@ -65,6 +65,8 @@ class Engine:
         if self.videos_unavailable:
             log.warning("videos cannot be decoded here: %s; video requests are answered 501", self.videos_unavailable)
         devices, self.dtype = settings.devices.resolve()
+        if encoders is not None:  # served as loaded: theirs is the tower's dtype
+            self.dtype = str((encoders if isinstance(encoders, list) else [encoders])[0].dtype).removeprefix("torch.")
         self.decoder.video_planes = settings.decoding.video_planes(devices)
         self.decoder.full_size = settings.decoding.images_full_size(devices)
         if settings.decoding.preprocess == "fast" and any(d.startswith("cuda") for d in devices):
@@ -76,7 +78,7 @@ class Engine:
         self.bodies = MemoryBudget(settings.limits.body_memory, patience=math.inf)
         self.metrics.memory_held.labels("bodies").set_function(lambda: self.bodies.used)  # on a large one
         self.metrics.memory_held.labels("decode").set_function(lambda: self.decoder.budget.used)
-        self.cache_keys = CacheKeys(settings.model.name or "", per_client=settings.cache.cache_scope == "api-key")
+        self.cache_keys = CacheKeys(settings.model.name or "", settings.cache.cache_scope == "api-key", self.dtype)
         self.in_flight = 0
         self.tiers: dict[str, Callable[[], dict]] = {}  # an encoder tier's figures, by name (the app sets them)
         self.metrics.watch_tiers(self.tier_figures)
@@ -191,9 +193,8 @@ class Engine:
         if self.settings.server.allow_url_fetch:
             images = await fetch.fetch_all(images, self.settings, field, self.fetch_budget)
         outputs: list[Features | None] = [None] * len(images)
-        keys = (
-            await self.cache_keys.keys(images, cfg, mean_pooling, client) if self.settings.cache.cache_bytes > 0 else []
-        )
+        cached = self.settings.cache.cache_bytes > 0
+        keys = await self.cache_keys.keys(images, cfg, mean_pooling, client, float32) if cached else []
         todo, waits = (await self.looked_up(keys, outputs)) if keys else (list(range(len(images))), [])
         hits = len(images) - len(todo) - len(waits)
         if keys:

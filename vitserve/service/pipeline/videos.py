@@ -68,7 +68,9 @@ async def encode_videos(
             engine.backend.keep_video_plans(video_keys, plans)
     grids = [plan.sampling.grid(cfg.patch_size) for plan in plans]
     counts = [g[0] for g in grids]
-    keys = [CacheKeys.slice_keys(k, n) for k, n in zip(video_keys, counts)] if video_keys is not None else None
+    keys = None
+    if video_keys is not None:
+        keys = [engine.cache_keys.slice_keys(k, n, float32) for k, n in zip(video_keys, counts)]
     slices, waits, claimed = await looked_up(engine, keys, counts)
     hits = sum(all(s is not None for s in video) for video in slices)
     engine.metrics.cache_hits.inc(hits)
