@@ -10,8 +10,10 @@ from conftest import FAMILIES
 from helpers import rel_err
 from PIL import Image
 
-from vitserve.encoder import EncodedImage, VisionEncoder, builtin_config
+from vitserve.encoder import EncodedImage, VisionEncoder, builtin_config, checkpoint
 from vitserve.encoder.layers import MLP_ALIGN
+from vitserve.encoder.models import FAMILY_MODULES
+from vitserve.encoder.vision_encoder import load_configs
 
 TOL = 1e-5
 SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sample.jpg"
@@ -117,6 +119,30 @@ def test_dummy_weights_are_seeded_and_finite(name):
     assert torch.isfinite(ra).all() and torch.equal(ra, rb) and not torch.equal(ra, rc)
 
 
+def test_dummy_weights_are_the_same_on_any_number_of_threads(monkeypatch):
+    """Each tensor's own generator: a generator shared by the drawing threads would draw in whatever order they ran."""
+    cfg = builtin_config("tiny-qwen3-vl")
+    many = checkpoint.dummy_tensors(cfg, seed=5)
+    monkeypatch.setattr(checkpoint.os, "cpu_count", lambda: 1)
+    one = checkpoint.dummy_tensors(cfg, seed=5)
+    assert one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
+    assert not torch.equal(one["blocks.0.attn.qkv.weight"], one["blocks.1.attn.qkv.weight"])  # a generator each
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_converted_on_the_device_in_its_dtype_are_the_hosts_cast(checkpoints, family):
+    """build_tower casts first and converts after (on a GPU, on the device): the same weights as converting the
+    published float32 tensors and casting the result, bit for bit (a conversion with arithmetic in it would not be)."""
+    cfg, _, path = load_configs(checkpoints[family][0])
+    assert path is not None
+    tensors = checkpoint.read_vision_tensors(path)
+    tower = checkpoint.build_tower(cfg, tensors, "cpu", torch.bfloat16, "sdpa")
+    expected = {k: v.to(torch.bfloat16) for k, v in FAMILY_MODULES[cfg.family].convert(tensors, cfg).items()}
+    state = tower.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(state[k].dtype == torch.bfloat16 and torch.equal(state[k], expected[k]) for k in expected)
+
+
 def test_builtin_configs_cover_published_checkpoints():
     expected = {  # family, depth, width, MLP, out_hidden (published config.json values)
         "Qwen/Qwen2-VL-7B-Instruct": ("qwen2_vl", 32, 1280, 5120, 3584),
@@ -136,7 +162,6 @@ def test_builtin_configs_cover_published_checkpoints():
 
 def test_parameter_counts_match_published_towers():
     """Meta-device builds of the real-size towers have the published parameter counts (before MLP padding)."""
-    from vitserve.encoder.models import FAMILY_MODULES
 
     for name, millions in [
         ("Qwen/Qwen2-VL-7B-Instruct", 676),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
 
@@ -176,16 +177,28 @@ def check_layout(tensors: dict[str, torch.Tensor], cfg: VisionConfig) -> None:
 def dummy_tensors(cfg: VisionConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Seeded random weights in the published layout (norm weights near 1, others ~N(0, 0.02)), on the CPU: the same
     numbers for a given seed whatever device the tower then runs on (CUDA's generator draws other numbers than the
-    CPU's), realistic enough in scale that a 32-block tower stays finite in bf16."""
-    gen = torch.Generator().manual_seed(seed)
-    out, layout = {}, FAMILY_MODULES[cfg.family].hf_layout(cfg)
-    progress = Progress(log, "dummy weights drawn", len(layout), "tensors")
-    for name, shape in layout.items():
+    CPU's), realistic enough in scale that a 32-block tower stays finite in bf16. Each tensor has a generator of its
+    own, seeded by `seed` and the tensor's place in the layout, so that they are drawn side by side (torch's CPU
+    sampler runs on one core: 576 M values of Qwen3-VL-8B take seconds there) with the same numbers on any number of
+    threads."""
+    layout = list(FAMILY_MODULES[cfg.family].hf_layout(cfg).items())
+
+    def draw(place: int) -> torch.Tensor:
+        name, shape = layout[place]
+        gen = torch.Generator().manual_seed(seed * DUMMY_SEED_STRIDE + place)
         t = torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02
         is_norm_weight = name.endswith(".weight") and len(shape) == 1
-        out[name] = (t + 1.0 if is_norm_weight else t).to(dtype)
-        progress.advance()
+        return (t + 1.0 if is_norm_weight else t).to(dtype)
+
+    out, progress = {}, Progress(log, "dummy weights drawn", len(layout), "tensors")
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="vitserve-dummy") as pool:
+        for (name, _), t in zip(layout, pool.map(draw, range(len(layout)))):
+            out[name] = t
+            progress.advance()
     return out
+
+
+DUMMY_SEED_STRIDE = 2**20  # more than any layout's tensors: no two (seed, place) pairs share a generator seed
 
 
 def build_tower(
@@ -196,23 +209,26 @@ def build_tower(
     attention: str = "auto",
 ):
     """Check, convert (fuse qkv/gate-up, pad MLP widths) and load published-layout tensors into our tower, with the
-    attention backend called `attention` (encoder.attention.BACKENDS)."""
+    attention backend called `attention` (encoder.attention.BACKENDS). Each tensor goes to the device in `dtype`
+    first and is converted there: the conversion only concatenates, pads with zeros and reshapes, which is exact in
+    any dtype, and on a GPU it is microseconds where the host's copies of a float32 8B tower take seconds."""
     check_layout(tensors, cfg)
     family = FAMILY_MODULES[cfg.family]
-    log.info("building the %s tower, its weights fused and padded to its layout", cfg.family)
-    converted = family.convert(tensors, cfg)
-    with torch.device("meta"):
-        tower = family.build(cfg)
     progress = Progress(
         log,
         f"weights to {device} as {str(dtype).removeprefix('torch.')}",
-        sum(t.numel() for t in converted.values()) * dtype.itemsize,
+        sum(t.numel() for t in tensors.values()) * dtype.itemsize,
         "MiB",
     )
-    state = {}
-    for name, t in converted.items():
-        state[name] = t.to(device=device, dtype=dtype)
-        progress.advance(state[name].nbytes)
+    placed = {}
+    for name, t in tensors.items():
+        placed[name] = t.to(device=device, dtype=dtype)
+        progress.advance(placed[name].nbytes)
+    log.info("building the %s tower, its weights fused and padded to its layout", cfg.family)
+    state = family.convert(placed, cfg)
+    del placed
+    with torch.device("meta"):
+        tower = family.build(cfg)
     tower.load_state_dict(state, strict=True, assign=True)
     tower.reset_buffers(device)
     tower.set_attention(attention, device, dtype)
