@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from helpers import until
 
 from vitserve.encoder.features import Features
 from vitserve.encoder.preprocess import ImageError
@@ -118,6 +119,22 @@ def test_stats_of_one_process_and_of_several_front_ends():
     assert set(one) | {"api_servers", "api_servers_replaced"} == set(several)
 
 
+def test_every_front_end_hears_which_entries_the_core_evicted(tmp_path):
+    """A front end keeps the mappings of the entries it knows (HubBackend.known): without the core's Evicted record
+    each would hold an evicted entry's pages for as long as it remembers the key."""
+    from vitserve.service.entry.core import Core, Link
+    from vitserve.service.pipeline.core_link import Evicted
+
+    core = Core(Settings.of(model="tiny-qwen3-vl", load_format="dummy", device="cpu", spool_dir=str(tmp_path)), 2)
+    heard: list[list] = [[], []]
+    core.links = [Link(i, SimpleNamespace(send=heard[i].append), None) for i in range(2)]
+    cache, size = core.backend.cache, Features(torch.zeros(1024), [], [1, 2, 2]).nbytes
+    cache.limit = 2 * size
+    for key in (b"a", b"b", b"c"):
+        cache.put(key, Features(torch.zeros(1024), [], [1, 2, 2]))
+    assert heard == [[Evicted([b"a"])], [Evicted([b"a"])]]
+
+
 def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it(tmp_path):
     """The core answers a lookup and tells its waits' settles over one pipe: a key settled by another thread while
     the lookup is answered reaches the front end after the lookup's answer (which registers the wait), else the
@@ -147,17 +164,18 @@ def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it(tmp_path):
     assert sent == ["Looked", "Settled"]
 
 
-def test_a_front_end_answers_an_entry_it_knows_from_its_file_and_asks_the_core_once_the_file_is_gone(tmp_path):
+def test_a_front_end_answers_an_entry_it_knows_from_its_mapping_until_the_core_says_it_is_evicted(tmp_path):
     """A front end's lookups (HubBackend) against a scripted core on a real pipe. The first lookup of a key goes to
-    the core; a hit's record is remembered, so the next lookup of that key is answered from the entry's file with no
-    Lookup sent (the core is told with Touched); once the core has evicted it (its file removed), the key is asked
-    for again. Missing any of these would send a Lookup for every hit, or answer from a removed file."""
+    the core; a hit is remembered with its mapping, so the next lookup of that key is answered from it with no
+    Lookup sent (the core is told with Touched) and no file opened (it is answered with the file removed); once the
+    core says it evicted the entry (Evicted), the mapping goes and the key is asked for again. Missing any of these
+    would send a Lookup for every hit, map the file for every hit, or keep an evicted entry's pages for good."""
     import asyncio
     import multiprocessing
 
     from vitserve.service.decoding import spool
     from vitserve.service.devices.device_protocol import Output, packed
-    from vitserve.service.pipeline.core_link import Looked, Lookup, Touched
+    from vitserve.service.pipeline.core_link import Evicted, Looked, Lookup, Touched
     from vitserve.service.pipeline.hub import HubBackend
 
     tokens = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -185,7 +203,11 @@ def test_a_front_end_answers_an_entry_it_knows_from_its_file_and_asks_the_core_o
         assert torch.equal(again[0].tokens, tokens) and again[0].grid == [1, 2, 6]
         told = await next_record()
         assert isinstance(told, Touched) and told.keys == [b"k"] and not core_end.poll(0.2)
-        spool.remove(record.path)  # the core evicted it
+        spool.remove(record.path)  # the core evicts it: its file goes first, then the front ends hear of it
+        mapped = await hub.lookup([b"k"])
+        assert torch.equal(mapped[0].tokens, tokens) and isinstance(await next_record(), Touched)
+        core_end.send(Evicted([b"k"]))
+        await until(lambda: b"k" not in hub.known, 5, "the evicted entry forgotten")
         gone = asyncio.ensure_future(hub.lookup([b"k"]))
         asked = await next_record()
         assert isinstance(asked, Lookup) and asked.keys == [b"k"]
@@ -193,4 +215,4 @@ def test_a_front_end_answers_an_entry_it_knows_from_its_file_and_asks_the_core_o
         assert await gone == [None] and b"k" not in hub.known
 
     asyncio.run(main())
-    assert metrics.registry.get_sample_value("vitserve_cache_known_hits_total") == 1
+    assert metrics.registry.get_sample_value("vitserve_cache_known_hits_total") == 2

@@ -77,19 +77,27 @@ def test_different_preprocessing_never_shares_an_entry(client):
 
 
 def test_eviction_keeps_the_bound_least_recently_used_first():
+    """...and tells `evicted` the keys each store evicted, with the lock let go (the core sends them to its front
+    ends, whose pipes may be full: under the lock that would stall every lookup)."""
     metrics = Metrics()
     cache = Cache(3 * 400, metrics)  # room for three 100-float entries
+    told = []
+    cache.evicted = lambda keys: told.append((keys, cache.lock.locked()))
     entry = lambda: Features(torch.zeros(100), [], [1, 2, 2])  # noqa: E731  (400 bytes)
     for key in (b"a", b"b", b"c"):
         cache.put(key, entry())
-    assert cache.get(b"a") is not None  # a is now the most recently used
+    assert cache.get(b"a") is not None and told == []  # a is now the most recently used
     cache.put(b"d", entry())
     assert cache.get(b"b") is None and all(cache.get(k) is not None for k in (b"a", b"c", b"d"))
+    assert cache.lookup([b"e"], "owner", lambda i: None) == [None]
+    assert cache.settle(b"e", Features(torch.zeros(200), [], [1, 2, 2]))  # 800 bytes: two go
+    assert told == [([b"b"], False), ([b"a", b"c"], False)]
     assert (
-        cache.bytes == 1200 <= cache.limit and metrics.registry.get_sample_value("vitserve_cache_evictions_total") == 1
+        cache.bytes == 1200 <= cache.limit and metrics.registry.get_sample_value("vitserve_cache_evictions_total") == 3
     )
+    cache.put(b"e", entry())  # held already: nothing evicted, nothing told
     cache.put(b"huge", Features(torch.zeros(1000), [], [1, 2, 2]))  # larger than the whole cache: not stored
-    assert cache.get(b"huge") is None and cache.bytes == 1200
+    assert cache.get(b"huge") is None and cache.bytes == 1200 and len(told) == 2
 
 
 def test_a_failed_encode_is_never_cached(client, monkeypatch):

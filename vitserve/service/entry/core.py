@@ -46,6 +46,7 @@ from ..pipeline.core_link import (
     Collected,
     Done,
     Drop,
+    Evicted,
     KeepPlans,
     Looked,
     Lookup,
@@ -130,6 +131,7 @@ class Core:
             settings, self.metrics, self.life, devices, dtype, self.prefix, process_each=True, records=True
         )
         self.links: list[Link] = []
+        self.backend.cache.evicted = self.evicted
         self.replaced = 0  # front ends that died and were started again
         self.scrapes: dict[int, dict] = {}
         self.scrape_ids = itertools.count()
@@ -170,6 +172,12 @@ class Core:
         status = self.status()
         for link in self.links:
             link.send(status)
+
+    def evicted(self, keys: list[bytes]) -> None:
+        """Cache entries evicted (their files removed): every front end forgets them and lets their mappings go."""
+        record = Evicted(keys)
+        for link in list(self.links):
+            link.send(record)
 
     def fail(self, reason: str) -> None:
         self.life.fail(reason)

@@ -175,6 +175,8 @@ class Cache:
     def __init__(self, limit: int, metrics: Metrics):
         self.limit, self.metrics, self.bytes = limit, metrics, 0
         self.entries: collections.OrderedDict[bytes, Features | Output] = collections.OrderedDict()
+        # told the keys of the entries each store evicted (their files removed), after the lock is let go
+        self.evicted: Callable[[list[bytes]], None] = lambda keys: None
         self.claims: dict[bytes, list[Waiter]] = {}  # key being computed -> its waiters
         self.owners: dict[bytes, object] = {}  # key being computed -> who computes it
         self.lock = threading.Lock()
@@ -220,11 +222,13 @@ class Cache:
         """A claim ends with `entry` (None: its computation failed): stored where it fits, and its waiters are
         called with it (with None where it was not stored). False: not stored (the caller keeps the entry)."""
         with self.lock:
-            kept = entry is not None and self._put(key, entry)
+            evicted = self._put(key, entry) if entry is not None else None
             waiters = self._unclaim(key)
+        if evicted:
+            self.evicted(evicted)
         for waiter in waiters:
-            waiter(entry if kept else None)
-        return kept
+            waiter(entry if evicted is not None else None)
+        return evicted is not None
 
     def release(self, keys: list[bytes] | None = None, owner: object = None) -> None:
         """Claims let go unanswered (`keys`, or every one of `owner`): their waiters compute it themselves."""
@@ -241,23 +245,28 @@ class Cache:
 
     def put(self, key: bytes, entry) -> bool:
         with self.lock:
-            return self._put(key, entry)
+            evicted = self._put(key, entry)
+        if evicted:
+            self.evicted(evicted)
+        return evicted is not None
 
-    def _put(self, key: bytes, entry) -> bool:
-        """Keep `entry` (False: too large, or held already)."""
+    def _put(self, key: bytes, entry) -> list[bytes] | None:
+        """Keep `entry`: the keys it evicted (None: not kept, too large or held already)."""
         size = entry.nbytes
         if size > self.limit or key in self.entries:
-            return False
+            return None
+        evicted = []
         while self.bytes + size > self.limit:
-            _, evicted = self.entries.popitem(last=False)
-            self.bytes -= evicted.nbytes
-            evicted.discard()  # a front end that mapped its file keeps its pages
+            old, entry_out = self.entries.popitem(last=False)
+            self.bytes -= entry_out.nbytes
+            entry_out.discard()  # a front end that mapped its file keeps its pages until it hears (`evicted`)
+            evicted.append(old)
             self.metrics.cache_evictions.inc()
         self.entries[key] = entry
         self.bytes += size
         self.metrics.cache_bytes.set(self.bytes)
         self.metrics.cache_entries.set(len(self.entries))
-        return True
+        return evicted
 
     def clear(self) -> None:
         with self.lock:

@@ -91,6 +91,14 @@ class Settled:
 
 
 @dataclass
+class Evicted:
+    """Core -> every front end: cache keys whose entries the core has evicted (their files removed): a front end
+    that kept an entry's mapping (`HubBackend.known`) lets its pages go."""
+
+    keys: list[bytes]
+
+
+@dataclass
 class Touched:
     """Front end -> core: cache keys this front end answered from entries it knew (`HubBackend.known`), so that the
     core's LRU counts those hits as its own lookups would; nothing is answered."""
