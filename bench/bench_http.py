@@ -224,7 +224,8 @@ def py_spy(pid: int, output: str, *flags: str, duration: float | None = None) ->
     It attaches within the second it is given before the load starts."""
     import shutil
 
-    exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"  # (bench/gpu_env.sh installs it there on the device)
+    beside = Path(sys.executable).parent / "py-spy"  # (a virtual environment's, not on PATH)
+    exe = shutil.which("py-spy") or (str(beside) if beside.exists() else "/tmp/site/bin/py-spy")  # (gpu_env.sh's)
     command = [exe, "record", "--pid", str(pid), "--format", "raw", "--output", output, "--nonblocking", "--threads"]
     command += [*flags] + (["--duration", str(duration)] if duration else [])
     spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -25,6 +25,8 @@ Parts (--parts, comma-separated; all by default), and the server each runs again
   load and their p50 queue, inference and serialize times.
 - fast (server `fast`: --preprocess fast, the cache off): bench_http's 1-client load.
 `--engine` adds the runner alone on the same mix (bench_http.engine_throughput), for the HTTP and handoff shares.
+`--profile DIR` records py-spy over the server's process tree during the ceiling and the handoff and prints where
+the cores went: by role and function, and the busiest threads.
 
 The servers a run needs start concurrently (their start-up is most of a run's time; an idle server costs nothing
 measurable) and each stops once its parts are done. Every server gets --server-flags after the flags above, and
@@ -216,9 +218,11 @@ SPY_RATE = 100  # py-spy's samples per second of each thread
 
 def profile_summary(path: str, roles: dict[int, str], wall: float, top: int = 12) -> dict:
     """A raw py-spy profile of the server's tree read as cores: per role (`role`), the cores its threads were
-    sampled busy, and the functions where they were (the innermost frame, its file, no line), the busiest first."""
+    sampled busy, and the functions where they were (the innermost frame, its file, no line), the busiest first;
+    and the busiest threads (role, process, thread name): a thread near 1 core is a limit no other core lifts."""
     busy: dict[str, float] = collections.Counter()
     where: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    threads: dict[str, float] = collections.Counter()
     for line in open(path, errors="replace"):
         stack, _, count = line.rstrip("\n").rpartition(" ")
         frames = stack.split(";")
@@ -226,21 +230,28 @@ def profile_summary(path: str, roles: dict[int, str], wall: float, top: int = 12
         if not count.isdigit() or not pids:
             continue
         name = roles.get(pids[-1], "decode")
+        thread = next((m.group(1) for f in frames if (m := re.match(r"thread \(\d+\): ?(.*)", f))), "?")
         leaf = re.sub(r":\d+\)$", ")", frames[-1].strip())
         cores = int(count) / SPY_RATE / wall
         busy[name] += cores
         where[name][leaf] += cores
-    return {
-        name: dict(cores=round(busy[name], 3), functions={f: round(c, 3) for f, c in where[name].most_common(top)})
-        for name in sorted(busy, key=busy.get, reverse=True)
-    }
+        threads[f"{name} {pids[-1]} {thread or 'unnamed'}"] += cores
+    return dict(
+        roles={
+            name: dict(cores=round(busy[name], 3), functions={f: round(c, 3) for f, c in where[name].most_common(top)})
+            for name in sorted(busy, key=busy.get, reverse=True)
+        },
+        threads={t: round(c, 3) for t, c in collections.Counter(threads).most_common(top)},
+    )
 
 
 def profile_text(summary: dict, top: int = 8) -> str:
     lines = []
-    for name, part in summary.items():
+    for name, part in summary["roles"].items():
         lines.append(f"  {name}: {part['cores']:.2f} cores sampled busy")
         lines += [f"    {c:6.2f}  {f[:100]}" for f, c in list(part["functions"].items())[:top]]
+    lines.append("  the busiest threads:")
+    lines += [f"    {c:6.2f}  {t}" for t, c in list(summary["threads"].items())[:top]]
     return "\n".join(lines)
 
 
