@@ -174,6 +174,9 @@ def check_layout(tensors: dict[str, torch.Tensor], cfg: VisionConfig) -> None:
         raise CheckpointError(f"{cfg.family} checkpoint does not match its config: " + "; ".join(problems[:10]) + more)
 
 
+DUMMY_SEED_STRIDE = 2**20  # more than any layout's tensors: no two (seed, place) pairs share a generator seed
+
+
 def dummy_tensors(cfg: VisionConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Seeded random weights in the published layout (norm weights near 1, others ~N(0, 0.02)), on the CPU: the same
     numbers for a given seed whatever device the tower then runs on (CUDA's generator draws other numbers than the
@@ -196,9 +199,6 @@ def dummy_tensors(cfg: VisionConfig, seed: int = 0, dtype: torch.dtype = torch.f
             out[name] = t
             progress.advance()
     return out
-
-
-DUMMY_SEED_STRIDE = 2**20  # more than any layout's tensors: no two (seed, place) pairs share a generator seed
 
 
 def build_tower(
