@@ -13,6 +13,9 @@
 # THIS_FLAGS: extra `vitserve serve` flags for this tree's servers (e.g. THIS_FLAGS="--api-servers 4"); OTHER_FLAGS
 # for OTHER's (it may not know the new flags). RUN_LIMIT: seconds per run (130); TOTAL: seconds for the whole script
 # from its start (540), a run getting at most what is left; a run cut short keeps the figures it had taken.
+# MODELS: the models, space-separated (both by default). STARTUP=1 adds bench/startup.py on the first model, within
+# TOTAL: this tree alternated with OTHER (dummy weights, two launches each), then this tree on real weights written
+# by transformers and read cold from the disk (startup-dummy.json, startup-real.json).
 # CPU=1 runs the same logic on a CPU: the tiny models, tiny counts, RUN_LIMIT 300 and TOTAL 1500 (PYTHON names the
 # interpreter, e.g. CPU=1 PYTHON=.venv/bin/python OUT=/tmp/frontend bash bench/gpu_frontend.sh ../old).
 #   bash bench/gpu_frontend.sh checks   the correctness side instead (about 5 minutes): the GPU tests (attention,
@@ -39,13 +42,13 @@ if [ "$other" = checks ]; then
 fi
 py=${PYTHON:-python3}
 if [ "${CPU:-0}" = 1 ]; then
-  models="tiny-qwen3-vl tiny-qwen2.5-vl"
+  models=${MODELS:-tiny-qwen3-vl tiny-qwen2.5-vl}
   limit=${RUN_LIMIT:-300} total=${TOTAL:-1500}
   common=(--device cpu --engine-images 12 --hits 3 --cache-requests 3 --low-requests 6 --ceiling-requests 96
           --ceiling-concurrency 8 --ceiling-processes 2 --http-requests 32 --http-concurrency 8 --http-processes 2
           --handoff-requests 32 --handoff-concurrency 8 --handoff-processes 2)
 else
-  models="Qwen/Qwen3-VL-8B-Instruct Qwen/Qwen2.5-VL-7B-Instruct"
+  models=${MODELS:-Qwen/Qwen3-VL-8B-Instruct Qwen/Qwen2.5-VL-7B-Instruct}
   limit=${RUN_LIMIT:-130} total=${TOTAL:-540}
   common=(--device cuda:0)
 fi
@@ -74,4 +77,18 @@ run() {  # name, then bench/frontend.py arguments; within RUN_LIMIT, and within 
   done
   echo "this tree's servers: ${THIS_FLAGS:-(default flags)}; $other's: ${OTHER_FLAGS:-(default flags)}"
   $py bench/frontend.py --combine "${columns[@]}" --out "$out/frontend.json"
+  if [ "${STARTUP:-0}" = 1 ]; then
+    first_model=${models%% *}
+    for kind in dummy real; do
+      left=$(( total - SECONDS - 10 ))
+      [ $left -lt 30 ] && { echo "startup-$kind: skipped, $total s nearly spent"; continue; }
+      if [ $kind = dummy ]; then
+        flags=(--server-tree "$other")
+      else
+        flags=(--checkpoint "/tmp/vitserve-startup-$(basename "$first_model")" --cold)
+      fi
+      timeout -k 10 $left $py bench/startup.py --model "$first_model" --device "${common[1]}" --runs 2 "${flags[@]}" \
+        --out "$out/startup-$kind.json" 2>&1 | grep -v -i warn | sed "s|^|startup-$kind: |"
+    done
+  fi
 } 2>&1 | tee "$out/log.txt"

@@ -5,6 +5,10 @@
 #   ../shared/tools/gpu-wheels av==18.1.0 httptools pybase64 blake3 pyzmq openai distro jiter sniffio websockets \
 #     httpx2 httpcore2 truststore transformers==5.24.0 huggingface_hub tokenizers [nvidia-cudnn-frontend]
 #   then on the device (carry .whl): bash bench/gpu_suite.sh         (WORKERS=6, LIMIT=400 s, TESTS=tests)
+# The whole suite takes longer than one device call (600 s) on one H200: SHARD=K/N runs every Nth test file from
+# the Kth on (sorted by name), one call each (half of the files took up to 450 s with WORKERS=8 on one H200). The
+# wheels above are over one call's 64 MiB: carry the av wheel alone in a first call (installed into /tmp/site,
+# which a warm machine keeps) and the rest as .whl in the next, back to back.
 # With fa4 (over one call's 64 MiB: installed into /tmp/site by earlier calls, docs/decisions.md) its kernels are
 # compiled once per shape into its on-disk cache (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED), not in every server.
 # Results under ${OUT:-out}/: junit.xml and log.txt; the failures and the summary line are printed.
@@ -16,6 +20,12 @@ source "$(dirname "$0")/gpu_env.sh"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
 export PYTHONPATH=$SITE$PWD FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=${FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED:-1}
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+tests=${TESTS:-tests}
+if [ -n "${SHARD:-}" ]; then  # K/N: every Nth test file from the Kth
+  k=${SHARD%/*} n=${SHARD#*/}
+  tests=$(ls tests/test_*.py | sort | awk -v k="$k" -v n="$n" '(NR - 1) % n == k - 1' | tr '\n' ' ')
+  echo "shard $SHARD: $(echo $tests | wc -w) files"
+fi
 timeout -s INT -k 20 "${LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -n "${WORKERS:-6}" \
-  --dist loadfile --timeout 200 -o addopts="-ra" --junitxml="$out/junit.xml" ${TESTS:-tests} > "$out/log.txt" 2>&1
+  --dist loadfile --timeout 200 -o addopts="-ra" --junitxml="$out/junit.xml" $tests > "$out/log.txt" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$out/log.txt" | cut -c1-300 | tail -60
