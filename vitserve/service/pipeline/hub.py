@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import threading
@@ -198,7 +199,9 @@ class HubBackend:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
-                self.loop.call_soon_threadsafe(self._gone)
+                if not self.loop.is_closed():  # (a front end stopping closes its loop, then the core its link)
+                    with contextlib.suppress(RuntimeError):  # closed in between: nobody is left to tell
+                        self.loop.call_soon_threadsafe(self._gone)
                 return
             try:
                 self._handle(message)
