@@ -8,7 +8,10 @@ Prints two tables, writes JSON.
    the HTTP framing of those pieces, by h11 as uvicorn calls it (`h11.Connection.send(Data)` joins what it writes
    into new bytes: a copy of a memoryview piece) and by the server's protocol (service/http.py, which hands a
    Content-Length body's pieces on as they are).
-2. Server: a real `vitserve serve --load-format dummy --dtype bfloat16` on the CPU, of Qwen3-VL-8B's tower cut to
+2. Spool: a device process's batch of such answers (--batch images, bfloat16 tokens and deepstack) written to
+   their spool files as its answering thread does (device_process.written), by 1 to ANSWER_WRITERS writer threads:
+   a tmpfs takes a new file's pages at a few GB/s per thread, the ceiling of one writer.
+3. Server: a real `vitserve serve --load-format dummy --dtype bfloat16` on the CPU, of Qwen3-VL-8B's tower cut to
    3 blocks (its width and its 3 deepstack features: bench_multi_gpu.py's `shallow_checkpoint`), answering a 448²
    image from its cache: the same 12.8 MB in float32. Per dtype and body: the client's wall time, the server's (its
    access line's `ms`: from the request's first byte to the last piece of the answer handed to the socket) and, of
@@ -225,6 +228,44 @@ def server_table(repeat: int, images: int, side: int, server_flags: list[str]) -
     return rows
 
 
+def spool_table(repeat: int, batch: int) -> list[dict]:
+    """A batch of `batch` Qwen3-VL-8B 448² answers written to spool files in /dev/shm (or the temporary directory) by
+    1, 2, ... ANSWER_WRITERS threads; each run's files removed after it, as their readers remove them."""
+    import itertools
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitserve.service.decoding import spool
+    from vitserve.service.devices import device_process
+
+    gen = torch.Generator().manual_seed(0)
+    outputs = [
+        (
+            torch.randn(TOKENS, WIDTH, generator=gen).bfloat16(),
+            [torch.randn(TOKENS, WIDTH, generator=gen).bfloat16() for _ in range(DEEPSTACK)],
+        )
+        for _ in range(batch)
+    ]
+    mb = batch * (1 + DEEPSTACK) * TOKENS * WIDTH * 2 / 1e6
+    directory = "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
+    prefix = f"{directory}/vitserve-bench-{time.time_ns()}-"
+    names = (f"{prefix}{n}" for n in itertools.count())
+    rows = []
+    for writers in sorted({1, 2, device_process.ANSWER_WRITERS}):
+        with ThreadPoolExecutor(writers) as pool:
+
+            def write_batch():
+                records, error = device_process.written(outputs, names, pool)
+                assert error is None and records is not None
+                for record in records:
+                    record.discard()
+
+            ms, cpu_ms = median_ms(write_batch, repeat)
+        rows.append(dict(writers=writers, images=batch, mb=mb, ms=ms, cpu_ms=cpu_ms, gb_per_s=mb / ms))
+    spool.clear(prefix)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=50)
@@ -232,7 +273,9 @@ def main():
     ap.add_argument("--side", type=int, default=448, help="their side, pixels")
     ap.add_argument("--server-flags", default="", help="more `vitserve serve` flags")
     ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--skip-spool", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--batch", type=int, default=16, help="answers in the spool table's batch")
     ap.add_argument("--out", default="answers.json")
     args = ap.parse_args()
     result = {"torch_threads": torch.get_num_threads(), "build": [] if args.skip_build else build_table(args.repeat)}
@@ -250,6 +293,12 @@ def main():
                 for k in ("build", "convert", "torch_to", "h11", "protocol")
             )
             print(f"{r['dtype']:10s} {r['body']:12s} {r['mb']:5.1f} {cells}")
+    if not args.skip_spool:
+        result["spool"] = spool_table(max(3, args.repeat // 5), args.batch)
+        print(f"\na batch of {args.batch} such answers (bfloat16) to spool files, median wall ms / mean CPU ms")
+        print(f"{'writers':>8s} {'MB':>6s} {'ms':>8s} {'CPU ms':>8s} {'GB/s':>6s}")
+        for r in result["spool"]:
+            print(f"{r['writers']:8d} {r['mb']:6.1f} {r['ms']:8.2f} {r['cpu_ms']:8.2f} {r['gb_per_s']:6.2f}")
     if not args.skip_server:
         result["server"] = server_table(args.repeat, args.images, args.side, args.server_flags.split())
         print(f"\nQwen3-VL-8B (3 blocks) server, {args.images} cached {args.side}² image(s) per request, median ms")

@@ -82,6 +82,56 @@ def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_
     )
 
 
+def test_a_batch_s_answers_are_written_side_by_side_in_order_or_not_at_all(tmp_path, monkeypatch):
+    """device_process.written: a batch's outputs are written by several threads at once (one finishing last on
+    purpose) and come back as records in the outputs' order, each over its own file; when one output cannot be
+    written, the batch's answer is its error and every other output's file is removed, including a write that
+    finished after the failure (a write left behind would leak its file)."""
+    import itertools
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitserve.service.decoding import spool
+    from vitserve.service.devices import device_process
+    from vitserve.service.devices.device_protocol import Output, unpacked
+
+    outputs = [(torch.randn(5 + i, 8, dtype=torch.bfloat16), [torch.randn(5 + i, 8)]) for i in range(6)]
+    outputs.insert(2, UndecodableImage("cannot decode the image", "nvjpeg"))
+    started: list[str] = []
+    overlapped: list[bool] = []  # per batch: whether the others began while its first write waited
+    real_write = spool.write
+
+    def write(path, arrays):  # a batch's first write ends last, once every other write of it has begun
+        started.append(path)
+        if len(started) == 1:
+            deadline = time.time() + 5
+            while len(started) < 6 and time.time() < deadline:
+                time.sleep(0.01)
+            overlapped.append(len(started) == 6)
+        return real_write(path, arrays)
+
+    monkeypatch.setattr(spool, "write", write)
+    names = (str(tmp_path / f"out-{n}") for n in itertools.count())
+    with ThreadPoolExecutor(device_process.ANSWER_WRITERS) as writers:
+        records, error = device_process.written(outputs, names, writers)
+        assert error is None and records is not None and overlapped == [True]
+        for record, output in zip(records, outputs):
+            if isinstance(output, Exception):
+                assert isinstance(record, ErrorRecord)
+                continue
+            assert isinstance(record, Output) and record.path is not None
+            back = unpacked(record)
+            assert torch.equal(back.tokens, output[0]) and torch.equal(back.deepstack[0], output[1][0])
+        assert list(tmp_path.iterdir()) == []
+
+        failing = threading.get_ident  # not a tensor: packing it raises
+        started.clear()
+        records, error = device_process.written([*outputs[:3], failing, *outputs[3:]], names, writers)
+        assert records is None and error is not None
+        assert overlapped == [True, True] and list(tmp_path.iterdir()) == []  # every write done, its file removed
+
+
 def test_the_domain_errors_and_the_pipes_records_import_no_web_framework():
     """errors.py and the records of the decode pipe load without FastAPI or Starlette (nor torch: a decode worker
     imports them), and the tiers raise domain errors, never an HTTP answer of their own."""

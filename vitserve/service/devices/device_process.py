@@ -2,11 +2,11 @@
 
 The server's thread for the device only moves batches: the device process reads the batch's images from the
 decode workers' spool files itself (the server passes their names; an image that came through a pipe, the array),
-each image's outputs come back as a spool file of its own (written by a thread of the device process, beside the
-next batch's launch), and the pipe between them carries small typed records (device_protocol.py; or, where the
-spool is full or gone, the bytes themselves: slower, never wrong). The device process keeps two batches
-on its GPU (`worker.pipeline`, as a device in the server's process does); the server keeps one more waiting in the
-pipe, so that the GPU never waits for the round trip.
+each image's outputs come back as a spool file of its own (written by the device process's answer writers, several
+files at once, beside the next batch's launch), and the pipe between them carries small typed records
+(device_protocol.py; or, where the spool is full or gone, the bytes themselves: slower, never wrong). The device
+process keeps two batches on its GPU (`worker.pipeline`, as a device in the server's process does); the server keeps
+one more waiting in the pipe, so that the GPU never waits for the round trip.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import itertools
 import multiprocessing
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -52,31 +53,51 @@ class _Ran:
     error: ErrorRecord | None = None
 
 
-def _send_answers(conn, ran: queue.Queue, runner, prefix: str) -> None:
-    """The answering thread: each batch's outputs into spool files of their own, then its BatchAnswer sent, until
-    `ran` gives None."""
-    names = itertools.count()
-    outputs: list[Output | ErrorRecord] | None
-    while (batch := ran.get()) is not None:
-        outputs, error = [], batch.error
+# threads of a device process writing a batch's answers to their spool files side by side: Qwen3-VL-8B's tokens
+# and deepstack at its engine's rate on an H200 are ~2.5 GB/s, more than one thread writes new tmpfs pages at
+ANSWER_WRITERS = 4
+
+
+def written(outputs: list, names, writers: ThreadPoolExecutor) -> tuple[list | None, ErrorRecord | None]:
+    """A batch's outputs written to spool files of their own (`names` gives their paths), by the `writers` side by
+    side: a tmpfs takes a new file's pages at a few GB/s per writing thread (each page allocated and cleared), which
+    one thread would make the limit of a device whose answers are large (Qwen3-VL-8B's tokens and deepstack). The
+    records in the outputs' order, or, where one cannot be made, (None, its error) with every file written removed:
+    each write is waited for first, so that none lands after the removal."""
+    pending = [writers.submit(packed, output, next(names)) for output in outputs]
+    records, error = [], None
+    for future in pending:
         try:
-            for output in batch.outputs or ():
-                outputs.append(packed(output, f"{prefix}out-{next(names)}"))
+            records.append(future.result())
         except Exception as e:
-            error = ErrorRecord.of(e)
-        if error is not None:
-            for output in outputs:
-                if isinstance(output, Output):
-                    output.discard()
-            outputs = None
-        try:
-            conn.send(BatchAnswer(batch.job, runner.stats.as_dict(), outputs, error))
-        except (OSError, ValueError):  # the server went away
-            return
-        except Exception as e:  # an answer that cannot be sent still ends its job: the server never waits on it
-            conn.send(
-                BatchAnswer(batch.job, {}, None, ErrorRecord(type(e).__name__, f"the answer could not be sent: {e}"))
-            )
+            error = error or ErrorRecord.of(e)
+    if error is None:
+        return records, None
+    for record in records:
+        if isinstance(record, Output):
+            record.discard()
+    return None, error
+
+
+def _send_answers(conn, ran: queue.Queue, runner, prefix: str) -> None:
+    """The answering thread: each batch's outputs into spool files of their own (`written`), then its BatchAnswer
+    sent, until `ran` gives None."""
+    names = (f"{prefix}out-{n}" for n in itertools.count())
+    with ThreadPoolExecutor(ANSWER_WRITERS, thread_name_prefix="vitserve-answer-writer") as writers:
+        while (batch := ran.get()) is not None:
+            outputs, error = None, batch.error
+            if error is None:
+                outputs, error = written(batch.outputs or [], names, writers)
+            try:
+                conn.send(BatchAnswer(batch.job, runner.stats.as_dict(), outputs, error))
+            except (OSError, ValueError):  # the server went away
+                return
+            except Exception as e:  # an answer that cannot be sent still ends its job: the server never waits on it
+                conn.send(
+                    BatchAnswer(
+                        batch.job, {}, None, ErrorRecord(type(e).__name__, f"the answer could not be sent: {e}")
+                    )
+                )
 
 
 def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str) -> None:
