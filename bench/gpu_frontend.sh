@@ -13,7 +13,8 @@
 # THIS_FLAGS: extra `vitserve serve` flags for this tree's servers (e.g. THIS_FLAGS="--api-servers 4"); OTHER_FLAGS
 # for OTHER's (it may not know the new flags). RUN_LIMIT: seconds per run (130); TOTAL: seconds for the whole script
 # from its start (540), a run getting at most what is left; a run cut short keeps the figures it had taken.
-# MODELS: the models, space-separated (both by default). STARTUP=1 adds bench/startup.py on the first model, within
+# MODELS: the models, space-separated (both by default). PROFILE=1: this tree's runs with --profile (py-spy over
+# the ceiling and the handoff: where the cores went, the busiest threads; it costs the server CPU). STARTUP=1 adds bench/startup.py on the first model, within
 # TOTAL: this tree alternated with OTHER (dummy weights, two launches each), then this tree on real weights written
 # by transformers and read cold from the disk (startup-dummy.json, startup-real.json).
 # CPU=1 runs the same logic on a CPU: the tiny models, tiny counts, RUN_LIMIT 300 and TOTAL 1500 (PYTHON names the
@@ -66,7 +67,8 @@ run() {  # name, then bench/frontend.py arguments; within RUN_LIMIT, and within 
     short=$(basename "$model" | sed -E 's/-Instruct$//; s/^tiny-//' | tr 'A-Z' 'a-z')
     for side in $first $([ $first = this ] && echo other || echo this); do  # alternated: a drift favours no side
       if [ $side = this ]; then
-        run this-$short --model "$model" --engine --server-flags="${THIS_FLAGS:-}"
+        run this-$short --model "$model" --engine --server-flags="${THIS_FLAGS:-}" \
+          ${PROFILE:+--profile "$out/profile-$short"}
       else
         run other-$short --model "$model" --server-tree "$other" --server-flags="${OTHER_FLAGS:-}"
       fi
