@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import IMAGES, images_in, png, until
+from helpers import IMAGES, images_in, png, until, wait_until
 from PIL import Image
 
 from vitserve.encoder.media import MediaBytes
@@ -736,3 +736,86 @@ def test_images_are_resized_where_image_resize_says_with_the_same_answer(encoder
     for a, b, c in zip(on_device, in_worker, library):
         assert torch.equal(a, b)
         assert torch.allclose(a, c.embeddings, rtol=1e-5, atol=1e-6)
+
+
+HEAP_PROBE = """
+import json, resource
+from PIL import Image
+from vitserve.service.ground import heap
+
+def faults(fn):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+def image():  # a decoded image's 32 MB (Pillow keeps RGB as 4 bytes a pixel): written whole, then freed
+    Image.new("RGB", (4096, 2048), (1, 2, 3))
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+
+image()
+default = faults(image)
+kept_took = heap.keep_freed_memory()
+image()
+kept = faults(image)
+held = rss()
+heap.release_freed_memory()
+print(json.dumps(dict(default=default, kept_took=kept_took, kept=kept, held=held, released=rss())))
+"""
+
+
+def test_a_decoding_process_reuses_freed_buffers_and_gives_them_back_when_asked():
+    """ground.heap: with keep_freed_memory an image-sized buffer freed and allocated again is not faulted in again
+    (glibc would unmap it and map fresh pages: each faulted in and cleared), and release_freed_memory gives the
+    heap's free memory back to the system. In a fresh interpreter: the heap's thresholds are the process's."""
+    from vitserve.service.ground import heap
+
+    if heap._glibc() is None:
+        pytest.skip("the C library is not glibc: nothing to tune")
+    probe = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    r = __import__("json").loads(probe.stdout)
+    pages = 32 * 2**20 // os.sysconf("SC_PAGESIZE")
+    if r["default"] < pages // 4:  # (transparent huge pages for every mapping: few faults either way)
+        pytest.skip(f"a fresh 32 MB buffer took only {r['default']} page faults here")
+    assert r["kept_took"] and r["kept"] < pages // 20, r
+    assert r["held"] - r["released"] >= 16 * 2**20, r  # the kept buffer went back
+
+
+def test_a_decode_worker_gives_its_freed_memory_back_once_idle(monkeypatch):
+    """decode.serve_jobs: the worker keeps its heap's freed memory while jobs come, and releases it once `idle`
+    seconds pass without one: once per quiet spell (not again and again while it waits), and again after the next
+    job."""
+    import pickle
+    import socket
+    import threading
+    import time
+
+    from vitserve.service.decoding import decode
+    from vitserve.service.decoding.decode_protocol import ANSWER_HEADER, Call, job_frames, read_exactly
+
+    calls: list[str] = []
+    monkeypatch.setattr(decode, "leave_to_owner", lambda: None)  # (signals: the main thread's)
+    monkeypatch.setattr(decode, "keep_freed_memory", lambda: calls.append("keep"))
+    monkeypatch.setattr(decode, "release_freed_memory", lambda: calls.append("release"))
+    ours, theirs = socket.socketpair()
+    worker = threading.Thread(target=decode.serve_jobs, args=(theirs, 0.3), daemon=True)
+    worker.start()
+
+    def job(payload: bytes) -> int:
+        ours.sendall(b"".join(job_frames(pickle.dumps(Call(len, ())), payload)))
+        size = ANSWER_HEADER.unpack(read_exactly(ours, ANSWER_HEADER.size))[0]
+        return pickle.loads(read_exactly(ours, size)).value
+
+    assert job(b"abc") == 3 and job(b"abcd") == 4
+    assert calls == ["keep"]  # jobs back to back: nothing released
+    wait_until(lambda: calls == ["keep", "release"], 5, "the idle worker's release")
+    time.sleep(1.0)
+    assert calls == ["keep", "release"]  # idle on: nothing released again
+    assert job(b"ab") == 2
+    wait_until(lambda: calls == ["keep", "release", "release"], 5, "the release after the next job")
+    ours.close()
+    worker.join(5)
+    assert not worker.is_alive()
+    theirs.close()

@@ -1,10 +1,13 @@
-"""What a decode worker process runs: decode (+ resize), the pixels into a spool file; the header of an image whose
-first bytes do not hold it; and a video's decode, sampling and resize, its slices into spool files. For images it
+"""What a decode worker process runs: its loop over the jobs it is sent (`serve_jobs`); decode (+ resize), the
+pixels into a spool file; the header of an image whose first bytes do not hold it; and a video's decode, sampling
+and resize, its slices into spool files. For images it
 imports numpy, PIL and the preprocessing only, never the engine or torch (which would cost each worker ~150 MB and
 seconds at its first image); a worker imports torch at its first video (the video processors' resize is torch's)."""
 
 from __future__ import annotations
 
+import select
+import socket
 import time
 from dataclasses import dataclass
 
@@ -13,7 +16,32 @@ import numpy as np
 from ...encoder.headers import ImageHeader, probe
 from ...encoder.media import received
 from ...encoder.preprocess import EncodedJpeg, PreprocessConfig, load_for_device, load_image, resize_rgb
+from ..ground.heap import keep_freed_memory, release_freed_memory
+from ..ground.signals import leave_to_owner
 from . import spool
+from .decode_protocol import read_job
+
+IDLE_SECONDS = 2.0  # a worker given no job for this long gives its heap's free memory back
+
+
+def serve_jobs(sock: socket.socket, idle: float = IDLE_SECONDS) -> None:
+    """A worker: run each Call it is sent and answer its JobResult, until the server hangs up (SIGTERM and SIGINT
+    are the server's: it hangs up on us). Its heap keeps the memory its jobs free for the next ones (an image's
+    buffers are not faulted in anew each time: ground.heap), and gives it back once `idle` seconds pass without a
+    job."""
+    leave_to_owner()
+    keep_freed_memory()
+    while True:
+        if not select.select([sock], [], [], idle)[0]:
+            release_freed_memory()  # once per quiet spell: then it waits for the next job
+        try:
+            call, payload = read_job(sock)
+        except (EOFError, OSError):
+            return
+        try:
+            sock.sendall(call.run(payload).frame())
+        except OSError:  # the server hung up
+            return
 
 
 def read_header(data, is_base64: bool) -> ImageHeader:

@@ -21,8 +21,8 @@ import pickle
 import socket
 from typing import Callable, cast
 
-from ..ground.signals import leave_to_owner
-from .decode_protocol import ANSWER_HEADER, Call, JobResult, job_frames, read_job
+from .decode import serve_jobs
+from .decode_protocol import ANSWER_HEADER, Call, JobResult, job_frames
 
 log = logging.getLogger("vitserve.decode")
 _BYTES = (bytes, bytearray, memoryview)  # payloads sent as they are
@@ -45,21 +45,6 @@ class JobTimedOut(Exception):
 
 class PoolUnavailable(Exception):
     """The pool cannot run jobs: it was closed, or its last worker died and none could be started in its place."""
-
-
-def _serve(sock: socket.socket) -> None:
-    """A worker: run each Call it is sent and answer its JobResult, until the server hangs up (SIGTERM and SIGINT
-    are the server's: it hangs up on us)."""
-    leave_to_owner()
-    while True:
-        try:
-            call, payload = read_job(sock)
-        except (EOFError, OSError):
-            return
-        try:
-            sock.sendall(call.run(payload).frame())
-        except OSError:  # the server hung up
-            return
 
 
 class _Link(asyncio.Protocol):
@@ -184,7 +169,7 @@ class DecodePool:
         ours, theirs = socket.socketpair()
         # room for a whole image in the socket (as far as the system allows): one write, not one per 200 KB
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        process = self._context.Process(target=_serve, args=(theirs,), name="vitserve-decode", daemon=True)
+        process = self._context.Process(target=serve_jobs, args=(theirs,), name="vitserve-decode", daemon=True)
         try:
             await self.loop.run_in_executor(None, process.start)  # the fork server's round trip, off the loop
         except BaseException:
