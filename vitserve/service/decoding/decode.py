@@ -1,8 +1,8 @@
 """What a decode worker process runs: its loop over the jobs it is sent (`serve_jobs`); decode (+ resize), the
 pixels into a spool file; the header of an image whose first bytes do not hold it; and a video's decode, sampling
-and resize, its slices into spool files. For images it
-imports numpy, PIL and the preprocessing only, never the engine or torch (which would cost each worker ~150 MB and
-seconds at its first image); a worker imports torch at its first video (the video processors' resize is torch's)."""
+and resize, its slices into spool files. For images it imports numpy, PIL and the preprocessing only, never the
+engine or torch (which would cost each worker ~150 MB and seconds at its first image); a worker imports torch at
+its first video (the video processors' resize is torch's)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ where the C library is not glibc."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 KEEP_BYTES = 128 * 2**20  # allocations up to this come from the heap, and this much freed memory stays in it
@@ -20,12 +19,13 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 
 @functools.cache
 def _glibc():
-    """glibc's functions, or None where the C library has no mallopt and malloc_trim (musl, macOS)."""
+    """The C library's functions (this process's symbols: nothing is looked for on disk), or None where it has no
+    mallopt and malloc_trim (musl, macOS)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
 def keep_freed_memory(nbytes: int = KEEP_BYTES) -> bool:
