@@ -5,7 +5,9 @@
    server's worker (launch the next batch before collecting the last).
 3. `vitserve serve` as a subprocess, driven by concurrent asyncio clients: throughput and p50/p99 latency at low load
    (one client) and at saturating load, and the low-load latency by phase, from the answers' headers (decode, queue,
-   inference, serialize; the rest is HTTP and the client).
+   inference, serialize; server_rest, the server's time beyond them, from x-server-time: parsing, hashing, the cache,
+   the hand-offs between its processes; http_and_rest, the client's time beyond the server's: HTTP and the client,
+   or for a server without x-server-time everything beyond the phases).
 Images: the photos shipped by scikit-image (`skimage.data`) when importable, else examples/ resized.
 
     PYTHONPATH=$PWD python3 bench/bench_http.py --out bench_http.json
@@ -153,6 +155,8 @@ async def _drive(
                     json={"model": model, "input": [uris[i % len(uris)]], "encoding_format": "base64", **extra},
                 )
                 phases = {p: float(r.headers[f"x-{p}-time"]) for p in PHASES if f"x-{p}-time" in r.headers}
+                if "x-server-time" in r.headers:  # the server's whole time: what of it the phases leave
+                    phases["server_rest"] = float(r.headers["x-server-time"]) - sum(phases.values())
                 latencies.append((i % len(uris), time.perf_counter() - t, time.time(), phases))
                 failures += r.status_code != 200
 

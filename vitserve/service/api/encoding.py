@@ -150,7 +150,8 @@ def merged(images: Encoded | None, videos: Encoded, order: list[bool]) -> Encode
 
 async def answer(served: Served, request: Request, result: Encoded, build) -> Response:
     """The response `build()` makes (in a thread for an answer of `OFF_LOOP_BYTES` or more: its conversions and
-    base64 are bytes work), timed as the serialize phase; every phase in the headers (ms)."""
+    base64 are bytes work), timed as the serialize phase; every phase in the headers (ms), and the server's whole
+    time so far (`x-server-time`: from the request reaching the app to its answer built, the phases included)."""
     start = time.perf_counter()
     response = await asyncio.to_thread(build) if answer_bytes(result.outputs) >= OFF_LOOP_BYTES else build()
     seconds = time.perf_counter() - start
@@ -163,6 +164,7 @@ async def answer(served: Served, request: Request, result: Encoded, build) -> Re
             "x-queue-time": f"{result.queue_s * 1e3:.2f}",
             "x-inference-time": f"{result.inference_s * 1e3:.2f}",
             "x-serialize-time": f"{seconds * 1e3:.2f}",
+            "x-server-time": f"{(time.perf_counter() - request.state.arrived) * 1e3:.2f}",
             "x-cache-hits": str(result.cache_hits),
         }
     )

@@ -141,7 +141,7 @@ class Gate:
         given = headers.get(b"x-request-id", b"")
         request_id = given.decode() if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
-        state["request_id"] = request_id
+        state["request_id"], state["arrived"] = request_id, start
         status = [0]
 
         async def tracking_send(message):
