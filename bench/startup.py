@@ -23,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,12 +93,13 @@ def launch_to_ready(flags: list[str], env: dict, cwd, timeout: float) -> tuple[f
     """Seconds from the launch to /ready's first 200 (polled every 20 ms), and the server's log (its first 400
     lines, the access log's left out)."""
     port = free_port()
+    log = tempfile.TemporaryFile("w+")  # (a file, not a pipe: a full pipe would stall the server's logging)
     t = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "vitserve", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
         env=env,
         cwd=cwd,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
     )
@@ -114,10 +116,13 @@ def launch_to_ready(flags: list[str], env: dict, cwd, timeout: float) -> tuple[f
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            out, _ = proc.communicate(timeout=60)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, _ = proc.communicate()
+            proc.wait()
+        log.seek(0)
+        out = log.read()
+        log.close()
     if seconds is None:
         raise RuntimeError("not ready:\n" + "\n".join(out.splitlines()[-30:]))
     return seconds, [line.rstrip()[-300:] for line in out.splitlines() if "vitserve.access" not in line][:400]
