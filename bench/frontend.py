@@ -52,7 +52,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -69,7 +68,7 @@ from bench_http import drive, engine_throughput, image_files, py_spy  # noqa: E4
 from bench_multi_gpu import cpu_seconds, shallow_checkpoint  # noqa: E402
 from loadgen import request_bytes, run_load  # noqa: E402
 
-from vitserve.service.entry.launch import start_server  # noqa: E402
+from vitserve.service.entry.launch import start_server, stop_server  # noqa: E402
 
 PARTS = ("ceiling", "body", "cached", "cache", "http", "handoff", "fast")
 SERVER_OF = {
@@ -138,12 +137,7 @@ def start_servers(names: list[str], args, cwd) -> dict:
 def stop(server) -> None:
     """SIGTERM, and SIGKILL if it has not exited 30 s later."""
     if isinstance(server, tuple):
-        server[0].send_signal(signal.SIGTERM)
-        try:
-            server[0].wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server[0].kill()
-            server[0].wait()
+        stop_server(server[0])
 
 
 def process_tree(pid: int) -> list[int]:

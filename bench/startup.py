@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cache import serve_from  # noqa: E402
 
-from vitserve.service.entry.launch import free_port  # noqa: E402
+from vitserve.service.entry.launch import free_port, stop_server  # noqa: E402
 
 TIMED = re.compile(r"( in \d+\.\d+ s\b|ready in )")
 
@@ -114,12 +113,7 @@ def launch_to_ready(flags: list[str], env: dict, cwd, timeout: float) -> tuple[f
                 pass
             time.sleep(0.02)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, 60)
         log.seek(0)
         out = log.read()
         log.close()

@@ -58,7 +58,6 @@ import os
 import signal
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -682,15 +681,6 @@ def http_long(url: str, proc, sampler: RssSampler, path: Path, args) -> dict:
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------
-def stop_server(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def figures(r: dict) -> list[tuple[str, str]]:
     ph, rows = r.get("phases", {}), []
 
@@ -962,7 +952,7 @@ def main():
 
     t = time.perf_counter()
     try:
-        from vitserve.service.entry.launch import start_server
+        from vitserve.service.entry.launch import start_server, stop_server
 
         proc, url = start_server(*flags, timeout=args.start_timeout)
     except (RuntimeError, ImportError) as e:

@@ -1,8 +1,10 @@
-"""Start a `vitserve serve` subprocess and wait until it is ready: for benchmarks, tests and users' own tests."""
+"""Start a `vitserve serve` subprocess and wait until it is ready, and stop it: for benchmarks, tests and users' own
+tests."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,3 +67,13 @@ def start_server(
     proc.wait()
     proc.log_reader.join(5)  # (what it logged so far says where its start-up stood)
     raise RuntimeError(f"the server was not ready within {timeout} s:\n" + "".join(proc.log[-40:]))
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (the server drains: it answers what it admitted), and SIGKILL if it has not exited `timeout` s later."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
