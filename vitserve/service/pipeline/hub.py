@@ -199,9 +199,9 @@ class HubBackend:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
-                if not self.loop.is_closed():  # (a front end stopping closes its loop, then the core its link)
-                    with contextlib.suppress(RuntimeError):  # closed in between: nobody is left to tell
-                        self.loop.call_soon_threadsafe(self._gone)
+                # (a front end stopping closes its loop, then the core its link: nobody is left to tell)
+                with contextlib.suppress(RuntimeError):
+                    self.loop.call_soon_threadsafe(self._gone)
                 return
             try:
                 self._handle(message)
