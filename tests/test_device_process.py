@@ -12,12 +12,12 @@ import torch
 from fastapi.testclient import TestClient
 from helpers import IMAGES, b64_tensor, data_uri, images_in, rel_err, wait_until
 
+from vitserve.service.devices import prestart
 from vitserve.service.entry.app import create_app
 from vitserve.service.ground.settings import Settings
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_devices_in_processes_of_their_own(encoders, tmp_path):
     """--device-processes: each device loads and serves in its own process; batches and outputs cross through the
     spool. Answers equal the in-process encoder's (pooled, tokens, Qwen3 deepstack), both devices serve, their
@@ -88,6 +88,7 @@ def test_devices_in_processes_of_their_own(encoders, tmp_path):
         assert c.get("/health").json()["status"] == "failed" and c.get("/ready").status_code == 503
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the device must fail to load)")
 def test_a_device_process_that_cannot_load_fails_the_server(tmp_path):
     """The device process's load error reaches /health, and the server's own process is left clean."""
@@ -104,3 +105,58 @@ def test_a_device_process_that_cannot_load_fails_the_server(tmp_path):
         health = c.get("/health")
         assert health.status_code == 503 and "CUDA is not available" in health.json()["error"]
         assert c.get("/ready").json()["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "flags, gpu_driver, expected",
+    [
+        (dict(device="cuda:0"), False, 1),  # the default on a GPU: a process per device
+        (dict(devices="cuda:0,cuda:1"), False, 2),
+        (dict(device="auto"), True, 1),
+        (dict(device="auto"), False, 0),  # auto may be the CPU
+        (dict(device="cpu"), True, 0),  # CPU devices are served from threads by default
+        (dict(devices="cpu,cpu", device_processes=True), False, 2),
+        (dict(device="cuda:0", device_processes=False), True, 0),
+        (dict(devices="all"), True, 0),  # only CUDA can count them
+    ],
+)
+def test_device_processes_foretold_from_the_flags(flags, gpu_driver, expected):
+    """`vitserve serve` starts, before it imports torch, as many device processes as the flags say it will serve:
+    one too many is an interpreter importing torch for nothing, one too few a device started late."""
+    settings = Settings.of(model="tiny-qwen3-vl", load_format="dummy", **flags)
+    assert prestart.expected_devices(settings, gpu_driver) == expected
+
+
+@pytest.mark.slow
+def test_a_device_process_started_ahead_serves_its_device(encoders, tmp_path):
+    """Device processes started before the server knows its devices: the device takes one (the same process, now
+    serving: answers equal the in-process encoder's) and the one it does not need exits."""
+    ahead = Settings.of(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True)
+    prestart.start(ahead)
+    hosts = list(prestart._waiting)
+    try:
+        assert len(hosts) == 2 and all(h.process.is_alive() for h in hosts)
+        settings = Settings.of(
+            model="tiny-qwen3-vl",
+            load_format="dummy",
+            device="cpu",
+            device_processes=True,
+            spool_dir=str(tmp_path),
+            decode_workers=1,
+            attention_backend="sdpa",
+            cache_bytes=0,
+        )
+        with TestClient(create_app(settings)) as c:
+            wait_until(lambda: c.get("/ready").status_code == 200, 120, "the device process ready")
+            assert c.app.state.engine.backend.workers[0].device.process is hosts[0].process
+            wait_until(lambda: not hosts[1].process.is_alive(), 60, "the process no device took to exit")
+            assert hosts[1].process.exitcode == 0 and prestart._waiting == []
+            r = c.post("/v1/encode", json={"images": [data_uri(IMAGES[0])]})
+            assert r.status_code == 200
+            item, want = r.json()["data"][0], encoders["tiny-qwen3-vl"].encode(IMAGES[:1])[0]
+            assert rel_err(b64_tensor(item["embeddings"], item["shape"]), want.embeddings) <= 1e-6
+    finally:
+        prestart.release()
+        for h in hosts:
+            if h.process.is_alive():
+                h.process.kill()

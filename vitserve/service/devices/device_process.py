@@ -27,6 +27,7 @@ from ..ground.errors import ErrorRecord, Unavailable
 from ..ground.logs import configure_logging
 from ..ground.settings import Settings
 from ..ground.signals import leave_to_owner
+from . import prestart
 from .device_protocol import Batch, BatchAnswer, LoadFailed, Output, Ready, Stop, packed, unpacked
 from .worker import BATCHES_IN_FLIGHT, STOP, pipeline
 
@@ -164,13 +165,25 @@ class ProcessDevice:
         self, settings: Settings, device: str, dtype: str, prefix: str, patch_size: int, records: bool = False
     ):
         self.name, self.prefix, self.patch_size, self.records = device, prefix, patch_size, records
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process's state
-        self.conn, child = context.Pipe()
-        self.process = context.Process(
-            target=serve_device, args=(child, settings, device, dtype, prefix), name=f"vitserve-{device}", daemon=True
-        )
-        self.process.start()
-        child.close()
+        if (started := prestart.take()) is not None:  # started at the server's start, its imports done or under way
+            self.conn, self.process = started.conn, started.process
+            try:
+                self.conn.send(prestart.Assignment(settings, device, dtype, prefix))
+            except OSError:
+                raise RuntimeError(
+                    f"the process for {device} exited while starting (exit code {self.process.exitcode})"
+                ) from None
+        else:
+            context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process's state
+            self.conn, child = context.Pipe()
+            self.process = context.Process(
+                target=serve_device,
+                args=(child, settings, device, dtype, prefix),
+                name=f"vitserve-{device}",
+                daemon=True,
+            )
+            self.process.start()
+            child.close()
         self.stats: dict = {}
         self._jobs = itertools.count()
         self._answers: dict[int, BatchAnswer] = {}
@@ -273,6 +286,7 @@ def start_devices(
     try:
         for i, device in enumerate(devices):
             processes.append(ProcessDevice(s, device, dtype, f"{prefix}dev{i}-", config.patch_size, records))
+        prestart.release()  # started for devices the server does not serve after all
         started()
         for process in processes:
             process.wait_ready()

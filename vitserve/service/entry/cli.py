@@ -178,7 +178,9 @@ def video_metadata(result) -> dict:
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from ... import __version__
+    from ..devices import prestart
 
+    prestart.start(settings)  # before this process imports torch: the device processes import theirs meanwhile
     fronts = settings.api_server_count()
     log.info(
         "starting vitserve %s for %s%s",

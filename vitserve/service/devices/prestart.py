@@ -1,0 +1,104 @@
+"""Device processes started before the server imports torch.
+
+A device process's first seconds are its interpreter importing torch and the tower's code; the server's own first
+seconds are the same imports, then its settings resolved (CUDA asked how many devices there are), the port bound and
+the front ends started, and only then did it start the device processes. `start` spawns them first, at `vitserve
+serve`'s start, from what the flags say without torch: each process imports the device process's code while the
+server imports its own, and then waits for its `Assignment` (the settings, its device and dtype, its spool prefix).
+`device_process.ProcessDevice` takes one (`take`) where one waits and starts one afresh where none does; the ones not
+taken once every device has its process are told to go (`release`).
+
+This module imports no torch and nothing of the tower (a started process imports it to find `host`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from ..ground.signals import leave_to_owner
+
+if TYPE_CHECKING:
+    from ..ground.settings import Settings
+
+GPU_DRIVER_NODE = "/dev/nvidiactl"  # where it is, `--device auto` will be a GPU (as far as can be known without torch)
+
+
+@dataclass
+class Assignment:
+    """What a started device process serves, sent to it once the server has resolved its devices."""
+
+    settings: Settings
+    device: str
+    dtype: str
+    prefix: str
+
+
+@dataclass
+class Host:
+    """A device process started ahead: the process and the server's end of its pipe."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+
+
+_waiting: list[Host] = []
+
+
+def expected_devices(settings: Settings, gpu_driver: bool | None = None) -> int:
+    """How many device processes the server will start, as far as the flags say without torch: 0 where that
+    cannot be known (`--devices all`: CUDA counts them), where devices are served from threads (`--device-processes
+    false`, or its default on CPU devices), or where `auto` may be the CPU (no GPU driver). `gpu_driver`: whether the
+    machine has one (default: GPU_DRIVER_NODE exists)."""
+    asked, processes = settings.devices.asked(), settings.devices.device_processes
+    if processes is False or not asked:
+        return 0
+    if gpu_driver is None:
+        gpu_driver = os.path.exists(GPU_DRIVER_NODE)
+    if "auto" in asked and not gpu_driver:
+        return 0  # auto is the CPU, or a GPU that only CUDA can tell of
+    if processes is None and not all(d == "auto" or d.startswith("cuda") for d in asked):
+        return 0  # the default serves CPU devices from threads
+    return len(asked)
+
+
+def start(settings: Settings) -> None:
+    """Spawn the device processes the flags foretell (`expected_devices`); each waits for its Assignment."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter, as ProcessDevice starts one
+    for _ in range(expected_devices(settings)):
+        conn, child = context.Pipe()
+        process = context.Process(target=host, args=(child,), name="vitserve-device", daemon=True)
+        process.start()
+        child.close()
+        _waiting.append(Host(process, conn))
+
+
+def take() -> Host | None:
+    """A started device process waiting for its Assignment, if one is."""
+    return _waiting.pop(0) if _waiting else None
+
+
+def release() -> list[Host]:
+    """The started processes no device took are told to go: their pipe closes, and each exits once its imports are
+    done (nothing waits for that). Returns them."""
+    released = _waiting[:]
+    _waiting.clear()
+    for waiting in released:
+        waiting.conn.close()
+    return released
+
+
+def host(conn: Connection) -> None:
+    """A started device process: import the device's code, wait for the Assignment, serve it (or exit when the
+    server closes the pipe first)."""
+    leave_to_owner()  # as a device process does: the server decides when it stops
+    from .device_process import serve_device  # torch and the tower: the import this process is started early for
+
+    try:
+        assignment = conn.recv()
+    except (EOFError, OSError):
+        return
+    serve_device(conn, assignment.settings, assignment.device, assignment.dtype, assignment.prefix)
