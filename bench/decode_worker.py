@@ -60,13 +60,14 @@ def main() -> None:
         rows.append(row)
     spool.clear(prefix)
     total = {k: sum(r[k] for r in rows) for k in ("full_size_ms", "resized_ms")}
-    print(f"decode worker, {len(rows)} images, medians of {args.repeat} (vitserve from {Path(vitserve.__file__).parent})")
+    code = Path(vitserve.__file__).parent
+    print(f"decode worker, {len(rows)} images, medians of {args.repeat} (vitserve from {code})")
     print(f"{'image':28s} {'full size ms':>12s} {'resized ms':>12s}")
     for r in rows:
         print(f"{r['image']:28s} {r['full_size_ms']:12.3f} {r['resized_ms']:12.3f}")
     print(f"{'sum':28s} {total['full_size_ms']:12.3f} {total['resized_ms']:12.3f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"code": str(Path(vitserve.__file__).parent), "rows": rows, "sum": total}))
+        Path(args.out).write_text(json.dumps({"code": str(code), "rows": rows, "sum": total}))
 
 
 if __name__ == "__main__":
