@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from helpers import IMAGES, b64_tensor, data_uri, images_in, rel_err, wait_until
+from helpers import BF16_REL_ERR, IMAGES, b64_tensor, data_uri, images_in, rel_err, wait_until
 
 from vitserve.service.devices import prestart
 from vitserve.service.entry.app import create_app
@@ -128,10 +128,15 @@ def test_device_processes_foretold_from_the_flags(flags, gpu_driver, expected):
 
 
 @pytest.mark.slow
-def test_a_device_process_started_ahead_serves_its_device(encoders, tmp_path):
-    """Device processes started before the server knows its devices: the device takes one (the same process, now
-    serving: answers equal the in-process encoder's) and the one it does not need exits."""
-    ahead = Settings.of(model="tiny-qwen3-vl", load_format="dummy", devices="cpu,cpu", device_processes=True)
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_a_device_process_started_ahead_serves_its_device(encoders, tmp_path, device):
+    """Device processes started before the server knows its devices (on a GPU, each makes its CUDA context while it
+    waits): the device takes one (the same process, now serving: answers equal the in-process encoder's, on a GPU
+    within bfloat16's tolerance of this CPU reference) and the one it does not need exits."""
+    ahead = Settings.of(model="tiny-qwen3-vl", load_format="dummy", devices=f"{device},{device}", device_processes=True)
     prestart.start(ahead)
     hosts = list(prestart._waiting)
     try:
@@ -139,7 +144,7 @@ def test_a_device_process_started_ahead_serves_its_device(encoders, tmp_path):
         settings = Settings.of(
             model="tiny-qwen3-vl",
             load_format="dummy",
-            device="cpu",
+            device=device,
             device_processes=True,
             spool_dir=str(tmp_path),
             decode_workers=1,
@@ -154,7 +159,8 @@ def test_a_device_process_started_ahead_serves_its_device(encoders, tmp_path):
             r = c.post("/v1/encode", json={"images": [data_uri(IMAGES[0])]})
             assert r.status_code == 200
             item, want = r.json()["data"][0], encoders["tiny-qwen3-vl"].encode(IMAGES[:1])[0]
-            assert rel_err(b64_tensor(item["embeddings"], item["shape"]), want.embeddings) <= 1e-6
+            tolerance = 1e-6 if device == "cpu" else BF16_REL_ERR
+            assert rel_err(b64_tensor(item["embeddings"], item["shape"]), want.embeddings) <= tolerance
     finally:
         prestart.release()
         for h in hosts:

@@ -1,10 +1,12 @@
 """Device processes started before the server imports torch.
 
-A device process's first seconds are its interpreter importing torch and the tower's code; the server's own first
-seconds are the same imports, then its settings resolved (CUDA asked how many devices there are), the port bound and
-the front ends started, and only then did it start the device processes. `start` spawns them first, at `vitserve
+A device process's first seconds are its interpreter importing torch and the tower's code, then its CUDA context;
+the server's own first seconds are the same imports, its devices resolved (CUDA asked how many there are), the port
+bound and the front ends started, so a device process started after those begins its seconds only then. `start`
+spawns them first, at `vitserve
 serve`'s start, from what the flags say without torch: each process imports the device process's code while the
-server imports its own, and then waits for its `Assignment` (the settings, its device and dtype, its spool prefix).
+server imports its own, makes its CUDA context on the GPU it will most likely serve, and then waits for its
+`Assignment` (the settings, its device and dtype, its spool prefix).
 `device_process.ProcessDevice` takes one (`take`) where one waits and starts one afresh where none does; the ones not
 taken once every device has its process are told to go (`release`).
 
@@ -66,11 +68,15 @@ def expected_devices(settings: Settings, gpu_driver: bool | None = None) -> int:
 
 
 def start(settings: Settings) -> None:
-    """Spawn the device processes the flags foretell (`expected_devices`); each waits for its Assignment."""
+    """Spawn the device processes the flags foretell (`expected_devices`); each waits for its Assignment, having
+    made its CUDA context on the GPU the flags name for it (devices are served in the order they are asked for;
+    `auto` is cuda:0 where it is a GPU)."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter, as ProcessDevice starts one
-    for _ in range(expected_devices(settings)):
+    asked = settings.devices.asked()
+    for i in range(expected_devices(settings)):
+        likely = "cuda:0" if asked[i] == "auto" else asked[i]
         conn, child = context.Pipe()
-        process = context.Process(target=host, args=(child,), name="vitserve-device", daemon=True)
+        process = context.Process(target=host, args=(child, likely), name="vitserve-device", daemon=True)
         process.start()
         child.close()
         _waiting.append(Host(process, conn))
@@ -91,12 +97,21 @@ def release() -> list[Host]:
     return released
 
 
-def host(conn: Connection) -> None:
-    """A started device process: import the device's code, wait for the Assignment, serve it (or exit when the
-    server closes the pipe first)."""
+def host(conn: Connection, likely: str) -> None:
+    """A started device process: import the device's code, make the CUDA context where `likely` is a GPU, wait for
+    the Assignment, serve it (or exit when the server closes the pipe first). A context that cannot be made here is
+    left to the load, which says why."""
     leave_to_owner()  # as a device process does: the server decides when it stops
     from .device_process import serve_device  # torch and the tower: the import this process is started early for
 
+    if likely.startswith("cuda"):
+        import torch
+
+        try:
+            torch.cuda.set_device(likely)
+            torch.empty(0, device=likely)  # the context made now, not at the load's first tensor
+        except Exception:
+            pass
     try:
         assignment = conn.recv()
     except (EOFError, OSError):
