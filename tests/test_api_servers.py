@@ -8,6 +8,8 @@ import glob
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -485,3 +487,26 @@ def test_a_bfloat16_server_widens_float32_answers_on_its_device_and_caches_each_
         for name, t in wide.items():
             if name != "hits":
                 assert torch.equal(again_wide[name], t) and torch.equal(again_narrow[name], narrow[name])
+
+
+@pytest.mark.slow
+def test_a_port_in_use_is_one_line_and_ends_the_server_at_once():
+    """Several front ends on a port another socket holds: the server says so in one line and exits 3, as a server
+    of one front end does (it raised a traceback), and at once: the device process started ahead of its imports is
+    not waited for (the server hung at exit, that process waiting for a device)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "vitserve", "serve", "--model", MODEL, "--load-format", "dummy", "--device", "cpu"]
+            + ["--device-processes", "true", "--api-servers", "2", "--host", "127.0.0.1"]
+            + ["--port", str(taken.getsockname()[1])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 3 and "Traceback" not in proc.stdout, proc.stdout
+    assert "error while attempting to bind on address" in proc.stdout and "Address already in use" in proc.stdout
+    assert time.perf_counter() - start < 30, proc.stdout  # an interpreter and its imports, not a hang

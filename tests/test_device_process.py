@@ -154,8 +154,7 @@ def test_a_device_process_started_ahead_serves_its_device(encoders, tmp_path, de
         with TestClient(create_app(settings)) as c:
             wait_until(lambda: c.get("/ready").status_code == 200, 120, "the device process ready")
             assert c.app.state.engine.backend.workers[0].device.process is hosts[0].process
-            wait_until(lambda: not hosts[1].process.is_alive(), 60, "the process no device took to exit")
-            assert hosts[1].process.exitcode == 0 and prestart._waiting == []
+            assert not hosts[1].process.is_alive() and prestart._waiting == []  # the one no device took is gone
             r = c.post("/v1/encode", json={"images": [data_uri(IMAGES[0])]})
             assert r.status_code == 200
             item, want = r.json()["data"][0], encoders["tiny-qwen3-vl"].encode(IMAGES[:1])[0]

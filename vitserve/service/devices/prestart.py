@@ -87,14 +87,14 @@ def take() -> Host | None:
     return _waiting.pop(0) if _waiting else None
 
 
-def release() -> list[Host]:
-    """The started processes no device took are told to go: their pipe closes, and each exits once its imports are
-    done (nothing waits for that). Returns them."""
-    released = _waiting[:]
-    _waiting.clear()
-    for waiting in released:
+def release() -> None:
+    """The started processes no device took go: killed (they hold nothing yet but their imports and a CUDA context,
+    and they ignore SIGTERM as device processes do), so that a server ending early does not wait for them."""
+    while _waiting:
+        waiting = _waiting.pop()
         waiting.conn.close()
-    return released
+        waiting.process.kill()
+        waiting.process.join()
 
 
 def host(conn: Connection, likely: str) -> None:

@@ -181,21 +181,24 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from ..devices import prestart
 
     prestart.start(settings)  # before this process imports torch: the device processes import theirs meanwhile
-    fronts = settings.api_server_count()
-    log.info(
-        "starting vitserve %s for %s%s",
-        __version__,
-        settings.model.model,
-        f", {fronts} front ends" if fronts > 1 else "",
-    )
-    if fronts > 1:
-        from .supervisor import serve
+    try:
+        fronts = settings.api_server_count()
+        log.info(
+            "starting vitserve %s for %s%s",
+            __version__,
+            settings.model.model,
+            f", {fronts} front ends" if fronts > 1 else "",
+        )
+        if fronts > 1:
+            from .supervisor import serve
 
-        return serve(settings, fronts)
-    from ..pipeline.engine import Engine
-    from .server import run_server
+            return serve(settings, fronts)
+        from ..pipeline.engine import Engine
+        from .server import run_server
 
-    return run_server(settings, Engine(settings))
+        return run_server(settings, Engine(settings))
+    finally:  # a server that ends before its devices took them (a port in use, a bad flag): they go too
+        prestart.release()
 
 
 def build_parser() -> Parser:

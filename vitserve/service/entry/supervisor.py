@@ -56,14 +56,21 @@ def serve(settings: Settings, fronts: int) -> int:
     """`vitserve serve` with several front ends: bind the port, start the core and the front ends, and supervise
     them until SIGTERM (drained: exit 0) or a failure (exit 1). A front end that dies is started again (`Restarts`)
     while the others serve; the core keeps the listening socket for that until it drains."""
-    core = Core(settings, fronts)
-    if core.prefix is None:
-        raise ValueError("--api-servers above 1 needs a spool directory (/dev/shm or --spool-dir)")
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET, socket.SOCK_STREAM)
+    host, port = settings.server.host, settings.server.port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.server.host, settings.server.port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # one line, as uvicorn says it for a server of one front end, and its exit code
+        log.error("[Errno %s] error while attempting to bind on address %r: %s", e.errno, (host, port), e.strerror)
+        sock.close()
+        return 3
     sock.listen(2048)
     sock.set_inheritable(True)
+    core = Core(settings, fronts)
+    if core.prefix is None:
+        sock.close()
+        raise ValueError("--api-servers above 1 needs a spool directory (/dev/shm or --spool-dir)")
     context = multiprocessing.get_context("spawn")
     share = front_settings(settings, fronts)
     core.links = [start_front(core, i, share, sock, context) for i in range(fronts)]
