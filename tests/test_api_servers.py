@@ -510,3 +510,45 @@ def test_a_port_in_use_is_one_line_and_ends_the_server_at_once():
     assert proc.returncode == 3 and "Traceback" not in proc.stdout, proc.stdout
     assert "error while attempting to bind on address" in proc.stdout and "Address already in use" in proc.stdout
     assert time.perf_counter() - start < 30, proc.stdout  # an interpreter and its imports, not a hang
+
+
+@pytest.mark.slow
+def test_sigterm_while_its_device_loads_ends_the_server():
+    """SIGTERM to a server whose device process is still loading (held there with SIGSTOP, as a slow load of real
+    weights would keep it): the server drains and exits 0, its device process killed (it ignores SIGTERM, and the
+    server's exit waited for it forever)."""
+    port = launch.free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vitserve", "serve", "--model", MODEL, "--load-format", "dummy", "--device", "cpu"]
+        + ["--device-processes", "true", "--api-servers", "2", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    device: list[int] = []
+    try:
+
+        def spawned() -> bool:  # the device process is the server's first spawned child (started before the rest)
+            kids = [p for p in children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            device.extend(kids[:1])
+            return bool(kids)
+
+        wait_until(spawned, 30, "the device process started")
+        os.kill(device[0], signal.SIGSTOP)
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, 60, "a front end up")
+        assert httpx.get(url + "/ready").json()["status"] in ("loading", "capturing")  # not ready: the device holds
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not running(device[0])
+    finally:
+        resume(device)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -11,6 +11,7 @@ one more waiting in the pipe, so that the GPU never waits for the round trip.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import multiprocessing
 import queue
@@ -187,6 +188,15 @@ class ProcessDevice:
         self.stats: dict = {}
         self._jobs = itertools.count()
         self._answers: dict[int, BatchAnswer] = {}
+        atexit.register(self._kill)  # until closed: a server that ends while this loads must not wait for it
+
+    def _kill(self) -> None:
+        """At the server's exit, a device process it never closed (the server was stopped while it loaded) is
+        killed: it ignores SIGTERM, and multiprocessing's exit would otherwise wait for it forever."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        spool.clear(self.prefix)
 
     @property
     def pid(self) -> int | None:
@@ -253,6 +263,7 @@ class ProcessDevice:
         return self.stats
 
     def close(self, timeout: float = 30) -> None:
+        atexit.unregister(self._kill)
         try:
             self.conn.send(Stop())
         except (OSError, ValueError):
