@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import image_files  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from vitserve.encoder.preprocess import PreprocessConfig, load_image, resize_rgb  # noqa: E402
 from vitserve.service.decoding import spool  # noqa: E402
@@ -34,13 +34,7 @@ from vitserve.service.decoding import spool  # noqa: E402
 
 def best(fn, repeat: int = 20) -> float:
     """Median ms of `fn()` over `repeat` runs (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeat) * 1e3
 
 
 def main():

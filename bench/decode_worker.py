@@ -12,30 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import image_files  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 import vitserve  # noqa: E402
 from vitserve.encoder.preprocess import PreprocessConfig  # noqa: E402
 from vitserve.service.decoding import spool  # noqa: E402
 from vitserve.service.decoding.decode import decode_and_resize  # noqa: E402
 from vitserve.service.ground.heap import keep_freed_memory  # noqa: E402
-
-
-def median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -56,7 +45,7 @@ def main() -> None:
     for name, data in image_files():
         row = {"image": name, "bytes": len(data)}
         for label, full_size in (("full_size_ms", True), ("resized_ms", False)):
-            row[label] = median_ms(lambda: spooled(data, full_size), args.repeat)
+            row[label] = 1e3 * median_seconds(lambda: spooled(data, full_size), args.repeat)
         rows.append(row)
     spool.clear(prefix)
     total = {k: sum(r[k] for r in rows) for k in ("full_size_ms", "resized_ms")}

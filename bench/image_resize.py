@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 import torch
 from PIL import Image
+from timing import median_seconds
 
 from vitserve.encoder.pixels import pillow_resize, upload
 from vitserve.encoder.preprocess import target_size
@@ -34,16 +33,6 @@ def photo(width: int, height: int) -> np.ndarray:
     return np.where(rng.random((height, width, 1)) < 0.3, rng.integers(0, 256, (height, width, 3)), ramps).astype(
         np.uint8
     )
-
-
-def median_seconds(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def kernels_launched(run, device: torch.device) -> int:

@@ -16,15 +16,14 @@ from __future__ import annotations
 import functools
 import io
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_seconds  # noqa: E402
 from video_decoders import clip_arguments, clips, published  # noqa: E402
 
 from vitserve.encoder import video as V  # noqa: E402
@@ -78,16 +77,6 @@ def nvdec_planes(data: bytes, kept: np.ndarray):
         container.close()
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     args = clip_arguments()
     torch.set_num_threads(1)
@@ -101,20 +90,20 @@ def main() -> None:
             "clip": clip.name,
             "frames": full_decode(data),
             "sampled": len(video.indices),
-            "full_s": timed(lambda: full_decode(data), args.repeats),
-            "sampled_s": timed(lambda: sampled_planes(data, cfg), args.repeats),
-            "load_video_s": timed(lambda: V.load_video(data, cfg, threads=1), args.repeats),
+            "full_s": median_seconds(lambda: full_decode(data), args.repeats),
+            "sampled_s": median_seconds(lambda: sampled_planes(data, cfg), args.repeats),
+            "load_video_s": median_seconds(lambda: V.load_video(data, cfg, threads=1), args.repeats),
         }
         if device:
             planes = V.load_video(data, cfg, threads=1, planes=True)
             rows_ = torch.from_numpy(planes.frames).pin_memory()
             for name, fused in (("device", True), ("device_ops", False)):
                 run = functools.partial(on_device, rows_, planes.layout, planes.size, device, fused)
-                row[f"{name}_s"] = timed(run, args.repeats)
+                row[f"{name}_s"] = median_seconds(run, args.repeats)
                 row[f"{name}_equal"] = bool(np.array_equal(run().cpu().numpy(), video.frames))
             if video_nvdec.unavailable() is None:
                 try:
-                    row["nvdec_s"] = timed(lambda: nvdec_planes(data, planes.indices), args.repeats)
+                    row["nvdec_s"] = median_seconds(lambda: nvdec_planes(data, planes.indices), args.repeats)
                     got = nvdec_planes(data, planes.indices)
                     row["nvdec_equal"] = got is not None and bool(np.array_equal(got[0], planes.frames))
                 except video_nvdec.NvdecError as e:

@@ -18,6 +18,8 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Protocol
 
 import torch
 
@@ -28,7 +30,6 @@ from ..ground.errors import ErrorRecord, Unavailable
 from ..ground.logs import configure_logging
 from ..ground.settings import Settings
 from ..ground.signals import leave_to_owner
-from . import prestart
 from .device_protocol import Batch, BatchAnswer, LoadFailed, Output, Ready, Stop, packed, unpacked
 from .worker import BATCHES_IN_FLIGHT, STOP, pipeline
 
@@ -44,6 +45,15 @@ def _load(settings: Settings, device: str, dtype: str) -> VisionEncoder:
         if settings.devices.gpu_memory_fraction:
             torch.cuda.set_per_process_memory_fraction(settings.devices.gpu_memory_fraction)
     return VisionEncoder.from_pretrained(settings.model.model, device=device, dtype=dtype, **settings.encoder_kwargs())
+
+
+class Started(Protocol):
+    """A device process started before its device was known (prestart.Host), waiting to be told it."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+
+    def assign(self, settings: Settings, device: str, dtype: str, prefix: str) -> None: ...
 
 
 @dataclass
@@ -163,13 +173,20 @@ class ProcessDevice:
     depth = BATCHES_IN_FLIGHT + 1  # the device process runs two; one more waits in its pipe
 
     def __init__(
-        self, settings: Settings, device: str, dtype: str, prefix: str, patch_size: int, records: bool = False
+        self,
+        settings: Settings,
+        device: str,
+        dtype: str,
+        prefix: str,
+        patch_size: int,
+        records: bool = False,
+        started: Started | None = None,
     ):
         self.name, self.prefix, self.patch_size, self.records = device, prefix, patch_size, records
-        if (started := prestart.take()) is not None:  # started at the server's start, its imports done or under way
+        if started is not None:  # started at the server's start (devices/prestart.py), its imports done or under way
             self.conn, self.process = started.conn, started.process
             try:
-                self.conn.send(prestart.Assignment(settings, device, dtype, prefix))
+                started.assign(settings, device, dtype, prefix)
             except OSError:
                 raise RuntimeError(
                     f"the process for {device} exited while starting (exit code {self.process.exitcode})"
@@ -276,12 +293,19 @@ class ProcessDevice:
 
 
 def start_devices(
-    settings: Settings, devices: list[str], dtype: str, prefix: str, *, records: bool = False, started=lambda: None
+    settings: Settings,
+    devices: list[str],
+    dtype: str,
+    prefix: str,
+    *,
+    records: bool = False,
+    started=lambda: None,
+    waiting=lambda: None,
 ) -> tuple:
     """Blocking: the model in one process per device, loading and capturing side by side. Returns (config,
     preprocess_config, video_config, processes) once every process is ready; `started()` is called when all are
-    started (they load and capture from then on). On a failure the started processes are closed and the error
-    raised."""
+    started (they load and capture from then on). `waiting()`: a process started ahead for the next device, if one
+    waits (prestart.take). On a failure the started processes are closed and the error raised."""
     s = settings
     config, preprocess_config, ckpt = load_configs(
         s.model.model,
@@ -296,8 +320,7 @@ def start_devices(
     processes = []
     try:
         for i, device in enumerate(devices):
-            processes.append(ProcessDevice(s, device, dtype, f"{prefix}dev{i}-", config.patch_size, records))
-        prestart.release()  # started for devices the server does not serve after all
+            processes.append(ProcessDevice(s, device, dtype, f"{prefix}dev{i}-", config.patch_size, records, waiting()))
         started()
         for process in processes:
             process.wait_ready()

@@ -7,8 +7,8 @@ spawns them first, at `vitserve
 serve`'s start, from what the flags say without torch: each process imports the device process's code while the
 server imports its own, makes its CUDA context on the GPU it will most likely serve, and then waits for its
 `Assignment` (the settings, its device and dtype, its spool prefix).
-`device_process.ProcessDevice` takes one (`take`) where one waits and starts one afresh where none does; the ones not
-taken once every device has its process are told to go (`release`).
+A device (`device_process.ProcessDevice`, from the loader) takes one (`take`) where one waits and starts one afresh
+where none does; the ones not taken once every device has its process are told to go (`release`).
 
 This module imports no torch and nothing of the tower (a started process imports it to find `host`).
 """
@@ -41,10 +41,14 @@ class Assignment:
 
 @dataclass
 class Host:
-    """A device process started ahead: the process and the server's end of its pipe."""
+    """A device process started ahead: the process and the server's end of its pipe (a device_process.Started)."""
 
     process: multiprocessing.process.BaseProcess
     conn: Connection
+
+    def assign(self, settings: Settings, device: str, dtype: str, prefix: str) -> None:
+        """Tell it what it serves (OSError: it is gone)."""
+        self.conn.send(Assignment(settings, device, dtype, prefix))
 
 
 _waiting: list[Host] = []

@@ -13,6 +13,7 @@ from ...encoder import VisionEncoder
 from ...encoder.config import VisionConfig
 from ...encoder.preprocess import PreprocessConfig
 from ...encoder.video import VideoConfig
+from ..devices import prestart
 from ..devices.device_process import start_devices
 from ..devices.worker import LocalDevice
 from ..ground.flags import format_size
@@ -88,7 +89,12 @@ def load_processes(
         dtype,
         also,
     )
+
+    def started() -> None:
+        prestart.release()  # started ahead for devices the server does not serve after all
+        life.capturing()
+
     config, preprocess_config, video_config, processes = start_devices(
-        s, devices, dtype, prefix, records=records, started=life.capturing
+        s, devices, dtype, prefix, records=records, started=started, waiting=prestart.take
     )
     return ModelInfo(config, preprocess_config, video_config), processes
