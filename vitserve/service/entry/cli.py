@@ -178,27 +178,22 @@ def video_metadata(result) -> dict:
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from ... import __version__
-    from ..devices import prestart
 
-    prestart.start(settings)  # before this process imports torch: the device processes import theirs meanwhile
-    try:
-        fronts = settings.api_server_count()
-        log.info(
-            "starting vitserve %s for %s%s",
-            __version__,
-            settings.model.model,
-            f", {fronts} front ends" if fronts > 1 else "",
-        )
-        if fronts > 1:
-            from .supervisor import serve
+    fronts = settings.api_server_count()
+    log.info(
+        "starting vitserve %s for %s%s",
+        __version__,
+        settings.model.model,
+        f", {fronts} front ends" if fronts > 1 else "",
+    )
+    if fronts > 1:
+        from .supervisor import serve
 
-            return serve(settings, fronts)
-        from ..pipeline.engine import Engine
-        from .server import run_server
+        return serve(settings, fronts)
+    from ..pipeline.engine import Engine
+    from .server import run_server
 
-        return run_server(settings, Engine(settings))
-    finally:  # a server that ends before its devices took them (a port in use, a bad flag): they go too
-        prestart.release()
+    return run_server(settings, Engine(settings))
 
 
 def build_parser() -> Parser:
@@ -256,12 +251,16 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse and check every setting, and `encode`'s files and sampling (exit 2 with one line when one is wrong), then
-    run the command; Ctrl-C is one line too (exit 130)."""
+    run the command; Ctrl-C is one line too (exit 130). `serve` starts its device processes first, before anything
+    here imports torch (the checks of CUDA devices do), so that their imports run beside this process's."""
+    from ..devices import prestart
     from ..ground.logs import configure_logging
 
     args = build_parser().parse_args(argv)
     try:
         settings = from_args(args)
+        if args.command == "serve":
+            prestart.start(settings)
         if args.command == "encode":
             check_sampling(args.fps, args.num_frames)
             check_encode_paths(args.images, args.output)
@@ -276,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C (`serve` drains on its own signal handler once it serves): one line
         print(f"vitserve {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:  # a server that ends before its devices took them (a bad flag, a port in use): they go too
+        prestart.release()
 
 
 if __name__ == "__main__":
