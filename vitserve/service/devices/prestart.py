@@ -1,14 +1,13 @@
 """Device processes started before the server imports torch.
 
 A device process's first seconds are its interpreter importing torch and the tower's code, then its CUDA context;
-the server's own first seconds are the same imports, its devices resolved (CUDA asked how many there are), the port
-bound and the front ends started, so a device process started after those begins its seconds only then. `start`
-spawns them first, at `vitserve
-serve`'s start, from what the flags say without torch: each process imports the device process's code while the
-server imports its own, makes its CUDA context on the GPU it will most likely serve, and then waits for its
-`Assignment` (the settings, its device and dtype, its spool prefix).
-A device (`device_process.ProcessDevice`, from the loader) takes one (`take`) where one waits and starts one afresh
-where none does; the ones not taken once every device has its process are told to go (`release`).
+the server's own first seconds are the same imports, its settings checked (CUDA asked what devices there are), the
+port bound and the front ends started, so a device process started after those begins its seconds only then.
+`start` spawns them first, at `vitserve serve`'s start, from what the flags say without torch: each imports the
+device process's code while the server imports its own, makes its CUDA context on the GPU it will most likely serve,
+and then waits for its `Assignment` (the settings, its device and dtype, its spool prefix). A device
+(`device_process.ProcessDevice`, from the loader) takes one (`take`) where one waits and starts one afresh where
+none does; the ones not taken once every device has its process go (`release`).
 
 This module imports no torch and nothing of the tower (a started process imports it to find `host`).
 """
