@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -176,24 +177,44 @@ def video_metadata(result) -> dict:
     }
 
 
+def _stop_starting(signum, frame) -> None:
+    """SIGTERM before the server can drain: nothing has been admitted (only the early probes answer), so the stop is
+    an exit, 0, its processes started so far let go on the way out."""
+    raise SystemExit(0)
+
+
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    """The port is bound first and answers its probes at once (early_probes), then the server starts behind it: its
+    front ends (supervisor.serve) or its one app (server.run_server), which take the socket over."""
     from ... import __version__
+    from .early_probes import EarlyProbes, listening_socket
 
-    fronts = settings.api_server_count()
-    log.info(
-        "starting vitserve %s for %s%s",
-        __version__,
-        settings.model.model,
-        f", {fronts} front ends" if fronts > 1 else "",
-    )
-    if fronts > 1:
-        from .supervisor import serve
+    host, port = settings.server.host, settings.server.port
+    try:
+        sock = listening_socket(host, port)
+    except OSError as e:  # one line (as uvicorn says it), and uvicorn's exit code for a server that cannot start
+        log.error("[Errno %s] error while attempting to bind on address %r: %s", e.errno, (host, port), e.strerror)
+        return 3
+    probes = EarlyProbes(sock)
+    signal.signal(signal.SIGTERM, _stop_starting)  # the server's own handler replaces it once it can drain
+    try:
+        fronts = settings.api_server_count()
+        log.info(
+            "starting vitserve %s for %s%s",
+            __version__,
+            settings.model.model,
+            f", {fronts} front ends" if fronts > 1 else "",
+        )
+        if fronts > 1:
+            from .supervisor import serve
 
-        return serve(settings, fronts)
-    from ..pipeline.engine import Engine
-    from .server import run_server
+            return serve(settings, fronts, sock, serving=probes.stop)
+        from ..pipeline.engine import Engine
+        from .server import run_server
 
-    return run_server(settings, Engine(settings))
+        return run_server(settings, Engine(settings), sockets=[sock], serving=probes.stop)
+    finally:
+        probes.stop()
 
 
 def build_parser() -> Parser:

@@ -137,6 +137,7 @@ class Core:
         self.scrape_ids = itertools.count()
         self.scraped = threading.Condition()
         self.failed = threading.Event()
+        self.front_up = lambda: None  # called as each front end comes up (before it accepts on the port)
 
     # -- lifecycle
     def load(self) -> None:
@@ -238,6 +239,7 @@ class Core:
                 self.backend.plans.put_all(keys, plans)
             case Up():
                 link.up = True
+                self.front_up()
             case Scrape(scrape, kind):
                 threading.Thread(target=self._scrape, args=(link, scrape, kind), daemon=True).start()
             case Collected(scrape, part):

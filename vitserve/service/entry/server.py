@@ -9,9 +9,9 @@ from ..ground.settings import Settings
 from ..ground.signals import StopSignals
 
 
-def run_server(settings: Settings, engine, sockets=None) -> int:
+def run_server(settings: Settings, engine, sockets=None, serving=lambda: None) -> int:
     """Serve `engine`'s app with uvicorn (on `sockets`, else bound to --host and --port) until SIGTERM or a failure;
-    the exit status."""
+    the exit status. `serving()` is called before uvicorn accepts on the sockets (the early probes stop)."""
     import uvicorn
 
     from ..api.http import connection_limit, guarded_h11
@@ -32,6 +32,10 @@ def run_server(settings: Settings, engine, sockets=None) -> int:
             if stops.add():
                 self.force_exit = True
             self.should_exit = True
+
+        async def startup(self, sockets=None) -> None:
+            serving()
+            await super().startup(sockets)
 
         async def on_tick(self, counter: int) -> bool:
             """Exit once the engine drains (a signal; in a front end, its core's word), answering what it admitted,

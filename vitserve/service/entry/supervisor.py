@@ -52,30 +52,15 @@ def start_front(core: Core, index: int, settings: Settings, sock: socket.socket,
     return link
 
 
-def serve(settings: Settings, fronts: int) -> int:
-    """`vitserve serve` with several front ends: bind the port, start the core and the front ends, and supervise
-    them until SIGTERM (drained: exit 0) or a failure (exit 1). A front end that dies is started again (`Restarts`)
-    while the others serve; the core keeps the listening socket for that until it drains."""
-    host, port = settings.server.host, settings.server.port
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:  # one line, as uvicorn says it for a server of one front end, and its exit code
-        log.error("[Errno %s] error while attempting to bind on address %r: %s", e.errno, (host, port), e.strerror)
-        sock.close()
-        return 3
-    sock.listen(2048)
-    sock.set_inheritable(True)
+def serve(settings: Settings, fronts: int, sock: socket.socket, serving=lambda: None) -> int:
+    """`vitserve serve` with several front ends on `sock` (the listening socket): start the core and the front ends,
+    and supervise them until SIGTERM (drained: exit 0) or a failure (exit 1). `serving()` is called when the first
+    front end is up, before it accepts (the early probes stop). A front end that dies is started again
+    (`Restarts`) while the others serve; the core keeps the listening socket for that until it drains."""
     core = Core(settings, fronts)
     if core.prefix is None:
-        sock.close()
         raise ValueError("--api-servers above 1 needs a spool directory (/dev/shm or --spool-dir)")
-    context = multiprocessing.get_context("spawn")
-    share = front_settings(settings, fronts)
-    core.links = [start_front(core, i, share, sock, context) for i in range(fronts)]
-    threading.Thread(target=core.load, name="vitserve-load", daemon=True).start()
-
+    core.front_up = serving
     stopping, forced, stops = threading.Event(), threading.Event(), StopSignals()
 
     def on_signal(sig, frame):
@@ -83,8 +68,12 @@ def serve(settings: Settings, fronts: int) -> int:
             forced.set()
         stopping.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)  # before any process starts: from here a stop drains them
     signal.signal(signal.SIGINT, on_signal)
+    context = multiprocessing.get_context("spawn")
+    share = front_settings(settings, fronts)
+    core.links = [start_front(core, i, share, sock, context) for i in range(fronts)]
+    threading.Thread(target=core.load, name="vitserve-load", daemon=True).start()
     if supervise(core, stopping, lambda index: start_front(core, index, share, sock, context)) != 0:
         return _abandon(core)
     # drained: every front end hears it, answers what it admitted and exits; then the devices stop
