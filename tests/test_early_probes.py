@@ -84,11 +84,9 @@ def test_once_stopped_the_socket_is_the_apps(probed):
         client.close()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fronts", ["1", "2"])
-def test_a_server_answers_its_probes_while_it_starts(fronts):
-    """A real server answers /ready (503, starting) as soon as its port is bound, before its app (with several front
-    ends: before any front end) is up, then answers as the app once it is (ready, and a request served)."""
+def starting(fronts: str) -> tuple[subprocess.Popen, str]:
+    """A real `vitserve serve` (the tiny tower on the CPU; with several front ends, a device process), just
+    launched, and its URL."""
     port = launch.free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "vitserve", "serve", "--model", "tiny-qwen3-vl", "--load-format", "dummy"]
@@ -97,7 +95,16 @@ def test_a_server_answers_its_probes_while_it_starts(fronts):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url, answers = f"http://127.0.0.1:{port}", []
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fronts", ["1", "2"])
+def test_a_server_answers_its_probes_while_it_starts(fronts):
+    """A real server answers /ready (503, starting) as soon as its port is bound, before its app (with several front
+    ends: before any front end) is up, then answers as the app once it is (ready, and a request served)."""
+    proc, url = starting(fronts)
+    answers: list[httpx.Response] = []
     try:
 
         def answered(path: str) -> bool:
@@ -123,19 +130,12 @@ def test_a_server_answers_its_probes_while_it_starts(fronts):
 def test_sigterm_while_only_the_probes_answer_exits_0(fronts):
     """SIGTERM to a server whose port answers but whose app is not up yet (a supervisor may stop it once /health
     answers): nothing has been admitted, so it exits 0 at once (it was killed by the signal: -15)."""
-    port = launch.free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vitserve", "serve", "--model", "tiny-qwen3-vl", "--load-format", "dummy"]
-        + ["--device", "cpu", "--api-servers", fronts, "--host", "127.0.0.1", "--port", str(port)]
-        + (["--device-processes", "true"] if fronts != "1" else []),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc, url = starting(fronts)
     try:
 
         def healthy() -> bool:
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+                return httpx.get(url + "/health", timeout=5).status_code == 200
             except httpx.HTTPError:
                 return False
 
