@@ -37,8 +37,8 @@ from typing import cast
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .envelope import envelope
 from .gate import OPEN_PATHS
-from .http_errors import envelope
 from .landing import Landing, Reads
 
 log = logging.getLogger("vitserve.http")

@@ -31,24 +31,10 @@ from ..ground.errors import (
     Unsupported,
     clip,
 )
+from .envelope import envelope
 
 log = logging.getLogger("vitserve.app")
 TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "list", "dict", "none"}  # pydantic's union-member tags in `loc`
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    409: "conflict_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    501: "server_error",
-    503: "service_unavailable",
-    507: "insufficient_storage",
-}
 
 # the one place that turns domain errors into HTTP: status and, where retrying helps, Retry-After seconds
 HTTP_STATUS: dict[type[EngineError], tuple[int, str | None]] = {
@@ -94,18 +80,6 @@ class ServiceError(Exception):
     def sglang_response(self, req_id: str | None) -> JSONResponse:
         """The error as SGLang's encoder answers one: its language side reads `message` (and the status)."""
         return JSONResponse({"status": "error", "message": self.message, "req_id": req_id}, status_code=self.status)
-
-
-def envelope(status: int, message: str, code: str, param: str | None = None) -> dict:
-    """An error in OpenAI's envelope: `{"error": {"message", "type", "param", "code"}}`, its type by the status."""
-    return {
-        "error": {
-            "message": message,
-            "type": ERROR_TYPES.get(status, "invalid_request_error"),
-            "param": param,
-            "code": code,
-        }
-    }
 
 
 def error_response(

@@ -17,6 +17,8 @@ import socket
 import threading
 import time
 
+from ..api.envelope import envelope
+
 MAX_HEAD_BYTES = 16384
 TIMEOUT = 2.0
 READY_REASON = "starting: the server's processes are starting"
@@ -48,8 +50,7 @@ def answer(head: bytes) -> bytes:
         status, body, extra = b"503 Service Unavailable", {"status": "loading", "reason": READY_REASON}, b""
     else:
         message = "the server is starting; try again once /ready answers 200"
-        error = {"message": message, "type": "service_unavailable", "param": None, "code": "not_ready"}
-        status, body, extra = b"503 Service Unavailable", {"error": error}, b"retry-after: 1\r\n"
+        status, body, extra = b"503 Service Unavailable", envelope(503, message, "not_ready"), b"retry-after: 1\r\n"
     data = json.dumps(body).encode()
     head_out = (
         b"HTTP/1.1 "
