@@ -32,7 +32,6 @@ from typing import cast
 from ...encoder.features import Features
 from ...encoder.preprocess import ImageError
 from ..decoding.decoder import Decoder
-from ..devices import prestart
 from ..devices.device_protocol import Output
 from ..devices.scheduler import ImageQueue, Origin, WorkItem
 from ..devices.worker import DeviceWorker, LocalDevice, workers_stats
@@ -156,8 +155,6 @@ class LocalBackend:
         except Exception as e:  # reported on /health and /ready; the process exits non-zero
             self.life.fail(f"model load failed: {type(e).__name__}: {e}")
             return False
-        finally:
-            prestart.release()  # device processes started ahead that no device took (served from threads after all)
         self.load_seconds = time.perf_counter() - start
         self.serve(model, devices)
         return True

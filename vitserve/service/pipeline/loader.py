@@ -56,6 +56,7 @@ def serving_text(
 
 def load_here(settings: Settings, devices: list[str], dtype: str, life: Lifecycle) -> tuple[ModelInfo, list]:
     """An encoder per device in this process, loaded one after the other, then their graphs captured."""
+    prestart.release()  # device processes started ahead (the flags foretold them) serve nothing here
     s = settings
     encoders = []
     for device in devices:
