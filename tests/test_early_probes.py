@@ -15,7 +15,14 @@ import pytest
 from helpers import wait_until
 
 from vitserve.service.entry import launch
-from vitserve.service.entry.early_probes import MAX_HEAD_BYTES, READY_REASON, EarlyProbes, listening_socket
+from vitserve.service.entry.early_probes import (
+    MAX_CONNECTIONS,
+    MAX_HEAD_BYTES,
+    READY_REASON,
+    TIMEOUT,
+    EarlyProbes,
+    listening_socket,
+)
 
 
 @pytest.fixture
@@ -64,6 +71,27 @@ def test_a_client_that_sends_nothing_holds_no_probe_back(probed):
     finally:
         idle.close()
         huge.close()
+
+
+def test_connections_past_the_bound_close_the_oldest(probed):
+    """As many idle connections as the bound allows, then a probe: it is answered (the oldest idle one is closed to
+    make room) rather than left waiting behind them, and the responder's open connections stay bounded."""
+    sock, _, url = probed
+    idle = [socket.create_connection(sock.getsockname()) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # all taken by the responder
+        start = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        assert time.perf_counter() - start < 1
+        idle[0].settimeout(TIMEOUT / 4)  # well before its own deadline would close it
+        try:
+            got = idle[0].recv(100)
+        except ConnectionResetError:
+            got = b""
+        assert got == b""  # the oldest, closed unanswered to make room
+    finally:
+        for conn in idle:
+            conn.close()
 
 
 def test_once_stopped_the_socket_is_the_apps(probed):

@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from ..devices import prestart
 from ..ground.flags import Parser, add_arguments, builtin_names, from_args
 from ..ground.preflight import prepare
 from ..ground.settings import Settings
@@ -178,9 +179,12 @@ def video_metadata(result) -> dict:
 
 
 def _stop_starting(signum, frame) -> None:
-    """SIGTERM before the server can drain: nothing has been admitted (only the early probes answer), so the stop is
-    an exit, 0, its processes started so far let go on the way out."""
-    raise SystemExit(0)
+    """SIGTERM before the server can drain: nothing has been admitted (only the early probes answer) and no process
+    runs but those started ahead, so the stop is an exit, 0, at once: they are killed and this process leaves
+    without unwinding (an exception raised here would surface inside whatever the main thread is doing, an import
+    among others, which turns it into an ImportError)."""
+    prestart.release()
+    os._exit(0)
 
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
@@ -195,8 +199,8 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     except OSError as e:  # one line (as uvicorn says it), and uvicorn's exit code for a server that cannot start
         log.error("[Errno %s] error while attempting to bind on address %r: %s", e.errno, (host, port), e.strerror)
         return 3
+    signal.signal(signal.SIGTERM, _stop_starting)  # before the port answers; the server's own handler replaces it
     probes = EarlyProbes(sock)
-    signal.signal(signal.SIGTERM, _stop_starting)  # the server's own handler replaces it once it can drain
     try:
         fronts = settings.api_server_count()
         log.info(
@@ -274,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     """Parse and check every setting, and `encode`'s files and sampling (exit 2 with one line when one is wrong), then
     run the command; Ctrl-C is one line too (exit 130). `serve` starts its device processes first, before anything
     here imports torch (the checks of CUDA devices do), so that their imports run beside this process's."""
-    from ..devices import prestart
     from ..ground.logs import configure_logging
 
     args = build_parser().parse_args(argv)

@@ -4,9 +4,9 @@ processes start (torch imported, the front ends' apps built), until the app take
 `/health` is 200 (the process is alive), `/ready` 503 `starting`, and anything else 503 `not_ready` in OpenAI's
 envelope with a Retry-After: what the app answers while it loads, without the app. Each connection gets one answer
 and is closed. A thread of its own (no event loop runs yet) serves the connections side by side, each bounded in
-size (a request line and headers of at most `MAX_HEAD_BYTES`) and time (`TIMEOUT` seconds to send them), so that a
-client that sends nothing holds no probe back. `stop` is called before the app accepts on the socket, so that no
-connection is answered by both.
+size (a request line and headers of at most `MAX_HEAD_BYTES`) and time (`TIMEOUT` seconds to send them), at most
+`MAX_CONNECTIONS` at once (a new one closes the oldest), so that clients that send nothing hold no probe back.
+`stop` is called before the app accepts on the socket, so that no connection is answered by both.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..api.envelope import envelope
 
 MAX_HEAD_BYTES = 16384
 TIMEOUT = 2.0
+MAX_CONNECTIONS = 256  # open at once; a new one closes the oldest
 READY_REASON = "starting: the server's processes are starting"
 
 
@@ -111,13 +112,17 @@ class EarlyProbes:
     def _accept(self, selector: selectors.BaseSelector, pending: dict) -> None:
         try:
             conn, _ = self.sock.accept()
-        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+        except OSError:  # gone before it was taken, or no file descriptor left (the deadlines free some)
             return
+        if len(pending) >= MAX_CONNECTIONS:
+            self._close(next(iter(pending)), selector, pending)  # the oldest: the one nearest its deadline
         conn.setblocking(False)
         pending[conn] = (bytearray(), time.monotonic() + TIMEOUT)
         selector.register(conn, selectors.EVENT_READ, True)
 
     def _read(self, conn: socket.socket, selector: selectors.BaseSelector, pending: dict) -> None:
+        if conn not in pending:  # closed for a newer one since the wait
+            return
         received, _ = pending[conn]
         try:
             data = conn.recv(MAX_HEAD_BYTES)
