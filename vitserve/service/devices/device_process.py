@@ -208,8 +208,9 @@ class ProcessDevice:
         atexit.register(self._kill)  # until closed: a server that ends while this loads must not wait for it
 
     def _kill(self) -> None:
-        """At the server's exit, a device process it never closed (the server was stopped while it loaded) is
-        killed: it ignores SIGTERM, and multiprocessing's exit would otherwise wait for it forever."""
+        """The process killed if it still runs, its spool files removed: `close`'s last step, and at the server's exit
+        for a device process never closed (the server was stopped while it loaded): it ignores SIGTERM, and
+        multiprocessing's exit would otherwise wait for it forever."""
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
@@ -286,10 +287,7 @@ class ProcessDevice:
         except (OSError, ValueError):
             pass
         self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        spool.clear(self.prefix)
+        self._kill()  # (if it has not stopped by then)
 
 
 def start_devices(
