@@ -204,7 +204,11 @@ def test_uint8_images_path_equals_float_rows(encoders):
 
 def test_a_batch_of_host_arrays_and_device_tensors_is_a_batch_of_host_arrays(encoders):
     """An image still on the host beside a video slice already on the device (converted there from its planes):
-    the host one is uploaded, and the answers are those of the same pixels all on the host."""
+    the host one is uploaded, and the answers are those of the same pixels all on the host. The host image is
+    read-only, as a decode worker's spooled pixels are, and uploading it warns of nothing (torch.from_numpy warns
+    about an array it cannot write, once per process, into the server's log)."""
+    import warnings
+
     import numpy as np
 
     from vitserve.encoder.preprocess import normalize_lut
@@ -214,8 +218,11 @@ def test_a_batch_of_host_arrays_and_device_tensors_is_a_batch_of_host_arrays(enc
     image = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
     slice_ = rng.integers(0, 256, (2, 96, 64, 3), dtype=np.uint8)
     lut = normalize_lut(enc.preprocess_config.image_mean, enc.preprocess_config.image_std)
+    image.setflags(write=False)
     host = enc.runner.collect(enc.runner.launch_images([image, slice_], lut))
-    mixed = enc.runner.collect(enc.runner.launch_images([image, torch.from_numpy(slice_).to(enc.device)], lut))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixed = enc.runner.collect(enc.runner.launch_images([image, torch.from_numpy(slice_).to(enc.device)], lut))
     for (a, da), (b, db) in zip(host, mixed):
         assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(da, db))
 

@@ -28,6 +28,7 @@ import torch
 
 from .config import VisionConfig
 from .packing import Batch, Packer
+from .pixels import upload
 from .plan import BatchPlan, TowerInputs, block_order, check_grids, grid_patches, make_plan, to_device
 from .progress import Progress
 
@@ -333,7 +334,7 @@ class GraphRunner:
         frame stands for all T."""
         p, m, t = self.cfg.patch_size, self.cfg.spatial_merge_size, self.cfg.temporal_patch_size
         if any(torch.is_tensor(a) for a in arrays):  # (the host ones uploaded: a batch of both)
-            on_device = [a if torch.is_tensor(a) else self._upload(torch.from_numpy(a)) for a in arrays]
+            on_device = [a if torch.is_tensor(a) else upload(a, self.device) for a in arrays]
             raw_d = torch.cat([a.reshape(-1) for a in on_device])
         else:
             raw = torch.empty(sum(a.size for a in arrays), dtype=torch.uint8, pin_memory=self._pin)
