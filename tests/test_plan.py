@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vitserve.encoder import builtin_config
+from vitserve.encoder import builtin_config, plan
 from vitserve.encoder.plan import make_plan
 
 vu = pytest.importorskip("transformers.vision_utils")
@@ -29,7 +29,30 @@ def test_window_examples_from_transformers():
 @pytest.mark.parametrize("seed", range(20))
 def test_plan_equals_transformers_metadata(seed):
     rng = random.Random(seed)
-    grids = random_grids(rng, rng.randint(1, 6))
+    assert_plans_equal_transformers(random_grids(rng, rng.randint(1, 6)))
+
+
+def test_shapes_planned_again_plan_the_same_and_plans_share_no_memory():
+    """A frame shape's layout is kept after its first plan (plan.frame_layout): a batch that repeats shapes, clips
+    of several frames of a kept shape, and a frame too large to keep plan as transformers does, the second time as
+    the first; writing into one plan's tensors changes no later plan."""
+    large = (1, 2 * 33, 2 * 32)  # 4224 patches: not kept
+    assert large[1] * large[2] > plan.KEPT_LAYOUT_PATCHES
+    grids = [(1, 16, 24), (3, 16, 24), large, (1, 16, 24), (2, 8, 40), large]
+    for _ in range(2):
+        assert_plans_equal_transformers(grids)
+    for cfg in (QWEN25, QWEN3):
+        first = make_plan(grids, cfg)
+        tensors = [first.positions, first.patch_order, first.token_order, first.interp_indices, first.interp_weights]
+        for t in tensors:
+            if t is not None:
+                t.fill_(7)
+        again = make_plan(grids, cfg)
+        assert not torch.equal(again.positions, first.positions)
+    assert_plans_equal_transformers(grids)
+
+
+def assert_plans_equal_transformers(grids):
     grid_thw = torch.tensor(grids)
 
     p2 = make_plan(grids, QWEN2)

@@ -21,6 +21,7 @@ layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,8 @@ import torch
 from .config import VisionConfig
 
 Grid = tuple[int, int, int]
+KEPT_LAYOUTS = 128  # frame shapes whose layout is kept (frame_layout) ...
+KEPT_LAYOUT_PATCHES = 4096  # ... of frames up to this many patches (<= 224 KiB each, 28 MiB in all)
 
 
 @dataclass
@@ -117,6 +120,47 @@ def _interpolation(rows: np.ndarray, cols: np.ndarray, h: int, w: int, side: int
     return indices.numpy(), weights.numpy()
 
 
+@dataclass(frozen=True)
+class FrameLayout:
+    """One h x w frame's share of a plan, the same in every batch and every frame of a clip: its patches' rotary
+    positions in the order the blocks see them, its merged tokens' window order and the windows' patch counts
+    (windowed families), the position table's taps and weights (Qwen3). Arrays are read-only: they are shared."""
+
+    positions: np.ndarray  # int32 [h * w, 2]
+    window_order: np.ndarray | None  # int64 [h * w / merge_unit]
+    window_lengths: list[int] | None
+    interp_indices: np.ndarray | None  # int64 [h * w, 4]
+    interp_weights: np.ndarray | None  # float32 [h * w, 4]
+
+
+def frame_layout(h: int, w: int, m: int, unit: int, window_tokens: int, side: int) -> FrameLayout:
+    """The layout of an h x w frame (merge size m, `unit` patches a token; `window_tokens` 0: no windows; `side` 0:
+    no position table). A small frame's is computed once per shape and kept: a serving mix repeats a few shapes,
+    and a batch's plan is paid on the device process's one thread (a large frame's plan is small beside its
+    compute)."""
+    make = _kept_layout if h * w <= KEPT_LAYOUT_PATCHES else _layout
+    return make(h, w, m, unit, window_tokens, side)
+
+
+def _layout(h: int, w: int, m: int, unit: int, window_tokens: int, side: int) -> FrameLayout:
+    rows, cols = block_order(h, w, m)
+    positions = np.stack([rows, cols], axis=1).astype(np.int32)
+    order = lengths = indices = weights = None
+    if window_tokens:
+        order, counts = _windows(1, h // m, w // m, window_tokens)
+        positions = positions[(order[:, None] * unit + np.arange(unit)).reshape(-1)]
+        lengths = (counts * unit).tolist()
+    if side:
+        indices, weights = _interpolation(rows, cols, h, w, side)
+    for a in (positions, order, indices, weights):
+        if a is not None:
+            a.setflags(write=False)
+    return FrameLayout(positions, order, lengths, indices, weights)
+
+
+_kept_layout = functools.lru_cache(maxsize=KEPT_LAYOUTS)(_layout)
+
+
 def padding_segments(padding: int, cfg: VisionConfig) -> tuple[list[int], list[int]]:
     """The lengths of the full-attention and window segments that cover `padding` padding patches (module
     docstring): one segment, and window-sized ones (none without windows)."""
@@ -144,28 +188,24 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -
     token_window_order = np.arange(total // unit, dtype=np.int64)
     interp = cfg.num_position_embeddings > 0
     side = int(round(cfg.num_position_embeddings**0.5))
-    interp_indices = np.zeros((total, 4), dtype=np.int64) if interp else None
-    interp_weights = np.zeros((total, 4), dtype=np.float32) if interp else None
+    interp_indices = np.zeros((total if interp else 0, 4), dtype=np.int64)
+    interp_weights = np.zeros((total if interp else 0, 4), dtype=np.float32)
     token_offsets = [0]
 
     start = 0  # first patch of the current image
     for t, h, w in grids:
-        n = t * h * w
-        rows, cols = block_order(h, w, m)
-        frame = np.stack([rows, cols], axis=1)
+        n, frame_tokens = t * h * w, h * w // unit
+        frame = frame_layout(h, w, m, unit, cfg.window_tokens if windowed else 0, side if interp else 0)
         full_lengths += [h * w] * t
-        if windowed:
-            order, counts = _windows(t, h // m, w // m, cfg.window_tokens)
-            token_window_order[start // unit : (start + n) // unit] = order + start // unit
-            window_lengths += (counts * unit).tolist()
-            frame = np.tile(frame, (t, 1))[(order[:, None] * unit + np.arange(unit)).reshape(-1)]
-            positions[start : start + n] = frame
-        else:
-            positions[start : start + n] = np.tile(frame, (t, 1))
-        if interp_indices is not None and interp_weights is not None:  # (interp)
-            idx, wts = _interpolation(rows, cols, h, w, side)
-            interp_indices[start : start + n] = np.tile(idx, (t, 1))
-            interp_weights[start : start + n] = np.tile(wts, (t, 1))
+        positions[start : start + n] = np.tile(frame.positions, (t, 1))
+        if frame.window_order is not None and frame.window_lengths is not None:  # (windowed) a window holds
+            # one frame's tokens: frame k's order is the first frame's shifted by k frames
+            shifts = start // unit + frame_tokens * np.arange(t)[:, None]
+            token_window_order[start // unit : (start + n) // unit] = (frame.window_order + shifts).reshape(-1)
+            window_lengths += frame.window_lengths * t
+        if frame.interp_indices is not None and frame.interp_weights is not None:  # (interp)
+            interp_indices[start : start + n] = np.tile(frame.interp_indices, (t, 1))
+            interp_weights[start : start + n] = np.tile(frame.interp_weights, (t, 1))
         start += n
         token_offsets.append(start // unit)
 
@@ -186,8 +226,8 @@ def make_plan(grids: list[Grid], cfg: VisionConfig, pad_to: int | None = None) -
         window=window,
         patch_order=patch_order,
         token_order=token_order,
-        interp_indices=None if interp_indices is None else torch.from_numpy(interp_indices),
-        interp_weights=None if interp_weights is None else torch.from_numpy(interp_weights),
+        interp_indices=torch.from_numpy(interp_indices) if interp else None,
+        interp_weights=torch.from_numpy(interp_weights) if interp else None,
         token_offsets=token_offsets,
     )
 
