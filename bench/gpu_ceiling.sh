@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The front-end ceiling alone (bench/frontend.py --parts ceiling: the tower cut to one block, cache off) for this
+# tree beside other checkouts, in ROUNDS rounds whose order rotates, so that a machine's drift over the call falls
+# on every tree alike (one pass in a fixed order ranked trees by their place in it). Prints each tree's min /
+# median / max images/s and server cores, writes ${OUT:-out}/ceiling.json and each run's JSON beside it.
+#   git worktree add .t1 <commit>; then on the device (carry .whl and the trees; ~20 s a run on one H200):
+#   MODEL=Qwen/Qwen3-VL-8B-Instruct ROUNDS=3 bash bench/gpu_ceiling.sh .baseline .t1
+# REQUESTS: requests a run (6144); FLAGS: extra `vitserve serve` flags for every tree's servers; CPU=1: the tiny
+# tower on the CPU with tiny counts (the same logic, e.g. CPU=1 PYTHON=.venv/bin/python bash bench/gpu_ceiling.sh ..).
+set -u
+out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONPATH=$SITE$PWD
+py=${PYTHON:-python3}
+trees=(here "$@")
+if [ "${CPU:-0}" = 1 ]; then
+  model=${MODEL:-tiny-qwen3-vl} args=(--device cpu --ceiling-requests "${REQUESTS:-96}" --ceiling-concurrency 8
+                                      --ceiling-processes 2)
+else
+  model=${MODEL:-Qwen/Qwen3-VL-8B-Instruct} args=(--device cuda:0 --ceiling-requests "${REQUESTS:-6144}")
+fi
+n=${#trees[@]}
+for ((r = 0; r < ${ROUNDS:-3}; r++)); do
+  for ((i = 0; i < n; i++)); do
+    t=${trees[(i + r) % n]}
+    name=$(basename "$t")-$r
+    tree_args=(); [ "$t" = here ] || tree_args=(--server-tree "$t")
+    timeout -k 10 "${RUN_LIMIT:-90}" $py bench/frontend.py "${args[@]}" --model "$model" --parts ceiling \
+      --server-flags "${FLAGS:-}" "${tree_args[@]}" --out "$out/ceiling-$name.json" > "$out/ceiling-$name.txt" 2>&1
+    echo "round $r $t: $(grep -E 'ceiling: images' "$out/ceiling-$name.txt" | tail -1 | tr -s ' ')"
+  done
+done
+$py - "$out" "$model" "${trees[@]}" <<'EOF'
+import glob, json, os, statistics, sys
+
+out, model, trees = sys.argv[1], sys.argv[2], sys.argv[3:]
+rows = {}
+for tree in trees:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out, f"ceiling-{os.path.basename(tree)}-*.json"))):
+        ceiling = json.load(open(path))["parts"].get("ceiling") or {}
+        if "images_per_s" in ceiling:
+            runs.append({"images_per_s": ceiling["images_per_s"], "server_cores": ceiling.get("server_cores")})
+    rows[tree] = runs
+print(f"\nfront-end ceiling, {model}: images/s (server cores), per tree over its runs")
+print(f"{'tree':<14} {'runs':>4} {'min':>8} {'median':>8} {'max':>8} {'cores':>6}")
+for tree, runs in rows.items():
+    rates = [r["images_per_s"] for r in runs]
+    cores = [r["server_cores"] for r in runs if r["server_cores"] is not None]
+    if rates:
+        print(f"{tree:<14} {len(rates):>4} {min(rates):>8.1f} {statistics.median(rates):>8.1f} {max(rates):>8.1f} "
+              f"{statistics.median(cores) if cores else float('nan'):>6.1f}")
+    else:
+        print(f"{tree:<14} {0:>4}  (no run finished)")
+json.dump({"model": model, "trees": rows}, open(os.path.join(out, "ceiling.json"), "w"), indent=1)
+EOF
