@@ -91,13 +91,14 @@ def block_order(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     return rows.reshape(-1), cols.reshape(-1)
 
 
-def _windows(t: int, lh: int, lw: int, side: int) -> tuple[np.ndarray, np.ndarray]:
-    """Merged-token order and non-empty window sizes for one image: windows of side x side merged tokens in raster
-    order, raster order inside each window (transformers' get_vision_window_index, without its -100 padding)."""
+def _windows(lh: int, lw: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Merged-token order and non-empty window sizes for one frame: windows of side x side merged tokens in raster
+    order, raster order inside each window (transformers' get_vision_window_index, without its -100 padding; its
+    windows never span two frames)."""
     nh, nw = -(-lh // side), -(-lw // side)
-    ids = np.full((t, nh * side, nw * side), -1, dtype=np.int64)
-    ids[:, :lh, :lw] = np.arange(t * lh * lw).reshape(t, lh, lw)
-    ids = ids.reshape(t, nh, side, nw, side).transpose(0, 1, 3, 2, 4).reshape(t * nh * nw, side * side)
+    ids = np.full((nh * side, nw * side), -1, dtype=np.int64)
+    ids[:lh, :lw] = np.arange(lh * lw).reshape(lh, lw)
+    ids = ids.reshape(nh, side, nw, side).transpose(0, 2, 1, 3).reshape(nh * nw, side * side)
     counts = (ids >= 0).sum(1)
     return ids[ids >= 0], counts[counts > 0]
 
@@ -147,7 +148,7 @@ def _layout(h: int, w: int, m: int, unit: int, window_tokens: int, side: int) ->
     positions = np.stack([rows, cols], axis=1).astype(np.int32)
     order = lengths = indices = weights = None
     if window_tokens:
-        order, counts = _windows(1, h // m, w // m, window_tokens)
+        order, counts = _windows(h // m, w // m, window_tokens)
         positions = positions[(order[:, None] * unit + np.arange(unit)).reshape(-1)]
         lengths = (counts * unit).tolist()
     if side:
