@@ -4,6 +4,7 @@ server fails)."""
 
 from __future__ import annotations
 
+import base64
 import glob
 import os
 import signal
@@ -553,3 +554,19 @@ def test_sigterm_while_its_device_loads_ends_the_server():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_server_without_pyav_says_so_once_and_each_front_end_answers_501(tmp_path, monkeypatch):
+    """Without PyAV (an `av` that cannot be imported in any of the server's processes) the log says so once, not
+    once per front end, and a video request is the server's 501 videos_unavailable whichever front end takes it."""
+    (tmp_path / "av.py").write_text("raise ImportError('no PyAV in this test')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    video = "data:video/mp4;base64," + base64.b64encode(b"\x00\x00\x00\x20ftypisom" + bytes(600)).decode()
+    for proc, url in serving("--model", MODEL, "--load-format", "dummy", "--api-servers", "2"):
+        wait_until(lambda: httpx.get(url + "/stats").json()["api_servers"] == 2, 60, "both front ends up")
+        for _ in range(8):  # each on a connection of its own: the kernel spreads them over both front ends
+            r = httpx.post(url + "/v1/encode", json={"videos": [video]}, timeout=60)
+            assert (r.status_code, r.json()["error"]["code"]) == (501, "videos_unavailable"), r.text
+    lines = [line for line in proc.log if "videos cannot be decoded here" in line]
+    assert len(lines) == 1 and "no PyAV in this test" in lines[0], lines
+    assert {front(line) for line in proc.log if front(line)} == {"api0", "api1"}

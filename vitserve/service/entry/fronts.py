@@ -52,6 +52,6 @@ def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> No
 
     configure_logging(settings.logging.log_format, settings.logging.log_level, bar=False, source=f"api{index}")
     torch.set_num_threads(1)  # a front end runs no tower: its torch work is small, and OpenMP's barrier waits
-    engine = Engine(settings, core=conn)
+    engine = Engine(settings, core=conn, announce=index == 0)
     code = run_server(settings, engine, sockets=[sock])
     os._exit(code)

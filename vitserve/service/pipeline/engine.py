@@ -26,7 +26,6 @@ from typing import TypeAlias, cast
 from ...encoder import VisionEncoder
 from ...encoder.features import Features
 from ...encoder.video import VideoConfig
-from ...encoder.video import unavailable as video_unavailable
 from ..decoding.budget import MemoryBudget
 from ..decoding.decoder import Decoder
 from ..devices.scheduler import WorkItem
@@ -43,6 +42,7 @@ from .loader import ModelInfo, serving_text
 from .options import checked_image_config, checked_video_config
 from .stats import front_stats
 from .videos import encode_videos as videos_through
+from .videos import videos_unavailable
 
 __all__ = ["NOT_READY", "Encoded", "Engine", "ModelInfo", "State", "serving_text"]
 log = logging.getLogger("vitserve.engine")
@@ -53,17 +53,23 @@ Preloaded: TypeAlias = (
 
 class Engine:
     """`encoders`: already loaded encoders to serve (one per device; tests), else the settings' model is loaded by
-    `start`. `core`: a front end's pipe to the core of a server with several (its backend is then the core's)."""
+    `start`. `core`: a front end's pipe to the core of a server with several (its backend is then the core's);
+    `announce`: whether it says in the log what this server cannot do (one front end of several does)."""
 
-    def __init__(self, settings: Settings, encoders: Preloaded = None, metrics: Metrics | None = None, core=None):
+    def __init__(
+        self,
+        settings: Settings,
+        encoders: Preloaded = None,
+        metrics: Metrics | None = None,
+        core=None,
+        announce: bool = True,
+    ):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.life = Lifecycle(self.metrics)
         self.started = time.time()
         self.decoder = Decoder(settings.decoding, settings.limits, self.metrics, on_broken=self.fail)
-        self.videos_unavailable = video_unavailable()  # why videos cannot be decoded here (None: they can)
-        if self.videos_unavailable:
-            log.warning("videos cannot be decoded here: %s; video requests are answered 501", self.videos_unavailable)
+        self.videos_unavailable = videos_unavailable(say=announce)
         devices, self.dtype = settings.devices.resolve()
         if encoders is not None:  # served as loaded: theirs is the tower's dtype
             self.dtype = str((encoders if isinstance(encoders, list) else [encoders])[0].dtype).removeprefix("torch.")

@@ -11,11 +11,12 @@ requests for one video at once compute it once (the second waits for the first's
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Protocol
 
 from ...encoder.features import Features
-from ...encoder.video import VideoConfig
+from ...encoder.video import VideoConfig, unavailable
 from ..decoding import spool
 from ..decoding.decoder import Decoder
 from ..devices.scheduler import WorkItem
@@ -23,6 +24,17 @@ from ..ground.metrics import Metrics
 from ..ground.settings import Settings
 from .cache import CacheKeys
 from .encoded import Encoded
+
+log = logging.getLogger("vitserve.engine")
+
+
+def videos_unavailable(say: bool = True) -> str | None:
+    """Why this process cannot decode videos (None: it can), said in the server's log where `say` (a server's front
+    ends all find the same: one says it)."""
+    why = unavailable()
+    if why and say:
+        log.warning("videos cannot be decoded here: %s; video requests are answered 501", why)
+    return why
 
 
 class Pipeline(Protocol):
