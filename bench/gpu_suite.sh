@@ -5,10 +5,10 @@
 #   ../shared/tools/gpu-wheels av==18.1.0 httptools pybase64 blake3 pyzmq openai distro jiter sniffio websockets \
 #     httpx2 httpcore2 truststore transformers==5.24.0 huggingface_hub tokenizers [nvidia-cudnn-frontend]
 #   then on the device (carry .whl): bash bench/gpu_suite.sh         (WORKERS=6, LIMIT=400 s, TESTS=tests)
-# The whole suite takes longer than one device call (600 s) on one H200: SHARD=K/N runs every Nth test file from
-# the Kth on (sorted by name), one call each (half of the files took up to 450 s with WORKERS=8 on one H200). The
-# wheels above are over one call's 64 MiB: carry the av wheel alone in a first call (installed into /tmp/site,
-# which a warm machine keeps) and the rest as .whl in the next, back to back.
+# The whole suite takes longer than one device call (600 s) on one H200: SHARD=K/N runs the Kth of N shards, one
+# call each, the files balanced by their last times there (two shards: ~1840 s of test time each, ~5.5 minutes with
+# WORKERS=8, the longest file ~300 s). The wheels above are over one call's 64 MiB: carry the av wheel alone in a
+# first call (installed into /tmp/site, which a warm machine keeps) and the rest as .whl in the next, back to back.
 # With fa4 (over one call's 64 MiB: installed into /tmp/site by earlier calls, docs/decisions.md) its kernels are
 # compiled once per shape into its on-disk cache (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED), not in every server.
 # Results under ${OUT:-out}/: junit.xml and log.txt; the failures and the summary line are printed.
@@ -21,10 +21,26 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/n
 export PYTHONPATH=$SITE$PWD FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=${FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED:-1}
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 tests=${TESTS:-tests}
-if [ -n "${SHARD:-}" ]; then  # K/N: every Nth test file from the Kth
-  k=${SHARD%/*} n=${SHARD#*/}
-  tests=$(ls tests/test_*.py | sort | awk -v k="$k" -v n="$n" '(NR - 1) % n == k - 1' | tr '\n' ' ')
-  echo "shard $SHARD: $(echo $tests | wc -w) files"
+if [ -n "${SHARD:-}" ]; then  # K/N: the Kth of N shards of the test files
+  tests=$(python3 - "$SHARD" <<'EOF'
+# the files dealt longest first, each to the shard with the least time so far, and run longest first (pytest-xdist
+# hands files to its workers in that order): their times on the H200 in bench/results/h200-suite-files.json, a file
+# not there counted as the median one
+import glob, json, statistics, sys
+
+k, n = (int(x) for x in sys.argv[1].split("/"))
+known = json.load(open("bench/results/h200-suite-files.json"))["seconds_by_file"]
+files = sorted(glob.glob("tests/test_*.py"))
+seconds = {f: known.get(f, statistics.median(known.values())) for f in files}
+shards, totals = [[] for _ in range(n)], [0.0] * n
+for f in sorted(files, key=lambda f: -seconds[f]):
+    i = totals.index(min(totals))
+    shards[i].append(f)
+    totals[i] += seconds[f]
+print(f"shard {sys.argv[1]}: {len(shards[k - 1])} files, {totals[k - 1]:.0f} s measured", file=sys.stderr)
+print(" ".join(shards[k - 1]))
+EOF
+  )
 fi
 timeout -s INT -k 20 "${LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -n "${WORKERS:-6}" \
   --dist loadfile --timeout 200 -o addopts="-ra" --junitxml="$out/junit.xml" $tests > "$out/log.txt" 2>&1
