@@ -45,6 +45,7 @@ def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> No
     from ..ground.logs import configure_logging
     from ..ground.signals import leave_to_owner
     from ..pipeline.engine import Engine
+    from ..pipeline.videos import videos_unavailable
     from .server import run_server
 
     leave_to_owner()
@@ -52,6 +53,7 @@ def serve_front(index: int, settings: Settings, sock: socket.socket, conn) -> No
 
     configure_logging(settings.logging.log_format, settings.logging.log_level, bar=False, source=f"api{index}")
     torch.set_num_threads(1)  # a front end runs no tower: its torch work is small, and OpenMP's barrier waits
-    engine = Engine(settings, core=conn, announce=index == 0)
+    videos_unavailable(say=index == 0)  # what the server cannot do, said once: its front ends all find the same
+    engine = Engine(settings, core=conn)
     code = run_server(settings, engine, sockets=[sock])
     os._exit(code)

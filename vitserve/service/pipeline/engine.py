@@ -53,23 +53,15 @@ Preloaded: TypeAlias = (
 
 class Engine:
     """`encoders`: already loaded encoders to serve (one per device; tests), else the settings' model is loaded by
-    `start`. `core`: a front end's pipe to the core of a server with several (its backend is then the core's);
-    `announce`: whether it says in the log what this server cannot do (one front end of several does)."""
+    `start`. `core`: a front end's pipe to the core of a server with several (its backend is then the core's)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        encoders: Preloaded = None,
-        metrics: Metrics | None = None,
-        core=None,
-        announce: bool = True,
-    ):
+    def __init__(self, settings: Settings, encoders: Preloaded = None, metrics: Metrics | None = None, core=None):
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.life = Lifecycle(self.metrics)
         self.started = time.time()
         self.decoder = Decoder(settings.decoding, settings.limits, self.metrics, on_broken=self.fail)
-        self.videos_unavailable = videos_unavailable(say=announce)
+        self.videos_unavailable = videos_unavailable(say=core is None)  # (several front ends: serve_front says it)
         devices, self.dtype = settings.devices.resolve()
         if encoders is not None:  # served as loaded: theirs is the tower's dtype
             self.dtype = str((encoders if isinstance(encoders, list) else [encoders])[0].dtype).removeprefix("torch.")
