@@ -1,12 +1,13 @@
 """The port answers from the moment it is bound: `EarlyProbes` answers on the listening socket while the server's
 processes start (torch imported, the front ends' apps built), until the app takes the socket over.
 
-`/health` is 200 (the process is alive), `/ready` 503 `starting`, and anything else 503 `not_ready` in OpenAI's
-envelope with a Retry-After: what the app answers while it loads, without the app. Each connection gets one answer
-and is closed. A thread of its own (no event loop runs yet) serves the connections side by side, each bounded in
-size (a request line and headers of at most `MAX_HEAD_BYTES`) and time (`TIMEOUT` seconds to send them), at most
-`MAX_CONNECTIONS` at once (a new one closes the oldest), so that clients that send nothing hold no probe back.
-`stop` is called before the app accepts on the socket, so that no connection is answered by both.
+`/health` is 200 (the process is alive), `/ready` 503 `loading` (its reason: the processes are starting), and anything
+else 503 `not_ready` in OpenAI's envelope with a Retry-After: what the app answers while it loads, without the app.
+Each connection gets one answer and is closed. A thread of its own (no event loop runs yet) serves the connections
+side by side, each bounded in size (a request line and headers of at most `MAX_HEAD_BYTES`) and time (`TIMEOUT`
+seconds to send them), at most `MAX_CONNECTIONS` at once (a new one closes the oldest), so that clients that send
+nothing hold no probe back. `stop` is called before the app accepts on the socket, so that no connection is answered
+by both.
 """
 
 from __future__ import annotations
