@@ -1,9 +1,10 @@
 """The exact image resize on each side of the spool, per photo size: Pillow's `Image.resize(BICUBIC)` on the host
-(what a decode worker runs with `--image-resize worker`), and `encoder.pixels.pillow_resize` on --device (what a
-device runs with `--image-resize device`): the host time a resize takes to be queued there (the device process's
-thread, what bounds its images/s), the device time it takes (synchronized), the kernels it launches, and whether its
-bytes are Pillow's (checked on every size). The target is smart_resize's for --model's image processor (its
-published pixel bounds). Medians of --repeats after a warm-up; prints a table, writes JSON (--out).
+(what a decode worker runs with `--image-resize worker`), and `encoder.image_resize.pillow_resize_images` on --device
+(what a device runs with `--image-resize device`): the host time a resize takes to be queued there, its upload
+included (the device process's thread, what bounds its images/s), the device time it takes (synchronized), the
+kernels it launches, and whether its bytes are Pillow's (checked on every size); then every size in one batch, as a
+device process resizes a batch's images. The target is smart_resize's for --model's image processor (its published
+pixel bounds). Medians of --repeats after a warm-up; prints a table, writes JSON (--out).
 
     PYTHONPATH=$PWD python3 bench/image_resize.py --device cuda:0 --out image_resize.json
 """
@@ -18,7 +19,7 @@ import torch
 from PIL import Image
 from timing import median_seconds
 
-from vitserve.encoder.pixels import pillow_resize, upload
+from vitserve.encoder.image_resize import pillow_resize_images
 from vitserve.encoder.preprocess import target_size
 from vitserve.encoder.vision_encoder import load_configs
 
@@ -55,34 +56,39 @@ def main() -> None:
     _, cfg, _ = load_configs(args.model, "dummy")  # (its built-in config: no weights read)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     rows = []
-    for width, height in SIZES:
-        image = photo(width, height)
-        h, w = target_size(image, cfg)
-        pil = Image.fromarray(image)
-        on_device = upload(image, device).permute(2, 0, 1)
-        expected = np.asarray(pil.resize((w, h), Image.Resampling.BICUBIC))
-        got = pillow_resize(on_device, h, w).permute(1, 2, 0).cpu().numpy()
-        queued = median_seconds(lambda: pillow_resize(on_device, h, w), args.repeats)  # host time, not synchronized
+    images = [photo(width, height) for width, height in SIZES]
+    sizes = [target_size(image, cfg) for image in images]
+    cases = [([image], [size], f"{image.shape[1]}x{image.shape[0]}") for image, size in zip(images, sizes)]
+    cases.append((images, sizes, f"all {len(images)}"))
+    for batch, targets, source in cases:
+        pils = [Image.fromarray(image) for image in batch]
+        expected = [np.asarray(p.resize((w, h), Image.Resampling.BICUBIC)) for p, (h, w) in zip(pils, targets)]
+        got = [x.cpu().numpy() for x in pillow_resize_images(batch, targets, device)]
+        queued = median_seconds(lambda: pillow_resize_images(batch, targets, device), args.repeats)
         sync(device)
 
         def resized():
-            pillow_resize(on_device, h, w)
+            pillow_resize_images(batch, targets, device)
             sync(device)
+
+        def pil_all():
+            for p, (h, w) in zip(pils, targets):
+                p.resize((w, h), Image.Resampling.BICUBIC)
 
         rows.append(
             {
-                "source": f"{width}x{height}",
-                "target": f"{w}x{h}",
-                "pil_ms": 1e3 * median_seconds(lambda: pil.resize((w, h), Image.Resampling.BICUBIC), args.repeats),
+                "source": source,
+                "target": f"{targets[0][1]}x{targets[0][0]}" if len(batch) == 1 else "each its own",
+                "pil_ms": 1e3 * median_seconds(pil_all, args.repeats),
                 "queued_ms": 1e3 * queued,
                 "device_ms": 1e3 * median_seconds(resized, args.repeats),
-                "kernels": kernels_launched(lambda: pillow_resize(on_device, h, w), device),
-                "equal": bool(np.array_equal(got, expected)),
+                "kernels": kernels_launched(lambda: pillow_resize_images(batch, targets, device), device),
+                "equal": all(np.array_equal(a, b) for a, b in zip(got, expected)),
             }
         )
         r = rows[-1]
         print(
-            f"{r['source']:>10} -> {r['target']:>10}  PIL {r['pil_ms']:7.2f} ms  queued {r['queued_ms']:6.2f} ms  "
+            f"{r['source']:>10} -> {r['target']:>12}  PIL {r['pil_ms']:7.2f} ms  queued {r['queued_ms']:6.2f} ms  "
             f"{device.type} {r['device_ms']:7.2f} ms  kernels {r['kernels']:4d}  equal {r['equal']}"
         )
     if args.out:

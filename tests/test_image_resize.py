@@ -1,11 +1,11 @@
-"""Pillow's bicubic resize as integer tensor ops (encoder.pixels.pillow_resize), against the installed Pillow's
-`Image.resize(BICUBIC)`, what transformers' PIL image processor runs: the same bytes for downscales, upscales, mixed
-ones, odd sizes and extreme aspect ratios, in whichever order of passes that Pillow takes; on CUDA, the same bytes
-as on the CPU; and a library encoder that resizes on the device gives the features of one that resizes with PIL."""
+"""Pillow's bicubic resize of batches of images on a device (encoder.image_resize: tensor ops on the CPU, a Triton
+kernel on CUDA), against the installed Pillow's `Image.resize(BICUBIC)`, what transformers' PIL image processor
+runs: the same bytes for downscales, upscales, mixed ones, odd sizes and extreme aspect ratios, in whichever order of
+passes that Pillow takes, each image of a batch as it is alone; on CUDA, the same bytes; and a library encoder that
+resizes on the device gives the features of one that resizes with PIL."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 
 import numpy as np
@@ -13,8 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vitserve.encoder import VisionEncoder, pixels
-from vitserve.encoder.pixels import pillow_resize, pillow_resize_plan, pillow_rows_first, resize
+from vitserve.encoder import VisionEncoder, image_resize, pixels
+from vitserve.encoder.image_resize import pillow_resize_images
+from vitserve.encoder.pixels import pillow_rows_first
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -55,8 +56,11 @@ def pil(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 def ours(image: np.ndarray, size: tuple[int, int], device: str = "cpu") -> np.ndarray:
-    x = torch.from_numpy(image.copy()).to(device).permute(2, 0, 1)
-    return pillow_resize(x, size[1], size[0]).permute(1, 2, 0).cpu().numpy()
+    return pillow_resize_images([image], [(size[1], size[0])], device)[0].cpu().numpy()
+
+
+def batch(images: list[np.ndarray], sizes: list[tuple[int, int]], device: str = "cpu") -> list[np.ndarray]:
+    return [x.cpu().numpy() for x in pillow_resize_images(images, [(h, w) for w, h in sizes], device)]
 
 
 @pytest.mark.parametrize("source, target", SIZES, ids=str)
@@ -78,14 +82,12 @@ def test_random_sizes_are_pillows():
 @pytest.mark.parametrize(
     "source, target", [((240, 320), (532, 308)), ((4, 600), (28, 420)), ((300, 400), (290, 410))], ids=str
 )
-def test_the_order_of_the_passes_is_the_installed_pillows(source, target):
+def test_the_order_of_the_passes_is_the_installed_pillows(monkeypatch, source, target):
     """Each pass rounds to uint8, so the order changes the bytes: the other order than the one
     `pillow_rows_first` names for the installed Pillow differs from it."""
     image = photo(*source, seed=3)
-    plan = pillow_resize_plan(source[1], source[0], target[1], target[0])
-    x = torch.from_numpy(image.copy()).permute(2, 0, 1)
-    other = resize(x, dataclasses.replace(plan, rows_first=not plan.rows_first)).permute(1, 2, 0).numpy()
-    assert not np.array_equal(other, pil(image, target))
+    monkeypatch.setattr(image_resize, "pillow_rows_first", lambda *shape: not pillow_rows_first(*shape))
+    assert not np.array_equal(ours(image, target), pil(image, target))
 
 
 @pytest.mark.parametrize(
@@ -105,18 +107,47 @@ def test_each_pillow_version_has_its_order(monkeypatch, version, rows_first):
     assert [pillow_rows_first(*case) for case in cases] == rows_first
 
 
-def test_a_pass_taken_in_steps_is_the_same(monkeypatch):
-    """A large downscale gathers its taps in steps of output pixels (GATHERED_BYTES): forced to many small steps,
-    the bytes are still Pillow's, for both axes."""
-    monkeypatch.setattr(pixels, "GATHERED_BYTES", 3 * 64 * 4 * 7)
+def test_lines_taken_in_steps_are_the_same(monkeypatch):
+    """The tensor ops compute a few lines at a time (GATHERED output bytes): forced to one line per step, the bytes
+    are still Pillow's, for both axes."""
+    monkeypatch.setattr(image_resize, "GATHERED", 1)
     for source, target in [((640, 480), (448, 448)), ((97, 61), (40, 140))]:
         image = photo(*source, seed=11)
         assert np.array_equal(ours(image, target), pil(image, target)), (source, target)
 
 
-def test_the_same_size_is_not_filtered():
-    x = torch.from_numpy(photo(56, 84, 1)).permute(2, 0, 1)
-    assert pillow_resize(x, 84, 56) is x
+def test_images_resized_together_are_each_as_alone(monkeypatch):
+    """One batch of every size above (passes in both orders, one axis or none, 1-pixel sides) gives each image
+    Pillow's bytes, as when split into batches of one image (UPLOAD_BYTES) or resized alone; an image at its size
+    comes back as it is."""
+    images = [photo(*source, seed=i) for i, (source, _) in enumerate(SIZES)] + [photo(56, 84, 1)]
+    sizes = [target for _, target in SIZES] + [(56, 84)]
+    together = batch(images, sizes)
+    for image, size, got in zip(images, sizes, together):
+        assert np.array_equal(got, pil(image, size)), size
+    monkeypatch.setattr(image_resize, "UPLOAD_BYTES", 1)
+    for got, again in zip(together, batch(images, sizes)):
+        assert np.array_equal(got, again)
+
+
+def test_the_batch_lays_out_every_pass_apart():
+    """The plan's regions: the uploaded bytes (tables, lines, images), the first passes' outputs and the results
+    follow one another without overlap, each line writes inside its image's output, and reads inside its source."""
+    shapes, sizes = [(300, 400), (61, 97), (84, 56), (600, 4)], [(290, 410), (140, 40), (84, 56), (420, 28)]
+    plan = image_resize.plan_batch(shapes, sizes)
+    lines = plan.lines
+    # a first pass has a line per source row (columns first) or output row (rows first), a second one per output row
+    first = [h if pillow_rows_first(*shape, h, w) else shape[0] for shape, (h, w) in zip(shapes, sizes)]
+    assert plan.launches == ((0, sum(first) - 84), (sum(first) - 84, sum(first) - 84 + 290 + 140 + 420))
+    inputs = [(at, at + h * w * 3) for at, (h, w) in zip(plan.inputs, shapes)]
+    results = [(at, at + h * w * 3) for at, h, w in plan.results]
+    assert all(end <= start for (_, end), (start, _) in zip(inputs, inputs[1:])) and inputs[-1][1] <= plan.upload
+    assert plan.results[2][0] == plan.inputs[2]  # at its size: the image itself
+    written = sorted((int(r[image_resize.DST]), int(r[image_resize.DST] + r[image_resize.COUNT])) for r in lines)
+    assert all(end <= start for (_, end), (start, _) in zip(written, written[1:]))  # no byte written twice
+    assert written[0][0] >= plan.upload and written[-1][1] <= plan.size
+    for lo, hi in [results[i] for i in (0, 1, 3)]:
+        assert sum(min(hi, e) - max(lo, s) for s, e in written if s < hi and e > lo) == hi - lo  # every byte once
 
 
 def test_an_encoder_resizing_on_the_device_gives_the_hosts_features():
@@ -142,3 +173,19 @@ def test_an_encoder_resizing_on_the_device_gives_the_hosts_features():
 def test_the_resize_on_cuda_is_pillows(source, target):
     image = photo(*source, seed=source[1])
     assert np.array_equal(ours(image, target, "cuda"), pil(image, target))
+
+
+@cuda
+def test_the_kernel_gives_the_tensor_ops_bytes():
+    """kernels.triton_pixels.resample_lines against the tensor ops on the same batch on CUDA (Triton off), and
+    against Pillow: 60 random sizes in one batch."""
+    rng = np.random.default_rng(5)
+    sources = [tuple(int(v) for v in rng.integers(1, 700, 2)) for _ in range(60)]
+    sizes = [tuple(int(v) for v in rng.integers(1, 900, 2)) for _ in range(60)]
+    images = [photo(*source, seed=i) for i, source in enumerate(sources)]
+    fused = batch(images, sizes, "cuda")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(image_resize, "triton_enabled", lambda: False)
+        reference = batch(images, sizes, "cuda")
+    for image, size, a, b in zip(images, sizes, fused, reference):
+        assert np.array_equal(a, b) and np.array_equal(a, pil(image, size)), size

@@ -15,11 +15,12 @@ as those libraries, so the conversion and the resize can run on the GPU beside t
   vertical one, each `clamp((Σ w·x + 2^(p-1)) >> p, 0, 255)`; an axis whose size does not change is not resampled.
 * `frames_from_planes`: both, for a video slice's planes (video_planes.SlicePlanes) on the device that runs it
   (on CUDA fused into two Triton kernels of the same arithmetic, kernels.triton_pixels).
-* Pillow's resize (`pillow_resize_plan`, then `resize`): `Image.resize(BICUBIC)` of a uint8 image, what
-  transformers' PIL image processor runs (Pillow's `libImaging/Resample.c`): the same separable scheme with Pillow's
-  own bicubic expression, weights scaled by 2^22 (rounded half away from zero), each pass
-  `clamp((Σ w·x + 2^21) >> 22, 0, 255)` in 32-bit integers; the rows' pass runs first where the installed Pillow
-  runs it first (`pillow_rows_first`), since each pass rounds to uint8 and the order changes the bytes.
+* Pillow's resize (`axis_resize(pillow=True)`, `pillow_rows_first`; encoder.image_resize runs it on batches of
+  images): `Image.resize(BICUBIC)` of a uint8 image, what transformers' PIL image processor runs (Pillow's
+  `libImaging/Resample.c`): the same separable scheme with Pillow's own bicubic expression, weights scaled by 2^22
+  (rounded half away from zero), each pass `clamp((Σ w·x + 2^21) >> 22, 0, 255)` in 32-bit integers; the rows' pass
+  runs first where the installed Pillow runs it first (`pillow_rows_first`), since each pass rounds to uint8 and
+  the order changes the bytes.
 """
 
 from __future__ import annotations
@@ -197,31 +198,6 @@ def pillow_rows_first(height_in: int, width_in: int, height: int, width: int) ->
     if version >= (12, 2):
         return height_in > width_in * 100 and height < height_in
     return False
-
-
-def pillow_resize_plan(height_in: int, width_in: int, height: int, width: int) -> ResizePlan:
-    """Pillow's `Image.resize((width, height), BICUBIC)` of a uint8 image (no box, no reducing gap), as the
-    installed Pillow computes it."""
-    return ResizePlan(
-        axis_resize(height_in, height, pillow=True) if height != height_in else None,
-        axis_resize(width_in, width, pillow=True) if width != width_in else None,
-        pillow_rows_first(height_in, width_in, height, width),
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _pillow_plan(height_in: int, width_in: int, height: int, width: int, device: str) -> ResizePlan:
-    return pillow_resize_plan(height_in, width_in, height, width).to(device)
-
-
-def pillow_resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 [..., H, W] resized to (height, width) on its device, the bytes of the installed Pillow's
-    `Image.resize((width, height), BICUBIC)` (transformers' PIL image processor); the same size is not filtered, as
-    Pillow returns a copy."""
-    h, w = image.shape[-2:]
-    if (h, w) == (height, width):
-        return image
-    return resize(image, _pillow_plan(h, w, height, width, str(image.device)))
 
 
 def resize(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:

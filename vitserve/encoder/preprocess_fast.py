@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .pixels import pillow_resize, upload
+from .image_resize import pillow_resize_images
+from .pixels import upload
 from .preprocess import EncodedJpeg, ImageError, PreprocessConfig, load_for_device, load_image, target_size
 
 
@@ -120,9 +121,12 @@ def resize_on_device(
 ) -> list[torch.Tensor | ImageError]:
     """Decoded (uint8 [H, W, 3] host arrays, full size) or still encoded (EncodedJpeg) images -> each resized on
     `device` to its (height, width) in `sizes`, uint8 [h, w, 3], by the fast processor's arithmetic (`resize`) or,
-    `exact`, by Pillow's (encoder.pixels: the PIL processor's bytes); an ImageError in place of an image that cannot
-    be decoded (a JPEG neither nvJPEG nor PIL reads), so that only it fails."""
+    `exact`, by Pillow's (encoder.image_resize: the PIL processor's bytes, host arrays only, all in one upload); an
+    ImageError in place of an image that cannot be decoded (a JPEG neither nvJPEG nor PIL reads), so that only it
+    fails."""
     device = torch.device(device)
+    if exact:
+        return list(pillow_resize_images([np.asarray(x) for x in images], sizes, device))
     chw: list = [None] * len(images)
     jpegs = [i for i, x in enumerate(images) if isinstance(x, EncodedJpeg)]
     if jpegs:
@@ -141,7 +145,7 @@ def resize_on_device(
     for i, (image, (h, w)) in enumerate(zip(images, sizes)):
         x = chw[i] if chw[i] is not None else _upload(image, device)
         if not isinstance(x, ImageError):
-            x = (pillow_resize(x, h, w) if exact else resize(x, h, w)).permute(1, 2, 0).contiguous()
+            x = resize(x, h, w).permute(1, 2, 0).contiguous()
         out.append(x)
     return out
 

@@ -359,7 +359,9 @@ class VisionEncoder:
         slices = {i for i, x in enumerate(images) if getattr(x, "ndim", 0) == 4}  # video slices: resized already
         if not sizes:
             sizes = [(0, 0) if i in slices else target_size(x, self.preprocess_config) for i, x in enumerate(images)]
-        todo = [i for i, x in enumerate(images) if i not in slices and (fast or tuple(x.shape[:2]) != tuple(sizes[i]))]
+        todo = [i for i in range(len(images)) if i not in slices]  # (those at their sizes too: one upload)
+        if not fast and all(tuple(images[i].shape[:2]) == tuple(sizes[i]) for i in todo):
+            todo = []  # all at their sizes: the runner uploads them
         if todo:
             resized = preprocess_fast.resize_on_device(
                 [images[i] for i in todo], [sizes[i] for i in todo], self.device, exact=not fast

@@ -6,6 +6,8 @@ same integer arithmetic as the torch ops there, so the same bytes (tests/test_pi
   uint8 [F, 3, H, width]; the RGB frames at the source size never exist.
 * `_rows`: the vertical pass over those, written as [F, height, width, 3], the frames' final layout.
 An axis that does not change is copied through (its flag off), as torch does not resample it.
+* `_resample_lines`: encoder.image_resize's lines (either pass of any image, Pillow's arithmetic), one program per
+  line and block of its output bytes.
 """
 
 from __future__ import annotations
@@ -176,3 +178,35 @@ def frames_from_rows(rows: torch.Tensor, layout, plan, size: tuple[int, int]) ->
         BLOCK=BLOCK,
     )
     return out
+
+
+@triton.jit
+def _resample_lines(buffer_ptr, lines_ptr, index_ptr, weights_ptr, precision, BLOCK: tl.constexpr):
+    line = lines_ptr + tl.program_id(0).to(tl.int64) * 6  # (image_resize.LINE fields: SRC, DST, COUNT, INNER, ...)
+    src, dst, count = tl.load(line), tl.load(line + 1), tl.load(line + 2)
+    inner, table, taps = tl.load(line + 3), tl.load(line + 4), tl.load(line + 5)
+    e = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = e < count
+    j = e // inner
+    t = table + j * taps
+    x = buffer_ptr + src + (e - j * inner)
+    total = tl.zeros([BLOCK], dtype=tl.int32) + (1 << (precision - 1))
+    for k in range(taps):
+        w = tl.load(weights_ptr + t + k, mask=mask, other=0)
+        i = tl.load(index_ptr + t + k, mask=mask, other=0).to(tl.int64)
+        total += tl.load(x + i * inner, mask=mask, other=0).to(tl.int32) * w
+    out = tl.minimum(tl.maximum(total >> precision, 0), 255)
+    tl.store(buffer_ptr + dst + e, out.to(tl.uint8), mask=mask)
+
+
+LINE_BLOCK = 512
+
+
+def resample_lines(
+    buffer: torch.Tensor, lines: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, precision: int, longest: int
+) -> None:
+    """encoder.image_resize's `lines` (int64 [n, 6] on the device, the longest `longest` output bytes) run in one
+    launch over `buffer` (uint8) with the int32 taps' tables `index` and `weights`."""
+    _resample_lines[(lines.shape[0], triton.cdiv(longest, LINE_BLOCK))](
+        buffer, lines, index, weights, precision, BLOCK=LINE_BLOCK
+    )
