@@ -166,23 +166,27 @@ def resample_lines(
     buffer: torch.Tensor, lines: torch.Tensor, host: np.ndarray, index: torch.Tensor, weights: torch.Tensor
 ) -> None:
     """The lines' (`lines` on the buffer's device, `host` the same rows on the host) output bytes written into
-    `buffer` (uint8) from its source bytes, as tensor ops: lines of one shape (output bytes, inner run, taps)
-    together, in steps of at most GATHERED output bytes."""
+    `buffer` (uint8) from its source bytes, as tensor ops in 32-bit integers, as Pillow sums: lines of one shape
+    (output bytes, inner run, taps) together, as [lines, output pixels, inner run], in steps of at most GATHERED
+    output bytes; each tap's weights and indices gathered per output pixel, its source bytes per output byte."""
     shape = host[:, [COUNT, INNER, TAPS]]
     starts = np.flatnonzero(np.r_[True, (shape[1:] != shape[:-1]).any(1)])
+    device = buffer.device
     for a, b in zip(starts, np.r_[starts[1:], len(host)]):
         count, inner, taps = (int(v) for v in shape[a])
-        step = max(1, GATHERED // count)
-        e = torch.arange(count, device=buffer.device)
-        j, c = e // inner, e % inner
-        for s in range(a, b, step):
-            part = lines[s : min(b, s + step)]
+        pixels = torch.arange(count // inner, device=device) * taps
+        run, e = torch.arange(inner, device=device), torch.arange(count, device=device)
+        for s in range(a, b, max(1, GATHERED // count)):
+            part = lines[s : min(b, s + max(1, GATHERED // count))]
             src, dst, table = (part[:, f, None] for f in (SRC, DST, TABLE))
-            total = torch.full((len(part), count), 1 << (PILLOW_PRECISION - 1), dtype=torch.int64, device=buffer.device)
+            total = torch.full((len(part), count // inner, inner), 1 << (PILLOW_PRECISION - 1), device=device)
+            total = total.int()
             for k in range(taps):
-                t = table + j * taps + k
-                total += weights[t].long() * buffer[src + index[t].long() * inner + c].long()
-            buffer[dst + e] = (total >> PILLOW_PRECISION).clamp_(0, 255).to(torch.uint8)
+                t = table + pixels + k  # [lines, output pixels]
+                at = src + index[t].long() * inner
+                total += weights[t][..., None] * buffer[at[..., None] + run].int()
+            out = (total >> PILLOW_PRECISION).clamp_(0, 255).to(torch.uint8)
+            buffer[dst + e] = out.view(len(part), count)
 
 
 def pillow_resize_images(
