@@ -84,9 +84,10 @@ def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_
 
 def test_a_batch_s_answers_are_written_side_by_side_in_order_or_not_at_all(tmp_path, monkeypatch):
     """device_process.written: a batch's outputs are written by several threads at once (one finishing last on
-    purpose) and come back as records in the outputs' order, each over its own file; when one output cannot be
-    written, the batch's answer is its error and every other output's file is removed, including a write that
-    finished after the failure (a write left behind would leak its file)."""
+    purpose; each output a run of its own here, WRITER_BYTES being 1) and come back as records in the outputs'
+    order, each over its own file; when one output cannot be written, the batch's answer is its error and every
+    other output's file is removed, including a write that finished after the failure (a write left behind would
+    leak its file). With the default WRITER_BYTES, small answers are written by the answering thread alone."""
     import itertools
     import threading
     import time
@@ -113,7 +114,24 @@ def test_a_batch_s_answers_are_written_side_by_side_in_order_or_not_at_all(tmp_p
 
     monkeypatch.setattr(spool, "write", write)
     names = (str(tmp_path / f"out-{n}") for n in itertools.count())
-    with ThreadPoolExecutor(device_process.ANSWER_WRITERS) as writers:
+
+    class Counted(ThreadPoolExecutor):
+        handed = 0
+
+        def submit(self, *args, **kwargs):
+            Counted.handed += 1
+            return super().submit(*args, **kwargs)
+
+    with Counted(device_process.ANSWER_WRITERS) as writers:
+        started.append("")  # (no wait: written here, in one run)
+        records, error = device_process.written(outputs, names, writers)
+        assert error is None and Counted.handed == 0 and len(records) == len(outputs)
+        for record in records:
+            if isinstance(record, Output):
+                record.discard()
+    started.clear()
+    monkeypatch.setattr(device_process, "WRITER_BYTES", 1)
+    with Counted(device_process.ANSWER_WRITERS) as writers:
         records, error = device_process.written(outputs, names, writers)
         assert error is None and records is not None and overlapped == [True]
         for record, output in zip(records, outputs):

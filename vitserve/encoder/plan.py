@@ -91,6 +91,16 @@ def block_order(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     return rows.reshape(-1), cols.reshape(-1)
 
 
+@functools.lru_cache(maxsize=128)
+def patch_starts(h: int, w: int, m: int, p: int) -> np.ndarray:
+    """Each patch's first byte in a uint8 RGB [h * p, w * p, 3] image, in merge-block order (int32; read-only:
+    kept per shape, as the runner cuts every image of a repeating mix the same way)."""
+    rows, cols = block_order(h, w, m)
+    starts = ((rows * p * (w * p) + cols * p) * 3).astype(np.int32)
+    starts.setflags(write=False)
+    return starts
+
+
 def _windows(lh: int, lw: int, side: int) -> tuple[np.ndarray, np.ndarray]:
     """Merged-token order and non-empty window sizes for one frame: windows of side x side merged tokens in raster
     order, raster order inside each window (transformers' get_vision_window_index, without its -100 padding; its

@@ -29,7 +29,7 @@ import torch
 from .config import VisionConfig
 from .packing import Batch, Packer
 from .pixels import upload
-from .plan import BatchPlan, TowerInputs, block_order, check_grids, grid_patches, make_plan, to_device
+from .plan import BatchPlan, TowerInputs, check_grids, grid_patches, make_plan, patch_starts, to_device
 from .progress import Progress
 
 log = logging.getLogger("vitserve.runner")
@@ -345,8 +345,7 @@ class GraphRunner:
         for a in arrays:
             height, width = a.shape[-3], a.shape[-2]
             h, w = height // p, width // p
-            rows, cols = block_order(h, w, m)
-            base[row : row + h * w] = offset + (rows * p * width + cols * p) * 3
+            base[row : row + h * w] = offset + patch_starts(h, w, m, p)
             stride[row : row + h * w] = width * 3
             if a.ndim == 4:  # a video slice: its frames follow one another
                 step[row : row + h * w] = height * width * 3

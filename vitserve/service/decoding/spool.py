@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import glob
+import mmap
 import os
 import re
 import tempfile
@@ -158,17 +159,30 @@ def write(path: str, arrays: list) -> bool:
     return True
 
 
+def map_file(path: str, nbytes: int, private: bool = False) -> np.ndarray:
+    """The first `nbytes` bytes of the file at `path` (uint8), mapped read-only or, `private`, copy-on-write (writes
+    stay in this process; the tensors made over an answer are writable); OSError when it is gone or short."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise OSError(f"spool file {path} is short: {size} of {nbytes} bytes")
+        if nbytes == 0:
+            return np.empty(0, np.uint8)
+        if private:
+            pages = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            pages = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        return np.frombuffer(pages, np.uint8)
+    finally:
+        os.close(fd)
+
+
 def mapped(path: str, nbytes: int) -> np.ndarray:
     """The `nbytes` bytes of the file at `path` (uint8), mapped read-only; the file is removed (the mapping keeps its
     pages while it lives), also when mapping fails (OSError: gone, or short)."""
     try:
-        if nbytes == 0:
-            os.stat(path)
-            return np.empty(0, np.uint8)
-        try:
-            return np.memmap(path, np.uint8, mode="r", shape=(nbytes,))
-        except ValueError:  # np.memmap's word for a file shorter than the shape
-            raise OSError(f"spool file {path} is short: {os.path.getsize(path)} of {nbytes} bytes") from None
+        return map_file(path, nbytes)
     finally:
         remove(path)
 

@@ -72,12 +72,10 @@ class Output:
         file is removed unless `keep`."""
         if self.data is not None:
             raw = np.frombuffer(self.data, np.uint8).copy()
-        elif self.nbytes == 0:
-            raw = np.empty(0, np.uint8)
         else:
             assert self.path is not None  # (an Output has its data, or its file)
             try:
-                raw = np.memmap(self.path, np.uint8, mode="c", shape=(self.nbytes,))
+                raw = spool.map_file(self.path, self.nbytes, private=True)
             finally:
                 if not keep:
                     spool.remove(self.path)
