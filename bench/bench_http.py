@@ -179,9 +179,10 @@ def drive(
 ) -> dict:
     """`requests` at `concurrency`, from several client processes so the client's own GIL is not the limit;
     `client_cpu_busiest` is the busiest client process's CPU seconds over the wall time (near 1: client-bound).
-    `images_per_s` counts the whole run, client start-up and tail included; `steady_images_per_s` the middle 80%
-    of the answers (by time), where every client process is sending."""
-    from loadgen import in_processes
+    `images_per_s` counts the whole run, client start-up and tail included; `load_images_per_s` from the first
+    request sent to the last answer (the server's ramp and tail in, the client processes' start out);
+    `steady_images_per_s` the middle 80% of the answers (by time), where every client process is sending."""
+    from loadgen import in_processes, load_rate
 
     processes = max(1, min(processes, concurrency))
     shares = [list(range(requests))[k::processes] for k in range(processes)]
@@ -207,6 +208,7 @@ def drive(
         client_processes=processes,
         failures=sum(r[1] for r in results),
         images_per_s=requests / wall,
+        load_images_per_s=load_rate([(seconds, end) for r in results for _, seconds, end, _ in r[0]]),
         steady_images_per_s=float((len(middle) - 1) / (middle[-1] - middle[0])) if len(middle) > 1 else None,
         p50_ms=float(np.percentile(lat, 50)),
         p99_ms=float(np.percentile(lat, 99)),

@@ -117,10 +117,21 @@ def in_processes(target, jobs: list) -> tuple[list, float]:
     return results, time.perf_counter() - start
 
 
+def load_rate(timed: list[tuple[float, float]]) -> float | None:
+    """Answers per second from the first request sent to the last answer, of (seconds, wall-clock end) per
+    answer."""
+    if not timed:
+        return None
+    first = min(end - seconds for seconds, end in timed)
+    return len(timed) / (max(end for _, end in timed) - first)
+
+
 def run_load(url: str, payloads: list[bytes], requests: int, concurrency: int, processes: int) -> dict:
     """`requests` requests, the k-th sending `payloads[k % len(payloads)]`, from `processes` client processes of
     `concurrency / processes` keep-alive connections each. `images_per_s` counts the whole run (client start-up and
-    tail included), `steady_images_per_s` the middle 80% of the answers by time; `answer_mb_per_s` the answers' body
+    tail included), `load_images_per_s` the server's part of it (from the first request sent to the last answer:
+    its ramp and tail in, the client processes' start out), `steady_images_per_s` the middle 80% of the answers by
+    time; `answer_mb_per_s` the answers' body
     bytes over the whole run (10^6 bytes per MB); `client_cpu_busiest` the busiest client process's CPU over the wall
     time (near 1: the clients are the limit)."""
     global _PAYLOADS
@@ -146,6 +157,7 @@ def run_load(url: str, payloads: list[bytes], requests: int, concurrency: int, p
         failures=sum(r[1] for r in results),
         images_per_s=len(rows) / wall,
         wall_s=wall,
+        load_images_per_s=load_rate([(row[1], row[2]) for row in rows]),
         steady_images_per_s=float((len(middle) - 1) / (middle[-1] - middle[0])) if len(middle) > 1 else None,
         p50_ms=float(np.percentile(lat, 50)),
         p99_ms=float(np.percentile(lat, 99)),
