@@ -7,7 +7,8 @@
    (one client) and at saturating load, and the low-load latency by phase, from the answers' headers (decode, queue,
    inference, serialize; server_rest, the server's time beyond them, from x-server-time: parsing, hashing, the cache,
    the hand-offs between its processes; http_and_rest, the client's time beyond the server's: HTTP and the client,
-   or for a server without x-server-time everything beyond the phases).
+   or for a server without x-server-time everything beyond the phases). The clients are httpx's, each request's
+   body built as vitserve.client builds it (the image's base64 spliced into the JSON as bytes, json_splice).
 Images: the photos shipped by scikit-image (`skimage.data`) when importable, else examples/ resized.
 
     PYTHONPATH=$PWD python3 bench/bench_http.py --out bench_http.json
@@ -40,10 +41,12 @@ from vitserve.encoder import VisionEncoder
 from vitserve.encoder.preprocess import load_image, normalize_lut, preprocess_image, resize_rgb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vitserve.json_splice import json_bytes, placeholder  # noqa: E402
 from vitserve.service.api.outputs import embedding_payload, render_json  # noqa: E402
 from vitserve.service.entry.launch import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+JSON = {"content-type": "application/json"}
 PHASES = ("decode", "queue", "inference", "serialize")  # the answers' x-<phase>-time headers, ms
 
 
@@ -150,10 +153,10 @@ async def _drive(
             nonlocal failures
             async with sem:
                 t = time.perf_counter()
-                r = await client.post(
-                    "/v1/embeddings",
-                    json={"model": model, "input": [uris[i % len(uris)]], "encoding_format": "base64", **extra},
-                )
+                # the body built as vitserve.client builds it: the image's base64 spliced into the JSON as bytes
+                body = {"model": model, "input": [placeholder(0)], "encoding_format": "base64", **extra}
+                content = json_bytes(body, [uris[i % len(uris)].encode()])
+                r = await client.post("/v1/embeddings", content=content, headers=JSON)
                 phases = {p: float(r.headers[f"x-{p}-time"]) for p in PHASES if f"x-{p}-time" in r.headers}
                 if "x-server-time" in r.headers:  # the server's whole time: what of it the phases leave
                     phases["server_rest"] = float(r.headers["x-server-time"]) - sum(phases.values())

@@ -32,6 +32,7 @@ import torch
 
 from .encoder.video import sniff
 from .encoder.vision_encoder import EncodedImage, EncodedVideo
+from .json_splice import json_bytes, placeholder
 
 RETRIED = (429, 503)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # nothing was sent: safe to send again
@@ -187,19 +188,17 @@ def _encode_request(
     named = _multi_modal_uuids(uuids, kinds)
     accept = {"accept": "application/octet-stream"}
     if any(isinstance(x, str) for x in items):
-        sent = [x if isinstance(x, str) else base64.b64encode(x).decode() for x in items]
-        return dict(
-            json={
-                "images": [x for x, v in zip(sent, kinds) if not v],
-                "videos": [x for x, v in zip(sent, kinds) if v],
-                "dtype": dtype,
-                "deepstack": deepstack,
-                "layout": layout,
-                **options,
-                **named,
-            },
-            headers=accept,
-        )
+        sent, blobs = _sent(items)
+        body = {
+            "images": [x for x, v in zip(sent, kinds) if not v],
+            "videos": [x for x, v in zip(sent, kinds) if v],
+            "dtype": dtype,
+            "deepstack": deepstack,
+            "layout": layout,
+            **options,
+            **named,
+        }
+        return _json_request(body, blobs, accept)
     fields = {"dtype": dtype, "deepstack": str(deepstack).lower(), "layout": layout}
     fields |= {name: str(value) for name, value in options.items()}
     fields |= {name: json.dumps(value) for name, value in named.items()}
@@ -243,19 +242,33 @@ def _metadata(body: bytes) -> dict:
     return json.loads(body[8 : 8 + size]).get("__metadata__", {})
 
 
+def _sent(items: list[bytes | str]) -> tuple[list[str], list[bytes]]:
+    """Each item as its JSON string value (a URL as it is; bytes as the placeholder of their base64, json_splice),
+    and the base64 of those bytes, in placeholder order."""
+    sent, blobs = [], []
+    for x in items:
+        if not isinstance(x, str):
+            blobs.append(base64.b64encode(x))
+            x = placeholder(len(blobs) - 1)
+        sent.append(x)
+    return sent, blobs
+
+
+def _json_request(body: dict, blobs: list[bytes], headers: dict | None = None) -> dict:
+    """httpx's arguments for a JSON request whose base64 values are spliced in as bytes (json_splice), not run
+    through json.dumps (which scans every character of megabytes of text)."""
+    return dict(content=json_bytes(body, blobs), headers={"content-type": "application/json", **(headers or {})})
+
+
 def _embed_request(
     items: list[bytes | str], pooling: str, normalize: bool, max_pixels: int | None, modality: str, **video
 ) -> dict:
-    body = {
-        "input": [x if isinstance(x, str) else base64.b64encode(x).decode() for x in items],
-        "pooling": pooling,
-        "normalize": normalize,
-        "encoding_format": "base64",
-    }
+    sent, blobs = _sent(items)
+    body = {"input": sent, "pooling": pooling, "normalize": normalize, "encoding_format": "base64"}
     if modality == "video":
         body["modality"] = modality
     options = dict(video, max_pixels=max_pixels)
-    return dict(json=body | {name: value for name, value in options.items() if value is not None})
+    return _json_request(body | {name: value for name, value in options.items() if value is not None}, blobs)
 
 
 def _embedded(response: httpx.Response) -> list[torch.Tensor]:

@@ -17,21 +17,19 @@ from __future__ import annotations
 import asyncio
 import json
 import mmap
-import secrets
 from typing import TypeVar, cast
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from ...encoder.media import MediaBytes
+from ...json_splice import MARK, MARK_JSON
 from ..decoding.bodies import SHARED, Body, SharedBodies, anonymous
 from .http_errors import ServiceError
 from .landing import LAND
 
 LONG = 4096  # bytes of a string beyond which it stays in the body, unparsed
-_MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder's prefix: no client can write one
 Model = TypeVar("Model", bound=BaseModel)  # what a body is parsed as
-_MARK_JSON = _MARK.replace("\x00", "\\u0000").encode()
 
 
 class Text(MediaBytes):
@@ -189,7 +187,7 @@ def parse_body(
     long = [(s, e) for s, e in scan.spans if e - s > LONG and body[e + 1 : e + 64].lstrip()[:1] != b":"]  # values
     pieces, previous = [], 0
     for i, (start, end) in enumerate(long):
-        pieces += [body[previous : start + 1], _MARK_JSON + str(i).encode()]
+        pieces += [body[previous : start + 1], MARK_JSON + str(i).encode()]
         previous = end
     whole = isinstance(body, (bytes, bytearray)) and size == len(body)
     # a mapping is never whole: its slice, bytes, is what is parsed
@@ -234,9 +232,9 @@ def _restore(value, raw: bool, body, view: memoryview, long: list[tuple[int, int
         return [_restore(v, raw, body, view, long, path) for v in value]
     if isinstance(value, dict):  # its keys are never cut out (a string before a colon stays in the skeleton)
         return {k: _restore(v, raw, body, view, long, path) for k, v in value.items()}
-    if not isinstance(value, str) or not value.startswith(_MARK):
+    if not isinstance(value, str) or not value.startswith(MARK):
         return value
-    start, end = long[int(value[len(_MARK) :])]
+    start, end = long[int(value[len(MARK) :])]
     if raw and body.find(b"\\", start, end) < 0:
         return Text(view[start + 1 : end], None if path is None else (path, start + 1))
     return json.loads(body[start : end + 1])  # escapes (or not an image field): decoded as JSON does

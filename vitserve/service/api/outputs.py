@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import secrets
 import struct
 from collections.abc import Sequence
 
@@ -36,6 +35,7 @@ from starlette.responses import Response
 
 from ...encoder.features import Features, converted, raw_view
 from ...encoder.vision_encoder import DTYPES
+from ...json_splice import placeholder, spliced
 
 OUTPUT_DTYPES = {name: DTYPES[name] for name in dict.fromkeys(str(t).removeprefix("torch.") for t in DTYPES.values())}
 OFF_LOOP_BYTES = 2**20  # an answer's tensors of this many bytes or more are converted and encoded in a thread
@@ -122,30 +122,18 @@ def embedding_payload(t: torch.Tensor, encoding: str):
     return t.reshape(-1).tolist() if encoding == "float" else Base64(t)
 
 
-_MARK = "\x00vitserve-" + secrets.token_hex(8) + "-"  # a placeholder no other value of a response can hold
-
-
 def render_json(content) -> list[bytes]:
     """`content` as JSON (pydantic's serializer; NaN and infinity become null, as in JavaScript), in pieces: the
-    structure between the `Base64` values, and those values themselves."""
+    structure between the `Base64` values, and those values themselves (json_splice)."""
     blobs: list[bytes] = []
 
-    def placeholder(value):
+    def stand_in(value):
         if not isinstance(value, Base64):
             raise TypeError(f"{type(value).__name__} is not JSON serializable")
         blobs.append(value.data)
-        return f"{_MARK}{len(blobs) - 1}"
+        return placeholder(len(blobs) - 1)
 
-    text = to_json(content, inf_nan_mode="null", fallback=placeholder)
-    if not blobs:
-        return [text]
-    mark = to_json(_MARK)[1:-1]  # the placeholder as JSON writes it (its NUL escaped)
-    pieces = text.split(mark)
-    parts = [pieces[0]]
-    for piece in pieces[1:]:
-        index, rest = piece.split(b'"', 1)
-        parts += [blobs[int(index)], b'"' + rest]
-    return parts
+    return spliced(to_json(content, inf_nan_mode="null", fallback=stand_in), blobs)
 
 
 class PartsResponse(Response):
