@@ -41,7 +41,7 @@ from vitserve.encoder import VisionEncoder
 from vitserve.encoder.preprocess import load_image, normalize_lut, preprocess_image, resize_rgb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vitserve.json_splice import json_bytes, placeholder  # noqa: E402
+from vitserve.encoder.json_splice import json_bytes, placeholder  # noqa: E402
 from vitserve.service.api.outputs import embedding_payload, render_json  # noqa: E402
 from vitserve.service.entry.launch import start_server  # noqa: E402
 

@@ -11,7 +11,7 @@ import os
 from pydantic_core import to_json
 
 from vitserve import client
-from vitserve.json_splice import MARK, MARK_JSON, placeholder, spliced
+from vitserve.encoder.json_splice import MARK, MARK_JSON, placeholder, spliced
 
 
 def test_the_mark_is_written_alike_by_both_serializers():

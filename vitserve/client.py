@@ -30,9 +30,9 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
+from .encoder.json_splice import json_bytes, placeholder
 from .encoder.video import sniff
 from .encoder.vision_encoder import EncodedImage, EncodedVideo
-from .json_splice import json_bytes, placeholder
 
 RETRIED = (429, 503)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)  # nothing was sent: safe to send again

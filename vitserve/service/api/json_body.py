@@ -22,8 +22,8 @@ from typing import TypeVar, cast
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from ...encoder.json_splice import MARK, MARK_JSON
 from ...encoder.media import MediaBytes
-from ...json_splice import MARK, MARK_JSON
 from ..decoding.bodies import SHARED, Body, SharedBodies, anonymous
 from .http_errors import ServiceError
 from .landing import LAND

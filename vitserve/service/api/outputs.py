@@ -34,8 +34,8 @@ from pydantic_core import to_json
 from starlette.responses import Response
 
 from ...encoder.features import Features, converted, raw_view
+from ...encoder.json_splice import placeholder, spliced
 from ...encoder.vision_encoder import DTYPES
-from ...json_splice import placeholder, spliced
 
 OUTPUT_DTYPES = {name: DTYPES[name] for name in dict.fromkeys(str(t).removeprefix("torch.") for t in DTYPES.values())}
 OFF_LOOP_BYTES = 2**20  # an answer's tensors of this many bytes or more are converted and encoded in a thread
