@@ -28,6 +28,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
+import pybase64
 import torch
 
 from .encoder.json_splice import json_bytes, placeholder
@@ -248,7 +249,7 @@ def _sent(items: list[bytes | str]) -> tuple[list[str], list[bytes]]:
     sent, blobs = [], []
     for x in items:
         if not isinstance(x, str):
-            blobs.append(base64.b64encode(x))
+            blobs.append(pybase64.b64encode(x))
             x = placeholder(len(blobs) - 1)
         sent.append(x)
     return sent, blobs
