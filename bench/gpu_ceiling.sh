@@ -2,13 +2,14 @@
 # The front-end ceiling alone (bench/frontend.py --parts ceiling: the tower cut to one block, cache off) for this
 # tree beside other checkouts, in ROUNDS rounds whose order rotates, so that a machine's drift over the call falls
 # on every tree alike (one pass in a fixed order ranked trees by their place in it). Prints each tree's min /
-# median / max images/s and server cores, writes ${OUT:-out}/ceiling.json and each run's JSON beside it.
+# median / max images/s and server cores, writes ${OUT:-out}/ceiling.json and runs.tgz (each run's JSON and table:
+# a device call returns at most 8 files).
 #   git worktree add .t1 <commit>; then on the device (carry .whl and the trees; ~20 s a run on one H200):
 #   MODEL=Qwen/Qwen3-VL-8B-Instruct ROUNDS=3 bash bench/gpu_ceiling.sh .baseline .t1
 # REQUESTS: requests a run (6144); FLAGS: extra `vitserve serve` flags for every tree's servers; CPU=1: the tiny
 # tower on the CPU with tiny counts (the same logic, e.g. CPU=1 PYTHON=.venv/bin/python bash bench/gpu_ceiling.sh ..).
 set -u
-out=$(realpath -m "${OUT:-out}"); mkdir -p "$out"
+out=$(realpath -m "${OUT:-out}"); runs=$out/runs; mkdir -p "$runs"
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH=$SITE$PWD
 py=${PYTHON:-python3}
@@ -26,8 +27,8 @@ for ((r = 0; r < ${ROUNDS:-3}; r++)); do
     name=$(basename "$t")-$r
     tree_args=(); [ "$t" = here ] || tree_args=(--server-tree "$t")
     timeout -k 10 "${RUN_LIMIT:-90}" $py bench/frontend.py "${args[@]}" --model "$model" --parts ceiling \
-      --server-flags "${FLAGS:-}" "${tree_args[@]}" --out "$out/ceiling-$name.json" > "$out/ceiling-$name.txt" 2>&1
-    echo "round $r $t: $(grep -E 'ceiling: images' "$out/ceiling-$name.txt" | tail -1 | tr -s ' ')"
+      --server-flags "${FLAGS:-}" "${tree_args[@]}" --out "$runs/ceiling-$name.json" > "$runs/ceiling-$name.txt" 2>&1
+    echo "round $r $t: $(grep -E 'ceiling: images' "$runs/ceiling-$name.txt" | tail -1 | tr -s ' ')"
   done
 done
 $py - "$out" "$model" "${trees[@]}" <<'EOF'
@@ -37,7 +38,7 @@ out, model, trees = sys.argv[1], sys.argv[2], sys.argv[3:]
 rows = {}
 for tree in trees:
     runs = []
-    for path in sorted(glob.glob(os.path.join(out, f"ceiling-{os.path.basename(tree)}-*.json"))):
+    for path in sorted(glob.glob(os.path.join(out, "runs", f"ceiling-{os.path.basename(tree)}-*.json"))):
         ceiling = json.load(open(path))["parts"].get("ceiling") or {}
         if "images_per_s" in ceiling:
             runs.append({"images_per_s": ceiling["images_per_s"], "server_cores": ceiling.get("server_cores")})
@@ -54,3 +55,4 @@ for tree, runs in rows.items():
         print(f"{tree:<14} {0:>4}  (no run finished)")
 json.dump({"model": model, "trees": rows}, open(os.path.join(out, "ceiling.json"), "w"), indent=1)
 EOF
+tar czf "$out/runs.tgz" -C "$out" runs && rm -rf "$runs"

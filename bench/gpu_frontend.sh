@@ -7,7 +7,7 @@
 # and the cached large answers on cache hits, bench/cache.py's miss and hit, the 1-client load with
 # `--preprocess fast`; the engine alone for this tree (the shares of both use it). Each run prints its table; the
 # last table puts the four side by side. Results under ${OUT:-out}/: this-MODEL.json, other-MODEL.json,
-# frontend.json (all four), log.txt.
+# frontend.json (all four), log.txt, profiles.tgz (PROFILE=1: the py-spy profiles, one archive).
 #   git worktree add .baseline <commit>; then on the device: bash bench/gpu_frontend.sh .baseline
 #   (carry .whl and .baseline; the wheels: ../shared/tools/gpu-wheels httptools pybase64 nvidia-cudnn-frontend av)
 # THIS_FLAGS: extra `vitserve serve` flags for this tree's servers (e.g. THIS_FLAGS="--api-servers 4"); OTHER_FLAGS
@@ -94,3 +94,6 @@ run() {  # name, then bench/frontend.py arguments; within RUN_LIMIT, and within 
     done
   fi
 } 2>&1 | tee "$out/log.txt"
+# a device call returns at most 8 files, two folders down: the profiles travel as one archive
+profiles=$(cd "$out" && ls -d profile-* 2>/dev/null)
+[ -n "$profiles" ] && tar czf "$out/profiles.tgz" -C "$out" $profiles && (cd "$out" && rm -rf $profiles)
