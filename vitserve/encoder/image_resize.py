@@ -2,12 +2,13 @@
 processor (encoder.pixels: the weights, each pass `clamp((Σ w·x + 2^21) >> 22, 0, 255)`, the installed Pillow's
 order of passes), in one upload and two kernels whatever the number of images.
 
-Every pass of every image is cut into lines, one row of `Line` fields each: a line is one row of an image resampled
-along it (the columns' pass) or one output row made from whole source rows (the rows' pass), so that a single kernel
-runs either pass of any image from the same arithmetic, `out[dst + e] = Σ_k w[t]·x[src + index[t]·inner + e % inner]`
-with `t = table + (e // inner)·taps + k`. The images' first passes run as one launch, their second passes as the
-next. All of it lies in one device buffer (`ResizeBatch`): the taps' tables, the lines, the images as they came, the
-first passes' outputs, the results; all but the last two go up in one copy from pinned memory.
+Every pass of every image is cut into lines, each a row of LINE int64 fields (SRC ... TAPS): one row of an image
+resampled along it (the columns' pass) or one output row made from whole source rows (the rows' pass), so that a
+single kernel runs either pass of any image from the same arithmetic,
+`out[dst + e] = Σ_k w[t]·x[src + index[t]·inner + e % inner]` with `t = table + (e // inner)·taps + k`. The images'
+first passes run as one launch, their second passes as the next. All of it lies in one device buffer (`ResizeBatch`):
+the taps' tables, the lines, the images as they came, the first passes' outputs, the results; all but the last two
+go up in one copy from pinned memory.
 
 On CUDA with Triton the lines run in kernels.triton_pixels.resample_lines; elsewhere (the CPU, Triton off) in tensor
 ops over the same lines (`resample_lines`), which the GPU tests hold the kernel to.
@@ -30,7 +31,7 @@ from .pixels import PILLOW_PRECISION, axis_resize, pillow_rows_first
 SRC, DST, COUNT, INNER, TABLE, TAPS = range(6)
 LINE = 6
 UPLOAD_BYTES = 1 << 28  # the images' bytes one batch uploads at most (more images: more batches)
-ALIGN = 64
+ALIGN = 64  # each part of the buffer starts on a multiple of it (the int32 and int64 views need 4 and 8)
 GATHERED = 1 << 22  # output bytes the tensor ops compute at once
 
 
@@ -207,6 +208,8 @@ def pillow_resize_images(
 
 
 def _resize_batch(images: list[np.ndarray], sizes: list[tuple[int, int]], device: torch.device) -> list[torch.Tensor]:
+    """One batch: its plan's bytes and the images staged in (pinned) host memory, one copy to the device, each
+    launch's lines run there; the results are views of the device buffer."""
     batch = plan_batch([tuple(x.shape[:2]) for x in images], sizes)
     pinned = device.type == "cuda"
     staged = torch.empty(batch.upload, dtype=torch.uint8, pin_memory=pinned)
