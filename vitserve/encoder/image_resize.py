@@ -102,12 +102,11 @@ def _aligned(n: int) -> int:
 @dataclass(frozen=True)
 class ResizeBatch:
     """Images resized together, laid out in one uint8 buffer of `size` bytes: the taps' tables (int32 source
-    indices at `index`, weights at `weights`, `taps` of each), the lines (int64 [rows, LINE] at `lines_at`: the
+    indices from its start, weights at `weights`, `taps` of each), the lines (int64 [rows, LINE] at `lines_at`: the
     first passes' rows, then the second ones', `launches` their (start, end) rows), the images as they come
     (`inputs`: each one's offset; the uploaded bytes end at `upload`), the first passes' outputs, the results
     (`results`: each image's offset, height, width). `host` holds the uploaded bytes before the images'."""
 
-    index: int
     weights: int
     taps: int
     lines_at: int
@@ -160,7 +159,7 @@ def plan_batch(shapes: list[tuple[int, int]], sizes: list[tuple[int, int]]) -> R
             rows[k] += len(part)
         table += p.index.size
     launches = ((0, counts[0]), (counts[0], counts[0] + counts[1]))
-    return ResizeBatch(0, weights_at, taps, lines_at, launches, inputs, upload, at, results, host)
+    return ResizeBatch(weights_at, taps, lines_at, launches, inputs, upload, at, results, host)
 
 
 def resample_lines(
@@ -177,11 +176,12 @@ def resample_lines(
         count, inner, taps = (int(v) for v in shape[a])
         pixels = torch.arange(count // inner, device=device) * taps
         run, e = torch.arange(inner, device=device), torch.arange(count, device=device)
-        for s in range(a, b, max(1, GATHERED // count)):
-            part = lines[s : min(b, s + max(1, GATHERED // count))]
+        step = max(1, GATHERED // count)
+        for s in range(a, b, step):
+            part = lines[s : min(b, s + step)]
             src, dst, table = (part[:, f, None] for f in (SRC, DST, TABLE))
-            total = torch.full((len(part), count // inner, inner), 1 << (PILLOW_PRECISION - 1), device=device)
-            total = total.int()
+            half = 1 << (PILLOW_PRECISION - 1)
+            total = torch.full((len(part), count // inner, inner), half, dtype=torch.int32, device=device)
             for k in range(taps):
                 t = table + pixels + k  # [lines, output pixels]
                 at = src + index[t].long() * inner
@@ -219,16 +219,16 @@ def _resize_batch(images: list[np.ndarray], sizes: list[tuple[int, int]], device
         view[at : at + x.nbytes].reshape(x.shape)[...] = x
     buffer = torch.empty(batch.size, dtype=torch.uint8, device=device)
     buffer[: batch.upload].copy_(staged, non_blocking=pinned)
-    index, weights = (buffer[at : at + batch.taps * 4].view(torch.int32) for at in (batch.index, batch.weights))
+    index, weights = (buffer[at : at + batch.taps * 4].view(torch.int32) for at in (0, batch.weights))
     host = batch.lines
     lines = buffer[batch.lines_at : batch.lines_at + host.nbytes].view(torch.int64).view(-1, LINE)
     fused = pinned and triton_enabled()
+    if fused:
+        from .kernels.triton_pixels import resample_lines as fused_lines
     for start, end in batch.launches:
         if end == start:
             continue
         if fused:
-            from .kernels.triton_pixels import resample_lines as fused_lines
-
             fused_lines(buffer, lines[start:end], index, weights, PILLOW_PRECISION, int(host[start:end, COUNT].max()))
         else:
             resample_lines(buffer, lines[start:end], host[start:end], index, weights)
