@@ -3,7 +3,11 @@ torch's own conversions and h11's own framing, without the copies those make."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import threading
+import time
+from types import SimpleNamespace
 
 import h11
 import numpy as np
@@ -12,8 +16,24 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from vitserve.encoder.features import SERIAL_ELEMENTS, Features, converted
+from starlette.requests import Request
+
+from vitserve.service.api.encoding import answer
 from vitserve.service.api.http import CountedConnection
-from vitserve.service.api.outputs import OUTPUT_DTYPES, b64, raw_bytes, render_json, safetensors_parts
+from vitserve.service.api.outputs import (
+    OFF_LOOP_BYTES,
+    OUTPUT_DTYPES,
+    PartsResponse,
+    answer_bytes,
+    b64,
+    laid_out,
+    raw_bytes,
+    render_json,
+    safetensors_parts,
+    work_bytes,
+)
+from vitserve.service.ground.metrics import Metrics
+from vitserve.service.pipeline.encoded import Encoded
 
 DTYPES = list(OUTPUT_DTYPES.values())
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -94,6 +114,51 @@ def test_base64_is_of_the_converted_tensors_raw_bytes(target):
     want = converted(t, target)
     (piece,) = [p for p in render_json({"a": [b64(want)]}) if len(p) > 100]
     assert piece == base64.b64encode(want.view(BITS[target]).numpy().tobytes())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("layout", ["tokens", "vllm"])
+@pytest.mark.parametrize("raw", [True, False])
+@pytest.mark.parametrize("deep", [True, False])
+def test_work_bytes_are_none_exactly_where_the_answer_is_views_of_the_tensors(dtype, layout, raw, deep):
+    """`work_bytes` says 0 only for an answer whose body pieces are the tensors' own memory (safetensors in their
+    dtype, not packed); every conversion, packing (vLLM's layout of a deepstack tower) or base64 counts all the
+    tensor bytes: those builds run in a thread, the others on the loop."""
+    tokens = awkward(torch.bfloat16, 3, 40)
+    items = [Features(tokens, [awkward(torch.bfloat16, 3, 40) * 2] if deep else [], (1, 2, 6))]
+    work = work_bytes(items, dtype, layout, raw)
+    views = raw and dtype == "bfloat16" and not (layout == "vllm" and deep)
+    assert work == (0 if views else answer_bytes(items))
+    if raw:
+        parts = safetensors_parts([laid_out(item, layout) for item in items], dtype, {})
+        own = {t.data_ptr() for item in items for t in (item.tokens, *item.deepstack)}
+        assert all(np.frombuffer(p, np.uint8).ctypes.data in own for p in parts[1:]) == views
+
+
+@pytest.mark.parametrize("work", [0, OFF_LOOP_BYTES - 1, OFF_LOOP_BYTES, None])
+def test_an_answer_is_built_in_a_thread_only_where_its_build_works_over_off_loop_bytes(work):
+    """A 16 MB answer whose build touches none of its bytes (work 0) is built on the event loop's thread, without two
+    hand-offs to and from a thread; one that converts or encodes OFF_LOOP_BYTES or more (by default all of its
+    bytes) in another thread, so that the loop never waits on megabytes of conversion."""
+    served = SimpleNamespace(engine=SimpleNamespace(metrics=Metrics()))
+    request = Request({"type": "http", "method": "POST", "path": "/v1/encode", "headers": []})
+    request.state.arrived = time.perf_counter()
+    features = Features(torch.zeros(1024, 4096), [], (1, 32, 128))
+    result = Encoded([features], 0.0, 0.0, 0.0, 1)
+    threads = []
+
+    def build():
+        threads.append(threading.current_thread())
+        return PartsResponse([b"{}"])
+
+    async def run():
+        response = await answer(served, request, result, build, work)
+        return response, threading.current_thread()
+
+    response, loop_thread = asyncio.run(run())
+    assert answer_bytes(result.outputs) >= 16 * 2**20 and response.headers["x-cache-hits"] == "1"
+    in_thread = work is None or work >= OFF_LOOP_BYTES
+    assert (threads[0] is not loop_thread) == in_thread
 
 
 def _sending(conn: h11.Connection | CountedConnection, events: list) -> list:

@@ -21,7 +21,7 @@ from .encoding import answer_beside_files, encode_media, encode_with_identifiers
 from .http_errors import ServiceError
 from .inputs import decode_input
 from .json_body import read_json
-from .outputs import PartsResponse, encode_data, json_response, laid_out, safetensors_parts
+from .outputs import PartsResponse, encode_data, json_response, laid_out, safetensors_parts, work_bytes
 from .responses import EncodeAnswer, errors, json_and_binary
 from .schemas import EncodeForm, EncodeRequest, check_uuid_counts, request_body
 from .served import Served, served
@@ -112,10 +112,12 @@ async def encode(request: Request) -> Response:
         ),
     )
 
+    raw = "application/octet-stream" in request.headers.get("accept", "")
+
     def build() -> Response:
         tokens = request.state.tokens
         answers = [laid_out(item, body.layout) for item in result.outputs]
-        if "application/octet-stream" in request.headers.get("accept", ""):
+        if raw:
             metadata = {
                 "model": api.settings.model.name,
                 "grid_thw": json.dumps([item.grid for item in answers]),
@@ -142,4 +144,5 @@ async def encode(request: Request) -> Response:
             }
         )
 
-    return await answer_beside_files(api, request, result, build, ids, wait=False)
+    work = work_bytes(result.outputs, body.dtype, body.layout, raw)
+    return await answer_beside_files(api, request, result, build, ids, wait=False, work=work)

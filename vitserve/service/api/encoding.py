@@ -148,12 +148,14 @@ def merged(images: Encoded | None, videos: Encoded, order: list[bool]) -> Encode
     )
 
 
-async def answer(served: Served, request: Request, result: Encoded, build) -> Response:
-    """The response `build()` makes (in a thread for an answer of `OFF_LOOP_BYTES` or more: its conversions and
-    base64 are bytes work), timed as the serialize phase; every phase in the headers (ms), and the server's whole
-    time so far (`x-server-time`: from the request reaching the app to its answer built, the phases included)."""
+async def answer(served: Served, request: Request, result: Encoded, build, work: int | None = None) -> Response:
+    """The response `build()` makes (in a thread where it works over `OFF_LOOP_BYTES` or more: conversions and
+    base64 are bytes work; `work`: the bytes it converts or encodes, outputs.work_bytes, default all of the
+    answer's), timed as the serialize phase; every phase in the headers (ms), and the server's whole time so far
+    (`x-server-time`: from the request reaching the app to its answer built, the phases included)."""
     start = time.perf_counter()
-    response = await asyncio.to_thread(build) if answer_bytes(result.outputs) >= OFF_LOOP_BYTES else build()
+    work = answer_bytes(result.outputs) if work is None else work
+    response = await asyncio.to_thread(build) if work >= OFF_LOOP_BYTES else build()
     seconds = time.perf_counter() - start
     served.engine.metrics.serialize_seconds.observe(seconds)
     served.engine.metrics.record("serialize", seconds)
@@ -186,21 +188,28 @@ async def encode_with_identifiers(served: Served, items: list[MediaItem], encode
 
 
 async def answer_beside_files(
-    served: Served, request: Request, result: Encoded, build, ids: list[str] | None, wait: bool = True
+    served: Served,
+    request: Request,
+    result: Encoded,
+    build,
+    ids: list[str] | None,
+    wait: bool = True,
+    work: int | None = None,
 ) -> Response:
-    """`answer`, with the items' files written beside its serialization (where `ids`). `wait`: the
+    """`answer` (`work`: its build's bytes work), with the items' files written beside its serialization (where
+    `ids`). `wait`: the
     answer is sent once the files are in place too (whoever has it finds them: the proxy's request); else as soon as
     it is built (/v1/encode: its answer is the embeddings, never slowed by the files), the files following within
     milliseconds (a failure is logged and counted)."""
     if ids is None:
-        return await answer(served, request, result, build)
+        return await answer(served, request, result, build, work)
     assert served.files is not None  # (identifiers only where the tier writes files)
     files = asyncio.ensure_future(served.files.write(ids, result.outputs))
     if not wait:
         files.add_done_callback(served.files.written)
-        return await answer(served, request, result, build)
+        return await answer(served, request, result, build, work)
     try:
-        response = await answer(served, request, result, build)
+        response = await answer(served, request, result, build, work)
     finally:
         await files
     return response

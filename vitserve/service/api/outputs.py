@@ -15,9 +15,11 @@ memory.
 
 Each item is a `Features` (encoder/features.py: tokens, deepstack, grid, a video's timing), as the engine answers
 it (`Encoded.outputs`); `laid_out` puts one in a consumer's layout (`vllm`: `Features.packed`). Conversions and
-packing run on the calling thread alone (`converted`, `Features.packed`; encoder/features.py says why). An answer of
-`OFF_LOOP_BYTES` or more is built off the event loop (service/api/encoding.py runs `build` in a thread): conversions
-and base64 release the GIL.
+packing run on the calling thread alone (`converted`, `Features.packed`; encoder/features.py says why). An answer
+whose build converts, packs or encodes `OFF_LOOP_BYTES` or more (`work_bytes`) is built off the event loop
+(service/api/encoding.py runs `build` in a thread): conversions and base64 release the GIL. One whose build touches
+no byte of its tensors (safetensors in their own dtype, not packed: a cache hit's usual answer) is built on the loop,
+in microseconds, without the thread's two hand-offs.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ...encoder.json_splice import placeholder, spliced
 from ...encoder.vision_encoder import DTYPES
 
 OUTPUT_DTYPES = {name: DTYPES[name] for name in dict.fromkeys(str(t).removeprefix("torch.") for t in DTYPES.values())}
-OFF_LOOP_BYTES = 2**20  # an answer's tensors of this many bytes or more are converted and encoded in a thread
+OFF_LOOP_BYTES = 2**20  # an answer whose build works over this many bytes or more is built in a thread
 
 
 def laid_out(item: Features, layout: str) -> Features:
@@ -95,6 +97,17 @@ def encode_data(items: list[Features], dtype: str, deepstack: bool, ids: list[st
 def answer_bytes(items: list[Features]) -> int:
     """The bytes of every item's tensors in an answer, in the dtype the engine returned them."""
     return sum(item.nbytes for item in items)
+
+
+def work_bytes(items: list[Features], dtype: str, layout: str = "tokens", raw: bool = True) -> int:
+    """The tensor bytes that building /v1/encode's answer of `items` reads and writes: none for a `raw` (safetensors)
+    answer whose tensors are in `dtype` already and are not packed (`laid_out`): its pieces are views of their
+    memory; else all of them (converted, packed, or base64-encoded)."""
+    out = OUTPUT_DTYPES[dtype]
+    packs = layout == "vllm" and any(item.deepstack for item in items)
+    if raw and not packs and all(t.dtype == out for item in items for t in (item.tokens, *item.deepstack)):
+        return 0
+    return answer_bytes(items)
 
 
 class Base64:
