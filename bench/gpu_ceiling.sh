@@ -6,6 +6,8 @@
 # a device call returns at most 8 files).
 #   git worktree add .t1 <commit>; then on the device (carry .whl and the trees; ~20 s a run on one H200):
 #   MODEL=Qwen/Qwen3-VL-8B-Instruct ROUNDS=3 bash bench/gpu_ceiling.sh .baseline .t1
+# An entry TREE::FLAGS runs TREE's servers with those extra flags too, as a run of its own (`here` is this tree):
+#   bash bench/gpu_ceiling.sh "here::--devices cuda:0,cuda:0"   (this tree with one and with two device processes)
 # REQUESTS: requests a run (6144); FLAGS: extra `vitserve serve` flags for every tree's servers; CPU=1: the tiny
 # tower on the CPU with tiny counts (the same logic, e.g. CPU=1 PYTHON=.venv/bin/python bash bench/gpu_ceiling.sh ..).
 set -u
@@ -21,38 +23,45 @@ else
   model=${MODEL:-Qwen/Qwen3-VL-8B-Instruct} args=(--device cuda:0 --ceiling-requests "${REQUESTS:-6144}")
 fi
 n=${#trees[@]}
+label() {  # an entry's name in file names: the tree's folder name, and its flags' words joined by _
+  local t=${1%%::*} extra=; [ "$1" = "$t" ] || extra=${1#*::}
+  echo "$(basename "$t")$(echo " $extra" | tr -s ' ' '_' | tr -cd 'A-Za-z0-9_.,=-' | sed 's/_$//')"
+}
 for ((r = 0; r < ${ROUNDS:-3}; r++)); do
   for ((i = 0; i < n; i++)); do
-    t=${trees[(i + r) % n]}
-    name=$(basename "$t")-$r
+    entry=${trees[(i + r) % n]}
+    t=${entry%%::*} extra=; [ "$entry" = "$t" ] || extra=${entry#*::}
+    name=$(label "$entry")-$r
     tree_args=(); [ "$t" = here ] || tree_args=(--server-tree "$t")
     timeout -k 10 "${RUN_LIMIT:-90}" $py bench/frontend.py "${args[@]}" --model "$model" --parts ceiling \
-      --server-flags "${FLAGS:-}" "${tree_args[@]}" --out "$runs/ceiling-$name.json" > "$runs/ceiling-$name.txt" 2>&1
-    echo "round $r $t: $(grep -E 'ceiling: images' "$runs/ceiling-$name.txt" | tail -1 | tr -s ' ')"
+      --server-flags "${FLAGS:-} $extra" "${tree_args[@]}" --out "$runs/ceiling-$name.json" \
+      > "$runs/ceiling-$name.txt" 2>&1
+    echo "round $r $entry: $(grep -E 'ceiling: images' "$runs/ceiling-$name.txt" | tail -1 | tr -s ' ')"
   done
 done
-$py - "$out" "$model" "${trees[@]}" <<'EOF'
+labels=(); for entry in "${trees[@]}"; do labels+=("$entry" "$(label "$entry")"); done
+$py - "$out" "$model" "${labels[@]}" <<'EOF'
 import glob, json, os, statistics, sys
 
-out, model, trees = sys.argv[1], sys.argv[2], sys.argv[3:]
+out, model, pairs = sys.argv[1], sys.argv[2], sys.argv[3:]
 rows = {}
-for tree in trees:
+for tree, label in zip(pairs[::2], pairs[1::2]):
     runs = []
-    for path in sorted(glob.glob(os.path.join(out, "runs", f"ceiling-{os.path.basename(tree)}-*.json"))):
+    for path in sorted(glob.glob(os.path.join(out, "runs", f"ceiling-{label}-[0-9]*.json"))):
         ceiling = json.load(open(path))["parts"].get("ceiling") or {}
         if "images_per_s" in ceiling:
             runs.append({"images_per_s": ceiling["images_per_s"], "server_cores": ceiling.get("server_cores")})
     rows[tree] = runs
 print(f"\nfront-end ceiling, {model}: images/s (server cores), per tree over its runs")
-print(f"{'tree':<14} {'runs':>4} {'min':>8} {'median':>8} {'max':>8} {'cores':>6}")
+print(f"{'tree':<40} {'runs':>4} {'min':>8} {'median':>8} {'max':>8} {'cores':>6}")
 for tree, runs in rows.items():
     rates = [r["images_per_s"] for r in runs]
     cores = [r["server_cores"] for r in runs if r["server_cores"] is not None]
     if rates:
-        print(f"{tree:<14} {len(rates):>4} {min(rates):>8.1f} {statistics.median(rates):>8.1f} {max(rates):>8.1f} "
+        print(f"{tree:<40} {len(rates):>4} {min(rates):>8.1f} {statistics.median(rates):>8.1f} {max(rates):>8.1f} "
               f"{statistics.median(cores) if cores else float('nan'):>6.1f}")
     else:
-        print(f"{tree:<14} {0:>4}  (no run finished)")
+        print(f"{tree:<40} {0:>4}  (no run finished)")
 json.dump({"model": model, "trees": rows}, open(os.path.join(out, "ceiling.json"), "w"), indent=1)
 EOF
 tar czf "$out/runs.tgz" -C "$out" runs && rm -rf "$runs"

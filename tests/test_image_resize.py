@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vitserve.encoder import VisionEncoder, image_resize, pixels
+from vitserve.encoder import VisionEncoder, image_resize, pixels, vision_encoder
 from vitserve.encoder.image_resize import pillow_resize_images
 from vitserve.encoder.pixels import pillow_rows_first
 
@@ -166,6 +166,35 @@ def test_an_encoder_resizing_on_the_device_gives_the_hosts_features():
         assert a.grid_thw == b.grid_thw and torch.equal(a.embeddings, b.embeddings)
     with pytest.raises(ValueError, match="image_resize"):
         VisionEncoder.from_pretrained("tiny-qwen3-vl", load_format="dummy", image_resize="gpu")
+
+
+@pytest.mark.parametrize(
+    "preprocess, on_device, device, warmed",
+    [
+        ("exact", True, "cuda", True),
+        ("exact", False, "cuda", False),
+        ("fast", True, "cuda", False),
+        ("exact", True, "cpu", False),
+    ],
+)
+def test_capture_runs_the_resize_once_where_requests_will(monkeypatch, preprocess, on_device, device, warmed):
+    """An encoder whose exact preprocessing resizes on a CUDA device runs its resize once at capture, both passes,
+    so that the kernel's first launch (Triton's compile or its load) is not the first request's; elsewhere (the
+    host resizes, fast preprocessing's own resize, the CPU's tensor ops) nothing runs. (The encoder here is on the
+    CPU, told it is on CUDA; the resize and the sync are recorded.)"""
+    encoder = VisionEncoder.from_pretrained("tiny-qwen3-vl", load_format="dummy", capture=False)
+    encoder.preprocess_mode, encoder.resize_on_device, encoder.device = preprocess, on_device, torch.device(device)
+    calls = []
+    monkeypatch.setattr(encoder.runner, "capture", lambda: calls.append("capture"))
+    monkeypatch.setattr(vision_encoder, "pillow_resize_images", lambda *args: calls.append(("resize", *args)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", device)))
+    encoder.capture()
+    assert calls[0] == "capture" and len(calls) == (3 if warmed else 1)
+    if warmed:
+        (_, images, sizes, at), sync = calls[1:]
+        assert at == torch.device("cuda") and sync == ("sync", at)
+        passes = image_resize.plan_batch([x.shape[:2] for x in images], sizes).launches
+        assert all(end > start for start, end in passes)  # the first passes' launch and the second's
 
 
 @cuda

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load as safetensors_load
-
-from vitserve.encoder.features import SERIAL_ELEMENTS, Features, converted
 from starlette.requests import Request
 
+from vitserve.encoder.features import SERIAL_ELEMENTS, Features, converted
 from vitserve.service.api.encoding import answer
 from vitserve.service.api.http import CountedConnection
 from vitserve.service.api.outputs import (

@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, cast
 
+import numpy as np
 import torch
 from PIL import Image
 
 from . import checkpoint, preprocess_fast, video
 from .config import LOAD_FORMATS, VisionConfig, builtin_config
 from .features import Features
+from .image_resize import pillow_resize_images
 from .pixels import frames_from_planes, slices_from_planes, upload
 from .plan import Grid
 from .preprocess import (
@@ -244,8 +246,13 @@ class VisionEncoder:
         return self.tower.attention.name
 
     def capture(self) -> None:
-        """Capture the CUDA graphs of every budget (done by from_pretrained unless capture=False)."""
+        """Capture the CUDA graphs of every budget (done by from_pretrained unless capture=False). Where exact
+        preprocessing resizes on a CUDA device, its resize kernel runs once too: its first launch (Triton's compile,
+        or its load from Triton's cache on disk) is paid here, not by the first request's batch."""
         self.runner.capture()
+        if self.resize_on_device and self.preprocess_mode == "exact" and self.device.type == "cuda":
+            pillow_resize_images([np.zeros((8, 8, 3), np.uint8)], [(16, 16)], self.device)  # (both passes)
+            torch.cuda.synchronize(self.device)
 
     @classmethod
     def from_pretrained(
