@@ -130,6 +130,22 @@ def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct
         assert metric(url, "vitserve_cache_known_hits_total") >= known + 3
         assert metric(url, images_total) == before[1] + 1
 
+        # an entry one front end computed is told to the other (Stored): its first hit there needs no Lookup either
+        fresh = png(72, 48, 9)
+        assert posts(url, [{"input": [data_uri(fresh)]}], connections=1)[0].status_code == 200
+        time.sleep(0.5)  # (the record reached the other front end's pipe before the answer left: here it is read)
+        computed_by = [front(line) for line in proc.log if "cache_hits=0" in line and "images=1" in line][-1]
+        known, hits, start = metric(url, "vitserve_cache_known_hits_total"), 0, len(proc.log)
+        for _ in range(50):  # new connections until the other front end answers a hit
+            for r in posts(url, [{"input": [data_uri(fresh)]}] * 2, connections=2):
+                assert r.status_code == 200 and r.headers["x-cache-hits"] == "1", r.text
+            hits += 2
+            if {front(line) for line in proc.log[start:] if "cache_hits=1" in line} - {computed_by}:
+                break
+        else:
+            raise AssertionError("no other front end answered the fresh image from the cache")
+        assert metric(url, "vitserve_cache_known_hits_total") == known + hits  # every hit answered without a Lookup
+
         # the same image twice in one request, and one claimed by a concurrent request: one answer each
         twice = posts(url, [{"input": [data_uri(IMAGES[5]), data_uri(IMAGES[5])]}] * 3, connections=3)
         for r in twice:

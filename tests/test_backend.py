@@ -216,3 +216,74 @@ def test_a_front_end_answers_an_entry_it_knows_from_its_mapping_until_the_core_s
 
     asyncio.run(main())
     assert metrics.registry.get_sample_value("vitserve_cache_known_hits_total") == 2
+
+
+def test_the_core_tells_every_other_front_end_of_the_entries_a_batch_stored(tmp_path):
+    """A batch's stored entries go to each front end but the one whose request computed them (it has them in its
+    answers), so that any front end answers their next hit without a Lookup."""
+    from vitserve.service.entry.core import Core, Link
+    from vitserve.service.pipeline.core_link import Stored
+
+    core = Core(Settings.of(model="tiny-qwen3-vl", load_format="dummy", device="cpu", spool_dir=str(tmp_path)), 3)
+    heard: list[list] = [[], [], []]
+    core.links = [Link(i, SimpleNamespace(send=heard[i].append), None) for i in range(3)]
+    assert core.backend.stored == core.stored
+    a, b = object(), object()
+    core.stored([(b"a", a, core.links[0]), (b"b", b, core.links[1])])
+    assert heard == [[Stored([(b"b", b)])], [Stored([(b"a", a)])], [Stored([(b"a", a), (b"b", b)])]]
+
+
+def test_a_front_end_answers_an_entry_stored_for_another_from_its_file(tmp_path, monkeypatch):
+    """An entry the core stored for another front end (`Stored`) is answered here from its file at its first hit,
+    with no Lookup sent (the core is told with Touched), and known from then on; one whose file is gone by its hit
+    (evicted meanwhile) is asked of the core; an evicted one (`Evicted`) is forgotten; the records kept are bounded
+    (KNOWN_ENTRIES), the oldest going first."""
+    import asyncio
+    import multiprocessing
+
+    from vitserve.service.devices.device_protocol import Output, packed
+    from vitserve.service.pipeline import hub as hub_module
+    from vitserve.service.pipeline.core_link import Evicted, Looked, Lookup, Stored, Touched
+    from vitserve.service.pipeline.hub import HubBackend
+
+    monkeypatch.setattr(hub_module, "KNOWN_ENTRIES", 3)
+    tokens = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    records = {}
+    for key in (b"k", b"gone", b"evicted", b"old", b"new"):
+        records[key] = packed((tokens, [tokens + 1]), str(tmp_path / key.decode()))
+        assert isinstance(records[key], Output) and records[key].path is not None
+        records[key].grid = (1, 2, 6)
+    (tmp_path / "gone").unlink()
+    core_end, front_end = multiprocessing.Pipe()
+    metrics = Metrics()
+    hub = HubBackend(front_end, Lifecycle(metrics), ["cpu"], lambda kind: {}, metrics)
+
+    async def next_record():
+        assert await asyncio.to_thread(core_end.poll, 5), "the front end sent nothing"
+        return core_end.recv()
+
+    async def main():
+        await hub.start()
+        assert type(await next_record()).__name__ == "Up"
+        core_end.send(Stored([(key, records[key]) for key in (b"k", b"gone", b"evicted")]))
+        await until(lambda: len(hub.named) == 3, 5, "the stored records kept")
+        (hit,) = await hub.lookup([b"k"])
+        assert torch.equal(hit.tokens, tokens) and torch.equal(hit.deepstack[0], tokens + 1) and hit.grid == [1, 2, 6]
+        told = await next_record()
+        assert isinstance(told, Touched) and told.keys == [b"k"] and b"k" in hub.known and b"k" not in hub.named
+        gone = asyncio.ensure_future(hub.lookup([b"gone"]))
+        asked = await next_record()
+        assert isinstance(asked, Lookup) and asked.keys == [b"gone"]
+        core_end.send(Looked(asked.id, [None]))
+        assert await gone == [None]
+        core_end.send(Evicted([b"evicted"]))
+        await until(lambda: b"evicted" not in hub.named, 5, "the evicted record forgotten")
+        core_end.send(Stored([(key, records[key]) for key in (b"old", b"new", b"k")]))  # k: known already
+        await until(lambda: b"new" in hub.named, 5, "the newer records kept")
+        assert list(hub.named) == [b"old", b"new"]
+        core_end.send(Stored([(b"a", records[b"k"]), (b"b", records[b"k"])]))
+        await until(lambda: b"b" in hub.named, 5, "the newest records kept")
+        assert list(hub.named) == [b"new", b"a", b"b"]  # three at most: the oldest went
+
+    asyncio.run(main())
+    assert metrics.registry.get_sample_value("vitserve_cache_known_hits_total") == 1

@@ -57,6 +57,7 @@ from ..pipeline.core_link import (
     Scraped,
     Settled,
     Status,
+    Stored,
     Submit,
     Touched,
     Up,
@@ -132,6 +133,7 @@ class Core:
         )
         self.links: list[Link] = []
         self.backend.cache.evicted = self.evicted
+        self.backend.stored = self.stored
         self.replaced = 0  # front ends that died and were started again
         self.scrapes: dict[int, dict] = {}
         self.scrape_ids = itertools.count()
@@ -179,6 +181,15 @@ class Core:
         record = Evicted(keys)
         for link in list(self.links):
             link.send(record)
+
+    def stored(self, entries: list) -> None:
+        """A batch's entries the cache stored, (key, Output record, origin) each: every other front end hears of
+        them before their own front end is answered, so that a hit on one is answered from its file by whichever
+        front end gets it, without a Lookup."""
+        for link in list(self.links):
+            told = [(key, record) for key, record, origin in entries if origin is not link]
+            if told:
+                link.send(Stored(told))
 
     def fail(self, reason: str) -> None:
         self.life.fail(reason)

@@ -27,7 +27,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import cast
+from typing import Callable, cast
 
 from ...encoder.features import Features
 from ...encoder.preprocess import ImageError
@@ -121,6 +121,8 @@ class LocalBackend:
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.started, self.load_seconds = time.time(), 0.0
         self.origin: Futures | None = None
+        # each batch's entries the cache stored as records (key, Output, origin): the core tells its front ends
+        self.stored: Callable[[list], None] = lambda entries: None
 
     # -- lifecycle
     async def start(self) -> None:
@@ -236,19 +238,24 @@ class LocalBackend:
     def done(
         self, worker: DeviceWorker, batch: list[WorkItem], outputs, error: EngineError | None, seconds: float
     ) -> None:
-        """The one batch accounting: the batch's metrics, each item's answer kept by the cache where it has a key,
-        and delivered to its origin (one delivery per origin)."""
+        """The one batch accounting: the batch's metrics, each item's answer kept by the cache where it has a key
+        (those kept as records told to `stored` first), and delivered to its origin (one delivery per origin)."""
         try:
             if error is not None and error.code == "device_lost":
                 self.life.fail(error.message)
             if error is None:
                 self._count(worker, batch, seconds)
             by_origin: dict[Origin, list[Result]] = collections.defaultdict(list)
+            stored = []
             for n, item in enumerate(batch):
                 result = Result(item, error=error) if error is not None else self._result(item, outputs[n], seconds)
                 if item.key is not None:
                     result.keep = self.cache.settle(item.key, self._entry(result))
+                    if result.keep and isinstance(result.output, Output):
+                        stored.append((item.key, result.output, item.origin))
                 by_origin[cast(Origin, item.origin)].append(result)  # (set where it was submitted)
+            if stored:
+                self.stored(stored)
             for origin, results in by_origin.items():
                 origin.deliver(results)
         except Exception as e:  # a fault here would leave the batch's requests waiting: the server restarts instead

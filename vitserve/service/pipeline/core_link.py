@@ -99,9 +99,18 @@ class Evicted:
 
 
 @dataclass
+class Stored:
+    """Core -> every front end but the one that asked: cache entries a batch stored, (key, Output record) each, so
+    that a later hit on one of them is answered by whichever front end gets it, from the entry's file, without a
+    Lookup (`HubBackend.named`)."""
+
+    entries: list
+
+
+@dataclass
 class Touched:
-    """Front end -> core: cache keys this front end answered from entries it knew (`HubBackend.known`), so that the
-    core's LRU counts those hits as its own lookups would; nothing is answered."""
+    """Front end -> core: cache keys this front end answered from entries it knew (`HubBackend.known`, `named`),
+    so that the core's LRU counts those hits as its own lookups would; nothing is answered."""
 
     keys: list[bytes]
 

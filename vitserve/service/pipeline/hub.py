@@ -5,8 +5,11 @@ on the reader thread, and their futures resolved on the event loop. The cache en
 front end (its lookups' hits, the answers it keeps) are remembered by key with their mapping (`known`): a key looked
 up again is answered from the pages mapped already, without a round trip to the core, which is told afterwards
 (`Touched`) so that its LRU stays right, and without mapping the file again (a 12.8 MB answer's fresh mapping costs
-its 3,125 page faults when it is sent). The core tells every front end which entries it evicts (`Evicted`): their
-mappings go, so the pages of an evicted entry outlive it only by that record's trip.
+its 3,125 page faults when it is sent). The entries a batch stores for another front end are told to this one too
+(`Stored`), their records kept unmapped by key (`named`): a hit on one is mapped at that hit and answered here,
+without a Lookup, whichever front end computed it (one whose file is gone by then, evicted, is asked of the core).
+The core tells every front end which entries it evicts (`Evicted`): their mappings and records go, so the pages of
+an evicted entry outlive it only by that record's trip.
 
 The front end's lifecycle mirrors the core's (its Status records); once the core is gone, whatever waits on it gets a
 503 `core_lost` and the front end fails.
@@ -44,6 +47,7 @@ from .core_link import (
     Scraped,
     Settled,
     Status,
+    Stored,
     Submit,
     Touched,
     Up,
@@ -56,7 +60,8 @@ if TYPE_CHECKING:
     from .loader import ModelInfo
 
 log = logging.getLogger("vitserve.core")
-KNOWN_ENTRIES = 16384  # cache entries a front end remembers by key (a mapping each: one of its file)
+KNOWN_ENTRIES = 16384  # cache entries a front end remembers by key (a mapping each: one of its file), and as many
+# records of entries stored for other front ends (`named`: unmapped)
 
 
 def _future(item: WorkItem) -> asyncio.Future:
@@ -76,6 +81,7 @@ class HubBackend:
         self.items: dict[int, WorkItem] = {}  # item id -> its WorkItem, until its answer
         self.lookups: dict[int, tuple] = {}  # lookup id -> (its future, the waits it holds by index, its keys)
         self.known: collections.OrderedDict[bytes, Features] = collections.OrderedDict()  # on the event loop
+        self.named: collections.OrderedDict[bytes, Output] = collections.OrderedDict()  # on the event loop
         self.scrapes: dict[int, asyncio.Future] = {}
         self.plans: dict[int, asyncio.Future] = {}  # plans lookup id -> its future
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -129,11 +135,14 @@ class HubBackend:
         return answers
 
     def _known_hit(self, key: bytes) -> Features | None:
-        """The entry the core named for `key` before, as mapped then; None where none was named (or it was
-        evicted since)."""
+        """The entry the core named for `key` before, as mapped then, or mapped now from the record of one it
+        stored for another front end; None where none was named (or it was evicted since, or its file is gone)."""
         features = self.known.get(key)
         if features is not None:
             self.known.move_to_end(key)
+        elif (record := self.named.pop(key, None)) is not None:
+            features = self._features(record, True)
+            self._know(key, features, record)
         return features
 
     def _know(self, key: bytes | None, features: Features | None, record) -> None:
@@ -146,9 +155,19 @@ class HubBackend:
         if len(self.known) > KNOWN_ENTRIES:
             self.known.popitem(last=False)
 
+    def _name(self, entries: list) -> None:
+        """Remember the records of entries the core stored for other front ends (`Stored`), unmapped."""
+        for key, record in entries:
+            if key not in self.known:
+                self.named[key] = record
+                self.named.move_to_end(key)
+        while len(self.named) > KNOWN_ENTRIES:
+            self.named.popitem(last=False)
+
     def _forget(self, keys: list[bytes]) -> None:
         for key in keys:
             self.known.pop(key, None)
+            self.named.pop(key, None)
 
     def submit(self, items: list) -> None:
         records = []
@@ -231,6 +250,8 @@ class HubBackend:
                 call(self._looked, lookup, features, found)
             case Evicted(keys):
                 call(self._forget, keys)
+            case Stored(entries):
+                call(self._name, entries)
             case Settled(lookup, i, output):
                 settled = None if output is None else self._features(cast(Output, output), True)
                 call(self._settled, lookup, i, settled, output)
