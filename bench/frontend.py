@@ -494,6 +494,13 @@ def figures(r: dict, engine: float | None) -> list[tuple[str, str]]:
         "cache",
         lambda p: f"{p['lean_hit_p50_ms']:.2f} / {p['lean_miss_p50_ms']:.2f}" if "lean_hit_p50_ms" in p else "–",
     )
+    row(
+        "the same, its hit on a new connection: p50 / p99 ms",
+        "cache",
+        lambda p: (
+            f"{p['lean_new_hit_p50_ms']:.2f} / {p['lean_new_hit_p99_ms']:.2f}" if "lean_new_hit_p50_ms" in p else "–"
+        ),
+    )
     row("1 client p50 ms, exact", "http", lambda p: f"{p['low_load']['p50_ms']:.1f}")
     row("1 client p50 ms, fast", "fast", lambda p: f"{p['low_load']['p50_ms']:.1f}")
     return rows
