@@ -221,16 +221,24 @@ def test_a_front_end_answers_an_entry_it_knows_from_its_mapping_until_the_core_s
 def test_the_core_tells_every_other_front_end_of_the_entries_a_batch_stored(tmp_path):
     """A batch's stored entries go to each front end but the one whose request computed them (it has them in its
     answers), so that any front end answers their next hit without a Lookup."""
+    from vitserve.service.devices.device_protocol import Output
     from vitserve.service.entry.core import Core, Link
-    from vitserve.service.pipeline.core_link import Stored
+    from vitserve.service.pipeline.backend import Result
+    from vitserve.service.pipeline.core_link import Stored, StoredEntry
 
     core = Core(Settings.of(model="tiny-qwen3-vl", load_format="dummy", device="cpu", spool_dir=str(tmp_path)), 3)
     heard: list[list] = [[], [], []]
     core.links = [Link(i, SimpleNamespace(send=heard[i].append), None) for i in range(3)]
     assert core.backend.stored == core.stored
-    a, b = object(), object()
-    core.stored([(b"a", a, core.links[0]), (b"b", b, core.links[1])])
-    assert heard == [[Stored([(b"b", b)])], [Stored([(b"a", a)])], [Stored([(b"a", a), (b"b", b)])]]
+    a, b = Output([], (1, 2, 2), "a"), Output([], (1, 2, 2), "b")
+    core.stored(
+        [
+            Result(WorkItem(None, (1, 2, 2), None, key=b"a", origin=core.links[0]), a, keep=True),
+            Result(WorkItem(None, (1, 2, 2), None, key=b"b", origin=core.links[1]), b, keep=True),
+        ]
+    )
+    told_a, told_b = StoredEntry(b"a", a), StoredEntry(b"b", b)
+    assert heard == [[Stored([told_b])], [Stored([told_a])], [Stored([told_a, told_b])]]
 
 
 def test_a_front_end_answers_an_entry_stored_for_another_from_its_file(tmp_path, monkeypatch):
@@ -243,8 +251,11 @@ def test_a_front_end_answers_an_entry_stored_for_another_from_its_file(tmp_path,
 
     from vitserve.service.devices.device_protocol import Output, packed
     from vitserve.service.pipeline import hub as hub_module
-    from vitserve.service.pipeline.core_link import Evicted, Looked, Lookup, Stored, Touched
+    from vitserve.service.pipeline.core_link import Evicted, Looked, Lookup, Stored, StoredEntry, Touched
     from vitserve.service.pipeline.hub import HubBackend
+
+    def stored(*keys, record=None):
+        return Stored([StoredEntry(key, record or records[key]) for key in keys])
 
     monkeypatch.setattr(hub_module, "KNOWN_ENTRIES", 3)
     tokens = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -265,7 +276,7 @@ def test_a_front_end_answers_an_entry_stored_for_another_from_its_file(tmp_path,
     async def main():
         await hub.start()
         assert type(await next_record()).__name__ == "Up"
-        core_end.send(Stored([(key, records[key]) for key in (b"k", b"gone", b"evicted")]))
+        core_end.send(stored(b"k", b"gone", b"evicted"))
         await until(lambda: len(hub.named) == 3, 5, "the stored records kept")
         (hit,) = await hub.lookup([b"k"])
         assert torch.equal(hit.tokens, tokens) and torch.equal(hit.deepstack[0], tokens + 1) and hit.grid == [1, 2, 6]
@@ -278,10 +289,10 @@ def test_a_front_end_answers_an_entry_stored_for_another_from_its_file(tmp_path,
         assert await gone == [None]
         core_end.send(Evicted([b"evicted"]))
         await until(lambda: b"evicted" not in hub.named, 5, "the evicted record forgotten")
-        core_end.send(Stored([(key, records[key]) for key in (b"old", b"new", b"k")]))  # k: known already
+        core_end.send(stored(b"old", b"new", b"k"))  # k: known already
         await until(lambda: b"new" in hub.named, 5, "the newer records kept")
         assert list(hub.named) == [b"old", b"new"]
-        core_end.send(Stored([(b"a", records[b"k"]), (b"b", records[b"k"])]))
+        core_end.send(stored(b"a", b"b", record=records[b"k"]))
         await until(lambda: b"b" in hub.named, 5, "the newest records kept")
         assert list(hub.named) == [b"new", b"a", b"b"]  # three at most: the oldest went
 

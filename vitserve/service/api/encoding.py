@@ -197,10 +197,9 @@ async def answer_beside_files(
     work: int | None = None,
 ) -> Response:
     """`answer` (`work`: its build's bytes work), with the items' files written beside its serialization (where
-    `ids`). `wait`: the
-    answer is sent once the files are in place too (whoever has it finds them: the proxy's request); else as soon as
-    it is built (/v1/encode: its answer is the embeddings, never slowed by the files), the files following within
-    milliseconds (a failure is logged and counted)."""
+    `ids`). `wait`: the answer is sent once the files are in place too (whoever has it finds them: the proxy's
+    request); else as soon as it is built (/v1/encode: its answer is the embeddings, never slowed by the files), the
+    files following within milliseconds (a failure is logged and counted)."""
     if ids is None:
         return await answer(served, request, result, build, work)
     assert served.files is not None  # (identifiers only where the tier writes files)

@@ -33,6 +33,7 @@ import itertools
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 from ..devices.scheduler import WorkItem
 from ..ground.errors import ErrorRecord
@@ -58,6 +59,7 @@ from ..pipeline.core_link import (
     Settled,
     Status,
     Stored,
+    StoredEntry,
     Submit,
     Touched,
     Up,
@@ -65,6 +67,9 @@ from ..pipeline.core_link import (
 from ..pipeline.lifecycle import Lifecycle, State
 from ..pipeline.stats import server_stats
 from .fronts import front_settings
+
+if TYPE_CHECKING:
+    from ..devices.device_protocol import Output
 
 log = logging.getLogger("vitserve.core")
 
@@ -182,12 +187,16 @@ class Core:
         for link in list(self.links):
             link.send(record)
 
-    def stored(self, entries: list) -> None:
-        """A batch's entries the cache stored, (key, Output record, origin) each: every other front end hears of
-        them before their own front end is answered, so that a hit on one is answered from its file by whichever
-        front end gets it, without a Lookup."""
+    def stored(self, results: list[Result]) -> None:
+        """A batch's answers the cache stored (Output records): every front end but each one's own hears of them
+        before that one is answered, so that a hit on one is answered from its file by whichever front end gets
+        it, without a Lookup."""
         for link in list(self.links):
-            told = [(key, record) for key, record, origin in entries if origin is not link]
+            told = [
+                StoredEntry(cast(bytes, r.item.key), cast("Output", r.output))
+                for r in results
+                if r.item.origin is not link
+            ]
             if told:
                 link.send(Stored(told))
 

@@ -121,8 +121,8 @@ class LocalBackend:
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.started, self.load_seconds = time.time(), 0.0
         self.origin: Futures | None = None
-        # each batch's entries the cache stored as records (key, Output, origin): the core tells its front ends
-        self.stored: Callable[[list], None] = lambda entries: None
+        # each batch's Results the cache stored as records (the core tells its front ends of them)
+        self.stored: Callable[[list[Result]], None] = lambda results: None
 
     # -- lifecycle
     async def start(self) -> None:
@@ -252,7 +252,7 @@ class LocalBackend:
                 if item.key is not None:
                     result.keep = self.cache.settle(item.key, self._entry(result))
                     if result.keep and isinstance(result.output, Output):
-                        stored.append((item.key, result.output, item.origin))
+                        stored.append(result)
                 by_origin[cast(Origin, item.origin)].append(result)  # (set where it was submitted)
             if stored:
                 self.stored(stored)

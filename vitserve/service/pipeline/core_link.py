@@ -99,12 +99,20 @@ class Evicted:
 
 
 @dataclass
-class Stored:
-    """Core -> every front end but the one that asked: cache entries a batch stored, (key, Output record) each, so
-    that a later hit on one of them is answered by whichever front end gets it, from the entry's file, without a
-    Lookup (`HubBackend.named`)."""
+class StoredEntry:
+    """A cache entry: its key, and its Output record (its file, its grid set)."""
 
-    entries: list
+    key: bytes
+    output: Output
+
+
+@dataclass
+class Stored:
+    """Core -> every front end but the one that asked: the cache entries a batch stored, so that a later hit on one
+    of them is answered by whichever front end gets it, from the entry's file, without a Lookup
+    (`HubBackend.named`)."""
+
+    entries: list[StoredEntry]
 
 
 @dataclass

@@ -48,6 +48,7 @@ from .core_link import (
     Settled,
     Status,
     Stored,
+    StoredEntry,
     Submit,
     Touched,
     Up,
@@ -155,12 +156,12 @@ class HubBackend:
         if len(self.known) > KNOWN_ENTRIES:
             self.known.popitem(last=False)
 
-    def _name(self, entries: list) -> None:
+    def _name(self, entries: list[StoredEntry]) -> None:
         """Remember the records of entries the core stored for other front ends (`Stored`), unmapped."""
-        for key, record in entries:
-            if key not in self.known:
-                self.named[key] = record
-                self.named.move_to_end(key)
+        for entry in entries:
+            if entry.key not in self.known:
+                self.named[entry.key] = entry.output
+                self.named.move_to_end(entry.key)
         while len(self.named) > KNOWN_ENTRIES:
             self.named.popitem(last=False)
 
