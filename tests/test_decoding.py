@@ -62,6 +62,50 @@ def test_spool_round_trip_and_fallback(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _mapped(path: str) -> bool:
+    """Whether this process maps the (removed) file at `path`."""
+    return any(path in line for line in open("/proc/self/maps"))
+
+
+def test_a_batch_of_decoded_images_is_let_go_on_a_thread_of_its_own(tmp_path):
+    """A batch's images read from the spool are let go by `launch_decoded` once the encoder has them (its copy),
+    on the release thread: their mappings (and the pages of their removed files) go there, not on the batch's
+    thread (a 6 MB image's let-go costs that thread more than its copy). Also when the launch fails. Broken: the
+    mappings kept (pages never freed), or unmapped on the batch's thread (which the finalizers would name)."""
+    import threading
+    import weakref
+
+    from vitserve.service.devices.worker import launch_decoded
+
+    image = np.random.default_rng(0).integers(0, 256, (64, 48, 3), dtype=np.uint8)
+    where: list[str] = []
+
+    class Encoder:
+        def __init__(self, fail: bool = False):
+            self.fail = fail
+
+        def launch(self, images, sizes, mean_pooling, float32):
+            assert [np.array_equal(x, image) for x in images] == [True, True]
+            for x in images:  # (each a view of its mapping: it goes when the release thread lets go of it)
+                weakref.finalize(x, lambda: where.append(threading.current_thread().name))
+            if self.fail:
+                raise RuntimeError("no device")
+            return "launched"
+
+    for fail in (False, True):
+        where.clear()
+        spooled = [spool.put(str(tmp_path / f"{fail}-{i}"), image) for i in range(2)]
+        assert all(s is not None and not _mapped(s.path) for s in spooled)
+        if fail:
+            with pytest.raises(RuntimeError, match="no device"):
+                launch_decoded(Encoder(fail), spooled, [(64, 48)] * 2, [False] * 2, [False] * 2)
+        else:
+            assert launch_decoded(Encoder(), spooled, [(64, 48)] * 2, [False] * 2, [False] * 2) == "launched"
+        wait_until(lambda: len(where) == 2, 5, "the images let go")
+        assert where == ["vitserve-release"] * 2
+        assert images_in(tmp_path) == [] and not any(_mapped(s.path) for s in spooled)
+
+
 @pytest.mark.slow
 def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
     """A server killed with SIGKILL leaves its spool files; the next server on the directory removes them, never a

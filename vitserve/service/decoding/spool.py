@@ -16,8 +16,10 @@ import fcntl
 import glob
 import mmap
 import os
+import queue
 import re
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -54,6 +56,29 @@ def pixels(images: list) -> list[np.ndarray]:
     if lost is not None:
         raise ImageLost(f"a decoded image was lost on its way from the decode worker ({type(lost).__name__}: {lost})")
     return out
+
+
+_released: queue.SimpleQueue | None = None
+_released_lock = threading.Lock()
+
+
+def release(arrays: list) -> None:
+    """Let go of a batch's decoded images (`pixels`' arrays) on a thread of this process's own, emptying `arrays`
+    there: the last reference to a mapped spool file unmaps it and frees its pages (its file was removed when it
+    was mapped), 1.2 ms for 6 MB and 7.5 ms for a 12 MP photo's 36 MB on the 2-core machine, more than copying it,
+    which the thread that runs a device's batches would otherwise wait for (munmap gives up the GIL). The caller
+    holds no other reference to them (their bytes have been copied by then)."""
+    global _released
+    with _released_lock:
+        if _released is None:
+            _released = queue.SimpleQueue()
+            threading.Thread(target=_let_go, args=(_released,), name="vitserve-release", daemon=True).start()
+    _released.put(arrays)
+
+
+def _let_go(released: queue.SimpleQueue) -> None:
+    while True:
+        released.get().clear()
 
 
 def discard(image) -> None:

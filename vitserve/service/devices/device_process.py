@@ -31,7 +31,7 @@ from ..ground.logs import configure_logging
 from ..ground.settings import Settings
 from ..ground.signals import leave_to_owner
 from .device_protocol import Batch, BatchAnswer, LoadFailed, Output, Ready, Stop, packed, unpacked
-from .worker import BATCHES_IN_FLIGHT, STOP, pipeline
+from .worker import BATCHES_IN_FLIGHT, STOP, launch_decoded, pipeline
 
 
 def _load(settings: Settings, device: str, dtype: str) -> VisionEncoder:
@@ -172,7 +172,7 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
 
     def launch(batch: Batch):
         try:
-            return encoder.launch(spool.pixels(batch.images), batch.sizes, batch.mean_pooling, batch.float32)
+            return launch_decoded(encoder, batch.images, batch.sizes, batch.mean_pooling, batch.float32)
         except Exception as e:
             ran.put(_Ran(batch.job, error=ErrorRecord.of(e)))
             return None

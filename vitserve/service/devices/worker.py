@@ -59,6 +59,18 @@ def pipeline(take: Callable, launch: Callable, finish: Callable, depth: int) -> 
             finish(*pending.popleft())
 
 
+def launch_decoded(encoder, images: list, sizes: list, mean_pooling: list, float32: list):
+    """`encoder.launch` of a batch's decoded images, those in spool files read there, and all let go once it has
+    copied them, on another thread (spool.release: freeing a mapped file's pages costs the batch's thread more than
+    its copy), also when it fails."""
+    pixels: list = []
+    try:
+        pixels = spool.pixels(images)
+        return encoder.launch(pixels, sizes, mean_pooling, float32)
+    finally:
+        spool.release(pixels)
+
+
 class LocalDevice:
     """A device run by this process: the encoder's graph runner."""
 
@@ -73,8 +85,9 @@ class LocalDevice:
 
     def launch(self, batch: list[WorkItem]):
         p = self.encoder.config.patch_size
-        return self.encoder.launch(
-            spool.pixels([i.image for i in batch]),
+        return launch_decoded(
+            self.encoder,
+            [i.image for i in batch],
             [i.size(p) for i in batch],
             [i.mean_pooling for i in batch],
             [i.float32 for i in batch],
