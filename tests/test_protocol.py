@@ -4,8 +4,10 @@ pipe, and the decode pool's Call and JobResult."""
 from __future__ import annotations
 
 import pickle
+import threading
 
 import torch
+from helpers import wait_until
 
 from vitserve.encoder.preprocess import ImageTooLarge, UndecodableImage
 from vitserve.encoder.video import VideoTooLong
@@ -62,17 +64,27 @@ def test_a_call_answers_its_value_or_its_error_and_an_unpicklable_value_as_an_er
     assert result.value is None and isinstance(result.error.error(), (pickle.PicklingError, AttributeError, TypeError))
 
 
-def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_path):
-    """device_protocol: an image's tensors go out as an Output (a spool file and their layout) and come back equal;
-    an image the device could not decode goes out as its ErrorRecord and comes back as its ImageError."""
+def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_path, monkeypatch):
+    """device_protocol: an image's tensors go out as an Output (a spool file and their layout) and come back equal,
+    the file removed once they are let go, on the release thread (the pages freed there); an image the device could
+    not decode goes out as its ErrorRecord and comes back as its ImageError."""
+    from vitserve.service.decoding import spool
     from vitserve.service.devices.device_protocol import Output, packed, unpacked
 
     tokens, deepstack = torch.randn(6, 8, dtype=torch.bfloat16), [torch.randn(6, 8, dtype=torch.bfloat16)]
     output = pickle.loads(pickle.dumps(packed((tokens, deepstack), str(tmp_path / "out-0"))))
     assert isinstance(output, Output)
+    removed_by = []
+    remove = spool.remove
+    monkeypatch.setattr(
+        spool, "remove", lambda path: (removed_by.append(threading.current_thread().name), remove(path))
+    )
     back = unpacked(output)
     assert torch.equal(back.tokens, tokens) and torch.equal(back.deepstack[0], deepstack[0])
-    assert not (tmp_path / "out-0").exists()  # the file is the holder's: mapped and removed
+    assert (tmp_path / "out-0").exists()  # the file is the holder's: removed once it no longer maps it
+    del back
+    wait_until(lambda: not (tmp_path / "out-0").exists(), 5, "the answer's file removed once unmapped")
+    assert removed_by == ["vitserve-release"]  # (where its pages are freed: not the thread that let it go)
     record = pickle.loads(pickle.dumps(packed(UndecodableImage("cannot decode the image", "nvjpeg"), "unused")))
     assert isinstance(record, ErrorRecord)
     error = unpacked(record)
@@ -141,7 +153,8 @@ def test_a_batch_s_answers_are_written_side_by_side_in_order_or_not_at_all(tmp_p
             assert isinstance(record, Output) and record.path is not None
             back = unpacked(record)
             assert torch.equal(back.tokens, output[0]) and torch.equal(back.deepstack[0], output[1][0])
-        assert list(tmp_path.iterdir()) == []
+        del back
+        wait_until(lambda: list(tmp_path.iterdir()) == [], 5, "the answers' files removed once unmapped")
 
         failing = threading.get_ident  # not a tensor: packing it raises
         started.clear()

@@ -68,17 +68,20 @@ class Output:
 
     def features(self, keep: bool = False) -> Features:
         """The image's Features with its grid (None where this record has none yet: the device process's), the
-        tensors over the file's pages (mapped copy-on-write: no copy is made; OSError when the file is gone); the
-        file is removed unless `keep`."""
+        tensors over the file's pages (mapped copy-on-write: no copy is made; OSError when the file is gone); unless
+        `keep`, the file is removed once they no longer map it (spool.remove_when_unmapped)."""
         if self.data is not None:
             raw = np.frombuffer(self.data, np.uint8).copy()
         else:
             assert self.path is not None  # (an Output has its data, or its file)
             try:
                 raw = spool.map_file(self.path, self.nbytes, private=True)
-            finally:
+            except OSError:
                 if not keep:
                     spool.remove(self.path)
+                raise
+            if not keep:  # once unmapped, on the release thread: whoever lets go of it does not free its pages
+                spool.remove_when_unmapped(raw, self.path)
         raw, tensors, offset = torch.from_numpy(raw), [], 0
         for dtype, shape, n in self.entries:
             tensors.append(raw[offset : offset + n].view(getattr(torch, dtype)).view(shape))
