@@ -164,7 +164,9 @@ def test_a_front_end_hears_a_lookups_answer_before_a_settle_of_it(tmp_path):
     assert sent == ["Looked", "Settled"]
 
 
-def test_a_front_end_answers_an_entry_it_knows_from_its_mapping_until_the_core_says_it_is_evicted(tmp_path):
+def test_a_front_end_answers_an_entry_it_knows_from_its_mapping_until_the_core_says_it_is_evicted(
+    tmp_path, monkeypatch
+):
     """A front end's lookups (HubBackend) against a scripted core on a real pipe. The first lookup of a key goes to
     the core; a hit is remembered with its mapping, so the next lookup of that key is answered from it with no
     Lookup sent (the core is told with Touched) and no file opened (it is answered with the file removed); once the
@@ -206,8 +208,12 @@ def test_a_front_end_answers_an_entry_it_knows_from_its_mapping_until_the_core_s
         spool.remove(record.path)  # the core evicts it: its file goes first, then the front ends hear of it
         mapped = await hub.lookup([b"k"])
         assert torch.equal(mapped[0].tokens, tokens) and isinstance(await next_record(), Touched)
+        released: list = []
+        monkeypatch.setattr(spool, "release", lambda arrays: released.extend(arrays))
         core_end.send(Evicted([b"k"]))
         await until(lambda: b"k" not in hub.known, 5, "the evicted entry forgotten")
+        (dropped,) = released  # its mapping let go on the release thread (its pages freed there, not on the loop)
+        assert torch.equal(dropped.tokens, tokens)
         gone = asyncio.ensure_future(hub.lookup([b"k"]))
         asked = await next_record()
         assert isinstance(asked, Lookup) and asked.keys == [b"k"]
