@@ -106,6 +106,45 @@ def test_a_batch_of_decoded_images_is_let_go_on_a_thread_of_its_own(tmp_path):
         assert images_in(tmp_path) == [] and not any(_mapped(s.path) for s in spooled)
 
 
+def test_a_spool_file_reserved_while_the_image_decodes_holds_its_pixels_or_goes(tmp_path):
+    """A decode worker's spool file is made (its pages allocated) while the image decodes, at the size its header
+    says (`spool.reserve`), and the pixels are copied into it; a reservation of another size is given up for a file
+    of the right one, one never used is removed, and one that could not be made leaves the pixels to the pipe. The
+    decoded images are PIL's, full size or resized, and a bad image leaves no file behind. Broken: a file of the
+    reserved size instead of the image's (a short or padded read), or files left by failed images."""
+    from vitserve.encoder.image_errors import UndecodableImage
+    from vitserve.encoder.preprocess import PreprocessConfig, load_for_device, load_image, resize_rgb
+    from vitserve.service.decoding.decode import decode_and_resize
+
+    image = np.random.default_rng(3).integers(0, 256, (30, 20, 3), dtype=np.uint8)
+    for name, nbytes in (("exact", image.nbytes), ("other", image.nbytes + 9)):
+        path = str(tmp_path / name)
+        spooled = spool.put(path, image, spool.reserve(path, nbytes))
+        assert spooled is not None and os.path.getsize(path) == image.nbytes and np.array_equal(spooled.read(), image)
+    spool.unreserve(spool.reserve(str(tmp_path / "unused"), 100))
+    missing = str(tmp_path / "missing" / "x")
+    assert spool.put(missing, image, spool.reserve(missing, image.nbytes)) is None  # the caller pipes it
+    assert images_in(tmp_path) == []
+
+    cfg = PreprocessConfig()
+    photo = png(300, 200, 7, "JPEG")
+    for full_size, want in ((True, load_for_device(photo, False)), (False, resize_rgb(load_image(photo), cfg))):
+        path = str(tmp_path / f"photo-{full_size}")
+        decoded = decode_and_resize(photo, False, 10**8, cfg, path, full_size)
+        assert isinstance(decoded.image, spool.Spooled) and os.path.getsize(path) == want.nbytes
+        assert np.array_equal(decoded.image.read(), want)
+    broken = png(300, 200, 7)  # its structure whole (the header walk passes it), its pixel data not
+    at = broken.index(b"IDAT") + 100
+    broken = broken[:at] + bytes(b ^ 0xFF for b in broken[at : at + 50]) + broken[at + 50 :]
+    reserved = []
+    real_reserve = spool.reserve
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(spool, "reserve", lambda *args: reserved.append(real_reserve(*args)) or reserved[-1])
+        with pytest.raises(UndecodableImage):
+            decode_and_resize(broken, False, 10**8, cfg, str(tmp_path / "broken"))
+    assert len(reserved) == 1 and images_in(tmp_path) == []  # reserved, then given up
+
+
 @pytest.mark.slow
 def test_spool_of_a_killed_server_is_removed_by_the_next(tmp_path):
     """A server killed with SIGKILL leaves its spool files; the next server on the directory removes them, never a

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...encoder.headers import ImageHeader, probe
 from ...encoder.media import received
-from ...encoder.preprocess import EncodedJpeg, PreprocessConfig, load_for_device, load_image, resize_rgb
+from ...encoder.preprocess import EncodedJpeg, PreprocessConfig, load_for_device, load_image, resize_rgb, smart_resize
 from ..ground.heap import keep_freed_memory, release_freed_memory
 from ..ground.signals import leave_to_owner
 from . import spool
@@ -81,14 +81,30 @@ def decode_and_resize(
     header.check(max_image_pixels)
     if header.end is not None and header.end < len(data):
         data = data[: header.end]
-    if full_size:
-        image = load_for_device(data, jpeg_on_device, max_image_pixels)
-        if isinstance(image, EncodedJpeg):
-            return DecodedImage(image, time.perf_counter() - start)
-    else:
-        image = resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg)
+    # the spool file's pages allocated while the image decodes, at the size its header says it comes out
+    reserved = None
+    if spool_prefix and not (full_size and jpeg_on_device):
+        reserved = spool.reserve(spool_prefix, _rgb_bytes(header, cfg, full_size))
+    try:
+        if full_size:
+            image = load_for_device(data, jpeg_on_device, max_image_pixels)
+            if isinstance(image, EncodedJpeg):
+                return DecodedImage(image, time.perf_counter() - start)
+        else:
+            image = resize_rgb(load_image(data, max_image_pixels=max_image_pixels), cfg)
+    except BaseException:
+        spool.unreserve(reserved)
+        raise
     seconds = time.perf_counter() - start
-    return DecodedImage((spool_prefix and spool.put(spool_prefix, image)) or image, seconds)
+    return DecodedImage((spool_prefix and spool.put(spool_prefix, image, reserved)) or image, seconds)
+
+
+def _rgb_bytes(header: ImageHeader, cfg: PreprocessConfig, full_size: bool) -> int:
+    """The bytes of an image's RGB pixels as a worker hands them on, from its header: full size, or resized."""
+    height, width = header.height, header.width
+    if not full_size:
+        height, width = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    return height * width * 3
 
 
 def plan_video(data, is_base64: bool, cfg, limits, planes: bool = False):

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import uuid
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,9 +175,58 @@ def _is_tmpfs(path: str) -> bool:
     return best is not None and best[2] in ("tmpfs", "ramfs")
 
 
-def put(path: str, array: np.ndarray) -> Spooled | None:
-    """In a worker: write `array` (uint8) to a new spool file at `path`; None when it cannot (the caller pipes it
-    instead)."""
+@dataclass
+class Reserved:
+    """A spool file being made at `path` for `nbytes` of pixels, its pages allocated (fallocate) by the decode
+    worker's reserving thread while the image decodes: a new tmpfs file's page allocation is most of its write
+    (6.2 MB: 1.64 ms written, 1.42 + 0.38 ms allocated then written, on the 2-core machine), so `put` then only
+    copies. `fd`: a future of the open file, None where it could not be made."""
+
+    path: str
+    nbytes: int
+    fd: Future
+
+
+_reserving: ThreadPoolExecutor | None = None
+
+
+def reserve(path: str, nbytes: int) -> Reserved:
+    """In a worker: start making the spool file at `path` with `nbytes` allocated, on the reserving thread."""
+    global _reserving
+    if _reserving is None:
+        _reserving = ThreadPoolExecutor(1, thread_name_prefix="vitserve-reserve")
+    return Reserved(path, nbytes, _reserving.submit(_allocated, path, nbytes))
+
+
+def _allocated(path: str, nbytes: int) -> int | None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:  # full (ENOSPC)
+        os.close(fd)
+        remove(path)
+        return None
+    return fd
+
+
+def unreserve(reserved: Reserved | None) -> None:
+    """A reservation not used (the image failed, or came out another size): its file closed and removed."""
+    if reserved is not None and (fd := reserved.fd.result()) is not None:
+        os.close(fd)
+        remove(reserved.path)
+
+
+def put(path: str, array: np.ndarray, reserved: Reserved | None = None) -> Spooled | None:
+    """In a worker: write `array` (uint8) to a new spool file at `path`, into its `reserved` pages where they were
+    made for it (else the reservation is given up); None when it cannot (the caller pipes it instead)."""
+    if reserved is not None:
+        fd = reserved.fd.result() if reserved.path == path and reserved.nbytes == array.nbytes else None
+        if fd is not None:
+            return Spooled(path, array.shape) if _written(fd, path, [array]) else None
+        unreserve(reserved)
     return Spooled(path, array.shape) if write(path, [array]) else None
 
 
@@ -187,6 +237,12 @@ def write(path: str, arrays: list) -> bool:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return False
+    return _written(fd, path, arrays)
+
+
+def _written(fd: int, path: str, arrays: list) -> bool:
+    """The arrays' bytes written back to back from the start of `fd` (the new file at `path`), which is closed;
+    False, and the file removed, where a write fails."""
     try:
         for array in arrays:
             # (numpy types its buffer protocol for Python 3.12+ only)
