@@ -80,8 +80,8 @@ def remove_when_unmapped(array: np.ndarray, path: str) -> None:
     freed there (0.75 ms), not by an event loop that answered from it."""
     if array.base is None:  # (nothing mapped: no bytes)
         remove(path)
-    else:
-        weakref.finalize(array.base, _on_release_thread, functools.partial(remove, path))
+    else:  # (not at the interpreter's exit, when no thread starts: the spool is cleared then)
+        weakref.finalize(array.base, _on_release_thread, functools.partial(remove, path)).atexit = False
 
 
 def _on_release_thread(work) -> None:
