@@ -62,7 +62,7 @@ def pixels(images: list) -> list[np.ndarray]:
 
 
 _released: queue.SimpleQueue | None = None
-_released_lock = threading.Lock()
+_released_lock = threading.RLock()  # (a finalizer may call in while the thread is being started)
 
 
 def release(arrays: list) -> None:
@@ -89,8 +89,8 @@ def _on_release_thread(work) -> None:
     global _released
     with _released_lock:
         if _released is None:
-            _released = queue.SimpleQueue()
-            threading.Thread(target=_let_go, args=(_released,), name="vitserve-release", daemon=True).start()
+            _released = released = queue.SimpleQueue()  # set first: a call meanwhile only queues its work
+            threading.Thread(target=_let_go, args=(released,), name="vitserve-release", daemon=True).start()
     _released.put(work)
 
 
