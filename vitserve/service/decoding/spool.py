@@ -89,7 +89,8 @@ def _on_release_thread(work) -> None:
     global _released
     with _released_lock:
         if _released is None:
-            _released = released = queue.SimpleQueue()  # set first: a call meanwhile only queues its work
+            released: queue.SimpleQueue = queue.SimpleQueue()
+            _released = released  # set first: a call while the thread starts only queues its work
             threading.Thread(target=_let_go, args=(released,), name="vitserve-release", daemon=True).start()
     _released.put(work)
 
