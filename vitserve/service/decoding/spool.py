@@ -68,16 +68,15 @@ _released_lock = threading.RLock()  # (a finalizer may call in while the thread 
 def release(arrays: list) -> None:
     """Let go of a batch's decoded images (`pixels`' arrays) on this process's release thread, emptying `arrays`
     there: the last reference to a mapped spool file unmaps it and frees its pages (its file was removed when it
-    was mapped), 1.2 ms for 6 MB and 7.5 ms for a 12 MP photo's 36 MB on the 2-core machine, more than copying it,
-    which the thread that runs a device's batches would otherwise wait for (munmap gives up the GIL). The caller
-    holds no other reference to them (their bytes have been copied by then)."""
+    was mapped), which costs more than copying them, and the thread that runs a device's batches would wait for it
+    (munmap gives up the GIL). The caller holds no other reference to them (their bytes have been copied by then)."""
     _on_release_thread(arrays.clear)
 
 
 def remove_when_unmapped(array: np.ndarray, path: str) -> None:
     """Remove the file at `path` once `array` (`map_file`'s) no longer maps it, on the release thread: whichever
-    thread lets go of the mapping then only unmaps it (0.44 ms for 6 MB on the 2-core machine), and its pages are
-    freed there (0.75 ms), not by an event loop that answered from it."""
+    thread lets go of the mapping then only unmaps it, and its pages are freed there, not by an event loop that
+    answered from it."""
     if array.base is None:  # (nothing mapped: no bytes)
         remove(path)
     else:  # (not at the interpreter's exit, when no thread starts: the spool is cleared then)
@@ -179,9 +178,8 @@ def _is_tmpfs(path: str) -> bool:
 @dataclass
 class Reserved:
     """A spool file being made at `path` for `nbytes` of pixels, its pages allocated (fallocate) by the decode
-    worker's reserving thread while the image decodes: a new tmpfs file's page allocation is most of its write
-    (6.2 MB: 1.64 ms written, 1.42 + 0.38 ms allocated then written, on the 2-core machine), so `put` then only
-    copies. `fd`: a future of the open file, None where it could not be made."""
+    worker's reserving thread while the image decodes: a new tmpfs file's page allocation is most of its write, so
+    `put` then only copies. `fd`: a future of the open file, None where it could not be made."""
 
     path: str
     nbytes: int

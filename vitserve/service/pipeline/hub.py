@@ -168,8 +168,7 @@ class HubBackend:
 
     def _forget(self, keys: list[bytes]) -> None:
         """Drop the mappings and records of entries the core evicted; the mappings go on the release thread (their
-        files removed by then, the last mapping's drop frees the pages: 1.3 ms for a 6.4 MB answer on the 2-core
-        machine, which the event loop would pay)."""
+        files removed by then, the last mapping's drop frees the pages, which the event loop would pay for)."""
         spool.release([self.known.pop(key, None) for key in keys])
         for key in keys:
             self.named.pop(key, None)
