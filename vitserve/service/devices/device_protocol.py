@@ -76,7 +76,7 @@ class Output:
             assert self.path is not None  # (an Output has its data, or its file)
             try:
                 raw = spool.map_file(self.path, self.nbytes, private=True)
-            except OSError:
+            except BaseException:  # (mapped or not, a file not kept goes)
                 if not keep:
                     spool.remove(self.path)
                 raise
