@@ -452,6 +452,78 @@ def test_load_image_transparency_composited_on_white_like_transformers(kind):
     assert not np.array_equal(out, np.asarray(src.convert("RGB")))
 
 
+def _opaque_rgba() -> np.ndarray:
+    """An RGBA image with alpha 255 everywhere whose colour bands hold every value 0..255 (each band a different
+    arrangement), on a random background."""
+    rgba = np.random.default_rng(5).integers(0, 256, (24, 256, 4), dtype=np.uint8)
+    rgba[..., 3] = 255
+    v = np.arange(256, dtype=np.uint8)
+    rgba[0, :, 0], rgba[1, :, 1], rgba[2, :, 2] = v, v[::-1], np.roll(v, 77)
+    return rgba
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_load_image_opaque_alpha_matches_transformers_composite(mode):
+    """An alpha band every pixel of which is opaque (PNGs and screenshots saved with one they do not use) is dropped
+    rather than composited: transformers' composite on white gives the same bytes for every value."""
+    rgba = _opaque_rgba()
+    img = Image.fromarray(rgba, mode="RGBA")
+    if mode == "LA":
+        img = img.convert("LA")
+    elif mode == "P":  # a palette with a tRNS index no pixel uses: every pixel opaque
+        img = Image.fromarray((rgba[..., 0] % 7).astype(np.uint8), mode="P")
+        img.putpalette([i * 9 % 256 for i in range(3 * 8)])
+    data = encode(img, "PNG", **({"transparency": 7} if mode == "P" else {}))
+    assert Image.open(io.BytesIO(data)).mode == mode
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = hf_convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
+    np.testing.assert_array_equal(np.asarray(load_image(data)), ref)
+
+
+def _translucent(where: str) -> np.ndarray:
+    rgba = _opaque_rgba()
+    if where == "last pixel, alpha 254":
+        rgba[-1, -1] = (0, 0, 0, 254)
+    elif where == "last pixel, alpha 0":
+        rgba[-1, -1] = (0, 0, 0, 0)
+    elif where == "a block inside":
+        rgba[5:9, 100:151, 3] = np.random.default_rng(1).integers(0, 255, (4, 51))
+    else:  # the first pixel and the last: the box is the whole image
+        rgba[0, 0, 3] = rgba[-1, -1, 3] = 17
+    return rgba
+
+
+@pytest.mark.parametrize(
+    "where,box",
+    [
+        ("last pixel, alpha 254", (1, 1)),
+        ("last pixel, alpha 0", (1, 1)),
+        ("a block inside", (51, 4)),
+        ("first and last pixels", (256, 24)),
+    ],
+)
+def test_load_image_composites_only_the_box_of_translucent_pixels(where, box, monkeypatch):
+    """Only the box around the pixels that are not opaque is composited on white, the rest converted: transformers'
+    bytes either way (the translucent pixels differ from their colour without the alpha band, so a pixel left out of
+    the composite, or an opaque image composited wrongly, fails); an opaque image is not composited at all."""
+    composited = []
+    real = Image.alpha_composite
+    monkeypatch.setattr(Image, "alpha_composite", lambda a, b: composited.append(b.size) or real(a, b))
+    data = encode(Image.fromarray(_translucent(where), mode="RGBA"), "PNG")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = hf_convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
+    composited.clear()
+    out = np.asarray(load_image(data))
+    np.testing.assert_array_equal(out, ref)
+    assert composited == [box]
+    assert not np.array_equal(out, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+    composited.clear()
+    load_image(encode(Image.fromarray(_opaque_rgba(), mode="RGBA"), "PNG"))
+    assert composited == []
+
+
 def test_load_image_cmyk_jpeg():
     cmyk = np.zeros((16, 32, 4), dtype=np.uint8)
     cmyk[:, :16, 0] = 255  # cyan
