@@ -419,6 +419,29 @@ def test_load_image_applies_exif_orientation(orientation, rot):
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
+def test_load_image_copies_no_image_it_keeps_as_decoded(monkeypatch):
+    """An RGB image decoded here, without an EXIF turn, is returned as decoded: no full copy of its pixels
+    (exif_transpose copies an image it does not turn); one whose EXIF asks for a turn is turned once; a caller's
+    image is never returned itself (the caller's pixels stay theirs)."""
+    copies = []
+    real_copy = Image.Image.copy
+    monkeypatch.setattr(Image.Image, "copy", lambda self: copies.append(self.size) or real_copy(self))
+    stored = Image.fromarray(gradient())
+    for orientation, turns in ((None, 0), (1, 0), (6, 1)):
+        exif = Image.Exif()
+        if orientation is not None:
+            exif[0x0112] = orientation
+        data = encode(stored, "JPEG", exif=exif, quality=95)
+        copies.clear()
+        out = load_image(data)
+        assert copies == [] and out.size == ((40, 64) if turns else (64, 40))
+    caller = Image.fromarray(gradient())
+    out = load_image(caller)
+    assert out is not caller and copies == [caller.size]
+    out.putpixel((0, 0), (1, 2, 3))
+    assert caller.getpixel((0, 0)) == tuple(gradient()[0, 0])
+
+
 def _alpha_images():
     rng = np.random.default_rng(11)
     rgba = rng.integers(0, 256, (20, 30, 4), dtype=np.uint8)

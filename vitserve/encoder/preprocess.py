@@ -287,7 +287,12 @@ def check_size(width: int, height: int, max_image_pixels: int) -> None:
         )
 
 
-def _decode_opened(img: Image.Image, max_image_pixels: int) -> Image.Image:
+EXIF_TRANSPOSED = frozenset(range(2, 9))  # the EXIF orientations exif_transpose turns the image for
+
+
+def _decode_opened(img: Image.Image, max_image_pixels: int, own: bool) -> Image.Image:
+    """The image decoded, oriented and made RGB (load_image's steps); `own`: the image was opened here, so it may be
+    returned as it is, where a caller's image is copied."""
     # 1. Declared size from the header, before any pixel data is decoded.
     _check_declared_size(img, max_image_pixels)
     check_aspect_ratio(img.height, img.width)
@@ -304,21 +309,21 @@ def _decode_opened(img: Image.Image, max_image_pixels: int) -> Image.Image:
         raise _undecodable("could not decode image data (truncated or corrupt file?)", exc) from exc
     # Some plugins (ICO/ICNS/...) only settle the real size on load.
     _check_declared_size(img, max_image_pixels)
-    # 3. EXIF orientation.  Broken EXIF metadata does not make the pixels unusable, so a
-    #    failure here keeps the image as stored rather than rejecting it.
+    # 3. EXIF orientation, where the tag asks to turn the image (exif_transpose makes a new image then; without one
+    #    it would copy the image, which is kept as decoded instead).  Broken EXIF metadata does not make the pixels
+    #    unusable, so a failure here keeps the image as stored rather than rejecting it.
     try:
-        oriented = ImageOps.exif_transpose(img)
+        turned = img.getexif().get(EXIF_ORIENTATION, 1) in EXIF_TRANSPOSED
+        oriented = ImageOps.exif_transpose(img) if turned else img
     except MemoryError:
         raise
     except Exception:
         oriented = img
-    if oriented is None:  # pragma: no cover - only with in_place=True
-        oriented = img
     # 4. RGB with transparency composited on white.
     try:
         rgb = _to_rgb(oriented)
-        if rgb is img:
-            rgb = img.copy()  # detach from the file / the caller's object
+        if rgb is img and not own:
+            rgb = img.copy()  # not the caller's object
     except MemoryError:
         raise
     except Exception as exc:
@@ -353,7 +358,7 @@ def load_image(
     """
     if isinstance(source, Image.Image):
         try:
-            return _decode_opened(source, max_image_pixels)
+            return _decode_opened(source, max_image_pixels, own=False)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             raise ImageTooLarge(str(exc)) from exc
 
@@ -406,7 +411,7 @@ def _open_and_decode(
     img = open_header(fp, what, formats)
     with img:
         try:
-            return _decode_opened(img, max_image_pixels)
+            return _decode_opened(img, max_image_pixels, own=True)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             raise ImageTooLarge(str(exc)) from exc
 
