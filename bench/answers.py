@@ -9,7 +9,7 @@ Prints two tables, writes JSON.
    into new bytes: a copy of a memoryview piece) and by the server's protocol (service/http.py, which hands a
    Content-Length body's pieces on as they are).
 2. Spool: a device process's batch of such answers (--batch images, bfloat16 tokens and deepstack) written to
-   their spool files as its answering thread does (device_process.written), by 1 to ANSWER_WRITERS writer threads:
+   their spool files as its answering thread does (device_protocol.written), by 1 to ANSWER_WRITERS writer threads:
    a tmpfs takes a new file's pages at a few GB/s per thread, the ceiling of one writer.
 3. Server: a real `vitserve serve --load-format dummy --dtype bfloat16` on the CPU, of Qwen3-VL-8B's tower cut to
    3 blocks (its width and its 3 deepstack features: bench_multi_gpu.py's `shallow_checkpoint`), answering a 448²
@@ -236,7 +236,7 @@ def spool_table(repeat: int, batch: int) -> list[dict]:
     from concurrent.futures import ThreadPoolExecutor
 
     from vitserve.service.decoding import spool
-    from vitserve.service.devices import device_process
+    from vitserve.service.devices import device_protocol
 
     gen = torch.Generator().manual_seed(0)
     outputs = [
@@ -251,11 +251,11 @@ def spool_table(repeat: int, batch: int) -> list[dict]:
     prefix = f"{directory}/vitserve-bench-{time.time_ns()}-"
     names = (f"{prefix}{n}" for n in itertools.count())
     rows = []
-    for writers in sorted({1, 2, device_process.ANSWER_WRITERS}):
+    for writers in sorted({1, 2, device_protocol.ANSWER_WRITERS}):
         with ThreadPoolExecutor(writers) as pool:
 
             def write_batch():
-                records, error = device_process.written(outputs, names, pool)
+                records, error = device_protocol.written(outputs, names, pool)
                 assert error is None and records is not None
                 for record in records:
                     record.discard()

@@ -95,7 +95,7 @@ def test_a_device_answers_an_image_as_its_output_record_or_its_error_record(tmp_
 
 
 def test_a_batch_s_answers_are_written_side_by_side_in_order_or_not_at_all(tmp_path, monkeypatch):
-    """device_process.written: a batch's outputs are written by several threads at once (one finishing last on
+    """device_protocol.written: a batch's outputs are written by several threads at once (one finishing last on
     purpose; each output a run of its own here, WRITER_BYTES being 1) and come back as records in the outputs'
     order, each over its own file; when one output cannot be written, the batch's answer is its error and every
     other output's file is removed, including a write that finished after the failure (a write left behind would
@@ -106,7 +106,7 @@ def test_a_batch_s_answers_are_written_side_by_side_in_order_or_not_at_all(tmp_p
     from concurrent.futures import ThreadPoolExecutor
 
     from vitserve.service.decoding import spool
-    from vitserve.service.devices import device_process
+    from vitserve.service.devices import device_protocol
     from vitserve.service.devices.device_protocol import Output, unpacked
 
     outputs = [(torch.randn(5 + i, 8, dtype=torch.bfloat16), [torch.randn(5 + i, 8)]) for i in range(6)]
@@ -134,17 +134,17 @@ def test_a_batch_s_answers_are_written_side_by_side_in_order_or_not_at_all(tmp_p
             Counted.handed += 1
             return super().submit(*args, **kwargs)
 
-    with Counted(device_process.ANSWER_WRITERS) as writers:
+    with Counted(device_protocol.ANSWER_WRITERS) as writers:
         started.append("")  # (no wait: written here, in one run)
-        records, error = device_process.written(outputs, names, writers)
+        records, error = device_protocol.written(outputs, names, writers)
         assert error is None and Counted.handed == 0 and len(records) == len(outputs)
         for record in records:
             if isinstance(record, Output):
                 record.discard()
     started.clear()
-    monkeypatch.setattr(device_process, "WRITER_BYTES", 1)
-    with Counted(device_process.ANSWER_WRITERS) as writers:
-        records, error = device_process.written(outputs, names, writers)
+    monkeypatch.setattr(device_protocol, "WRITER_BYTES", 1)
+    with Counted(device_protocol.ANSWER_WRITERS) as writers:
+        records, error = device_protocol.written(outputs, names, writers)
         assert error is None and records is not None and overlapped == [True]
         for record, output in zip(records, outputs):
             if isinstance(output, Exception):
@@ -158,7 +158,7 @@ def test_a_batch_s_answers_are_written_side_by_side_in_order_or_not_at_all(tmp_p
 
         failing = threading.get_ident  # not a tensor: packing it raises
         started.clear()
-        records, error = device_process.written([*outputs[:3], failing, *outputs[3:]], names, writers)
+        records, error = device_protocol.written([*outputs[:3], failing, *outputs[3:]], names, writers)
         assert records is None and error is not None
         assert overlapped == [True, True] and list(tmp_path.iterdir()) == []  # every write done, its file removed
 

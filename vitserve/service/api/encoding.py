@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from ..ground.errors import Unsupported
 from ..ground.media import MediaItem
+from ..ground.timeline import mark
 from ..pipeline.encoded import Encoded
 from ..pipeline.loader import ModelInfo
 from .outputs import OFF_LOOP_BYTES, answer_bytes
@@ -154,6 +155,7 @@ async def answer(served: Served, request: Request, result: Encoded, build, work:
     answer's), timed as the serialize phase; every phase in the headers (ms), and the server's whole time so far
     (`x-server-time`: from the request reaching the app to its answer built, the phases included)."""
     start = time.perf_counter()
+    mark("answering")
     work = answer_bytes(result.outputs) if work is None else work
     response = await asyncio.to_thread(build) if work >= OFF_LOOP_BYTES else build()
     seconds = time.perf_counter() - start

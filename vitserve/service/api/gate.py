@@ -35,6 +35,7 @@ from ..ground.errors import EngineError
 from ..ground.flags import format_size
 from ..ground.metrics import Metrics, outcome
 from ..ground.settings import Settings
+from ..ground.timeline import mark
 from .http_errors import ServiceError, error_response
 
 OPEN_PATHS = {"/health", "/ready", "/metrics"}  # no API key needed
@@ -142,6 +143,8 @@ class Gate:
         request_id = given.decode() if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"], state["arrived"] = request_id, start
+        if path in ENCODE_PATHS:
+            mark("request")
         status = [0]
 
         async def tracking_send(message):

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from ...encoder.json_splice import MARK, MARK_JSON
 from ...encoder.media import MediaBytes
 from ..decoding.bodies import SHARED, Body, SharedBodies, anonymous
+from ..ground.timeline import mark
 from .http_errors import ServiceError
 from .landing import LAND
 
@@ -161,7 +162,9 @@ async def read_json(
         size += len(chunk)
         if not scan.feed(body, size):
             raise too_many(max_images)
-    return parse_body(model, body, max_images, raw_fields, scan, size, shared.path if shared is not None else None)
+    parsed = parse_body(model, body, max_images, raw_fields, scan, size, shared.path if shared is not None else None)
+    mark("parsed")
+    return parsed
 
 
 def parse_body(

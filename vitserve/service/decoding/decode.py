@@ -18,6 +18,7 @@ from ...encoder.media import received
 from ...encoder.preprocess import EncodedJpeg, PreprocessConfig, load_for_device, load_image, resize_rgb, smart_resize
 from ..ground.heap import keep_freed_memory, release_freed_memory
 from ..ground.signals import leave_to_owner
+from ..ground.timeline import mark
 from . import spool
 from .decode_protocol import read_job
 
@@ -76,6 +77,7 @@ def decode_and_resize(
     devices), so the image stays full size, and with `jpeg_on_device` (fast) a JPEG stays encoded (an EncodedJpeg,
     read from its header only) for nvJPEG to decode there."""
     start = time.perf_counter()
+    mark("worker decode")
     data = received(data, is_base64)
     header = probe(data, whole=True)
     header.check(max_image_pixels)
@@ -96,7 +98,9 @@ def decode_and_resize(
         spool.unreserve(reserved)
         raise
     seconds = time.perf_counter() - start
-    return DecodedImage((spool_prefix and spool.put(spool_prefix, image, reserved)) or image, seconds)
+    decoded = DecodedImage((spool_prefix and spool.put(spool_prefix, image, reserved)) or image, seconds)
+    mark("worker decoded")
+    return decoded
 
 
 def _rgb_bytes(header: ImageHeader, cfg: PreprocessConfig, full_size: bool) -> int:

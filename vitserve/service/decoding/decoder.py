@@ -34,6 +34,7 @@ from ...encoder.preprocess import PreprocessConfig, target_size
 from ..ground.errors import InputRejected, InputTooLarge
 from ..ground.metrics import Metrics
 from ..ground.settings_media import DecodingSettings, LimitSettings
+from ..ground.timeline import mark
 from . import spool
 from .budget import MemoryBudget
 from .decode import (
@@ -118,9 +119,11 @@ class Decoder(DecodeRunner):
     ) -> list[Decoded]:
         """Decode and resize concurrently; the first bad image fails the request (only it), named `field[i]` with
         i its index in `names` (default: its position)."""
+        mark("decode")
         names = list(range(len(images))) if names is None else names
         owner = object()  # the request, for the decode pool's fair queue
         headers = await self.headers(images, field, names, owner)
+        mark("headers")
         costs, limit = [header.decode_bytes for header in headers], self.limits.decode_memory_per_request
         if sum(costs) > limit:
             raise InputTooLarge(
@@ -141,6 +144,7 @@ class Decoder(DecodeRunner):
             self.metrics.record("decode", decoded.seconds)
             h, w = target_size(image, cfg) if self.full_size else image.shape[:2]  # (the size the device resizes to)
             out.append((image, (1, h // p, w // p)))
+        mark("decoded")
         return out
 
     async def decode_videos(self, videos: list, cfg, field: str = "videos", names: list[int] | None = None) -> list:

@@ -30,7 +30,8 @@ from ..ground.errors import ErrorRecord, Unavailable
 from ..ground.logs import configure_logging
 from ..ground.settings import Settings
 from ..ground.signals import leave_to_owner
-from .device_protocol import Batch, BatchAnswer, LoadFailed, Output, Ready, Stop, packed, unpacked
+from ..ground.timeline import mark
+from .device_protocol import ANSWER_WRITERS, Batch, BatchAnswer, LoadFailed, Ready, Stop, unpacked, written
 from .worker import BATCHES_IN_FLIGHT, STOP, launch_decoded, pipeline
 
 
@@ -65,58 +66,6 @@ class _Ran:
     error: ErrorRecord | None = None
 
 
-# threads of a device process writing a batch's answers to their spool files side by side: Qwen3-VL-8B's tokens
-# and deepstack at its engine's rate on an H200 are ~2.5 GB/s, more than one thread writes new tmpfs pages at; a
-# writer is handed answers of WRITER_BYTES together at least (a hand-off per small answer costs more than its write)
-ANSWER_WRITERS = 4
-WRITER_BYTES = 1 << 20
-
-
-def _pack_each(pairs: list) -> list:
-    """packed() of each (output, path), its exception in its place where it fails."""
-    records: list = []
-    for output, path in pairs:
-        try:
-            records.append(packed(output, path))
-        except Exception as e:
-            records.append(e)
-    return records
-
-
-def _answer_bytes(output) -> int:
-    """An output's tensor bytes (tokens or mean, deepstack); 0 for anything else (an ImageError)."""
-    if not isinstance(output, tuple):
-        return 0
-    return sum(t.numel() * t.element_size() for t in (output[0], *output[1]))
-
-
-def written(outputs: list, names, writers: ThreadPoolExecutor) -> tuple[list | None, ErrorRecord | None]:
-    """A batch's outputs written to spool files of their own (`names` gives their paths), in runs of WRITER_BYTES
-    by the `writers` side by side and the last run by this thread: a tmpfs takes a new file's pages at a few GB/s
-    per writing thread (each page allocated and cleared), which one thread would make the limit of a device whose
-    answers are large (Qwen3-VL-8B's tokens and deepstack), while small answers (pooled vectors) are written here
-    without a hand-off. The records in the outputs' order, or, where one cannot be made, (None, its error) with
-    every file written removed: each write is waited for first, so that none lands after the removal."""
-    runs: list[list] = [[]]
-    size = 0
-    for output in outputs:
-        if size >= WRITER_BYTES:
-            runs.append([])
-            size = 0
-        runs[-1].append((output, next(names)))
-        size += _answer_bytes(output)
-    pending = [writers.submit(_pack_each, run) for run in runs[:-1]]
-    last = _pack_each(runs[-1])
-    records = [r for future in pending for r in future.result()] + last
-    error = next((ErrorRecord.of(r) for r in records if isinstance(r, Exception)), None)
-    if error is None:
-        return records, None
-    for record in records:
-        if isinstance(record, Output):
-            record.discard()
-    return None, error
-
-
 def _send_answers(conn, ran: queue.Queue, runner, prefix: str) -> None:
     """The answering thread: each batch's outputs into spool files of their own (`written`), then its BatchAnswer
     sent, until `ran` gives None."""
@@ -126,6 +75,7 @@ def _send_answers(conn, ran: queue.Queue, runner, prefix: str) -> None:
             outputs, error = None, batch.error
             if error is None:
                 outputs, error = written(batch.outputs or [], names, writers)
+            mark("device written")
             try:
                 conn.send(BatchAnswer(batch.job, runner.stats.as_dict(), outputs, error))
             except (OSError, ValueError):  # the server went away
@@ -160,7 +110,10 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
         if not block and not conn.poll():
             return None
         batch = conn.recv()
-        return STOP if isinstance(batch, Stop) else batch
+        if isinstance(batch, Stop):
+            return STOP
+        mark("device batch")
+        return batch
 
     # answers are written and sent by a thread of their own: writing megabytes of token features to their files
     # overlaps the next batch's launch instead of delaying it (the GPU would wait)
@@ -172,14 +125,18 @@ def serve_device(conn, settings: Settings, device: str, dtype: str, prefix: str)
 
     def launch(batch: Batch):
         try:
-            return launch_decoded(encoder, batch.images, batch.sizes, batch.mean_pooling, batch.float32)
+            launched = launch_decoded(encoder, batch.images, batch.sizes, batch.mean_pooling, batch.float32)
+            mark("device launched")
+            return launched
         except Exception as e:
             ran.put(_Ran(batch.job, error=ErrorRecord.of(e)))
             return None
 
     def answer(batch: Batch, launched) -> None:
         try:
-            ran.put(_Ran(batch.job, encoder.outputs(launched)))
+            outputs = encoder.outputs(launched)
+            mark("device ran")
+            ran.put(_Ran(batch.job, outputs))
         except Exception as e:
             ran.put(_Ran(batch.job, error=ErrorRecord.of(e)))
 
@@ -269,6 +226,7 @@ class ProcessDevice:
 
     def launch(self, batch) -> int:
         job = next(self._jobs)
+        mark("batch sent")
         images = [item.image for item in batch]
         try:
             self.conn.send(
@@ -294,6 +252,7 @@ class ProcessDevice:
                 raise self._lost() from None
             self._answers[answer.job] = answer
         answer = self._answers.pop(job)
+        mark("batch answered")
         self.stats = answer.stats or self.stats
         if answer.error is not None:
             raise answer.error.error()

@@ -3,10 +3,12 @@
 Device process -> server: `Ready` (loaded and captured) or `LoadFailed`, then one `BatchAnswer` per `Batch`.
 Server -> device process: `Batch`es, then `Stop`. An image's outputs travel as an `Output` (a spool file's name and
 the tensors' layout in it), an image the device could not decode as its ErrorRecord, a batch's failure as its
-ErrorRecord (errors.py: the one error record of every pipe)."""
+ErrorRecord (errors.py: the one error record of every pipe). `written` makes a batch's records: its outputs
+written to spool files by several threads."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,6 +122,58 @@ def packed(output, path: str) -> Output | ErrorRecord:
     if spool.write(path, arrays):
         return Output(entries, path=path)
     return Output(entries, data=b"".join(a.tobytes() for a in arrays))
+
+
+# threads of a device process writing a batch's answers to their spool files side by side: Qwen3-VL-8B's tokens
+# and deepstack at its engine's rate on an H200 are ~2.5 GB/s, more than one thread writes new tmpfs pages at; a
+# writer is handed answers of WRITER_BYTES together at least (a hand-off per small answer costs more than its write)
+ANSWER_WRITERS = 4
+WRITER_BYTES = 1 << 20
+
+
+def _pack_each(pairs: list) -> list:
+    """packed() of each (output, path), its exception in its place where it fails."""
+    records: list = []
+    for output, path in pairs:
+        try:
+            records.append(packed(output, path))
+        except Exception as e:
+            records.append(e)
+    return records
+
+
+def _answer_bytes(output) -> int:
+    """An output's tensor bytes (tokens or mean, deepstack); 0 for anything else (an ImageError)."""
+    if not isinstance(output, tuple):
+        return 0
+    return sum(t.numel() * t.element_size() for t in (output[0], *output[1]))
+
+
+def written(outputs: list, names, writers: ThreadPoolExecutor) -> tuple[list | None, ErrorRecord | None]:
+    """A batch's outputs written to spool files of their own (`names` gives their paths), in runs of WRITER_BYTES
+    by the `writers` side by side and the last run by this thread: a tmpfs takes a new file's pages at a few GB/s
+    per writing thread (each page allocated and cleared), which one thread would make the limit of a device whose
+    answers are large (Qwen3-VL-8B's tokens and deepstack), while small answers (pooled vectors) are written here
+    without a hand-off. The records in the outputs' order, or, where one cannot be made, (None, its error) with
+    every file written removed: each write is waited for first, so that none lands after the removal."""
+    runs: list[list] = [[]]
+    size = 0
+    for output in outputs:
+        if size >= WRITER_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append((output, next(names)))
+        size += _answer_bytes(output)
+    pending = [writers.submit(_pack_each, run) for run in runs[:-1]]
+    last = _pack_each(runs[-1])
+    records = [r for future in pending for r in future.result()] + last
+    error = next((ErrorRecord.of(r) for r in records if isinstance(r, Exception)), None)
+    if error is None:
+        return records, None
+    for record in records:
+        if isinstance(record, Output):
+            record.discard()
+    return None, error
 
 
 def unpacked(output: Output | ErrorRecord) -> Features | Exception:

@@ -39,6 +39,7 @@ from ..devices.scheduler import WorkItem
 from ..ground.errors import ErrorRecord
 from ..ground.metrics import merged_metrics
 from ..ground.settings import Settings
+from ..ground.timeline import mark
 from ..pipeline.backend import LocalBackend, Result
 from ..pipeline.core_link import (
     SCRAPE_SECONDS,
@@ -112,6 +113,7 @@ class Link:
             )
             for r in results
         ]
+        mark("core answered")
         self.send(Answers(answers))
         if not self.open:  # its front end is gone: nobody maps these files
             for done in answers:
@@ -270,6 +272,7 @@ class Core:
     def _submit(self, link: Link, records: list) -> None:
         from ..devices.scheduler import WorkItem
 
+        mark("core queued")
         items = [
             WorkItem(
                 r.image,

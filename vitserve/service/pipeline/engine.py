@@ -32,6 +32,7 @@ from ..devices.scheduler import WorkItem
 from ..ground.errors import ClientDisconnected, NotReady, QueueFull
 from ..ground.metrics import Metrics
 from ..ground.settings import Settings
+from ..ground.timeline import mark
 from . import fetch
 from .backend import LocalBackend
 from .cache import CacheKeys
@@ -294,6 +295,7 @@ class Engine:
             self.abandon_items(items)
             results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
             raise ClientDisconnected("the client went away")
+        mark("answered")
         return results.result()
 
     def abandon_items(self, items: list[WorkItem]) -> None:
