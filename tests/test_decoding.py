@@ -131,7 +131,8 @@ def test_a_spool_file_reserved_while_the_image_decodes_holds_its_pixels_or_goes(
     for full_size, want in ((True, load_for_device(photo, False)), (False, resize_rgb(load_image(photo), cfg))):
         path = str(tmp_path / f"photo-{full_size}")
         decoded = decode_and_resize(photo, False, 10**8, cfg, path, full_size)
-        assert isinstance(decoded.image, spool.Spooled) and os.path.getsize(path) == want.nbytes
+        assert isinstance(decoded.image, spool.Spooled) and (decoded.image.offset > 0) == full_size  # (put_image's)
+        assert os.path.getsize(path) == decoded.image.offset + want.nbytes
         assert np.array_equal(decoded.image.read(), want)
     broken = png(300, 200, 7)  # its structure whole (the header walk passes it), its pixel data not
     at = broken.index(b"IDAT") + 100
@@ -143,6 +144,36 @@ def test_a_spool_file_reserved_while_the_image_decodes_holds_its_pixels_or_goes(
         with pytest.raises(UndecodableImage):
             decode_and_resize(broken, False, 10**8, cfg, str(tmp_path / "broken"))
     assert len(reserved) == 1 and images_in(tmp_path) == []  # reserved, then given up
+
+
+def test_a_full_size_image_is_streamed_into_its_spool_file_never_packed_whole(tmp_path, monkeypatch):
+    """A decoded PIL image goes into its spool file a block at a time (`spool.put_image`: Pillow's PPM writer, the
+    pixels after its header, which the record's offset skips), into its reserved pages where the reservation is of
+    its pixels' size, else a file of its own; no packed copy of the whole image is made in the worker (`tobytes`,
+    which `np.asarray` calls, is not); where the file cannot be made, the caller pipes the pixels. Broken: an offset
+    off by the header (the pixels shifted), a reservation of another size kept (a padded file), or the image
+    packed whole first."""
+    from PIL import Image
+
+    from vitserve.encoder.preprocess import PreprocessConfig, load_for_device
+    from vitserve.service.decoding.decode import decode_and_resize
+
+    pixels = np.random.default_rng(4).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    for name, nbytes in (("reserved", pixels.nbytes), ("other", pixels.nbytes * 2), ("none", None)):
+        path = str(tmp_path / name)
+        spooled = spool.put_image(path, image, None if nbytes is None else spool.reserve(path, nbytes))
+        assert spooled is not None and spooled.shape == pixels.shape
+        assert os.path.getsize(path) == spooled.offset + pixels.nbytes and open(path, "rb").read(2) == b"P6"
+        assert np.array_equal(spooled.read(), pixels) and images_in(tmp_path) == []
+    assert spool.put_image(str(tmp_path / "missing" / "x"), image) is None
+    photo = png(640, 480, 2, "JPEG")
+    packed = []
+    real = Image.Image.tobytes
+    monkeypatch.setattr(Image.Image, "tobytes", lambda self, *a, **k: packed.append(self.size) or real(self, *a, **k))
+    decoded = decode_and_resize(photo, False, 10**8, PreprocessConfig(), str(tmp_path / "photo"), full_size=True)
+    assert packed == [] and isinstance(decoded.image, spool.Spooled)
+    assert np.array_equal(decoded.image.read(), load_for_device(photo, False))
 
 
 @pytest.mark.slow

@@ -462,12 +462,20 @@ def load_for_device(
 ) -> np.ndarray | EncodedJpeg:
     """An image for a resize on the device (preprocess_fast.resize_on_device): a JPEG's bytes left encoded when
     `jpeg_on_device` (nvJPEG decodes it there), else the image decoded here, full size, as the uint8 [H, W, 3] array
-    of its RGB pixels (load_image; a PIL image taken as it is, made RGB as `resize_rgb` makes it)."""
+    of its RGB pixels (`decode_for_device`'s image)."""
+    image = decode_for_device(source, jpeg_on_device, max_image_pixels)
+    return image if isinstance(image, EncodedJpeg) else np.asarray(image)
+
+
+def decode_for_device(
+    source: Any, jpeg_on_device: bool, max_image_pixels: int = _DEFAULT_MAX_IMAGE_PIXELS
+) -> Image.Image | EncodedJpeg:
+    """`load_for_device`'s image before its array: the RGB PIL image (load_image; a PIL image taken as it is, made
+    RGB as `resize_rgb` makes it), or the JPEG left encoded."""
     if jpeg_on_device and isinstance(source, (bytes, bytearray, memoryview)) and len(source):
         if (jpeg := jpeg_for_device(bytes(source), max_image_pixels)) is not None:
             return jpeg
-    image = as_rgb(source) if isinstance(source, Image.Image) else load_image(source, max_image_pixels=max_image_pixels)
-    return np.asarray(image)
+    return as_rgb(source) if isinstance(source, Image.Image) else load_image(source, max_image_pixels=max_image_pixels)
 
 
 def as_rgb(image: Image.Image) -> Image.Image:

@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from ...encoder.headers import ImageHeader, probe
 from ...encoder.media import received
-from ...encoder.preprocess import EncodedJpeg, PreprocessConfig, load_for_device, load_image, resize_rgb, smart_resize
+from ...encoder.preprocess import EncodedJpeg, PreprocessConfig, decode_for_device, load_image, resize_rgb, smart_resize
 from ..ground.heap import keep_freed_memory, release_freed_memory
 from ..ground.signals import leave_to_owner
 from ..ground.timeline import mark
@@ -87,9 +88,10 @@ def decode_and_resize(
     reserved = None
     if spool_prefix and not (full_size and jpeg_on_device):
         reserved = spool.reserve(spool_prefix, _rgb_bytes(header, cfg, full_size))
+    image: Image.Image | EncodedJpeg | np.ndarray
     try:
         if full_size:
-            image = load_for_device(data, jpeg_on_device, max_image_pixels)
+            image = decode_for_device(data, jpeg_on_device, max_image_pixels)
             if isinstance(image, EncodedJpeg):
                 return DecodedImage(image, time.perf_counter() - start)
         else:
@@ -97,10 +99,22 @@ def decode_and_resize(
     except BaseException:
         spool.unreserve(reserved)
         raise
-    seconds = time.perf_counter() - start
-    decoded = DecodedImage((spool_prefix and spool.put(spool_prefix, image, reserved)) or image, seconds)
+    decoded = DecodedImage(_handed_on(image, spool_prefix, reserved), time.perf_counter() - start)
     mark("worker decoded")
     return decoded
+
+
+def _handed_on(image: Image.Image | np.ndarray, path: str | None, reserved: spool.Reserved | None):
+    """The pixels as the worker hands them on: in the spool file at `path` where it can be written (a PIL image is
+    streamed into it, never packed whole in this process), else as an array (through the pipe)."""
+    if path:
+        if isinstance(image, Image.Image):
+            spooled = spool.put_image(path, image, reserved)
+        else:
+            spooled = spool.put(path, image, reserved)
+        if spooled is not None:
+            return spooled
+    return np.asarray(image)
 
 
 def _rgb_bytes(header: ImageHeader, cfg: PreprocessConfig, full_size: bool) -> int:

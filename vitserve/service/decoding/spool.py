@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from ...encoder.video_planes import SlicePlanes
 from ..ground.errors import ImageLost
@@ -34,15 +35,17 @@ from ..ground.errors import ImageLost
 
 @dataclass
 class Spooled:
-    """A decoded image waiting in a spool file (written by a decode worker), until it is read or discarded."""
+    """A decoded image waiting in a spool file (written by a decode worker), until it is read or discarded: its
+    pixels are the file's bytes from `offset` on (a header before them: `put_image`'s)."""
 
     path: str
     shape: tuple[int, ...]
+    offset: int = 0
 
     def read(self) -> np.ndarray:
         """The pixels, mapped from the file (no copy: its pages are read where they are used, by the one copy into
         the device's pinned buffer); the file is removed, also when that fails (OSError)."""
-        return mapped(self.path, int(np.prod(self.shape))).reshape(self.shape)
+        return mapped(self.path, self.offset + int(np.prod(self.shape)))[self.offset :].reshape(self.shape)
 
 
 def pixels(images: list) -> list[np.ndarray]:
@@ -227,6 +230,33 @@ def put(path: str, array: np.ndarray, reserved: Reserved | None = None) -> Spool
             return Spooled(path, array.shape) if _written(fd, path, [array]) else None
         unreserve(reserved)
     return Spooled(path, array.shape) if write(path, [array]) else None
+
+
+def put_image(path: str, image: Image.Image, reserved: Reserved | None = None) -> Spooled | None:
+    """In a worker: an RGB PIL image's pixels streamed into a new spool file at `path` (into its `reserved` pages
+    where they were made for them), never whole in this process's memory again: Pillow's PPM writer packs and
+    writes them a block at a time after its header, which the record's offset skips. Packed whole first (`np.asarray`
+    of the image), they would take 3 more bytes a pixel at once, twice over while joined, pushing a worker's buffers
+    out of its kept heap past ~12 MP (ground/heap.py). None when it cannot (the caller pipes them instead)."""
+    nbytes = image.width * image.height * 3
+    fd = None
+    if reserved is not None:
+        fd = reserved.fd.result() if reserved.path == path and reserved.nbytes == nbytes else None
+        if fd is None:
+            unreserve(reserved)
+    if fd is None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return None
+    try:
+        with os.fdopen(fd, "wb") as file:
+            image.save(file, "PPM")  # "P6 <width> <height> 255", then the rows, packed
+            size = file.tell()
+    except OSError:  # full (ENOSPC): Pillow's encoder error
+        remove(path)
+        return None
+    return Spooled(path, (image.height, image.width, 3), size - nbytes)
 
 
 def write(path: str, arrays: list) -> bool:
