@@ -167,6 +167,8 @@ def test_a_full_size_image_is_streamed_into_its_spool_file_never_packed_whole(tm
         assert os.path.getsize(path) == spooled.offset + pixels.nbytes and open(path, "rb").read(2) == b"P6"
         assert np.array_equal(spooled.read(), pixels) and images_in(tmp_path) == []
     assert spool.put_image(str(tmp_path / "missing" / "x"), image) is None
+    with pytest.raises(ValueError, match="RGB image, not L"):  # (a grey one would be written as P5, a third the size)
+        spool.put_image(str(tmp_path / "grey"), image.convert("L"))
     photo = png(640, 480, 2, "JPEG")
     packed = []
     real = Image.Image.tobytes

@@ -238,6 +238,8 @@ def put_image(path: str, image: Image.Image, reserved: Reserved | None = None) -
     writes them a block at a time after its header, which the record's offset skips. Packed whole first (`np.asarray`
     of the image), they would take 3 more bytes a pixel at once, twice over while joined, pushing a worker's buffers
     out of its kept heap past ~12 MP (ground/heap.py). None when it cannot (the caller pipes them instead)."""
+    if image.mode != "RGB":  # (the writer's layout, and the record's shape, are RGB's)
+        raise ValueError(f"put_image takes an RGB image, not {image.mode}")
     nbytes = image.width * image.height * 3
     fd = None
     if reserved is not None:
