@@ -1,6 +1,7 @@
 """Where a lone request's time goes between a server's processes: a real server with its timeline on
 (VITSERVE_TIMELINE, service/ground/timeline.py), one client sending bench_http's images one request at a time
-(`/v1/embeddings`, base64 JSON, as its 1-client load does), then each step between two points the requests pass
+(`/v1/embeddings`, base64 JSON, as its 1-client load does; the server runs the checkout this script imports: another
+one first on PYTHONPATH for an A/B), then each step between two points the requests pass
 (the front end's parse, the decode worker, the core's queue, the device process's batch, ...) as its median and p90
 over the requests, in the order the requests pass them. Prints the table, writes JSON.
 
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import image_files  # noqa: E402
 
+import vitserve  # noqa: E402
 from vitserve.encoder.json_splice import json_bytes, placeholder  # noqa: E402
 from vitserve.service.entry.launch import start_server, stop_server  # noqa: E402
 
@@ -81,7 +83,7 @@ def main() -> None:
     uris = [("data:image/png;base64," + base64.b64encode(data).decode()).encode() for _, data in image_files()]
     proc, url = start_server(
         "--model", args.model, "--load-format", "dummy", "--device", args.device, "--cache-bytes", "0",
-        "--log-level", "warning", *flags,
+        "--log-level", "warning", *flags, cwd=Path(vitserve.__file__).resolve().parents[1],
     )  # fmt: skip
     server_ms = []
     try:
