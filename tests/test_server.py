@@ -29,7 +29,9 @@ MODEL = "tiny-qwen2.5-vl"
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    return launch.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=60, capture_log=True)
+    """A tiny server (its log captured), ready within 180 s: on a GPU machine running the suite eight files at a
+    time, two front ends and their decode workers took over 60 s to come up."""
+    return launch.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=180, capture_log=True)
 
 
 def log_of(proc: subprocess.Popen) -> str:
