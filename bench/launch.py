@@ -1,0 +1,85 @@
+"""A device's host time to launch a batch (`VisionEncoder.launch`: the resize's staging and kernels, the plan, the
+uploads, the graphs' replay, all enqueued without waiting), against the device's time to run it, for a lone image
+of bench_http's mix and for batches of 16, as a device process spends them (decoded full-size uint8 images, the
+resize on the device; one thread of ATen); then cProfile's busiest functions of the lone images' launches. Prints
+a table, writes JSON.
+
+    PYTHONPATH=$PWD python3 bench/launch.py --model Qwen/Qwen3-VL-8B-Instruct --device cuda:0 --out launch.json
+    PYTHONPATH=$PWD python3 bench/launch.py   # tiny-qwen3-vl on the CPU (eager: the same host steps but the graphs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_http import image_files  # noqa: E402
+
+from vitserve.encoder import VisionEncoder  # noqa: E402
+from vitserve.encoder.preprocess import load_for_device  # noqa: E402
+
+
+def timed(encoder: VisionEncoder, batch: list[np.ndarray], repeat: int) -> dict:
+    """Median host ms of `launch` (enqueued) and of the device's run after it (`outputs`: waits for it)."""
+    host, device = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        launched = encoder.launch(batch, mean_pooling=[True] * len(batch))
+        enqueued = time.perf_counter()
+        encoder.outputs(launched)
+        host.append(enqueued - start)
+        device.append(time.perf_counter() - enqueued)
+    return {"host_ms": 1e3 * statistics.median(host), "device_ms": 1e3 * statistics.median(device)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny-qwen3-vl")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # (a device process's: device_process._load)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    encoder = VisionEncoder.from_pretrained(args.model, device=args.device, dtype=dtype, load_format="dummy")
+    images = [(name, load_for_device(data, False)) for name, data in image_files()]
+    rows = []
+    for name, image in images:
+        timed(encoder, [image], 3)  # (its shapes planned, its budget replayed once)
+        rows.append({"batch": name, "images": 1} | timed(encoder, [image], args.repeat))
+    mix = [image for _, image in images] * (16 // len(images) + 1)
+    timed(encoder, mix[:16], 3)
+    rows.append({"batch": "16 of the mix", "images": 16} | timed(encoder, mix[:16], args.repeat))
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.repeat):
+        for _, image in images:
+            encoder.outputs(encoder.launch([image], mean_pooling=[True]))
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+    print(f"launch host time against the device's run: {args.model} on {args.device} ({dtype})")
+    print(f"{'batch':30s} {'images':>6s} {'host ms':>8s} {'device ms':>10s}")
+    for r in rows:
+        print(f"{r['batch']:30s} {r['images']:6d} {r['host_ms']:8.2f} {r['device_ms']:10.2f}")
+    print("\nthe lone images' launches and runs, cProfile, by own time:")
+    print("\n".join(out.getvalue().splitlines()[4:40]))
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"model": args.model, "device": args.device, "rows": rows, "profile": out.getvalue()}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
