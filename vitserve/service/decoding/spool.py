@@ -200,10 +200,16 @@ def reserve(path: str, nbytes: int) -> Reserved:
     return Reserved(path, nbytes, _reserving.submit(_allocated, path, nbytes))
 
 
-def _allocated(path: str, nbytes: int) -> int | None:
+def _created(path: str) -> int | None:
+    """A new file at `path`, open for writing; None where it cannot be made (the directory gone, the name taken)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
+        return None
+
+
+def _allocated(path: str, nbytes: int) -> int | None:
+    if (fd := _created(path)) is None:
         return None
     try:
         os.posix_fallocate(fd, 0, nbytes)
@@ -221,15 +227,21 @@ def unreserve(reserved: Reserved | None) -> None:
         remove(reserved.path)
 
 
+def _opened(path: str, nbytes: int, reserved: Reserved | None) -> int | None:
+    """The new file at `path` that `nbytes` are written into: the `reserved` one where it was made for them (else
+    the reservation is given up), or one made now; None where none can be."""
+    if reserved is not None:
+        if reserved.path == path and reserved.nbytes == nbytes and (fd := reserved.fd.result()) is not None:
+            return fd
+        unreserve(reserved)
+    return _created(path)
+
+
 def put(path: str, array: np.ndarray, reserved: Reserved | None = None) -> Spooled | None:
     """In a worker: write `array` (uint8) to a new spool file at `path`, into its `reserved` pages where they were
     made for it (else the reservation is given up); None when it cannot (the caller pipes it instead)."""
-    if reserved is not None:
-        fd = reserved.fd.result() if reserved.path == path and reserved.nbytes == array.nbytes else None
-        if fd is not None:
-            return Spooled(path, array.shape) if _written(fd, path, [array]) else None
-        unreserve(reserved)
-    return Spooled(path, array.shape) if write(path, [array]) else None
+    fd = _opened(path, array.nbytes, reserved)
+    return Spooled(path, array.shape) if fd is not None and _written(fd, path, [array]) else None
 
 
 def put_image(path: str, image: Image.Image, reserved: Reserved | None = None) -> Spooled | None:
@@ -241,16 +253,8 @@ def put_image(path: str, image: Image.Image, reserved: Reserved | None = None) -
     if image.mode != "RGB":  # (the writer's layout, and the record's shape, are RGB's)
         raise ValueError(f"put_image takes an RGB image, not {image.mode}")
     nbytes = image.width * image.height * 3
-    fd = None
-    if reserved is not None:
-        fd = reserved.fd.result() if reserved.path == path and reserved.nbytes == nbytes else None
-        if fd is None:
-            unreserve(reserved)
-    if fd is None:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError:
-            return None
+    if (fd := _opened(path, nbytes, reserved)) is None:
+        return None
     try:
         with os.fdopen(fd, "wb") as file:
             image.save(file, "PPM")  # "P6 <width> <height> 255", then the rows, packed
@@ -264,11 +268,8 @@ def put_image(path: str, image: Image.Image, reserved: Reserved | None = None) -
 def write(path: str, arrays: list) -> bool:
     """Write the arrays' bytes back to back to a new file at `path`; False (and nothing left behind) when it
     cannot: the directory is gone or full (ENOSPC)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return False
-    return _written(fd, path, arrays)
+    fd = _created(path)
+    return fd is not None and _written(fd, path, arrays)
 
 
 def _written(fd: int, path: str, arrays: list) -> bool:
