@@ -29,8 +29,8 @@ MODEL = "tiny-qwen2.5-vl"
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    """A tiny server (its log captured), ready within 180 s: on a GPU machine running the suite eight files at a
-    time, two front ends and their decode workers took over 60 s to come up."""
+    """A tiny server (its log captured), ready within 180 s: a machine running the suite's files side by side (the
+    GPU suite: eight at a time) starts one slowly."""
     return launch.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=180, capture_log=True)
 
 
