@@ -1,8 +1,8 @@
 """A device's host time to launch a batch (`VisionEncoder.launch`: the resize's staging and kernels, the plan, the
 uploads, the graphs' replay, all enqueued without waiting), against the device's time to run it, for a lone image
 of bench_http's mix and for batches of 16, as a device process spends them (decoded full-size uint8 images, the
-resize on the device; one thread of ATen); then cProfile's busiest functions of the lone images' launches. Prints
-a table, writes JSON.
+resize on the device; one thread of ATen); then cProfile's busiest functions of the lone images' launches, and
+vitserve's own steps among them by cumulative time. Prints a table, writes JSON.
 
     PYTHONPATH=$PWD python3 bench/launch.py --model Qwen/Qwen3-VL-8B-Instruct --device cuda:0 --out launch.json
     PYTHONPATH=$PWD python3 bench/launch.py   # tiny-qwen3-vl on the CPU (eager: the same host steps but the graphs)
@@ -69,15 +69,23 @@ def main() -> None:
     profile.disable()
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+    ours = io.StringIO()  # the launch's own steps, by the time spent in each with what it calls
+    pstats.Stats(profile, stream=ours).sort_stats("cumtime").print_stats("vitserve", 30)
     print(f"launch host time against the device's run: {args.model} on {args.device} ({dtype})")
     print(f"{'batch':30s} {'images':>6s} {'host ms':>8s} {'device ms':>10s}")
     for r in rows:
         print(f"{r['batch']:30s} {r['images']:6d} {r['host_ms']:8.2f} {r['device_ms']:10.2f}")
     print("\nthe lone images' launches and runs, cProfile, by own time:")
     print("\n".join(out.getvalue().splitlines()[4:40]))
+    print("\nvitserve's own functions, by cumulative time:")
+    print("\n".join(ours.getvalue().splitlines()[4:45]))
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"model": args.model, "device": args.device, "rows": rows, "profile": out.getvalue()}, indent=1)
+            json.dumps(
+                {"model": args.model, "device": args.device, "rows": rows}
+                | {"profile": out.getvalue(), "steps": ours.getvalue()},
+                indent=1,
+            )
         )
 
 
