@@ -7,7 +7,8 @@
 # median / max over the runs) and a batch of 16's host ms, writes ${OUT:-out}/launch.json and runs.tgz.
 #   git worktree add .t1 <commit>; then on the device (carry .whl and the trees; ~30 s a run on one H200):
 #   TESTS="tests/test_runner_gpu.py tests/test_image_resize.py" ROUNDS=2 bash bench/gpu_launch.sh .t1
-# MODELS: space-separated (default both families); REPEAT: launches per image and run (10); CPU=1: tiny-qwen3-vl on
+# MODELS: space-separated (default both families); REPEAT: launches per image and run (10); LAUNCH_FLAGS: more of
+# bench/launch.py's flags for every run (e.g. --attention-backend flash); CPU=1: tiny-qwen3-vl on
 # the CPU, the same steps but the graphs (e.g. CPU=1 PYTHON=.venv/bin/python bash bench/gpu_launch.sh ..).
 set -u
 out=$(realpath -m "${OUT:-out}"); runs=$out/runs; mkdir -p "$runs"
@@ -33,7 +34,7 @@ for model in $models; do
       name=$(basename "$model")-$(basename "$tree")-$r
       # the tree's code under this tree's script (the script imports whichever vitserve is first on the path)
       (cd "$dir" && PYTHONPATH=$SITE$dir timeout -k 10 "${RUN_LIMIT:-120}" $py "$here/bench/launch.py" \
-        --model "$model" --device "$device" --repeat "${REPEAT:-10}" --out "$runs/$name.json" > "$runs/$name.txt" 2>&1)
+        --model "$model" --device "$device" --repeat "${REPEAT:-10}" ${LAUNCH_FLAGS:-} --out "$runs/$name.json" > "$runs/$name.txt" 2>&1)
       echo "round $r $(basename "$model") $tree: rc $?"
     done
   done
