@@ -28,6 +28,7 @@ PATH = [
     "core queued",
     "batch sent",
     "device batch",
+    "device read",
     "device launched",
     "device ran",
     "device written",

@@ -25,6 +25,7 @@ import torch
 
 from ..decoding import spool
 from ..ground.errors import EngineError, ImageLost, InferenceFailed, OutOfMemory
+from ..ground.timeline import mark
 from .scheduler import ImageQueue, WorkItem
 
 log = logging.getLogger("vitserve.worker")
@@ -66,6 +67,7 @@ def launch_decoded(encoder, images: list, sizes: list, mean_pooling: list, float
     pixels: list = []
     try:
         pixels = spool.pixels(images)
+        mark("device read")
         return encoder.launch(pixels, sizes, mean_pooling, float32)
     finally:
         spool.release(pixels)
