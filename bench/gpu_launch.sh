@@ -44,21 +44,18 @@ import glob, json, os, statistics, sys
 
 out, trees = sys.argv[1], sys.argv[2:]
 table = {}
-for path in sorted(glob.glob(os.path.join(out, "runs", "*.json"))):
-    run = json.load(open(path))
-    rest = None
-    for tree in trees:  # (a file is MODEL-TREE-ROUND.json)
-        if os.path.basename(path).startswith(f"{os.path.basename(run['model'])}-{os.path.basename(tree)}-"):
-            rest = tree
-    lone = [r for r in run["rows"] if r["images"] == 1]
-    batch = [r["host_ms"] for r in run["rows"] if r["images"] > 1]
-    table.setdefault(run["model"], {}).setdefault(rest, []).append(
-        {
-            "host_ms": statistics.median(r["host_ms"] for r in lone),
-            "device_ms": statistics.median(r["device_ms"] for r in lone),
-            "batch16_host_ms": batch[0] if batch else None,
-        }
-    )
+for tree in trees:  # (a run's file is MODEL-TREE-ROUND.json)
+    for path in sorted(glob.glob(os.path.join(out, "runs", f"*-{os.path.basename(tree)}-[0-9]*.json"))):
+        run = json.load(open(path))
+        lone = [r for r in run["rows"] if r["images"] == 1]
+        batch = [r["host_ms"] for r in run["rows"] if r["images"] > 1]
+        table.setdefault(run["model"], {}).setdefault(tree, []).append(
+            {
+                "host_ms": statistics.median(r["host_ms"] for r in lone),
+                "device_ms": statistics.median(r["device_ms"] for r in lone),
+                "batch16_host_ms": batch[0] if batch else None,
+            }
+        )
 for model, rows in table.items():
     print(f"\na lone image's launch, {model}: medians over the images, then min / median / max over the runs")
     print(f"{'tree':<24} {'runs':>4} {'host ms':>22} {'device ms':>10} {'16: host ms':>12}")

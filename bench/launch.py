@@ -31,35 +31,33 @@ from vitserve.encoder import VisionEncoder  # noqa: E402
 from vitserve.encoder.preprocess import load_for_device  # noqa: E402
 
 
-def timed(encoder: VisionEncoder, batch: list[np.ndarray], repeat: int) -> dict:
-    """Median host ms of `launch` (enqueued) and of the device's run after it (`outputs`: waits for it)."""
+def host_and_device(enqueue, wait, repeat: int) -> dict:
+    """Median ms of `enqueue()` on the host and of `wait(its result)` after it: the device's run of what was
+    enqueued (the device idle before each, since the one before was waited for)."""
     host, device = [], []
     for _ in range(repeat):
         start = time.perf_counter()
-        launched = encoder.launch(batch, mean_pooling=[True] * len(batch))
+        pending = enqueue()
         enqueued = time.perf_counter()
-        encoder.outputs(launched)
+        wait(pending)
         host.append(enqueued - start)
         device.append(time.perf_counter() - enqueued)
     return {"host_ms": 1e3 * statistics.median(host), "device_ms": 1e3 * statistics.median(device)}
 
 
+def timed(encoder: VisionEncoder, batch: list[np.ndarray], repeat: int) -> dict:
+    """`launch` of a batch (enqueued) against the device's run of it (`outputs`: waits for it)."""
+    return host_and_device(lambda: encoder.launch(batch, mean_pooling=[True] * len(batch)), encoder.outputs, repeat)
+
+
 def replay_times(encoder: VisionEncoder, repeat: int) -> list[dict]:
-    """Each captured budget's replay alone (`CUDAGraph.replay`: one graph launch of the whole tower), the host's
-    median ms to enqueue it and the device's to run it after, the device idle before each; none without graphs."""
-    runner, rows = encoder.runner, []
-    for budget, graph in sorted(runner.graphs.items()):
-        host, device = [], []
-        for _ in range(repeat):
-            torch.cuda.synchronize(encoder.device)
-            start = time.perf_counter()
-            graph.replay()
-            enqueued = time.perf_counter()
-            torch.cuda.synchronize(encoder.device)
-            host.append(enqueued - start)
-            device.append(time.perf_counter() - enqueued)
+    """Each captured budget's replay alone (`CUDAGraph.replay`: one graph launch of the whole tower) against the
+    device's run of it; none without graphs."""
+    rows = []
+    for budget, graph in sorted(encoder.runner.graphs.items()):
+        torch.cuda.synchronize(encoder.device)
         rows.append(
-            {"budget": budget, "host_ms": 1e3 * statistics.median(host), "device_ms": 1e3 * statistics.median(device)}
+            {"budget": budget} | host_and_device(graph.replay, lambda _: torch.cuda.synchronize(encoder.device), repeat)
         )
     return rows
 
