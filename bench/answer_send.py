@@ -32,7 +32,7 @@ WAYS = ("loop-write", "loop-sendfile", "thread-sendfile", "blocking-sendall", "b
 
 
 def sendfile_all(sock: int, fd: int, offset: int, count: int) -> None:
-    """`count` bytes of `fd` from `offset` to a non-blocking socket, waiting for its room with poll."""
+    """`count` bytes of `fd` from `offset` to a socket; a non-blocking one's room is waited for with poll."""
     poller = select.poll()
     poller.register(sock, select.POLLOUT)
     end = offset + count
@@ -80,9 +80,7 @@ def blocking_server(listener: socket.socket, fd: int, view: memoryview, header: 
         if WAYS[data[0]] == "blocking-sendall":
             conn.sendall(view)
         else:
-            sent = 0
-            while sent < len(view):
-                sent += os.sendfile(conn.fileno(), fd, sent, len(view) - sent)
+            sendfile_all(conn.fileno(), fd, 0, len(view))
 
 
 def serve(path: str, nbytes: int, ports) -> None:
