@@ -70,10 +70,11 @@ def resume(pids: list[int]) -> None:
             pass
 
 
-def posts(url: str, bodies: list[dict], connections: int = 8) -> list[httpx.Response]:
-    """Each body on a new connection (the kernel spreads connections over the front ends), `connections` at once."""
+def posts(url: str, bodies: list[dict], connections: int = 8, path: str = "/v1/embeddings") -> list[httpx.Response]:
+    """Each body to `path` on a new connection, `connections` at once (connections open at once reach several
+    front ends: each goes to whichever accepts it first)."""
     with ThreadPoolExecutor(connections) as pool:
-        return list(pool.map(lambda b: httpx.post(url + "/v1/embeddings", json=b, timeout=120), bodies))
+        return list(pool.map(lambda b: httpx.post(url + path, json=b, timeout=120), bodies))
 
 
 def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct):
@@ -582,14 +583,11 @@ def test_a_server_without_pyav_says_so_once_and_each_front_end_answers_501(tmp_p
         wait_until(lambda: httpx.get(url + "/stats").json()["api_servers"] == 2, 60, "both front ends up")
         # rounds of 8 connections at once until each front end has answered one: the kernel hands a connection to
         # whichever front end accepts it first, so connections made one after another may all go to the same one
-        with ThreadPoolExecutor(8) as pool:
-            for _ in range(10):
-                for r in pool.map(
-                    lambda _: httpx.post(url + "/v1/encode", json={"videos": [video]}, timeout=60), range(8)
-                ):
-                    assert (r.status_code, r.json()["error"]["code"]) == (501, "videos_unavailable"), r.text
-                if answered_501(proc.log) == {"api0", "api1"}:
-                    break
+        for _ in range(10):
+            for r in posts(url, [{"videos": [video]}] * 8, path="/v1/encode"):
+                assert (r.status_code, r.json()["error"]["code"]) == (501, "videos_unavailable"), r.text
+            if answered_501(proc.log) == {"api0", "api1"}:
+                break
     lines = [line for line in proc.log if "videos cannot be decoded here" in line]
     assert len(lines) == 1 and "no PyAV in this test" in lines[0], lines
     assert answered_501(proc.log) == {"api0", "api1"}
