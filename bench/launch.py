@@ -52,9 +52,11 @@ def timed(encoder: VisionEncoder, batch: list[np.ndarray], repeat: int) -> dict:
 
 def replay_times(encoder: VisionEncoder, repeat: int) -> list[dict]:
     """Each captured budget's replay alone (`CUDAGraph.replay`: one graph launch of the whole tower) against the
-    device's run of it; none without graphs."""
+    device's run of it, on the budget's filler image (`GraphRunner.load_filler`); none without graphs."""
     rows = []
     for budget, graph in sorted(encoder.runner.graphs.items()):
+        with torch.inference_mode():
+            encoder.runner.load_filler(budget)
         torch.cuda.synchronize(encoder.device)
         rows.append(
             {"budget": budget} | host_and_device(graph.replay, lambda _: torch.cuda.synchronize(encoder.device), repeat)

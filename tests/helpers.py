@@ -27,6 +27,10 @@ SERVED_DEVICE = "cuda:0" if SERVER_ON_GPU else "cpu"  # the `device` label of su
 SERVED_DTYPE = torch.bfloat16 if SERVER_ON_GPU else torch.float32  # its dtype (what the encoder tiers hand on)
 BF16_REL_ERR = 2e-2
 SERVED_REL_ERR = BF16_REL_ERR if SERVER_ON_GPU else 1e-5  # such a server (or `vitserve encode`) vs a float32 reference
+# How long a test's `vitserve serve` may take to answer `/ready`: its imports, the tower's build and, on a GPU, its
+# graph capture, on a machine that runs several test files at once (the GPU suite runs 8; one such start took over
+# 60 s on the H200). A server that exits before it is ready fails at once whatever this is.
+STARTUP_S = 180
 
 
 def assert_served(served: torch.Tensor, reference: torch.Tensor, exact: bool = True) -> None:
@@ -120,7 +124,7 @@ async def until(condition, timeout: float = 30.0, what: str = "the condition") -
         await asyncio.sleep(0.002)
 
 
-def serving(*flags: str, timeout: float = 180):
+def serving(*flags: str, timeout: float = STARTUP_S):
     """A fixture's body: a `vitserve serve` subprocess (proc, url) while the tests use it; stopped after, and its log
     free of tracebacks."""
     from vitserve.service.entry.launch import start_server

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import assert_served, b64_tensor, children, data_uri, png, running, serving, wait_until
+from helpers import STARTUP_S, assert_served, b64_tensor, children, data_uri, png, running, serving, wait_until
 from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
 
 from vitserve.encoder import VisionEncoder
@@ -240,7 +240,7 @@ def test_sigterm_to_the_whole_group_answers_everything_admitted(direct, fronts):
         "2",
         "--cache-bytes",
         "0",
-        timeout=60,
+        timeout=STARTUP_S,
         capture_log=True,
         start_new_session=True,
     )

@@ -13,7 +13,7 @@ import socket
 import httpx
 import numpy as np
 import pytest
-from helpers import data_uri, png, until, wait_until
+from helpers import STARTUP_S, data_uri, png, until, wait_until
 
 from vitserve.encoder.media import MediaBytes
 from vitserve.encoder.preprocess import load_image, resize_rgb
@@ -122,7 +122,7 @@ def test_body_files_are_given_back_whatever_the_request_becomes(tmp_path):
         "1",
         "--api-servers",
         "1",
-        timeout=60,
+        timeout=STARTUP_S,
     )  # one front end: its body files are the ones counted
     try:
         port = int(url.rsplit(":", 1)[1])

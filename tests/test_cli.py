@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import SERVED_REL_ERR, rel_err
+from helpers import SERVED_REL_ERR, STARTUP_S, rel_err
 from PIL import Image
 from safetensors import safe_open
 
@@ -615,7 +615,7 @@ def test_the_startup_log_says_what_serves():
         "k",
         "--model",
         "tiny-qwen2.5-vl",
-        timeout=120,
+        timeout=STARTUP_S,
         capture_log=True,
     )
     try:
@@ -647,7 +647,7 @@ def test_the_startup_log_of_several_front_ends_says_what_serves():
         "tiny-qwen2.5-vl",
         "--device",
         "cpu",
-        timeout=120,
+        timeout=STARTUP_S,
         capture_log=True,
     )
     try:

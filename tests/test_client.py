@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import SERVED_REL_ERR, data_uri, rel_err
+from helpers import SERVED_REL_ERR, STARTUP_S, data_uri, rel_err
 from PIL import Image
 from safetensors.torch import save
 
@@ -182,7 +182,7 @@ def test_urls_and_data_uris_are_sent_not_opened():
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server(*TINY, timeout=120, capture_log=True)
+    proc, url = start_server(*TINY, timeout=STARTUP_S, capture_log=True)
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -271,7 +271,7 @@ def test_a_server_that_starts_late_answers_the_retry(monkeypatch):
     port, started = free_port(), []
 
     def start(seconds):
-        started.append(start_server(*TINY, port=port, timeout=120, capture_log=True)[0])
+        started.append(start_server(*TINY, port=port, timeout=STARTUP_S, capture_log=True)[0])
 
     waits = no_sleep(monkeypatch, start)
     try:

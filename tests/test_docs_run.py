@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import STARTUP_S
 
 from vitserve.service.entry.cli import build_parser
 from vitserve.service.entry.launch import start_server
@@ -230,7 +231,8 @@ def test_local_blocks_run(where, language, code, tmp_path):
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server("--model", "tiny-qwen2.5-vl", "--load-format", "dummy", timeout=60, capture_log=True)
+    flags = ("--model", "tiny-qwen2.5-vl", "--load-format", "dummy")
+    proc, url = start_server(*flags, timeout=STARTUP_S, capture_log=True)
     yield url
     proc.terminate()
     proc.wait(timeout=30)

@@ -7,6 +7,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 schemathesis = pytest.importorskip("schemathesis")
+from helpers import STARTUP_S  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from vitserve.service.entry.launch import start_server  # noqa: E402
@@ -24,7 +25,7 @@ def test_no_server_errors_from_any_generated_request():
         "1",
         "--api-key",
         "fuzz-key",
-        timeout=60,
+        timeout=STARTUP_S,
         capture_log=True,
     )
     try:

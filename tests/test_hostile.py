@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from helpers import data_uri, png, serving, wait_until
+from helpers import STARTUP_S, data_uri, png, serving, wait_until
 from PIL import Image
 
 from vitserve.service.decoding import spool
@@ -424,7 +424,7 @@ def small_server():
         "3",
         "--body-memory",
         "4MiB",
-        timeout=60,
+        timeout=STARTUP_S,
         capture_log=True,
     )
     yield url

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from corpus import encode, fill_before_jpeg, photo, png_chunk_flood, progressive_jpeg, tiff_strip_flood
-from helpers import children, data_uri, wait_until
+from helpers import STARTUP_S, children, data_uri, wait_until
 
 from vitserve.service.entry.launch import start_server
 
@@ -51,7 +51,7 @@ def stop(proc) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server(*FLAGS, timeout=60, capture_log=True)
+    proc, url = start_server(*FLAGS, timeout=STARTUP_S, capture_log=True)
     yield proc, url
     stop(proc)
 
@@ -197,7 +197,7 @@ def test_a_client_that_leaves_mid_decode_frees_its_worker():
         "60",
         "--api-servers",
         "1",  # the decode pool is the main process's
-        timeout=60,
+        timeout=STARTUP_S,
         capture_log=True,
     )
     try:

@@ -102,6 +102,24 @@ def test_padding_cannot_reach_real_tokens(encoders, family, monkeypatch):
     assert all(torch.isfinite(r.embeddings).all() for r in results)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_budget_loaded_with_its_filler_holds_that_image_alone_whatever_came_before(encoders, family):
+    """What a graph is captured on and what a lone replay reads (bench/launch.py): after a smaller budget's batch,
+    `load_filler(budget)` leaves the buffers holding one image that fills the budget, so the tower on them is the
+    tower on that image alone (stale metadata of the batch before, its cu_seqlens among it, would change it)."""
+    enc = encoders[family]
+    check(enc, [(1, 4, 4), (1, 2, 6)])  # budget 256's plan in the buffers
+    grid = enc.runner.filler_grid(1024)
+    with torch.inference_mode():
+        inputs = enc.runner.load_filler(1024)
+        assert int(inputs.cu_seqlens[-1]) == 1024 and bool((inputs.cu_seqlens.diff() >= 0).all())
+        merged, deepstack = enc.tower(inputs)
+        [(ref, ref_deepstack)] = unpadded(enc, torch.zeros(1024, enc.config.patch_dim), [grid])
+    assert rel_err(merged, ref) <= 1e-5
+    for a, b in zip(deepstack, ref_deepstack):
+        assert rel_err(a, b) <= 1e-5
+
+
 def test_oversize_image_runs_eagerly_and_buffers_never_move(encoders):
     enc = encoders["qwen2_5_vl"]
     s = enc.runner.static

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import SERVED_REL_ERR, SERVER_ON_GPU, children, data_uri, png, rel_err, running, wait_until
+from helpers import SERVED_REL_ERR, SERVER_ON_GPU, STARTUP_S, children, data_uri, png, rel_err, running, wait_until
 from PIL import Image
 
 from vitserve.encoder import VisionEncoder
@@ -31,7 +31,7 @@ MODEL = "tiny-qwen2.5-vl"
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
     """A tiny server (its log captured), ready within 180 s: a machine running the suite's files side by side (the
     GPU suite: eight at a time) starts one slowly."""
-    return launch.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=180, capture_log=True)
+    return launch.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=STARTUP_S, capture_log=True)
 
 
 def log_of(proc: subprocess.Popen) -> str:

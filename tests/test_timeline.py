@@ -11,7 +11,7 @@ import json
 import os
 from urllib.parse import urlsplit
 
-from helpers import png
+from helpers import STARTUP_S, png
 
 from vitserve.service.entry import launch
 from vitserve.service.ground import timeline
@@ -60,7 +60,7 @@ def test_a_servers_processes_write_a_requests_points_in_order(tmp_path, monkeypa
     monkeypatch.setenv("VITSERVE_TIMELINE", str(tmp_path))
     proc, url = launch.start_server(
         "--model", "tiny-qwen2.5-vl", "--load-format", "dummy", "--device", "cpu", "--device-processes",
-        "--api-servers", "2", "--cache-bytes", "0", timeout=120, capture_log=True,
+        "--api-servers", "2", "--cache-bytes", "0", timeout=STARTUP_S, capture_log=True,
     )  # fmt: skip
     try:
         for line in glob.glob(str(tmp_path / "*.txt")):  # (what starting wrote: no request has come)

@@ -462,6 +462,19 @@ class GraphRunner:
             inputs.interp_indices, inputs.interp_weights = s.interp_indices[:budget], s.interp_weights[:budget]
         return inputs
 
+    @staticmethod
+    def filler_grid(budget: int) -> tuple[int, int, int]:
+        """One image of zeros that fills `budget` exactly, its windows within the budget's capacity."""
+        rows = 16 if budget % 32 == 0 else 2
+        return (1, rows, budget // rows)
+
+    def load_filler(self, budget: int) -> TowerInputs:
+        """Load `filler_grid(budget)` into the static buffers: what a budget's graph is captured on, and what makes it
+        safe to replay alone, outside a launch (the buffers hold the last plan loaded, whose metadata past its own
+        budget, cu_seqlens among it, is not this budget's)."""
+        plan = make_plan([self.filler_grid(budget)], self.cfg, pad_to=budget)
+        return self._load(plan, torch.zeros(budget, self.cfg.patch_dim), budget)
+
     # ---- capture -------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
@@ -481,9 +494,7 @@ class GraphRunner:
         pool, progress = None, Progress(log, f"CUDA graphs captured on {self.device}", len(self.budgets), "budgets")
         for budget in reversed(self.budgets):
             t0 = time.perf_counter()
-            rows = 16 if budget % 32 == 0 else 2  # a valid image filling the budget, its windows within capacity
-            plan = make_plan([(1, rows, budget // rows)], self.cfg, pad_to=budget)
-            inputs = self._load(plan, torch.zeros(budget, self.cfg.patch_dim), budget)
+            inputs = self.load_filler(budget)
             graph, self.outputs[budget] = capture_graph(lambda: self.tower(inputs), self.device, pool, capture_stream)
             pool = graph.pool()
             self.graphs[budget] = graph
