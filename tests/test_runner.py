@@ -332,31 +332,3 @@ def test_a_cpu_runner_runs_batches_at_their_own_size(checkpoints):
     again = padded(VisionEncoder.from_pretrained(checkpoints["qwen2_5_vl"][0], budgets=(256, 1024)))
     for a, b in zip(results, again.encode_pixels(pixels(grids, enc.config.patch_dim), grids)):
         assert rel_err(a.embeddings, b.embeddings) <= 1e-5
-
-
-def test_items_in_one_buffer_are_read_where_they_lie(encoders):
-    """Items that are views of one buffer (a resize batch's results, with gaps between them) are cut where they
-    lie, no copy made (`_pixels` gives the buffer itself and their offsets in it), into the same rows as the same
-    pixels sent apart; items in separate buffers are gathered at cumulative offsets. A wrong offset, or a row cut
-    from the wrong item, changes the rows."""
-    from vitserve.encoder.preprocess import normalize_lut
-
-    enc = encoders["qwen3_vl"]
-    runner, rng = enc.runner, np.random.default_rng(3)
-    shapes = [(64, 96, 3), (32, 32, 3), (96, 64, 3)]
-    buffer = torch.from_numpy(rng.integers(0, 256, 64 * 96 * 3 + 32 * 32 * 3 + 96 * 64 * 3 + 3 * 64, dtype=np.uint8))
-    views, at = [], 64  # (as image_resize lays them out: each after a gap)
-    for shape in shapes:
-        size = int(np.prod(shape))
-        views.append(buffer[at : at + size].view(shape))
-        at += size + 64
-    whole, starts = runner._pixels(views)
-    assert whole.data_ptr() == buffer.data_ptr() and starts == [v.storage_offset() for v in views] == [64, 18560, 21696]
-    apart = [v.numpy().copy() for v in views]
-    _, gathered = runner._pixels([torch.from_numpy(a) for a in apart])
-    assert gathered == [0, 64 * 96 * 3, 64 * 96 * 3 + 32 * 32 * 3]
-    lut = torch.from_numpy(np.tile(normalize_lut(enc.preprocess_config.image_mean, enc.preprocess_config.image_std), 2))
-    n = sum(h * w for h, w, _ in shapes) // enc.config.patch_size**2
-    in_place = runner._device_rows(views, n, lut.reshape(-1))
-    assert torch.equal(in_place, runner._device_rows(apart, n, lut.reshape(-1)))
-    assert torch.equal(in_place, runner._device_rows([torch.from_numpy(a) for a in apart], n, lut.reshape(-1)))

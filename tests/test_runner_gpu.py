@@ -96,35 +96,3 @@ def test_pooled_means_are_the_same_run_after_run():
         assert all(torch.equal(a, b) for a, b in zip(means, first))
         tokens = [t for t, _ in enc.outputs(enc.launch(images))]
         assert all(torch.allclose(m, t.float().mean(0), rtol=1e-4, atol=1e-5) for m, t in zip(first, tokens))
-
-
-@pytest.mark.parametrize("patch, frames", [(14, 2), (16, 2), (16, 1)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_patch_rows_kernel_gives_the_tensor_ops_rows(patch, frames, dtype):
-    """kernels.triton_pixels.patch_rows against encoder.patch_rows' tensor ops (Triton off) on the same pixels and
-    fields, bit for bit: images and video slices (frames that differ, the second table) of random sides in one
-    buffer at gapped offsets, through a random table."""
-    import numpy as np
-
-    from vitserve.encoder import patch_rows as module
-
-    rng = np.random.default_rng(patch + frames)
-    side = 2 * patch  # (sides in whole merge blocks of 2 x 2 patches)
-    shapes = [(side * int(rng.integers(1, 10)), side * int(rng.integers(1, 10)), 3) for _ in range(6)]
-    shapes += [(frames, side * int(rng.integers(1, 6)), side * int(rng.integers(1, 6)), 3) for _ in range(3)]
-    starts, at = [], 0
-    for shape in shapes:
-        at += int(rng.integers(0, 100))
-        starts.append(at)
-        at += int(np.prod(shape))
-    pixels = torch.from_numpy(rng.integers(0, 256, at, dtype=np.uint8)).cuda()
-    fields = torch.from_numpy(module.row_fields(shapes, starts, patch, 2)).cuda()
-    lut = torch.from_numpy(rng.standard_normal(2 * 3 * 256).astype(np.float32)).cuda()
-    fused = module.patch_rows(pixels, fields, lut, frames, patch, dtype, slices=True)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(module, "triton_enabled", lambda: False)
-        reference = module.patch_rows(pixels, fields, lut, frames, patch, dtype, slices=True)
-        n = sum(h * w for h, w, _ in shapes[:6]) // patch**2  # the images' rows, first
-        images = module.patch_rows(pixels, fields[:, :n].contiguous(), lut, frames, patch, dtype, slices=False)
-    assert fused.shape == (fields.shape[1], 3 * frames * patch * patch) and fused.dtype == dtype
-    assert torch.equal(fused, reference) and torch.equal(fused[:n], images)

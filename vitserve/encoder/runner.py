@@ -28,9 +28,8 @@ import torch
 
 from .config import VisionConfig
 from .packing import Batch, Packer
-from .patch_rows import patch_rows, row_fields
 from .pixels import upload
-from .plan import BatchPlan, TowerInputs, check_grids, grid_patches, make_plan, to_device
+from .plan import BatchPlan, TowerInputs, check_grids, grid_patches, make_plan, patch_starts, to_device
 from .progress import Progress
 
 log = logging.getLogger("vitserve.runner")
@@ -329,40 +328,43 @@ class GraphRunner:
         return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
 
     def _device_rows(self, arrays: list, n: int, lut: torch.Tensor) -> torch.Tensor:
-        """Patch rows [n, patch_dim] in the model dtype, cut on the device from the items' uint8 pixels
-        (encoder.patch_rows: images through the first normalization table, slices through the second; an image's
-        one frame stands for all T): their bytes in one buffer (`_pixels`), their rows' fields in one upload."""
-        pixels, starts = self._pixels(arrays)
-        cfg = self.cfg
-        fields = row_fields([a.shape for a in arrays], starts, cfg.patch_size, cfg.spatial_merge_size)
-        slices = any(a.ndim == 4 for a in arrays)
-        rows = patch_rows(
-            pixels,
-            self._upload(torch.from_numpy(fields)),
-            lut,
-            cfg.temporal_patch_size,
-            cfg.patch_size,
-            self.dtype,
-            slices,
-        )
-        return rows.view(n, -1)
-
-    def _pixels(self, arrays: list) -> tuple[torch.Tensor, list[int]]:
-        """The items' bytes as one flat uint8 buffer on the device and each one's first byte in it. Items that are
-        views of one device buffer (a resize batch's results: encoder.image_resize) are read where they lie; others
-        are gathered: host ones staged in pinned memory and uploaded in one copy, device ones concatenated there."""
-        if all(torch.is_tensor(a) and a.is_contiguous() for a in arrays):
-            storage = arrays[0].untyped_storage()
-            if all(a.untyped_storage().data_ptr() == storage.data_ptr() for a in arrays):
-                whole = arrays[0].as_strided((storage.nbytes(),), (1,), 0)
-                return whole, [a.storage_offset() for a in arrays]
-        starts = np.cumsum([0] + [int(np.prod(a.shape)) for a in arrays[:-1]]).tolist()
+        """Patch rows [n, patch_dim] in the model dtype, cut on the device from the items' uint8 pixels: each row
+        gathers its p x p x 3 pixels of each of the T frames (merge-block order, like the processor) and maps them
+        through the normalization tables (images through the first, slices through the second); an image's one
+        frame stands for all T."""
+        p, m, t = self.cfg.patch_size, self.cfg.spatial_merge_size, self.cfg.temporal_patch_size
         if any(torch.is_tensor(a) for a in arrays):  # (the host ones uploaded: a batch of both)
             on_device = [a if torch.is_tensor(a) else upload(a, self.device) for a in arrays]
-            return torch.cat([a.reshape(-1) for a in on_device]), starts
-        raw = torch.empty(sum(a.size for a in arrays), dtype=torch.uint8, pin_memory=self._pin)
-        np.concatenate([a.reshape(-1) for a in arrays], out=raw.numpy())
-        return raw.to(self.device, non_blocking=True), starts
+            raw_d = torch.cat([a.reshape(-1) for a in on_device])
+        else:
+            raw = torch.empty(sum(a.size for a in arrays), dtype=torch.uint8, pin_memory=self._pin)
+            np.concatenate([a.reshape(-1) for a in arrays], out=raw.numpy())
+            raw_d = raw.to(self.device, non_blocking=True)
+        base, stride, step = np.empty(n, np.int32), np.empty(n, np.int32), np.zeros(n, np.int32)
+        offset = row = 0
+        for a in arrays:
+            height, width = a.shape[-3], a.shape[-2]
+            h, w = height // p, width // p
+            base[row : row + h * w] = offset + patch_starts(h, w, m, p)
+            stride[row : row + h * w] = width * 3
+            if a.ndim == 4:  # a video slice: its frames follow one another
+                step[row : row + h * w] = height * width * 3
+            offset, row = offset + int(np.prod(a.shape)), row + h * w
+        base_d, stride_d = (self._upload(torch.from_numpy(v)) for v in (base, stride))
+        k = torch.arange(p, device=self.device, dtype=torch.int32)
+        c = torch.arange(3, device=self.device, dtype=torch.int32)[None, :, None, None]
+        index = base_d[:, None, None, None] + stride_d[:, None, None, None] * k[:, None] + (k * 3)[None, :] + c
+        out = torch.empty(n, 3, t, p, p, dtype=self.dtype, device=self.device)
+        if not step.any():
+            values = lut[c * 256 + raw_d[index].int()]  # [n, 3, p, p] float32
+            out.copy_(values[:, :, None].expand(n, 3, t, p, p))
+        else:
+            table = np.where(step > 0, 3 * 256, 0).astype(np.int32)
+            step_d, table_d = (self._upload(torch.from_numpy(v))[:, None, None, None, None] for v in (step, table))
+            frames = step_d * torch.arange(t, device=self.device, dtype=torch.int32)[None, None, :, None, None]
+            values = lut[table_d + c[:, :, None] * 256 + raw_d[index[:, :, None] + frames].int()]  # [n, 3, t, p, p]
+            out.copy_(values)
+        return out.view(n, -1)
 
     def collect(self, launch: Launch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """Wait for a launch's copies to land; (tokens, deepstack list) per image, in input order, on the CPU."""

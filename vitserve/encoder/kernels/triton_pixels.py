@@ -8,8 +8,6 @@ same integer arithmetic as the torch ops there, so the same bytes (tests/test_pi
 An axis that does not change is copied through (its flag off), as torch does not resample it.
 * `_resample_lines`: encoder.image_resize's lines (either pass of any image, Pillow's arithmetic), one program per
   line and block of its output bytes.
-* `_patch_rows`: encoder.patch_rows' patch rows, a program per row: its pixels of each frame gathered where its
-  fields place them and mapped through the normalization table.
 """
 
 from __future__ import annotations
@@ -212,28 +210,3 @@ def resample_lines(
     _resample_lines[(lines.shape[0], triton.cdiv(longest, LINE_BLOCK))](
         buffer, lines, index, weights, precision, BLOCK=LINE_BLOCK
     )
-
-
-@triton.jit
-def _patch_rows(pixels_ptr, fields_ptr, lut_ptr, out_ptr, rows, T: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base, stride = tl.load(fields_ptr + row), tl.load(fields_ptr + rows + row)  # (encoder.patch_rows' fields)
-    step, table = tl.load(fields_ptr + 2 * rows + row), tl.load(fields_ptr + 3 * rows + row)
-    e = tl.arange(0, BLOCK)
-    mask = e < 3 * T * P * P
-    c, f = e // (T * P * P), (e // (P * P)) % T
-    ky, kx = (e // P) % P, e % P
-    x = tl.load(pixels_ptr + base + stride * ky + kx * 3 + c + step * f, mask=mask, other=0).to(tl.int32)
-    value = tl.load(lut_ptr + table + c * 256 + x, mask=mask, other=0.0)
-    tl.store(out_ptr + row * (3 * T * P * P) + e, value.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def patch_rows(
-    pixels: torch.Tensor, fields: torch.Tensor, lut: torch.Tensor, out: torch.Tensor, frames: int, patch: int
-) -> None:
-    """encoder.patch_rows' rows in one launch, a program per row: `out` [rows, 3 * frames * patch * patch] from
-    `pixels` (uint8) where `fields` (int64 [4, rows], contiguous) place them, through `lut` (float32)."""
-    rows = fields.shape[1]
-    assert fields.is_contiguous() and out.is_contiguous()
-    block = triton.next_power_of_2(3 * frames * patch * patch)
-    _patch_rows[(rows,)](pixels, fields, lut, out, rows, T=frames, P=patch, BLOCK=block)
