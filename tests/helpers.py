@@ -7,8 +7,10 @@ import base64
 import io
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 from fastapi.testclient import TestClient
@@ -122,6 +124,13 @@ async def until(condition, timeout: float = 30.0, what: str = "the condition") -
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout} s")
         await asyncio.sleep(0.002)
+
+
+def posts(url: str, bodies: list[dict], connections: int = 8, path: str = "/v1/embeddings") -> list[httpx.Response]:
+    """Each body to `path` on a new connection, `connections` at once (connections open at once reach several
+    front ends: each goes to whichever accepts it first)."""
+    with ThreadPoolExecutor(connections) as pool:
+        return list(pool.map(lambda b: httpx.post(url + path, json=b, timeout=120), bodies))
 
 
 def serving(*flags: str, timeout: float = STARTUP_S):

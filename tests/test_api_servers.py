@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import STARTUP_S, assert_served, b64_tensor, children, data_uri, png, running, serving, wait_until
+from helpers import STARTUP_S, assert_served, b64_tensor, children, data_uri, png, posts, running, serving, wait_until
 from test_server import IMAGES, MODEL, hold_device, log_of, metric, refuses, start_server
 
 from vitserve.encoder import VisionEncoder
@@ -68,13 +68,6 @@ def resume(pids: list[int]) -> None:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-
-
-def posts(url: str, bodies: list[dict], connections: int = 8, path: str = "/v1/embeddings") -> list[httpx.Response]:
-    """Each body to `path` on a new connection, `connections` at once (connections open at once reach several
-    front ends: each goes to whichever accepts it first)."""
-    with ThreadPoolExecutor(connections) as pool:
-        return list(pool.map(lambda b: httpx.post(url + path, json=b, timeout=120), bodies))
 
 
 def test_front_ends_share_one_queue_one_cache_and_report_the_whole_server(direct):

@@ -29,8 +29,7 @@ MODEL = "tiny-qwen2.5-vl"
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    """A tiny server (its log captured), ready within 180 s: a machine running the suite's files side by side (the
-    GPU suite: eight at a time) starts one slowly."""
+    """A tiny server (its log captured), ready within `STARTUP_S`."""
     return launch.start_server("--model", MODEL, "--load-format", "dummy", *extra, timeout=STARTUP_S, capture_log=True)
 
 

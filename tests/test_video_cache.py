@@ -5,12 +5,10 @@ server, from its cache, is in tests/test_video_server.py beside the other reques
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import httpx
 import pytest
 import torch
-from helpers import assert_served, serving
+from helpers import assert_served, posts, serving
 from safetensors.torch import load as load_safetensors
 from test_video_server import CLIP, MODEL, series, tensor, video_uri
 from videos import make_video
@@ -73,8 +71,7 @@ def test_one_video_sent_by_two_clients_at_once_is_decoded_once(library):
         "--model", MODEL, "--load-format", "dummy", "--api-servers", "2", "--device-processes", "true"
     ):
         body = {"videos": [video_uri(clip)], "num_frames": 6}
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            replies = list(pool.map(lambda _: httpx.post(url + "/v1/encode", json=body, timeout=120), range(2)))
+        replies = posts(url, [body] * 2, connections=2, path="/v1/encode")
         assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
         a, b = (tensor(r.json()["data"][0]) for r in replies)
         assert torch.equal(a, b)
@@ -85,8 +82,7 @@ def test_one_video_sent_by_two_clients_at_once_is_decoded_once(library):
         assert first.status_code == 200, first.text
         # 8 at once, each on a connection of its own, which either front end may take (the one that read the plan
         # or the other)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            again = list(pool.map(lambda _: httpx.post(url + "/v1/encode", json=other, timeout=120), range(8)))
+        again = posts(url, [other] * 8, path="/v1/encode")
         for r in again:
             assert r.status_code == 200 and float(r.headers["x-decode-time"]) == 0.0, r.headers
             assert r.json()["data"] == first.json()["data"]
